@@ -1,0 +1,107 @@
+"""Per-request sampling parameters, shared by the gateway, the services and the engine.
+
+One frozen dataclass with the knobs of vLLM/OpenAI (SPEC §5). ``validate`` raises an
+:class:`InvalidArgumentError` naming the offending field, so the gateway can answer 400 with
+``param`` and the gRPC services INVALID_ARGUMENT, before any compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidArgumentError
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        temperature: 0 means greedy.
+        top_k: keep the k most likely tokens; 0 (or -1) disables.
+        top_p: nucleus sampling mass; 1.0 disables.
+        min_p: drop tokens whose probability is below ``min_p * p_max``; 0 disables.
+        repetition_penalty: >1 discourages tokens already in prompt or output (HF semantics).
+        presence_penalty / frequency_penalty: OpenAI semantics over generated tokens.
+        seed: per-request seed; the same seed gives the same tokens whatever the batch holds.
+        max_tokens: most tokens to generate.
+        min_tokens: EOS and stop token ids are masked until this many tokens were generated.
+        stop: strings that end generation (not included in the output).
+        stop_token_ids: extra token ids that end generation.
+        ignore_eos: keep going past EOS.
+        logprobs: None = no logprobs; k >= 0 returns the chosen token's logprob and the top-k.
+        n: number of completions per prompt (handled by the gateway / engine as n sequences).
+        skip_special_tokens: drop special tokens from the detokenized text.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Raise InvalidArgumentError (with ``param``) on any out-of-range value; return self."""
+        _finite(self.temperature, "temperature")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidArgumentError("temperature must be in [0, 100]", param="temperature")
+        if self.top_k < -1:
+            raise InvalidArgumentError("top_k must be -1, 0 (disabled) or positive", param="top_k")
+        _finite(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgumentError("top_p must be in (0, 1]", param="top_p")
+        _finite(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgumentError("min_p must be in [0, 1]", param="min_p")
+        _finite(self.repetition_penalty, "repetition_penalty")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidArgumentError(
+                "repetition_penalty must be in (0, 10]", param="repetition_penalty"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(value, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidArgumentError(f"{name} must be in [-2, 2]", param=name)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidArgumentError("seed must fit in 64 bits", param="seed")
+        if self.max_tokens < 1:
+            raise InvalidArgumentError("max_tokens must be at least 1", param="max_tokens")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidArgumentError(
+                "min_tokens must be in [0, max_tokens]", param="min_tokens"
+            )
+        if len(self.stop) > 16 or any(not s for s in self.stop):
+            raise InvalidArgumentError("stop must hold 1 to 16 non-empty strings", param="stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgumentError("stop_token_ids must be non-negative", param="stop_token_ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgumentError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+            )
+        if not 1 <= self.n <= 16:
+            raise InvalidArgumentError("n must be in [1, 16]", param="n")
+        return self
+
+
+def _finite(value: float, name: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidArgumentError(f"{name} must be a finite number", param=name)
