@@ -1,0 +1,144 @@
+"""The Llama-family transformer in plain PyTorch, reading and writing a paged KV cache.
+
+Reads top to bottom: embedding → N × (RMSNorm → attention → residual → RMSNorm → SwiGLU →
+residual) → RMSNorm → LM head. Tokens of all sequences in a step are flattened into one
+``[T]`` batch (vLLM style); :class:`AttentionMetadata` tells attention which token belongs where.
+Q/K/V and gate/up projections are fused into one matmul each (the loaders concatenate the
+checkpoint's weights), which matters on CPU where decode is dominated by per-op overhead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from services.engine.kv_cache import KVPool
+from services.engine.model_config import ModelConfig
+from services.engine.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face's LlamaRMSNorm does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused QKV projection (optional bias, as in Qwen2)."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: PagedAttention) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rope = rope
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: PagedAttention) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rope, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / SmolLM2 / Qwen2 causal LM over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, backend: PagedAttention | None = None) -> None:
+        super().__init__()
+        self.config = config
+        backend = backend or TorchPagedAttention()
+        rope = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.rope = rope
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rope, backend) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run ``[T]`` flattened tokens; return final hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(index)
+            x = layer(x, positions, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
+        return self.lm_head(hidden).float()

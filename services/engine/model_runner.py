@@ -1,0 +1,78 @@
+"""Owns the device side of a step: builds the flattened batch, runs the model over the paged KV
+pool, and samples the sequences that reached their end.
+
+The scheduler decides *what* runs; this file decides *how*: token ids and positions for every
+scheduled slice, one :class:`AttentionMetadata` shared by all layers, logits only for the last
+token of each sampled sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.attention import AttentionMetadata
+from services.engine.kv_cache import KVPool
+from services.engine.loaders import LoadedModel
+from services.engine.sampler import Sampler, SamplerOutput
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence
+
+
+class ModelRunner:
+    """Runs scheduled batches of a loaded model against a KV pool."""
+
+    def __init__(self, loaded: LoadedModel, kv: KVPool, sampler: Sampler) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.kv = kv
+        self.sampler = sampler
+        self.block_size = kv.layout.block_size
+        self.device = next(self.model.parameters()).device
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """Compute every scheduled slice; sample rows whose sequence reached its end."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for item in batch.items:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(token_slice(seq, start, start + n))
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(seq.block_ids)
+            if item.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(
+            is_prefill=not batch.is_decode,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv, meta)
+        if not sample_rows:
+            return None
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        states = [item.seq.sampling for item in batch.items if item.sample]
+        return self.sampler(logits, states)
+
+
+def token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+    """``seq.all_token_ids()[start:end]`` without concatenating the whole history."""
+    prompt = seq.prompt_token_ids
+    if end <= len(prompt):
+        return prompt[start:end]
+    output = seq.output_token_ids
+    if start >= len(prompt):
+        return output[start - len(prompt) : end - len(prompt)]
+    return prompt[start:] + output[: end - len(prompt)]
