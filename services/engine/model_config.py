@@ -63,6 +63,12 @@ class ModelConfig:
                 f"unsupported architecture {archs or model_type!r}; supported: "
                 + ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             )
+        if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+            raise ModelLoadError("unsupported MLP: only SwiGLU (hidden_act silu, no bias) is implemented")
+        # transformers 5 writes rope settings as ``rope_parameters`` (theta inside); 4.x as
+        # ``rope_theta`` + ``rope_scaling``.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         try:
             num_heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -78,11 +84,11 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(theta),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
+                rope_scaling=_rope_scaling(rope),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
