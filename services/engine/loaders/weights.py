@@ -44,6 +44,7 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     model.rope.reset_tables()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+        model.embed_tokens.weight._tandem_shared = True  # type: ignore[attr-defined]
     return model.eval().requires_grad_(False)
 
 

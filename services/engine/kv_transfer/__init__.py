@@ -1,0 +1,51 @@
+"""KV hand-off between a prefill and a decode worker (SPEC §4).
+
+One block (all layers' K and V for ``block_size`` token slots) is the unit of transfer. The roles,
+one small module each:
+
+- ``sender.KVSender`` (prefill): reads a prefilled request's held blocks and streams header,
+  chunks (each with a crc32) and commit, under a lease (``lease.LeaseTable``) that frees the
+  blocks on ack, failure, abort or expiry — exactly once.
+- ``receiver.KVReceiver`` (decode): checks the layout, allocates destination blocks before data
+  moves, writes checked chunks, parks committed KV until ``Generate`` claims it, frees on every
+  failure path.
+- ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
+  default, ``Decode.TransferKV`` client streams) and ``transport.InProcessTransport`` (a direct
+  call into a receiver object, for tests); both run the same sender and receiver state machines.
+- ``payload``: block-table <-> payload byte ranges; ``layout``: the layout both sides must share;
+  ``failures``: metric labels for failures.
+"""
+
+from __future__ import annotations
+
+from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
+from services.engine.kv_transfer.lease import LeaseTable
+from services.engine.kv_transfer.receiver import KVReceiver, ReadyKV, ReceiveState
+from services.engine.kv_transfer.sender import (
+    KVSender,
+    PrefilledRequest,
+    SendState,
+    TransferResult,
+)
+from services.engine.kv_transfer.transport import (
+    InProcessTransport,
+    KVEndpoint,
+    KVStream,
+    KVTransport,
+)
+
+__all__ = [
+    "GrpcKVTransport",
+    "InProcessTransport",
+    "KVEndpoint",
+    "KVReceiver",
+    "KVSender",
+    "KVStream",
+    "KVTransport",
+    "LeaseTable",
+    "PrefilledRequest",
+    "ReadyKV",
+    "ReceiveState",
+    "SendState",
+    "TransferResult",
+]

@@ -1,0 +1,80 @@
+"""The default KV transport: a ``Decode.TransferKV`` client stream over gRPC (SPEC §4).
+
+Works everywhere (CPU included). Each chunk carries at most ``MAX_KV_CHUNK_BYTES`` (4 MiB) of
+data, far below the 64 MiB message limit both ends configure, and its own crc32, checked by the
+receiver. One channel per decode address is opened on first use and reused by every transfer
+(HTTP/2 multiplexes them); :meth:`GrpcKVTransport.close` closes them all.
+
+No gRPC deadline is set on a transfer: the sender's lease bounds how long it may take, and the
+lease reaper cancels the call when it expires (the decode worker then sees the stream cancelled
+and frees its blocks). A dead peer surfaces through channel keepalive as UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import grpc.aio
+
+from services.common.grpc_channel import open_channel
+from services.common.grpc_errors import status_to_error
+from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.engine.kv_transfer.transport import KVStream, KVTransport
+
+logger = logging.getLogger(__name__)
+
+
+class GrpcKVStream(KVStream):
+    """One ``TransferKV`` call used in reader/writer style (errors surface in the sender's code)."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
+        self._call = stub.TransferKV()
+
+    async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
+        if self._call.done():
+            return False
+        try:
+            await self._call.write(message)
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            return False  # the receiver already answered; finish() tells how
+        return True
+
+    async def finish(self) -> decode_pb2.KVTransferAck:
+        try:
+            if not self._call.done():
+                try:
+                    await self._call.done_writing()
+                except asyncio.InvalidStateError:
+                    pass
+            return await self._call
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcKVTransport(KVTransport):
+    """Opens ``TransferKV`` streams, one cached channel per decode address."""
+
+    name = "grpc"
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+
+    def open(self, address: str) -> KVStream:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = open_channel(address)
+            self._channels[address] = channel
+            stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
+        return GrpcKVStream(stub)
+
+    async def close(self) -> None:
+        channels, self._channels, self._stubs = self._channels, {}, {}
+        for address, channel in channels.items():
+            logger.debug("closing KV channel to %s", address)
+            await channel.close()

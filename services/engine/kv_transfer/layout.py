@@ -1,0 +1,44 @@
+"""The KV layout a prefill and a decode worker must agree on, as the ``KVLayout`` proto.
+
+A receiver refuses KV it cannot use (FAILED_PRECONDITION) instead of decoding garbage: the model
+fingerprint (weights' shape and architecture), dtype, block size, layer count, KV heads and head
+dim must all match exactly. The bytes of one block are ``KVPool.data[block_id]``, C-contiguous,
+``[num_layers, 2 (K then V), block_size, num_kv_heads, head_dim]`` elements of ``dtype``; both
+ends are Tandem engines with the same pool layout, so equal fields mean equal bytes.
+"""
+
+from __future__ import annotations
+
+from services.common.errors import FailedPreconditionError
+from services.common.pb import common_pb2
+from services.engine.engine import LLMEngine
+
+_FIELDS = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+def engine_layout(engine: LLMEngine) -> common_pb2.KVLayout:
+    """The layout of ``engine``'s KV pool."""
+    layout = engine.layout
+    return common_pb2.KVLayout(
+        model_fingerprint=engine.loaded.config.fingerprint(),
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+    )
+
+
+def check_layout(remote: common_pb2.KVLayout, local: common_pb2.KVLayout) -> None:
+    """Raise FailedPreconditionError naming every field where ``remote`` differs from ``local``."""
+    diffs = [
+        f"{name} {getattr(remote, name)!r} != {getattr(local, name)!r}"
+        for name in _FIELDS
+        if getattr(remote, name) != getattr(local, name)
+    ]
+    if diffs:
+        raise FailedPreconditionError(
+            "KV layout does not match this worker (sender vs receiver): " + ", ".join(diffs),
+            param="layout",
+            code="kv_layout_mismatch",
+        )

@@ -1,0 +1,110 @@
+"""A request's KV payload: its blocks, in block-table order, concatenated as bytes.
+
+Block ``i`` of the request occupies payload bytes ``[i * block_bytes, (i + 1) * block_bytes)``
+and is ``KVPool.data[block_ids[i]]`` (one contiguous region: all layers' K and V). Chunks are
+byte ranges of this payload::
+
+    payload | block 0 | block 1 | block 2 | block 3 | block 4 |
+    chunks  |   chunk 0 (2 whole)  |   chunk 1 (2 whole)  | c2 |     block_bytes <= budget
+    chunks  | c0 | c1 | c2 | c3 | ...                              block_bytes > budget: split
+
+:func:`plan_chunks` cuts whole blocks per chunk while they fit the byte budget, and splits a
+block only when one alone is larger. :func:`read_payload` / :func:`write_payload` copy a byte
+range out of / into the pool; call them on the engine thread (``EngineLoop.call``) so they never
+race a model step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import DataLossError, InvalidArgumentError
+from services.engine.kv_cache import KVPool
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """One chunk: ``length`` payload bytes from ``offset``, touching ``num_blocks`` blocks from
+    the request's block ``first_block``."""
+
+    offset: int
+    length: int
+    first_block: int
+    num_blocks: int
+
+
+def blocks_touched(offset: int, length: int, block_bytes: int) -> tuple[int, int]:
+    """``(first_block, num_blocks)`` covered by payload bytes ``[offset, offset + length)``."""
+    first = offset // block_bytes
+    last = -(-(offset + length) // block_bytes)
+    return first, last - first
+
+
+def plan_chunks(num_blocks: int, block_bytes: int, max_chunk_bytes: int) -> list[ChunkPlan]:
+    """Cut a payload of ``num_blocks`` blocks into chunks of at most ``max_chunk_bytes``."""
+    if block_bytes < 1 or max_chunk_bytes < 1:
+        raise InvalidArgumentError("block_bytes and max_chunk_bytes must be positive")
+    total = num_blocks * block_bytes
+    step = (max_chunk_bytes // block_bytes) * block_bytes if block_bytes <= max_chunk_bytes else 0
+    plans: list[ChunkPlan] = []
+    offset = 0
+    while offset < total:
+        if step:
+            length = min(step, total - offset)
+        else:  # one block is bigger than a chunk: split it, never crossing into the next block
+            block_end = (offset // block_bytes + 1) * block_bytes
+            length = min(max_chunk_bytes, block_end - offset)
+        plans.append(ChunkPlan(offset, length, *blocks_touched(offset, length, block_bytes)))
+        offset += length
+    return plans
+
+
+def _block_bytes_view(kv: KVPool, block_id: int) -> torch.Tensor:
+    return kv.data[block_id].reshape(-1).view(torch.uint8)
+
+
+def read_payload(kv: KVPool, block_ids: list[int], offset: int, length: int) -> bytes:
+    """Payload bytes ``[offset, offset + length)`` of a request whose table is ``block_ids``."""
+    block_bytes = kv.layout.block_bytes
+    first, count = blocks_touched(offset, length, block_bytes)
+    _check_range(block_ids, first, count)
+    if offset % block_bytes == 0 and length % block_bytes == 0:
+        blocks = kv.read_blocks(block_ids[first : first + count])
+        return blocks.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    parts: list[bytes] = []
+    for i in range(first, first + count):
+        start = max(offset, i * block_bytes) - i * block_bytes
+        end = min(offset + length, (i + 1) * block_bytes) - i * block_bytes
+        parts.append(_block_bytes_view(kv, block_ids[i])[start:end].cpu().numpy().tobytes())
+    return b"".join(parts)
+
+
+def write_payload(kv: KVPool, block_ids: list[int], offset: int, data: bytes) -> None:
+    """Copy ``data`` into payload bytes ``[offset, offset + len(data))`` of ``block_ids``."""
+    block_bytes = kv.layout.block_bytes
+    first, count = blocks_touched(offset, len(data), block_bytes)
+    _check_range(block_ids, first, count)
+    with warnings.catch_warnings():  # read-only source buffer: we only copy out of it
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(data, dtype=torch.uint8)
+    if offset % block_bytes == 0 and len(data) % block_bytes == 0:
+        shape = (count, *kv.data.shape[1:])
+        blocks = source.view(kv.data.dtype).view(shape)
+        kv.write_blocks(block_ids[first : first + count], blocks)
+        return
+    for i in range(first, first + count):
+        start = max(offset, i * block_bytes)
+        end = min(offset + len(data), (i + 1) * block_bytes)
+        target = _block_bytes_view(kv, block_ids[i])[start - i * block_bytes : end - i * block_bytes]
+        target.copy_(source[start - offset : end - offset])
+
+
+def _check_range(block_ids: list[int], first: int, count: int) -> None:
+    if first + count > len(block_ids):
+        raise DataLossError(
+            f"payload range covers blocks {first}..{first + count - 1}, request has "
+            f"{len(block_ids)}"
+        )

@@ -1,0 +1,348 @@
+"""Decode side of the KV hand-off: receive a request's KV into freshly allocated blocks.
+
+One transfer's state machine (ReceiveState), keyed by request id:
+
+  1. ALLOCATED — the header passed its checks (layout: FAILED_PRECONDITION; counts and params:
+                 INVALID_ARGUMENT) and its blocks were allocated on the engine thread before
+                 any data moved (no room: RESOURCE_EXHAUSTED, nothing allocated).
+  2. RECEIVING — chunks arrive in offset order; each is checked (crc32, contiguity, block
+                 indices: DATA_LOSS) and written into the blocks on the engine thread.
+  3. COMMITTED — the commit's totals matched; the ack (accepted) goes back to prefill. The KV is
+                 parked until the request's ``Generate`` claims it, for at most
+                 ``park_seconds`` (then FAILED and the blocks are freed).
+  4. RUNNING   — ``claim`` handed the parked KV to the caller, who passes the blocks to the
+                 engine (``EngineLoop.generate_prefilled``); the entry leaves this table.
+     FAILED    — any check failed, the stream broke or was cancelled, the request was aborted,
+                 or it stalled / stayed parked too long: the blocks are freed at once. The entry
+                 stays as a tombstone for ``park_seconds`` so a waiting or late ``Generate``
+                 learns why (and a header for an aborted request is refused).
+
+``claim`` may be called before the header arrives: it waits (up to its timeout) for the entry
+to reach COMMITTED or FAILED. Failures seen here count in
+``tandem:kv_transfer_failures_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.common.errors import (
+    AbortedError,
+    DataLossError,
+    InvalidArgumentError,
+    NotFoundError,
+    TandemError,
+    UnavailableError,
+)
+from services.common.metrics import TandemMetrics
+from services.common.pb import decode_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.wire import sampling_params_from_proto, token_logprobs_from_proto
+from services.engine.engine_loop import EngineLoop
+from services.engine.kv_transfer.layout import check_layout, engine_layout
+from services.engine.kv_transfer.payload import blocks_touched, write_payload
+from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
+from services.engine.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+class ReceiveState(enum.Enum):
+    ALLOCATED = "allocated"
+    RECEIVING = "receiving"
+    COMMITTED = "committed"
+    RUNNING = "running"
+    FAILED = "failed"
+
+
+_HOLDING = (ReceiveState.ALLOCATED, ReceiveState.RECEIVING, ReceiveState.COMMITTED)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyKV:
+    """A committed transfer, claimed: everything needed to continue the request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    first_token_id: int
+    first_logprob: TokenLogprobs | None
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    request_id: str
+    state: ReceiveState
+    since: float
+    ready: ReadyKV | None = None
+    error: TandemError | None = None
+    aborted: bool = False
+    owns_blocks: bool = False
+    task: asyncio.Task[object] | None = None
+
+
+class KVReceiver:
+    """Receives transfers (``receive``) and hands them to ``Generate`` (``claim``)."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        *,
+        park_seconds: float = 30.0,
+        reap_interval: float | None = None,
+        metrics: TandemMetrics | None = None,
+    ) -> None:
+        engine = engine_loop.engine
+        self.engine_loop = engine_loop
+        self.layout = engine_layout(engine)
+        self.block_bytes = engine.layout.block_bytes
+        self.vocab_size = engine.loaded.config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.park_seconds = park_seconds
+        self.reap_interval = reap_interval if reap_interval is not None else min(1.0, park_seconds / 4)
+        self.metrics = metrics
+        self._entries: dict[str, _Entry] = {}
+        self._changed: asyncio.Future[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="kv-receive-reaper")
+
+    async def close(self) -> None:
+        """Stop the reaper and fail every transfer still holding blocks."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        for entry in list(self._entries.values()):
+            self._fail(entry, UnavailableError("the decode worker is stopping"))
+
+    def state(self, request_id: str) -> ReceiveState | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry.state
+
+    @property
+    def num_pending(self) -> int:
+        """Transfers holding blocks but not yet generating (receiving or parked)."""
+        return sum(1 for entry in self._entries.values() if entry.state in _HOLDING)
+
+    # ------------------------------------------------------------------ receiving
+    async def receive(
+        self, messages: AsyncIterator[decode_pb2.KVTransferMessage]
+    ) -> decode_pb2.KVTransferAck:
+        """Run one transfer to its ack (see the state machine); raises typed errors."""
+        first = await anext(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgumentError("a KV transfer must start with a header", param="header")
+        header = first.header
+        ready = self._check_header(header)
+        entry = self._admit(ready)
+        try:
+            entry.owns_blocks = True  # a cancelled allocation may still complete
+            try:
+                await self.engine_loop.allocate_blocks(ready.request_id, header.num_blocks)
+            except TandemError:
+                entry.owns_blocks = False  # refused: nothing was allocated
+                raise
+            received, chunks = 0, 0
+            async for message in self._until_failed(entry, messages):
+                kind = message.WhichOneof("kind")
+                if kind == "chunk":
+                    entry.state = ReceiveState.RECEIVING
+                    received += await self._write_chunk(entry, header, message.chunk, received)
+                    chunks += 1
+                elif kind == "commit":
+                    self._check_commit(header, message.commit, received, chunks)
+                    self._set(entry, ReceiveState.COMMITTED)
+                    break
+                else:
+                    raise InvalidArgumentError("a KV transfer has exactly one header")
+            if entry.state is ReceiveState.FAILED:
+                return self._ack(entry, header, received)
+            if entry.state is not ReceiveState.COMMITTED:
+                raise InvalidArgumentError("the KV transfer ended without a commit")
+            return self._ack(entry, header, received)
+        except BaseException as exc:
+            if entry.state is ReceiveState.FAILED and isinstance(exc, TandemError):
+                return self._ack(entry, header, 0)  # aborted meanwhile: refuse in-band
+            error = exc if isinstance(exc, TandemError) else AbortedError("the KV stream broke")
+            self._fail(entry, error)
+            raise
+
+    def _check_header(self, header: decode_pb2.KVHeader) -> ReadyKV:
+        check_layout(header.layout, self.layout)
+        rid = header.request_id
+        if not rid:
+            raise InvalidArgumentError("the KV header has no request id", param="request_id")
+        n = header.num_tokens
+        bs = self.layout.block_size
+        if n < 1 or n != len(header.prompt_token_ids) or n != header.num_prompt_tokens:
+            raise InvalidArgumentError("KV header token counts disagree", param="num_tokens")
+        if header.num_blocks != -(-n // bs) or header.total_bytes != header.num_blocks * self.block_bytes:
+            raise InvalidArgumentError("KV header block / byte counts disagree", param="num_blocks")
+        if n + 1 > self.max_model_len:
+            raise InvalidArgumentError(f"the prompt does not fit the {self.max_model_len}-token "
+                                       "context", param="prompt")
+        tokens = tuple(header.prompt_token_ids)
+        if max(tokens) >= self.vocab_size or header.first_token_id >= self.vocab_size:
+            raise InvalidArgumentError(f"token ids must be below {self.vocab_size}", param="prompt")
+        params = sampling_params_from_proto(header.params)
+        first_logprob = None
+        if header.HasField("first_logprob"):
+            first_logprob = token_logprobs_from_proto(header.first_logprob, TokenLogprobs)
+        return ReadyKV(rid, tokens, params, header.first_token_id, first_logprob, header.num_blocks)
+
+    def _admit(self, ready: ReadyKV) -> _Entry:
+        old = self._entries.get(ready.request_id)
+        if old is not None and old.aborted:
+            raise AbortedError(f"request {ready.request_id!r} was aborted", code="aborted")
+        if old is not None and old.state is not ReceiveState.FAILED:
+            raise InvalidArgumentError(
+                f"a KV transfer for request {ready.request_id!r} already exists",
+                param="request_id",
+            )
+        entry = _Entry(ready.request_id, ReceiveState.ALLOCATED, time.monotonic(), ready=ready,
+                       task=asyncio.current_task())
+        self._entries[ready.request_id] = entry
+        return entry
+
+    async def _until_failed(
+        self, entry: _Entry, messages: AsyncIterator[decode_pb2.KVTransferMessage]
+    ) -> AsyncIterator[decode_pb2.KVTransferMessage]:
+        async for message in messages:
+            if entry.state is ReceiveState.FAILED:
+                return
+            yield message
+
+    async def _write_chunk(
+        self, entry: _Entry, header: decode_pb2.KVHeader, chunk: decode_pb2.KVChunk, received: int
+    ) -> int:
+        data = chunk.data
+        if chunk.offset != received:
+            raise DataLossError(f"KV chunk at offset {chunk.offset}, expected {received}")
+        if not data or received + len(data) > header.total_bytes:
+            raise DataLossError(f"KV chunk of {len(data)} bytes overruns the payload")
+        if zlib.crc32(data) != chunk.crc32:
+            raise DataLossError(f"KV chunk at offset {chunk.offset} failed its crc32 check",
+                                code="kv_checksum")
+        if (chunk.first_block, chunk.num_blocks) != blocks_touched(received, len(data), self.block_bytes):
+            raise DataLossError(f"KV chunk at offset {chunk.offset} names the wrong blocks")
+        rid, loop = entry.request_id, self.engine_loop
+        await loop.call(lambda engine: write_payload(engine.kv, loop.held_blocks(rid),
+                                                     chunk.offset, data))
+        entry.since = time.monotonic()
+        return len(data)
+
+    @staticmethod
+    def _check_commit(
+        header: decode_pb2.KVHeader, commit: decode_pb2.KVCommit, received: int, chunks: int
+    ) -> None:
+        if commit.total_bytes != header.total_bytes or received != header.total_bytes:
+            raise DataLossError(f"KV commit after {received} of {header.total_bytes} bytes "
+                                f"(commit says {commit.total_bytes})")
+        if commit.num_chunks != chunks:
+            raise DataLossError(f"KV commit says {commit.num_chunks} chunks, {chunks} arrived")
+
+    def _ack(self, entry: _Entry, header: decode_pb2.KVHeader, received: int) -> decode_pb2.KVTransferAck:
+        if entry.state is ReceiveState.FAILED:
+            message = entry.error.message if entry.error is not None else "failed"
+            return decode_pb2.KVTransferAck(request_id=entry.request_id, accepted=False,
+                                            error=message)
+        return decode_pb2.KVTransferAck(request_id=entry.request_id, accepted=True,
+                                        num_blocks=header.num_blocks, bytes_received=received)
+
+    # ------------------------------------------------------------------ claiming
+    async def claim(self, request_id: str, timeout: float) -> ReadyKV:
+        """Wait up to ``timeout`` seconds for the request's KV; the caller then owns the held
+        blocks (and must pass them to the engine or release them)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.state is ReceiveState.COMMITTED and entry.ready:
+                entry.state = ReceiveState.RUNNING
+                del self._entries[request_id]
+                return entry.ready
+            if entry is not None and entry.state is ReceiveState.FAILED:
+                raise entry.error or AbortedError(f"the KV of request {request_id!r} failed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NotFoundError(f"the KV of request {request_id!r} did not arrive within "
+                                    f"{timeout:g}s", param="request_id")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._change()), remaining)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Fail the request's transfer and free its blocks; a later header is refused."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            entry = _Entry(request_id, ReceiveState.FAILED, time.monotonic(),
+                           error=AbortedError(f"request {request_id!r} was aborted: {reason}"))
+            self._entries[request_id] = entry
+            found = False
+        else:
+            found = entry.state in _HOLDING
+            self._fail(entry, AbortedError(f"request {request_id!r} was aborted: {reason}"))
+        entry.aborted = True
+        self._notify()
+        return found
+
+    # ------------------------------------------------------------------ internals
+    def _set(self, entry: _Entry, state: ReceiveState) -> None:
+        entry.state = state
+        entry.since = time.monotonic()
+        self._notify()
+
+    def _fail(self, entry: _Entry, error: TandemError) -> None:
+        if entry.state is ReceiveState.FAILED:
+            return
+        holding = entry.state in _HOLDING and entry.owns_blocks
+        entry.error = error
+        self._set(entry, ReceiveState.FAILED)
+        if holding:
+            self.engine_loop.release_nowait(entry.request_id)
+        if self.metrics is not None:
+            self.metrics.kv_transfer_failures.labels(reason=failure_reason(error)).inc()
+        logger.info("KV transfer failed: %s", error.message, extra={"request_id": entry.request_id})
+
+    def _change(self) -> asyncio.Future[None]:
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def _notify(self) -> None:
+        if self._changed is not None and not self._changed.done():
+            self._changed.set_result(None)
+
+    def reap(self, now: float | None = None) -> None:
+        """Fail stalled or unclaimed transfers; forget old tombstones."""
+        now = time.monotonic() if now is None else now
+        for entry in list(self._entries.values()):
+            if now - entry.since < self.park_seconds:
+                continue
+            if entry.state is ReceiveState.FAILED:
+                del self._entries[entry.request_id]
+            elif entry.state is ReceiveState.COMMITTED:
+                self._fail(entry, UnavailableError(
+                    f"no Generate call claimed the KV within {self.park_seconds:g}s",
+                    code=TIMEOUT_CODE))
+            else:  # stalled mid-stream: free now, and stop reading the stream
+                self._fail(entry, UnavailableError(
+                    f"the KV stream stalled for {self.park_seconds:g}s", code=TIMEOUT_CODE))
+                if entry.task is not None and not entry.task.done():
+                    entry.task.cancel()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_interval)
+            self.reap()

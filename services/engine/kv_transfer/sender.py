@@ -1,0 +1,265 @@
+"""Prefill side of the KV hand-off: ship a prefilled request's blocks to a decode worker.
+
+One transfer's state machine (SendState):
+
+  1. PENDING   — the lease is granted; nothing sent yet.
+  2. SENDING   — the header, then chunks of whole blocks (each read from the KV pool on the
+                 engine thread, with its crc32), then the commit are written to the stream.
+  3. AWAIT_ACK — everything is written; waiting for decode's KVTransferAck.
+  4. DONE      — decode accepted the KV: the lease is released and the blocks freed.
+     FAILED    — refused, corrupt, broken, or aborted: the lease is released, blocks freed, the
+                 caller gets a typed error (DataLossError, FailedPreconditionError, ...).
+     EXPIRED   — the lease ran out first: the reaper cancelled the stream and freed the blocks;
+                 the caller gets UnavailableError.
+
+Every terminal state frees the blocks exactly once (see ``lease.py``). Chunk reads are
+pipelined one deep: the next chunk is read on the engine thread while the current one is sent.
+
+Metrics: ``tandem:kv_transfer_bytes_total`` and ``tandem:kv_transfer_seconds`` on success,
+``tandem:kv_transfer_failures_total{reason}`` on failure, expired leases by ``lease.py``.
+
+Test hook: ``corrupt_chunk(index, data) -> data`` rewrites a chunk's bytes *after* its crc32 was
+computed, to prove the receiver catches corruption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.errors import AbortedError, TandemError, UnavailableError
+from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
+from services.common.metrics import TandemMetrics
+from services.common.pb import decode_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.wire import sampling_params_to_proto, token_logprobs_to_proto
+from services.engine.engine_loop import EngineLoop
+from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
+from services.engine.kv_transfer.layout import engine_layout
+from services.engine.kv_transfer.lease import LeaseTable
+from services.engine.kv_transfer.payload import ChunkPlan, plan_chunks, read_payload
+from services.engine.kv_transfer.transport import KVStream, KVTransport
+from services.engine.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+CorruptChunk = Callable[[int, bytes], bytes]
+
+
+class SendState(enum.Enum):
+    PENDING = "pending"
+    SENDING = "sending"
+    AWAIT_ACK = "await_ack"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefilledRequest:
+    """A request whose prompt KV sits in blocks held by the engine loop under its id."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    first_token_id: int
+    first_logprob: TokenLogprobs | None
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """What a successful transfer moved and how long it took (first write to ack)."""
+
+    num_blocks: int
+    num_bytes: int
+    num_chunks: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _Transfer:
+    state: SendState = SendState.PENDING
+    task: asyncio.Task[TransferResult] | None = None
+    error: TandemError | None = None
+
+
+class KVSender:
+    """Ships prefilled requests' KV over a transport under leases (see the state machine)."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        transport: KVTransport,
+        *,
+        lease_seconds: float = 30.0,
+        lease_interval: float | None = None,
+        max_chunk_bytes: int = MAX_KV_CHUNK_BYTES,
+        metrics: TandemMetrics | None = None,
+        corrupt_chunk: CorruptChunk | None = None,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.transport = transport
+        self.max_chunk_bytes = max_chunk_bytes
+        self.metrics = metrics
+        self.corrupt_chunk = corrupt_chunk
+        self.leases = LeaseTable(engine_loop, lease_seconds, interval=lease_interval,
+                                 metrics=metrics)
+        self._transfers: dict[str, _Transfer] = {}
+
+    def start(self) -> None:
+        """Start the lease reaper (on the running event loop)."""
+        self.leases.start()
+
+    async def close(self) -> None:
+        """Abort transfers in flight and free every leased block."""
+        for request_id in list(self._transfers):
+            self.abort(request_id, "worker stopping")
+        await self.leases.close()
+        await self.transport.close()
+
+    def state(self, request_id: str) -> SendState | None:
+        """The state of a transfer in flight (None once it ended)."""
+        transfer = self._transfers.get(request_id)
+        return None if transfer is None else transfer.state
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Cancel the transfer of ``request_id`` (its ``send`` raises AbortedError)."""
+        transfer = self._transfers.get(request_id)
+        if transfer is None or transfer.task is None or transfer.task.done():
+            return False
+        transfer.state = SendState.FAILED
+        transfer.error = AbortedError(f"request {request_id!r} was aborted: {reason}")
+        transfer.task.cancel()
+        return True
+
+    async def send(self, request: PrefilledRequest, address: str) -> TransferResult:
+        """Ship ``request``'s held blocks to the decode worker at ``address``; free them after.
+
+        Raises:
+            TandemError: the typed reason the transfer failed (see the module docstring).
+        """
+        rid = request.request_id
+        transfer = _Transfer()
+        self._transfers[rid] = transfer
+        self.leases.grant(rid, lambda: self._expire(rid, transfer))
+        task = asyncio.create_task(self._send(request, address, transfer))
+        transfer.task = task
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and transfer.error is not None and not (
+                current is not None and current.cancelling()
+            ):
+                self._count_failure(transfer.error)
+                raise transfer.error from None
+            task.cancel()
+            raise
+        except TandemError as err:
+            transfer.state = SendState.FAILED
+            self._count_failure(err)
+            raise
+        finally:
+            self._transfers.pop(rid, None)
+            self.leases.release(rid)
+
+    def _expire(self, request_id: str, transfer: _Transfer) -> None:
+        if transfer.state in (SendState.DONE, SendState.FAILED):
+            return
+        transfer.state = SendState.EXPIRED
+        transfer.error = UnavailableError(
+            f"decode did not acknowledge the KV of request {request_id!r} within the "
+            f"{self.leases.ttl:g}s lease",
+            code=TIMEOUT_CODE,
+        )
+        if transfer.task is not None:
+            transfer.task.cancel()
+
+    def _count_failure(self, err: TandemError) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_transfer_failures.labels(reason=failure_reason(err)).inc()
+
+    async def _send(
+        self, request: PrefilledRequest, address: str, transfer: _Transfer
+    ) -> TransferResult:
+        rid = request.request_id
+        layout = engine_layout(self.engine_loop.engine)
+        block_bytes = self.engine_loop.engine.layout.block_bytes
+        total = request.num_blocks * block_bytes
+        plans = plan_chunks(request.num_blocks, block_bytes, self.max_chunk_bytes)
+        header = decode_pb2.KVHeader(
+            request_id=rid,
+            layout=layout,
+            num_tokens=len(request.prompt_token_ids),
+            num_blocks=request.num_blocks,
+            total_bytes=total,
+            prompt_token_ids=request.prompt_token_ids,
+            first_token_id=request.first_token_id,
+            params=sampling_params_to_proto(request.params),
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+        if request.first_logprob is not None and request.params.logprobs is not None:
+            header.first_logprob.CopyFrom(token_logprobs_to_proto(request.first_logprob))
+        transfer.state = SendState.SENDING
+        started = time.monotonic()
+        stream = self.transport.open(address)
+        finished = False
+        try:
+            ack = await self._stream(stream, header, plans, total)
+            finished = True
+        finally:
+            if not finished:
+                stream.cancel()
+        if not ack.accepted:
+            raise AbortedError(f"decode worker {address} refused the KV: {ack.error}")
+        transfer.state = SendState.DONE
+        seconds = time.monotonic() - started
+        if self.metrics is not None:
+            self.metrics.kv_transfer_bytes.inc(total)
+            self.metrics.kv_transfer_seconds.observe(seconds)
+        logger.debug("sent %d KV bytes in %d chunks in %.4fs", total, len(plans), seconds,
+                     extra={"request_id": rid, "decode": address})
+        return TransferResult(request.num_blocks, total, len(plans), seconds)
+
+    async def _stream(
+        self, stream: KVStream, header: decode_pb2.KVHeader, plans: list[ChunkPlan], total: int
+    ) -> decode_pb2.KVTransferAck:
+        rid = header.request_id
+        loop = self.engine_loop
+
+        def read(plan: ChunkPlan) -> asyncio.Future[bytes]:
+            return asyncio.ensure_future(loop.call(
+                lambda engine: read_payload(engine.kv, loop.held_blocks(rid), plan.offset,
+                                            plan.length)
+            ))
+
+        ok = await stream.write(decode_pb2.KVTransferMessage(header=header))
+        pending = read(plans[0]) if plans and ok else None
+        try:
+            for index, plan in enumerate(plans):
+                if not ok or pending is None:
+                    break
+                data = await pending
+                pending = read(plans[index + 1]) if index + 1 < len(plans) else None
+                crc = zlib.crc32(data)
+                if self.corrupt_chunk is not None:
+                    data = self.corrupt_chunk(index, data)
+                chunk = decode_pb2.KVChunk(first_block=plan.first_block, num_blocks=plan.num_blocks,
+                                           data=data, crc32=crc, offset=plan.offset)
+                ok = await stream.write(decode_pb2.KVTransferMessage(chunk=chunk))
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+        if ok:
+            commit = decode_pb2.KVCommit(num_chunks=len(plans), total_bytes=total)
+            await stream.write(decode_pb2.KVTransferMessage(commit=commit))
+        transfer_state = self._transfers.get(rid)
+        if transfer_state is not None:
+            transfer_state.state = SendState.AWAIT_ACK
+        return await stream.finish()

@@ -1,0 +1,125 @@
+"""The one interface every KV transport implements, and the in-process transport for tests.
+
+A transport moves one request's ``KVTransferMessage`` stream (header, chunks, commit; see
+``decode.proto``) from a prefill worker to a decode worker and brings back the decode worker's
+``KVTransferAck``. The sender (``sender.py``) builds the messages and owns the state machine, so
+every transport behaves the same; a transport only carries messages:
+
+  1. ``stream = transport.open(address)`` starts a transfer to the decode worker at ``address``.
+  2. ``await stream.write(message)`` for each message, in order; it returns False once the
+     receiver has already ended the transfer (refused or failed it): stop writing then.
+  3. ``await stream.finish()`` half-closes and returns the ack, or raises the receiver's typed
+     error (DataLossError, FailedPreconditionError, ResourceExhaustedError, ...).
+  4. ``stream.cancel()`` abandons the transfer at any point (the receiver frees its blocks).
+
+:class:`InProcessTransport` hands the messages to a receiver object in the same process (its
+``receive(messages) -> KVTransferAck``, the very method the gRPC servicer calls), running it as
+its own task like a server would, so unit tests exercise the same receiver state machine without
+sockets; fakes with the same method simulate slow or silent decode workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+from services.common.errors import UnavailableError
+from services.common.pb import decode_pb2
+
+
+class KVEndpoint(Protocol):
+    """A decode-side receiver: consumes one transfer's messages and answers with an ack."""
+
+    async def receive(
+        self, messages: AsyncIterator[decode_pb2.KVTransferMessage]
+    ) -> decode_pb2.KVTransferAck: ...
+
+
+class KVStream(ABC):
+    """One transfer in flight; see the module lifecycle."""
+
+    @abstractmethod
+    async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
+        """Send one message; False when the receiver already ended the transfer."""
+
+    @abstractmethod
+    async def finish(self) -> decode_pb2.KVTransferAck:
+        """Half-close and wait for the ack (or the receiver's typed error)."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """Abandon the transfer; idempotent."""
+
+
+class KVTransport(ABC):
+    """Opens transfers to decode workers by address."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def open(self, address: str) -> KVStream:
+        """Start a transfer to the decode worker at ``address``."""
+
+    async def close(self) -> None:
+        """Release connections; transfers in flight are the callers' to cancel."""
+
+
+class _End:
+    """End-of-stream marker for the in-process queue."""
+
+
+class InProcessStream(KVStream):
+    """Feeds a receiver's ``receive`` through a small bounded queue (back-pressure like a socket)."""
+
+    def __init__(self, endpoint: KVEndpoint, depth: int = 4) -> None:
+        self._queue: asyncio.Queue[decode_pb2.KVTransferMessage | _End] = asyncio.Queue(depth)
+        self._task = asyncio.create_task(endpoint.receive(self._messages()))
+
+    async def _messages(self) -> AsyncIterator[decode_pb2.KVTransferMessage]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, _End):
+                return
+            yield item
+
+    async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
+        return await self._put(message)
+
+    async def finish(self) -> decode_pb2.KVTransferAck:
+        await self._put(_End())
+        return await self._task
+
+    async def _put(self, item: decode_pb2.KVTransferMessage | _End) -> bool:
+        """Queue ``item`` unless the receiver ends first; True when queued."""
+        if self._task.done():
+            return False
+        put = asyncio.ensure_future(self._queue.put(item))
+        try:
+            await asyncio.wait({put, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not put.done():
+                put.cancel()
+        return put.done() and not put.cancelled()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+
+class InProcessTransport(KVTransport):
+    """Delivers transfers to receivers in this process, looked up by address."""
+
+    name = "inprocess"
+
+    def __init__(self, endpoints: Mapping[str, KVEndpoint] | None = None) -> None:
+        self.endpoints: dict[str, KVEndpoint] = dict(endpoints or {})
+
+    def register(self, address: str, endpoint: KVEndpoint) -> None:
+        self.endpoints[address] = endpoint
+
+    def open(self, address: str) -> KVStream:
+        endpoint = self.endpoints.get(address)
+        if endpoint is None:
+            raise UnavailableError(f"no in-process decode worker at {address!r}")
+        return InProcessStream(endpoint)
