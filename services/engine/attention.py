@@ -28,6 +28,7 @@ class AttentionMetadata:
         context_lens: total tokens per sequence after this step (cached prefix + new).
         block_tables: ``[B, max_blocks]`` block ids per sequence, padded with 0.
         decode_mask: ``[B, 1, 1, L]`` bool, True where a decode query may attend (decode only).
+        context_lens_tensor: ``context_lens`` as a device tensor (decode only), for kernels.
     """
 
     is_prefill: bool
@@ -37,6 +38,7 @@ class AttentionMetadata:
     context_lens: list[int]
     block_tables: torch.Tensor
     decode_mask: torch.Tensor | None = None
+    context_lens_tensor: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -58,7 +60,7 @@ class AttentionMetadata:
         width = max(len(t) for t in block_tables)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         tables = torch.tensor(padded, dtype=torch.long, device=device)
-        mask = None
+        mask = lens = None
         if not is_prefill:
             lens = torch.tensor(context_lens, dtype=torch.long, device=device)
             span = torch.arange(width * block_size, device=device)
@@ -71,6 +73,7 @@ class AttentionMetadata:
             context_lens=list(context_lens),
             block_tables=tables,
             decode_mask=mask,
+            context_lens_tensor=lens,
         )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from services.common.errors import ModelLoadError
 from services.common.model_source import ModelSource, resolve_model
+from services.engine.attention_backends import make_attention_backend
 from services.engine.loaders.dummy import dummy_config, iter_dummy_weights
 from services.engine.loaders.gguf_file import gguf_config, iter_gguf_weights, open_gguf
 from services.engine.loaders.hf_folder import iter_hf_weights, read_hf_config
@@ -42,22 +43,29 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_model(
-    model: str | ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model: str | ModelSource,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    attention: str = "auto",
 ) -> LoadedModel:
-    """Resolve ``model`` and build the network with its weights on ``device``."""
+    """Resolve ``model`` and build the network with its weights on ``device``.
+
+    ``attention`` names the paged-attention backend (see ``attention_backends.BACKENDS``).
+    """
     source = resolve_model(model) if isinstance(model, str) else model
+    backend = make_attention_backend(attention, device)
     if source.kind == "dummy":
         config = dummy_config(source.path)
-        net = empty_model(config, dtype, device)
+        net = empty_model(config, dtype, device, backend)
         load_weights(net, iter_dummy_weights(config, dtype, device))
     elif source.kind == "gguf":
         reader = open_gguf(Path(source.path))
         config = gguf_config(reader)
-        net = empty_model(config, dtype, device)
+        net = empty_model(config, dtype, device, backend)
         load_weights(net, iter_gguf_weights(reader, config))
     elif source.kind == "hf":
         config = read_hf_config(Path(source.path))
-        net = empty_model(config, dtype, device)
+        net = empty_model(config, dtype, device, backend)
         load_weights(net, iter_hf_weights(Path(source.path)))
     else:  # pragma: no cover - ModelSource.kind is a closed set
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")

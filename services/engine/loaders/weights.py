@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from services.common.errors import ModelLoadError
+from services.engine.attention import PagedAttention
 from services.engine.model import LlamaForCausalLM
 from services.engine.model_config import ModelConfig
 
@@ -31,13 +32,18 @@ _FUSED = {
 _PARTS = {"self_attn.qkv_proj.weight": 3, "self_attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2}
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
+def empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: PagedAttention | None = None,
+) -> LlamaForCausalLM:
     """An uninitialised model of ``dtype`` on ``device`` (rope tables computed)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(config, backend)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
