@@ -33,7 +33,15 @@ SERVICES = {
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     """The full parser; only the module of the chosen subcommand is imported."""
-    words = [w for w in argv if not w.startswith("-")]
+    words: list[str] = []
+    skip = False
+    for word in argv:  # positional words, skipping the value of ``--log-level VALUE``
+        if skip:
+            skip = False
+        elif word == "--log-level":
+            skip = True
+        elif not word.startswith("-"):
+            words.append(word)
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,9 +17,11 @@ import torch
 
 from services.common.errors import ModelLoadError
 from services.engine.loaders.progress import progress
+from services.engine.config_reader import field_value, gguf_config, open_gguf
 from services.engine.model_config import ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+__all__ = ["field_value", "gguf_config", "iter_gguf_weights", "open_gguf", "unpermute"]
+
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -41,64 +42,6 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def open_gguf(path: Path) -> Any:
-    """A ``gguf.GGUFReader`` for ``path``, or a one-line ModelLoadError for a corrupt file."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/OSError/struct errors on bad files
-        raise ModelLoadError(f"corrupt or unreadable GGUF file {path.name}: {exc}") from exc
-
-
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value (scalar, string or list) by key, or ``default``."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def gguf_config(reader: Any) -> ModelConfig:
-    """Model shape from GGUF metadata; refuse architectures Tandem does not implement."""
-    arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {arch!r} in GGUF; supported: "
-            + ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
-        )
-    names = {t.name for t in reader.tensors}
-
-    def need(key: str) -> Any:
-        value = field_value(reader, f"{arch}.{key}")
-        if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(field_value(reader, f"{arch}.vocab_size", int(embd.shape[-1])))
-    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field_value(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(field_value(reader, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
 
 
 def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,18 +10,9 @@ from safetensors import safe_open
 
 from services.common.errors import ModelLoadError
 from services.engine.loaders.progress import progress
-from services.engine.model_config import ModelConfig
+from services.engine.config_reader import read_hf_config
 
-
-def read_hf_config(folder: Path) -> ModelConfig:
-    """Parse ``config.json`` into a :class:`ModelConfig` (one-line error when unreadable)."""
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {folder / 'config.json'}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{folder / 'config.json'} is not a JSON object")
-    return ModelConfig.from_hf_config(raw)
+__all__ = ["iter_hf_weights", "read_hf_config"]
 
 
 def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,559 @@
+"""``tandem up``: the whole system as local processes, one command, no Docker.
+
+Starts the tokenizer, ``--prefill N`` prefill workers, ``--decode M`` decode workers and (unless
+``--no-gateway``, and when ``services/gateway/main.py`` exists) the HTTP gateway, each as a child
+``python -m services serve <service> ...`` with its own ports, and supervises them.
+
+Default ports (from ``services/common/ports.py``; the ``--*-port`` flags move them):
+
+==============  ===================================  =============================
+process         serves                               Prometheus ``/metrics``
+==============  ===================================  =============================
+gateway         HTTP 8000 (``--gateway-port``)       the gateway's own port, 8000
+tokenizer       gRPC 50051 (``--tokenizer-port``)    9101 (``--tokenizer-metrics-port``)
+prefill ``i``   gRPC 50061 + i (``--prefill-port``)  9111 + i (``--prefill-metrics-port``)
+decode ``i``    gRPC 50071 + i (``--decode-port``)   9121 + i (``--decode-metrics-port``)
+==============  ===================================  =============================
+
+With the defaults, up to 10 workers per role fit; more need bases far enough apart (overlapping
+ports are refused before anything starts).
+
+Lifecycle:
+  1. Plan every child (command line, ports, addresses) and refuse overlapping or busy ports with
+     a one-line error, before anything starts.
+  2. Start every child in its own session / process group (a Ctrl-C in the terminal reaches only
+     the launcher), with ``PR_SET_PDEATHSIG`` on Linux so that a child is killed even when the
+     launcher itself is SIGKILLed. Children log to the launcher's stderr; its stdout carries only
+     the address table.
+  3. Wait until every gRPC service reports SERVING through ``grpc.health.v1`` and the gateway
+     answers ``GET /ready`` with 200 (its tokenizer and at least one worker of each pool are
+     reachable from it; ``/health`` alone is mere liveness). A child exiting meanwhile, or
+     ``--startup-timeout`` passing, stops everything with a one-line error (exit 2).
+  4. Write the address table and ``ready`` to stdout, then supervise.
+  5. SIGINT / SIGTERM: SIGTERM every child at once (in reverse start order), give them
+     ``--stop-timeout`` seconds, SIGKILL what is left (the whole process group of each child),
+     exit 0. A second signal skips the wait. A child that dies on its own is reported by name,
+     the others are stopped the same way, and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import importlib.util
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.common import ports
+from services.common.errors import InvalidArgumentError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+MODEL_ENV = "TANDEM_MODEL"
+GRPC_SERVICES = {
+    "tokenizer": "tandem.v1.Tokenizer",
+    "prefill": "tandem.v1.Prefill",
+    "decode": "tandem.v1.Decode",
+}
+SERVICE_MODULES = {
+    "tokenizer": "services.tokenizer.main",
+    "prefill": "services.prefill.main",
+    "decode": "services.decode.main",
+    "gateway": "services.gateway.main",
+}
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_STOP_TIMEOUT_S = 20.0
+_POLL_S = 0.1
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """What ``tandem up`` starts; built from the flags by :func:`run`."""
+
+    model: str = "default"
+    num_prefill: int = 1
+    num_decode: int = 1
+    gateway: bool = True
+    host: str = "127.0.0.1"
+    gateway_port: int = ports.GATEWAY_HTTP_PORT
+    tokenizer_port: int = ports.TOKENIZER_GRPC_PORT
+    tokenizer_metrics_port: int = ports.TOKENIZER_METRICS_PORT
+    prefill_port: int = ports.PREFILL_GRPC_PORT_BASE
+    prefill_metrics_port: int = ports.PREFILL_METRICS_PORT_BASE
+    decode_port: int = ports.DECODE_GRPC_PORT_BASE
+    decode_metrics_port: int = ports.DECODE_METRICS_PORT_BASE
+    dtype: str | None = None
+    kv_cache_gib: float | None = None
+    num_blocks: int | None = None
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    log_level: str = "INFO"
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """One planned child process.
+
+    Attributes:
+        name: ``tokenizer``, ``prefill-0``, ``decode-1``, ``gateway``.
+        service: the ``tandem serve`` service it runs.
+        argv: its full command line.
+        address: where clients reach it (``host:port``; an ``http://`` URL for the gateway).
+        metrics_url: its Prometheus endpoint.
+        ports: every port it binds, with what for (for the free-port check).
+    """
+
+    name: str
+    service: str
+    argv: tuple[str, ...]
+    address: str
+    metrics_url: str
+    ports: tuple[tuple[int, str], ...] = field(default=())
+
+    @property
+    def grpc_service(self) -> str | None:
+        """The full gRPC service name to health-check, or None (the gateway speaks HTTP)."""
+        return GRPC_SERVICES.get(self.service)
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``tandem up``."""
+    add = parser.add_argument
+    add("--model", default=None,
+        help=f"default | PATH to a .gguf file or HF folder | dummy:<shape> (env {MODEL_ENV})")
+    add("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    add("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    add("--gateway", action=argparse.BooleanOptionalAction, default=True,
+        help="also start the HTTP gateway (default: yes, when it is installed)")
+    add("--host", default="127.0.0.1",
+        help="interface every service binds (default 127.0.0.1; 0.0.0.0 exposes them)")
+    add("--gateway-port", type=int, default=ports.GATEWAY_HTTP_PORT)
+    add("--tokenizer-port", type=int, default=ports.TOKENIZER_GRPC_PORT)
+    add("--tokenizer-metrics-port", type=int, default=ports.TOKENIZER_METRICS_PORT)
+    add("--prefill-port", type=int, default=ports.PREFILL_GRPC_PORT_BASE,
+        help="gRPC port of prefill worker 0; worker i gets this + i")
+    add("--prefill-metrics-port", type=int, default=ports.PREFILL_METRICS_PORT_BASE)
+    add("--decode-port", type=int, default=ports.DECODE_GRPC_PORT_BASE,
+        help="gRPC port of decode worker 0; worker i gets this + i")
+    add("--decode-metrics-port", type=int, default=ports.DECODE_METRICS_PORT_BASE)
+    add("--dtype", default=None, help="worker dtype, e.g. float32 | bfloat16 (workers' default)")
+    add("--kv-cache-gib", type=float, default=None, help="KV cache size of each worker")
+    add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
+    add("--worker-args", default="", metavar="ARGS",
+        help="more flags for every prefill and decode worker, one shell-quoted string")
+    add("--gateway-args", default="", metavar="ARGS",
+        help="more flags for the gateway, one shell-quoted string")
+    add("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+        help=f"seconds to wait for every service (default {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    add("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
+        help=f"seconds children get to stop before SIGKILL (default {DEFAULT_STOP_TIMEOUT_S:g})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``tandem up``."""
+    config = LaunchConfig(
+        model=args.model or os.environ.get(MODEL_ENV) or "default",
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        gateway=args.gateway,
+        host=args.host,
+        gateway_port=args.gateway_port,
+        tokenizer_port=args.tokenizer_port,
+        tokenizer_metrics_port=args.tokenizer_metrics_port,
+        prefill_port=args.prefill_port,
+        prefill_metrics_port=args.prefill_metrics_port,
+        decode_port=args.decode_port,
+        decode_metrics_port=args.decode_metrics_port,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        num_blocks=args.num_blocks,
+        worker_args=tuple(shlex.split(args.worker_args)),
+        gateway_args=tuple(shlex.split(args.gateway_args)),
+        log_level=getattr(args, "log_level", "INFO"),
+        startup_timeout=args.startup_timeout,
+        stop_timeout=args.stop_timeout,
+    )
+    return asyncio.run(Launcher(config).run())
+
+
+# ------------------------------------------------------------------------------------- planning
+
+
+def plan(config: LaunchConfig) -> list[ChildSpec]:
+    """Every child to start, in start order; InvalidArgumentError on a config that cannot work."""
+    if config.num_prefill < 0 or config.num_decode < 0:
+        raise InvalidArgumentError("--prefill and --decode must be >= 0", param="prefill")
+    gateway = config.gateway
+    if gateway and importlib.util.find_spec(SERVICE_MODULES["gateway"]) is None:
+        logger.warning("services/gateway/main.py is not installed; starting without the gateway")
+        gateway = False
+    if gateway and (config.num_prefill < 1 or config.num_decode < 1):
+        raise InvalidArgumentError(
+            "the gateway needs at least one prefill and one decode worker "
+            "(or pass --no-gateway)",
+            param="prefill",
+        )
+    for service, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
+        if count and importlib.util.find_spec(SERVICE_MODULES[service]) is None:
+            raise UnavailableError(
+                f"{SERVICE_MODULES[service]} is not installed; cannot start {service} workers "
+                f"(pass --{service} 0)"
+            )
+
+    host = config.host
+    client_host = _client_host(host)
+    base = [sys.executable, "-m", "services", f"--log-level={config.log_level}", "serve"]
+    specs: list[ChildSpec] = []
+
+    def grpc_child(name: str, service: str, port: int, metrics_port: int, extra: list[str]) -> None:
+        argv = [*base, service, "--model", config.model, "--host", host,
+                "--port", str(port), "--metrics-port", str(metrics_port), *extra]  # fmt: skip
+        specs.append(
+            ChildSpec(
+                name=name,
+                service=service,
+                argv=tuple(argv),
+                address=_join(client_host, port),
+                metrics_url=f"http://{_join(client_host, metrics_port)}/metrics",
+                ports=((port, f"{name} gRPC"), (metrics_port, f"{name} metrics")),
+            )
+        )
+
+    grpc_child("tokenizer", "tokenizer", config.tokenizer_port, config.tokenizer_metrics_port, [])
+    for service, count, port, metrics_port in (
+        ("prefill", config.num_prefill, config.prefill_port, config.prefill_metrics_port),
+        ("decode", config.num_decode, config.decode_port, config.decode_metrics_port),
+    ):
+        for i in range(count):
+            name = f"{service}-{i}"
+            extra = ["--worker-id", name, "--advertise-address", _join(client_host, port + i)]
+            if config.dtype is not None:
+                extra += ["--dtype", config.dtype]
+            if config.kv_cache_gib is not None:
+                extra += ["--kv-cache-gib", f"{config.kv_cache_gib:g}"]
+            if config.num_blocks is not None:
+                extra += ["--num-blocks", str(config.num_blocks)]
+            grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])
+
+    if gateway:
+        argv = [*base, "gateway", "--host", host, "--port", str(config.gateway_port),
+                "--model", config.model, "--tokenizer", specs[0].address]  # fmt: skip
+        for spec in specs[1:]:
+            argv += [f"--{spec.service}", spec.address]
+        url = f"http://{_join(client_host, config.gateway_port)}"
+        specs.append(
+            ChildSpec(
+                name="gateway",
+                service="gateway",
+                argv=(*argv, *config.gateway_args),
+                address=url,
+                metrics_url=f"{url}/metrics",
+                ports=((config.gateway_port, "gateway HTTP"),),
+            )
+        )
+    _check_distinct_ports(specs)
+    return specs
+
+
+def _check_distinct_ports(specs: Sequence[ChildSpec]) -> None:
+    seen: dict[int, str] = {}
+    for spec in specs:
+        for port, what in spec.ports:
+            if not 0 < port <= 65535:
+                raise InvalidArgumentError(f"{what} port {port} is not in [1, 65535]", param="port")
+            if port in seen:
+                raise InvalidArgumentError(
+                    f"port {port} is planned twice ({seen[port]} and {what}); move a port base",
+                    param="port",
+                )
+            seen[port] = what
+
+
+def check_ports_free(specs: Sequence[ChildSpec], host: str) -> None:
+    """UnavailableError naming the first planned port something else already holds."""
+    for spec in specs:
+        for port, what in spec.ports:
+            bind = _bind_host(host)
+            family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+            try:
+                with socket.create_server((bind, port), family=family):
+                    pass
+            except OSError as err:
+                raise UnavailableError(
+                    f"port {port} ({what}) on {host} is not available: "
+                    f"{os.strerror(err.errno) if err.errno else err}"
+                ) from err
+
+
+def _client_host(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+
+
+def _bind_host(host: str) -> str:
+    return host.strip("[]")
+
+
+def _join(host: str, port: int) -> str:
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# ------------------------------------------------------------------------------------- processes
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGKILL the child when the launcher dies (None elsewhere).
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, so children are
+    started from the main thread. libc is looked up here, in the parent, so the function that
+    runs between fork and exec only makes one foreign call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        logger.warning("prctl is unavailable; children will not die with the launcher")
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass(slots=True)
+class Child:
+    """A started child process and its plan."""
+
+    spec: ChildSpec
+    process: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        if code is None:
+            return "is running"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+def start_child(spec: ChildSpec, preexec: Callable[[], None] | None) -> Child:
+    """Start one child in its own session; its stdout goes to our stderr."""
+    process = subprocess.Popen(
+        spec.argv,
+        stdin=subprocess.DEVNULL,
+        stdout=_stderr_fd(),
+        start_new_session=True,
+        preexec_fn=preexec,
+    )
+    logger.info("started %s (pid %d): %s", spec.name, process.pid, shlex.join(spec.argv[2:]))
+    return Child(spec, process)
+
+
+def _stderr_fd() -> int | None:
+    """Our stderr's file descriptor (children's stdout goes there), or None to inherit stdout."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    """Send ``sig`` to the child's process group (the child and anything it started)."""
+    try:
+        os.killpg(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ------------------------------------------------------------------------------------- supervisor
+
+
+class Launcher:
+    """Starts, watches and stops the children of one ``tandem up`` (the module lifecycle)."""
+
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.children: list[Child] = []
+        self._stop_requested = asyncio.Event()  # SIGINT / SIGTERM
+        self._kill_now = asyncio.Event()  # a second signal: skip the grace period
+        self._not_ready: set[str] = set()
+
+    async def run(self) -> int:
+        """The whole lifecycle; returns the exit code or raises a one-line TandemError."""
+        specs = plan(self.config)
+        check_ports_free(specs, self.config.host)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            preexec = _die_with_parent()
+            for spec in specs:
+                self.children.append(start_child(spec, preexec))
+            return await self._supervise()
+        finally:
+            await self._stop_all()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._stop_requested.is_set():
+            logger.warning("%s again: killing every child now", sig.name)
+            self._kill_now.set()
+        else:
+            logger.info("%s: stopping every service", sig.name)
+            self._stop_requested.set()
+
+    async def _supervise(self) -> int:
+        stop_task = asyncio.create_task(self._stop_requested.wait())
+        death_task = asyncio.create_task(self._first_death())
+        ready_task = asyncio.create_task(self._wait_ready())
+        try:
+            done, _ = await asyncio.wait(
+                {stop_task, death_task, ready_task},
+                timeout=self.config.startup_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if stop_task in done:
+                return 0
+            if death_task in done:
+                child = death_task.result()
+                raise UnavailableError(
+                    f"{child.spec.name} (pid {child.pid}) {child.describe_exit()} while starting "
+                    "(its log is above); stopped everything"
+                )
+            if ready_task not in done:
+                waiting = ", ".join(sorted(self._not_ready)) or "?"
+                raise UnavailableError(
+                    f"not ready after {self.config.startup_timeout:g}s (still waiting for "
+                    f"{waiting}); stopped everything"
+                )
+            ready_task.result()
+            self._print_table()
+            done, _ = await asyncio.wait(
+                {stop_task, death_task}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if stop_task in done:
+                return 0
+            child = death_task.result()
+            logger.error(
+                "%s (pid %d) %s unexpectedly; stopping the other services",
+                child.spec.name, child.pid, child.describe_exit(),
+            )  # fmt: skip
+            return 1
+        finally:
+            for task in (stop_task, death_task, ready_task):
+                task.cancel()
+            await asyncio.gather(stop_task, death_task, ready_task, return_exceptions=True)
+
+    async def _first_death(self) -> Child:
+        """The first child that exits (polling: Popen objects have no awaitable exit)."""
+        while True:
+            for child in self.children:
+                if child.process.poll() is not None:
+                    return child
+            await asyncio.sleep(_POLL_S)
+
+    async def _wait_ready(self) -> None:
+        self._not_ready = {child.spec.name for child in self.children}
+
+        async def one(child: Child) -> None:
+            if child.spec.grpc_service is not None:
+                from services.common.grpc_channel import wait_healthy
+
+                await wait_healthy(
+                    child.spec.address,
+                    child.spec.grpc_service,
+                    timeout=self.config.startup_timeout,
+                    poll_interval=0.25,
+                )
+            else:
+                # /health is liveness only; /ready also means the gateway reached every backend.
+                await _wait_http_ok(f"{child.spec.address}/ready", self.config.startup_timeout)
+            self._not_ready.discard(child.spec.name)
+            logger.info("%s is ready at %s", child.spec.name, child.spec.address)
+
+        await asyncio.gather(*(one(child) for child in self.children))
+
+    def _print_table(self) -> None:
+        rows = [("service", "address", "metrics", "pid")]
+        rows += [
+            (c.spec.name, c.spec.address, c.spec.metrics_url, str(c.pid)) for c in self.children
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = [
+            "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+            for row in rows
+        ]
+        sys.stdout.write(f"tandem up: model {self.config.model}\n" + "\n".join(lines) + "\nready\n")
+        sys.stdout.flush()
+
+    async def _stop_all(self) -> None:
+        """SIGTERM every running child (last started first), wait, SIGKILL the rest; reap all."""
+        running = [c for c in reversed(self.children) if c.process.poll() is None]
+        for child in running:
+            logger.info("stopping %s (pid %d)", child.spec.name, child.pid)
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout
+        while any(c.process.poll() is None for c in running):
+            if self._kill_now.is_set() or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(_POLL_S)
+        for child in self.children:
+            if child.process.poll() is None:
+                logger.warning(
+                    "%s (pid %d) did not stop in time: SIGKILL", child.spec.name, child.pid
+                )
+            # Also catches anything a child started in its group and left behind.
+            _signal_group(child, signal.SIGKILL)
+        for child in self.children:
+            await asyncio.to_thread(child.process.wait)
+        if self.children:
+            logger.info("every service stopped")
+
+
+async def _wait_http_ok(url: str, timeout: float) -> None:
+    """Poll ``GET url`` until it answers 200; UnavailableError after ``timeout`` seconds."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(url) as response:
+                    if response.status == 200:
+                        return
+                    last = f"HTTP {response.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                last = type(err).__name__
+            await asyncio.sleep(0.25)
+    raise UnavailableError(f"{url} did not answer 200 within {timeout:g}s (last: {last})")

@@ -1,0 +1,362 @@
+"""``tandem up``: planning (ports, command lines), and the real thing as a subprocess: ready table,
+health and reflection on every address, clean SIGTERM, a crashed child stopping everything, a
+SIGKILLed launcher taking its children with it, and one-line errors for busy ports and children
+that fail to start. No test leaves a process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services import launcher
+from services.common import ports
+from services.common.errors import InvalidArgumentError
+from services.common.grpc_channel import open_channel
+from services.launcher import LaunchConfig, plan
+
+REPO = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 180.0
+WORKERS_MISSING = [
+    module
+    for module in ("services.prefill.main", "services.decode.main")
+    if importlib.util.find_spec(module) is None
+]
+needs_workers = pytest.mark.skipif(
+    bool(WORKERS_MISSING),
+    reason=f"{' and '.join(WORKERS_MISSING)} not written yet; cannot start prefill/decode workers",
+)
+
+
+# --- planning ----------------------------------------------------------------------------------
+
+
+def _with_gateway(monkeypatch: pytest.MonkeyPatch, present: bool) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        if name == "services.gateway.main":
+            return object() if present else None
+        return real(name, *args)
+
+    monkeypatch.setattr(launcher.importlib.util, "find_spec", find_spec)
+
+
+@needs_workers
+def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_gateway(monkeypatch, True)
+    specs = plan(LaunchConfig(num_prefill=2, num_decode=1, dtype="bfloat16", kv_cache_gib=1.5,
+                              worker_args=("--foo", "bar")))  # fmt: skip
+    assert [s.name for s in specs] == ["tokenizer", "prefill-0", "prefill-1", "decode-0", "gateway"]
+    assert [s.address for s in specs] == [
+        f"127.0.0.1:{ports.TOKENIZER_GRPC_PORT}",
+        f"127.0.0.1:{ports.prefill_grpc_port(0)}",
+        f"127.0.0.1:{ports.prefill_grpc_port(1)}",
+        f"127.0.0.1:{ports.decode_grpc_port(0)}",
+        f"http://127.0.0.1:{ports.GATEWAY_HTTP_PORT}",
+    ]
+    assert specs[2].metrics_url == f"http://127.0.0.1:{ports.prefill_metrics_port(1)}/metrics"
+    prefill1 = list(specs[2].argv)
+    assert prefill1[:3] == [sys.executable, "-m", "services"]
+    assert prefill1[4:6] == ["serve", "prefill"]
+    expected = {
+        "--port": str(ports.prefill_grpc_port(1)),
+        "--metrics-port": str(ports.prefill_metrics_port(1)),
+        "--worker-id": "prefill-1",
+        "--advertise-address": f"127.0.0.1:{ports.prefill_grpc_port(1)}",
+        "--dtype": "bfloat16",
+        "--kv-cache-gib": "1.5",
+        "--model": "default",
+    }
+    for flag, value in expected.items():
+        assert prefill1[prefill1.index(flag) + 1] == value
+    assert prefill1[-2:] == ["--foo", "bar"]
+    gateway = list(specs[-1].argv)
+    assert gateway[gateway.index("--tokenizer") + 1] == specs[0].address
+    assert [gateway[i + 1] for i, a in enumerate(gateway) if a == "--prefill"] == [
+        specs[1].address, specs[2].address,
+    ]  # fmt: skip
+    assert [gateway[i + 1] for i, a in enumerate(gateway) if a == "--decode"] == [specs[3].address]
+    assert gateway[gateway.index("--port") + 1] == str(ports.GATEWAY_HTTP_PORT)
+
+
+def test_plan_refuses_impossible_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    _with_gateway(monkeypatch, True)
+    with pytest.raises(InvalidArgumentError, match="planned twice"):
+        plan(LaunchConfig(num_prefill=0, num_decode=0, gateway=False,
+                          tokenizer_port=9000, tokenizer_metrics_port=9000))  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="gateway needs at least one prefill"):
+        plan(LaunchConfig(num_prefill=0, num_decode=0, gateway=True))
+    _with_gateway(monkeypatch, False)  # a missing gateway is skipped, not an error
+    assert [s.name for s in plan(LaunchConfig(num_prefill=0, num_decode=0))] == ["tokenizer"]
+
+
+@needs_workers
+def test_plan_refuses_overlapping_worker_ports() -> None:
+    with pytest.raises(InvalidArgumentError, match="planned twice"):
+        plan(LaunchConfig(num_prefill=11, num_decode=1, gateway=False))
+
+
+# --- the process -------------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _port_flags(num_prefill: int, num_decode: int) -> list[str]:
+    # Worker ports are bases (worker i gets base + i): give every role its own free block.
+    count = 2 + 2 * num_prefill + 2 * num_decode
+    free = iter(_free_ports(count + 8))
+    flags = ["--tokenizer-port", str(next(free)), "--tokenizer-metrics-port", str(next(free))]
+    for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+        if n:
+            assert n == 1, "consecutive free ports are only guaranteed for one worker per role"
+            flags += [f"--{role}-port", str(next(free)), f"--{role}-metrics-port", str(next(free))]
+    return flags
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children_of(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+@dataclass
+class Up:
+    """A running ``tandem up`` subprocess and what its stdout table said."""
+
+    process: subprocess.Popen[str]
+    log: IO[str]
+    rows: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (address, pid)
+    stdout_lines: list[str] = field(default_factory=list)
+
+    @property
+    def child_pids(self) -> list[int]:
+        return [pid for _, pid in self.rows.values()]
+
+    def stderr(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        done = threading.Event()
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                self.stdout_lines.append(line.rstrip("\n"))
+                if line.strip() == "ready":
+                    break
+            done.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not done.wait(timeout) or self.stdout_lines[-1:] != ["ready"]:
+            pytest.fail(f"tandem up not ready in {timeout:g}s; stderr:\n{self.stderr()[-4000:]}")
+        header = next(i for i, line in enumerate(self.stdout_lines) if line.startswith("service "))
+        for line in self.stdout_lines[header + 1 : -1]:
+            name, address, _metrics, pid = line.split()
+            self.rows[name] = (address, int(pid))
+
+
+StartUp = Callable[..., Up]
+
+
+@pytest.fixture
+def start_up() -> Iterator[StartUp]:
+    """Start ``tandem up`` with free ports; everything it started is killed at teardown."""
+    started: list[Up] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, gateway: bool = False) -> Up:
+        log = tempfile.TemporaryFile("w+")
+        gateway_flag = "--gateway" if gateway else "--no-gateway"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services", "up", gateway_flag, "--stop-timeout", "20", *args],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+        )  # fmt: skip
+        up = Up(process, log)
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        leftovers = set(up.child_pids)
+        if _alive(up.process.pid):
+            leftovers |= _children_of(up.process.pid)
+        if up.process.poll() is None:
+            up.process.kill()
+            up.process.wait()
+        for pid in leftovers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        up.log.close()
+
+
+async def _check_services(rows: dict[str, tuple[str, int]]) -> None:
+    expected = {"tokenizer": "tandem.v1.Tokenizer", "prefill": "tandem.v1.Prefill",
+                "decode": "tandem.v1.Decode"}  # fmt: skip
+    for name, (address, _) in rows.items():
+        service = expected[name.split("-")[0]]
+        channel = open_channel(address)
+        try:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            replies = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=10)]
+            assert service in {s.name for s in replies[0].list_services_response.service}, name
+        finally:
+            await channel.close()
+
+
+def _assert_all_gone(up: Up, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(pid) for pid in up.child_pids):
+        time.sleep(0.1)
+    assert not [pid for pid in up.child_pids if _alive(pid)], up.stderr()[-3000:]
+
+
+def _sigterm_run(
+    start_up: StartUp, num_prefill: int, num_decode: int, gateway: bool = False
+) -> None:
+    flags = _port_flags(num_prefill, num_decode)
+    if gateway:
+        flags += ["--gateway-port", str(_free_ports(1)[0])]
+    up = start_up("--prefill", str(num_prefill), "--decode", str(num_decode), *flags,
+                  gateway=gateway)  # fmt: skip
+    up.wait_ready()
+    names = ["tokenizer"] + [f"prefill-{i}" for i in range(num_prefill)]
+    names += [f"decode-{i}" for i in range(num_decode)] + (["gateway"] if gateway else [])
+    assert sorted(up.rows) == sorted(names)
+    assert set(up.child_pids) == _children_of(up.process.pid)  # the table lists every child
+    assert all(_alive(pid) for pid in up.child_pids)
+    grpc_rows = {name: row for name, row in up.rows.items() if name != "gateway"}
+    asyncio.run(_check_services(grpc_rows))
+    if gateway:
+        url = up.rows["gateway"][0]
+        for path in ("/health", "/ready", "/v1/models"):
+            with urllib.request.urlopen(url + path, timeout=10) as response:
+                assert response.status == 200, path
+                if path == "/v1/models":
+                    assert b"SmolLM2-135M-Instruct" in response.read()
+
+    started = time.monotonic()
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(timeout=40) == 0, up.stderr()[-3000:]
+    assert time.monotonic() - started < 30
+    _assert_all_gone(up, timeout=1.0)
+    assert "every service stopped" in up.stderr()
+
+
+@needs_workers
+def test_up_prefill_and_decode_then_sigterm(start_up: StartUp) -> None:
+    _sigterm_run(start_up, 1, 1)
+
+
+@needs_workers
+@pytest.mark.skipif(
+    importlib.util.find_spec("services.gateway.main") is None,
+    reason="services.gateway.main not written yet",
+)
+def test_up_with_the_gateway_then_sigterm(start_up: StartUp) -> None:
+    _sigterm_run(start_up, 1, 1, gateway=True)
+
+
+def test_up_tokenizer_only_then_sigterm(start_up: StartUp) -> None:
+    _sigterm_run(start_up, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "workers",
+    [pytest.param((1, 1), marks=needs_workers, id="full"), pytest.param((0, 0), id="tok")],
+)
+def test_a_crashed_child_stops_everything(start_up: StartUp, workers: tuple[int, int]) -> None:
+    num_prefill, num_decode = workers
+    up = start_up(
+        "--prefill", str(num_prefill), "--decode", str(num_decode),
+        *_port_flags(num_prefill, num_decode),
+    )  # fmt: skip
+    up.wait_ready()
+    victim = "decode-0" if "decode-0" in up.rows else "tokenizer"
+    os.kill(up.rows[victim][1], signal.SIGKILL)
+    code = up.process.wait(timeout=40)
+    assert code == 1
+    assert f"{victim} (pid {up.rows[victim][1]}) was killed by SIGKILL unexpectedly" in up.stderr()
+    _assert_all_gone(up, timeout=1.0)
+
+
+def test_a_killed_launcher_takes_its_children_along(start_up: StartUp) -> None:
+    up = start_up("--prefill", "0", "--decode", "0", *_port_flags(0, 0))
+    up.wait_ready()
+    up.process.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG does it
+    up.process.wait()
+    _assert_all_gone(up, timeout=10.0)
+
+
+def test_busy_port_is_a_one_line_error(start_up: StartUp) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        flags = _port_flags(0, 0)
+        flags[1] = str(port)
+        up = start_up("--prefill", "0", "--decode", "0", *flags)
+        assert up.process.wait(timeout=60) == 2
+    errors = [line for line in up.stderr().splitlines() if line.startswith("tandem: error:")]
+    assert errors == [
+        f"tandem: error: port {port} (tokenizer gRPC) on 127.0.0.1 is not available: "
+        "Address already in use"
+    ]
+    assert not _children_of(up.process.pid)
+
+
+def test_a_child_failing_to_start_is_a_one_line_error(start_up: StartUp) -> None:
+    env = dict(os.environ, TANDEM_MODEL="/nonexistent/model.gguf")
+    up = start_up("--prefill", "0", "--decode", "0", *_port_flags(0, 0), env=env)
+    assert up.process.wait(timeout=60) == 2
+    stderr = up.stderr()
+    assert "tandem: error: model path does not exist" in stderr  # the child's own line
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("tandem: error: tokenizer (pid ")
+    assert "exited with code 2 while starting" in last
