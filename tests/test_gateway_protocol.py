@@ -14,11 +14,15 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from services.common.errors import InvalidArgumentError, NotFoundError
-from services.gateway.openai_protocol import (
+from services.gateway.openai_requests import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     UNBOUNDED_MAX_TOKENS,
-    ChatChoice,
     ChatMessage,
+    parse_chat_request,
+    parse_completion_request,
+)
+from services.gateway.openai_responses import (
+    ChatChoice,
     CompletionChoice,
     ModelCard,
     TokenLogprob,
@@ -34,8 +38,6 @@ from services.gateway.openai_protocol import (
     models_response,
     new_chat_completion_id,
     new_completion_id,
-    parse_chat_request,
-    parse_completion_request,
     usage_dict,
 )
 
@@ -56,7 +58,8 @@ def comp(**fields: Any) -> dict[str, Any]:
 def test_gateway_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import services.gateway.openai_protocol, services.gateway.safety\n"
+        "import services.gateway.openai_requests, services.gateway.openai_responses\n"
+        "import services.gateway.safety\n"
         "import services.gateway.auth, services.gateway.rate_limit\n"
         "import services.gateway.sse, services.gateway.http_errors\n"
         "print('torch' in sys.modules)"

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from services.common.errors import UnavailableError
 from services.gateway.http_errors import error_middleware, error_response, read_json_body
-from services.gateway.openai_protocol import (
+from services.gateway.openai_requests import parse_chat_request, parse_completion_request
+from services.gateway.openai_responses import (
     ChatChoice,
     CompletionChoice,
     ModelCard,
@@ -30,8 +31,6 @@ from services.gateway.openai_protocol import (
     models_response,
     new_chat_completion_id,
     new_completion_id,
-    parse_chat_request,
-    parse_completion_request,
     usage_dict,
 )
 from services.gateway.rate_limit import RateLimitError

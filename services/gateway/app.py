@@ -1,0 +1,126 @@
+"""The gateway's aiohttp application: routes, middleware, and the start-up / shutdown of what
+the handlers share.
+
+:func:`build_app` wires a :class:`~services.gateway.state.GatewayState` from a
+:class:`~services.gateway.config.GatewayConfig` into a ``web.Application``:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
+  ``GET /health``, ``GET /ready``, ``GET /metrics``;
+- the OpenAI error middleware (every failure is ``{"error": {...}}`` with OpenAI's status);
+- ``client_max_size`` = ``max_body_bytes``, so larger bodies are refused with 413.
+
+Lifecycle (aiohttp signals):
+
+1. start-up: poll every worker once (so the first request can be routed), then keep polling in
+   the background; ask the tokenizer service for the model's facts (in the background until it
+   answers, so the gateway may start before its backend);
+2. shutdown: stop polling, give in-flight cleanup (aborts) a moment, close the gRPC channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import web
+
+from services.common.metrics import TandemMetrics, metrics_handler
+from services.gateway.auth import ApiKeyAuth
+from services.gateway.backend import Backend
+from services.gateway.completions import chat_completions, completions
+from services.gateway.config import GatewayConfig
+from services.gateway.http_errors import error_middleware
+from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
+from services.gateway.router import Router
+from services.gateway.safety import SafetyPolicy, load_policy
+from services.gateway.state import STATE_KEY, GatewayState
+from services.gateway.status_routes import health, model, models, ready
+
+logger = logging.getLogger(__name__)
+
+_WATCH_KEY = web.AppKey("tandem_model_info_watch", asyncio.Task)
+
+
+def build_state(
+    config: GatewayConfig,
+    *,
+    auth: ApiKeyAuth | None = None,
+    policy: SafetyPolicy | None = None,
+    metrics: TandemMetrics | None = None,
+) -> GatewayState:
+    """The shared objects for ``config`` (channels open lazily; nothing is contacted yet)."""
+    config.validate()
+    backend = Backend(config)
+    rate_limiter = None
+    if config.rate_limit_rpm is not None:
+        burst = config.rate_limit_burst
+        if burst is None:
+            burst = max(1.0, config.rate_limit_rpm / 60.0)
+        rate_limiter = RateLimiter(config.rate_limit_rpm, burst)
+    return GatewayState(
+        config=config,
+        backend=backend,
+        router=Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s),
+        policy=policy if policy is not None else load_policy(config.safety_policy),
+        auth=auth if auth is not None else ApiKeyAuth(()),
+        rate_limiter=rate_limiter,
+        admission=AdmissionLimiter(config.max_in_flight),
+        metrics=metrics if metrics is not None else TandemMetrics(),
+    )
+
+
+def build_app(
+    config: GatewayConfig,
+    *,
+    auth: ApiKeyAuth | None = None,
+    policy: SafetyPolicy | None = None,
+    metrics: TandemMetrics | None = None,
+) -> web.Application:
+    """The gateway application for ``config`` (see the module docstring).
+
+    Call it inside the event loop that will serve the app: its gRPC channels (``grpc.aio``)
+    belong to the loop they are created in.
+    """
+    state = build_state(config, auth=auth, policy=policy, metrics=metrics)
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
+    app[STATE_KEY] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics_handler(state.metrics))
+    app.on_startup.append(_start)
+    app.on_shutdown.append(_shutdown)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    await state.router.start()
+    app[_WATCH_KEY] = asyncio.create_task(state.watch_model_info(), name="tandem-model-info")
+    logger.info(
+        "gateway backends: tokenizer %s, prefill %s, decode %s",
+        state.config.tokenizer_address,
+        ",".join(state.config.prefill_addresses),
+        ",".join(state.config.decode_addresses),
+    )
+
+
+async def _shutdown(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    watch = app.get(_WATCH_KEY)
+    if watch is not None:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    await state.router.stop()
+
+
+async def _cleanup(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    await state.drain()
+    await state.backend.close()

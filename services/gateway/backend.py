@@ -1,0 +1,246 @@
+"""gRPC clients of the three backend services, as the gateway uses them.
+
+Every call carries a deadline from :class:`~services.gateway.config.BackendTimeouts`, and every
+failed RPC is re-raised as the typed :class:`~services.common.errors.TandemError` the server meant
+(:func:`~services.common.grpc_errors.status_to_error`), so handlers only ever see typed errors:
+an UNAVAILABLE worker becomes a 503, a bad prompt a 400 naming its ``param``.
+
+- :class:`TokenizerClient`: Tokenize, Detokenize (whole id lists, for checking token-id prompts),
+  GetModelInfo, health.
+- :class:`WorkerClient`: one prefill or decode worker: Prefill, Generate (as a
+  :class:`GenerateStream` that can be cancelled), Abort (never raises: cleanup must not fail),
+  GetStats, health.
+- :class:`Backend`: all of them over one channel per address; ``await close()`` closes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import UnavailableError
+from services.common.grpc_channel import open_channel
+from services.common.grpc_errors import status_to_error
+from services.common.pb import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from services.gateway.config import BackendTimeouts, GatewayConfig
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+SERVICE_NAMES: dict[str, str] = {
+    "tokenizer": "tandem.v1.Tokenizer",
+    "prefill": "tandem.v1.Prefill",
+    "decode": "tandem.v1.Decode",
+}
+
+
+async def _health(channel: grpc.aio.Channel, service: str, timeout: float) -> str:
+    """``"SERVING"``, another health status name, or the RPC failure as ``"CODE: details"``."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+    except grpc.aio.AioRpcError as err:
+        return f"{err.code().name}: {err.details() or ''}".rstrip(": ")
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class TokenizerClient:
+    """The tokenizer service."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, timeouts: BackendTimeouts) -> None:
+        self.address = address
+        self._channel = channel
+        self._stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        self._timeouts = timeouts
+
+    async def tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest
+    ) -> tokenizer_pb2.TokenizeResponse:
+        try:
+            return await self._stub.Tokenize(request, timeout=self._timeouts.tokenize_s)
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+
+    async def detokenize(
+        self, token_ids: Sequence[int], *, skip_special_tokens: bool = True
+    ) -> str:
+        """The whole text of ``token_ids`` (one Detokenize stream: config, ids, half-close)."""
+        messages = [
+            tokenizer_pb2.DetokenizeRequest(
+                config=tokenizer_pb2.DetokenizeConfig(skip_special_tokens=skip_special_tokens)
+            ),
+            tokenizer_pb2.DetokenizeRequest(ids=tokenizer_pb2.TokenIds(token_ids=list(token_ids))),
+        ]
+
+        async def requests() -> AsyncIterator[tokenizer_pb2.DetokenizeRequest]:
+            for message in messages:
+                yield message
+
+        parts: list[str] = []
+        try:
+            call = self._stub.Detokenize(requests(), timeout=self._timeouts.tokenize_s)
+            async for reply in call:
+                parts.append(reply.text)
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+        return "".join(parts)
+
+    async def model_info(self) -> tokenizer_pb2.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(
+                tokenizer_pb2.ModelInfoRequest(), timeout=self._timeouts.control_s
+            )
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+
+    async def health(self) -> str:
+        return await _health(self._channel, SERVICE_NAMES["tokenizer"], self._timeouts.control_s)
+
+
+class GenerateStream:
+    """One ``Decode.Generate`` call: read messages one by one, or cancel it."""
+
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, address: str, *, first_s: float, idle_s: float
+    ) -> None:
+        self._call = call
+        self._address = address
+        self._first_s = first_s
+        self._idle_s = idle_s
+        self._started = False
+
+    async def next(self) -> decode_pb2.GenerateResponse | None:
+        """The next message, or None at the end of the stream.
+
+        The first message must come within ``first_s`` (the worker's own KV wait plus a margin),
+        each later one within ``idle_s``: a wedged worker fails the request instead of hanging it,
+        while a long generation may still run for as long as it keeps producing.
+
+        Raises:
+            TandemError: the RPC failed (UnavailableError when the worker went silent).
+        """
+        limit = self._idle_s if self._started else self._first_s
+        try:
+            reply = await asyncio.wait_for(self._call.read(), limit)
+        except TimeoutError as err:
+            self.cancel()
+            raise UnavailableError(
+                f"decode worker {self._address} sent nothing for {limit:g}s"
+            ) from err
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+        if reply is grpc.aio.EOF:
+            return None
+        self._started = True
+        return reply
+
+    def cancel(self) -> None:
+        """Cancel the RPC (idempotent); the decode worker sees the cancellation and frees."""
+        self._call.cancel()
+
+
+class WorkerClient:
+    """One prefill or decode worker."""
+
+    def __init__(
+        self, role: Role, address: str, channel: grpc.aio.Channel, timeouts: BackendTimeouts
+    ) -> None:
+        self.role: Role = role
+        self.address = address
+        self._channel = channel
+        self._timeouts = timeouts
+        self._prefill = prefill_pb2_grpc.PrefillStub(channel) if role == "prefill" else None
+        self._decode = decode_pb2_grpc.DecodeStub(channel) if role == "decode" else None
+        # Abort and GetStats have the same shape on both services.
+        self._control: Any = self._prefill if self._prefill is not None else self._decode
+
+    def __repr__(self) -> str:
+        return f"WorkerClient({self.role}@{self.address})"
+
+    async def prefill(self, request: prefill_pb2.PrefillRequest) -> prefill_pb2.PrefillResponse:
+        if self._prefill is None:
+            raise TypeError(f"{self!r} is not a prefill worker")  # a programming error
+        try:
+            return await self._prefill.Prefill(request, timeout=self._timeouts.prefill_s)
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+
+    def generate(self, request_id: str) -> GenerateStream:
+        """Start ``Generate`` now (the RPC begins before the first read)."""
+        if self._decode is None:
+            raise TypeError(f"{self!r} is not a decode worker")
+        wait = self._timeouts.wait_for_kv_s
+        request = decode_pb2.GenerateRequest(request_id=request_id, wait_for_kv_seconds=wait)
+        call = self._decode.Generate(request)
+        first = wait + self._timeouts.control_s
+        return GenerateStream(
+            call, self.address, first_s=first, idle_s=self._timeouts.generate_idle_s
+        )
+
+    async def abort(self, request_id: str, reason: str) -> bool:
+        """Ask the worker to drop everything it holds for ``request_id``; never raises."""
+        request = common_pb2.AbortRequest(request_id=request_id, reason=reason)
+        try:
+            reply = await self._control.Abort(request, timeout=self._timeouts.control_s)
+        except grpc.aio.AioRpcError as err:
+            logger.warning(
+                "abort failed",
+                extra={"request_id": request_id, "worker": self.address, "error": err.code().name},
+            )
+            return False
+        except Exception:
+            logger.warning("abort failed", extra={"request_id": request_id}, exc_info=True)
+            return False
+        return bool(reply.found)
+
+    async def stats(self) -> common_pb2.WorkerStats:
+        try:
+            return await self._control.GetStats(
+                common_pb2.StatsRequest(), timeout=self._timeouts.control_s
+            )
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+
+    async def health(self) -> str:
+        return await _health(self._channel, SERVICE_NAMES[self.role], self._timeouts.control_s)
+
+
+class Backend:
+    """Channels and clients for every backend address of a :class:`GatewayConfig`."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        t = config.timeouts
+        self.tokenizer = TokenizerClient(
+            config.tokenizer_address, self._channel(config.tokenizer_address), t
+        )
+        self.prefill = tuple(
+            WorkerClient("prefill", a, self._channel(a), t) for a in config.prefill_addresses
+        )
+        self.decode = tuple(
+            WorkerClient("decode", a, self._channel(a), t) for a in config.decode_addresses
+        )
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = open_channel(address)
+        return self._channels[address]
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

@@ -1,0 +1,294 @@
+"""One generated choice, end to end across a prefill and a decode worker (SPEC §2.4-§2.12).
+
+Lifecycle of a :class:`ChoiceRun`:
+
+1. Pick the least-loaded decode and prefill workers (router leases count it as in flight).
+2. Start ``Decode.Generate`` (it waits for the KV) and, concurrently, ``Prefill.Prefill`` with the
+   decode worker's address: prefill ships the KV straight to decode; the gateway never sees it.
+3. Relay Generate's messages through the output safety filter: only text the filter released is
+   emitted, and each logprob entry is emitted with the text its token produced (held back with
+   it), so nothing of a blocked phrase ever leaves.
+4. Finish: on the message carrying ``finish_reason``, flush the filter and emit the last event; a
+   block ends the choice early with ``content_filter`` and aborts the request on both workers.
+5. Any other exit (an error, a failed prefill, the client going away = task cancellation) cancels
+   the Generate call and the Prefill call and sends ``Abort`` to both workers concurrently, in a
+   task that outlives the cancellation, so every KV block is freed.
+
+A worker that is down (UNAVAILABLE) before anything was emitted is marked down in the router and
+the choice is retried once per remaining worker, under a new backend request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+from services.common.errors import TandemError, UnavailableError
+from services.common.pb import decode_pb2, prefill_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.wire import sampling_params_to_proto
+from services.gateway.backend import GenerateStream
+from services.gateway.openai_responses import TokenLogprob
+from services.gateway.router import Router, WorkerState
+from services.gateway.safety import OutputFilter
+from services.gateway.token_texts import TokenTexts, to_openai_logprob
+from services.gateway.worker_errors import WorkerDown, worker_error
+
+logger = logging.getLogger(__name__)
+
+PREFILL_REPLY_GRACE_S = 5.0
+"""How long a finished choice waits for its PrefillResponse (usage's cached tokens, timings)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEvent:
+    """Text (and its logprobs) now safe to send for choice ``index``; the last has a reason."""
+
+    index: int
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class ChoiceStats:
+    """What happened to one choice, for usage, metrics and the request's log line."""
+
+    index: int
+    request_id: str
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    dispatched_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_s: float | None = None
+    transfer_s: float | None = None
+    queue_s: float | None = None
+    finish_reason: str | None = None
+    attempts: int = 0
+    token_gaps: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDeps:
+    """What a choice needs from the gateway."""
+
+    router: Router
+    new_filter: Callable[[], OutputFilter]
+    token_texts: TokenTexts
+    prefill_timeout_s: float
+    spawn: Callable[[Coroutine[object, object, object]], None]
+
+
+class ChoiceRun:
+    """Runs one choice; ``emit`` receives its events in order (see the module lifecycle)."""
+
+    def __init__(
+        self,
+        deps: ChoiceDeps,
+        *,
+        index: int,
+        request_id: str,
+        prompt_ids: tuple[int, ...],
+        params: SamplingParams,
+        emit: Callable[[ChoiceEvent], None],
+    ) -> None:
+        self._deps = deps
+        self._prompt_ids = prompt_ids
+        self._params = params
+        self._emit = emit
+        self._emitted = False
+        self.stats = ChoiceStats(index=index, request_id=request_id)
+
+    async def run(self) -> ChoiceStats:
+        """Generate the choice; raise a TandemError on failure (after cleaning up)."""
+        router = self._deps.router
+        max_attempts = max(len(router.workers("prefill")), len(router.workers("decode")))
+        while True:
+            self.stats.attempts += 1
+            suffix = "" if self.stats.attempts == 1 else f"-r{self.stats.attempts - 1}"
+            decode, prefill = router.pick("decode"), router.pick("prefill")
+            try:
+                with router.lease(decode), router.lease(prefill):
+                    await self._attempt(self.stats.request_id + suffix, prefill, decode)
+                return self.stats
+            except WorkerDown as down:
+                router.mark_down(down.worker, down.error)
+                if self._emitted or self.stats.attempts >= max_attempts:
+                    raise down.error from down
+                logger.warning(
+                    "retrying choice on another worker",
+                    extra={"request_id": self.stats.request_id, "failed": down.worker.address},
+                )
+
+    async def _attempt(self, rid: str, prefill: WorkerState, decode: WorkerState) -> None:
+        s = self.stats
+        s.prefill_worker, s.decode_worker = prefill.address, decode.address
+        s.dispatched_at = time.monotonic()
+        stream = decode.client.generate(rid)
+        prefill_task = asyncio.ensure_future(self._prefill(rid, prefill, decode))
+        clean = False
+        try:
+            await self._relay(rid, stream, prefill_task, prefill, decode)
+            await self._await_prefill_stats(prefill_task)
+            clean = True
+        finally:
+            if not clean:
+                stream.cancel()
+                prefill_task.cancel()
+                prefill_task.add_done_callback(_retrieve)
+                reason = "gateway: request ended early"
+                self._deps.spawn(_abort_both(rid, prefill, decode, reason))
+
+    async def _prefill(
+        self, rid: str, prefill: WorkerState, decode: WorkerState
+    ) -> prefill_pb2.PrefillResponse:
+        request = prefill_pb2.PrefillRequest(
+            request_id=rid,
+            token_ids=list(self._prompt_ids),
+            params=sampling_params_to_proto(self._params),
+            decode_address=decode.address,
+            deadline_unix=time.time() + self._deps.prefill_timeout_s,
+        )
+        try:
+            return await prefill.client.prefill(request)
+        except TandemError as err:
+            mapped = worker_error(err, prefill)
+            if mapped is err:
+                raise
+            raise mapped from err
+
+    async def _next(
+        self, stream: GenerateStream, prefill_task: asyncio.Future[object], decode: WorkerState
+    ) -> decode_pb2.GenerateResponse | None:
+        """The next Generate message; a failed prefill wins over the stream it starves."""
+        if prefill_task.done():
+            prefill_task.result()  # raises the prefill's error, if any
+            return await self._read(stream, decode)
+        read = asyncio.ensure_future(self._read(stream, decode))
+        try:
+            await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done():
+                prefill_task.result()
+            return await read
+        finally:
+            if not read.done():
+                read.cancel()
+            elif not read.cancelled():
+                read.exception()  # mark retrieved: a prefill failure was raised instead
+
+    async def _read(
+        self, stream: GenerateStream, decode: WorkerState
+    ) -> decode_pb2.GenerateResponse | None:
+        try:
+            return await stream.next()
+        except TandemError as err:
+            mapped = worker_error(err, decode)
+            if mapped is err:
+                raise
+            raise mapped from err
+
+    async def _relay(
+        self,
+        rid: str,
+        stream: GenerateStream,
+        prefill_task: asyncio.Future[object],
+        prefill: WorkerState,
+        decode: WorkerState,
+    ) -> None:
+        s = self.stats
+        out_filter = self._deps.new_filter()
+        pending: collections.deque[tuple[int, list[TokenLogprob]]] = collections.deque()
+        produced = sent = 0
+        last = s.dispatched_at
+        want_logprobs = self._params.logprobs is not None
+        while True:
+            msg = await self._next(stream, prefill_task, decode)
+            if msg is None:
+                raise UnavailableError(
+                    f"decode worker {decode.address} ended the stream without a finish reason"
+                )
+            now = time.monotonic()
+            if s.first_token_at is None:
+                s.first_token_at = now
+                self._send(ChoiceEvent(s.index))  # opens the stream even while text is held
+            else:
+                s.token_gaps.append(now - last)
+            last = now
+            s.prompt_tokens = msg.num_prompt_tokens or len(self._prompt_ids)
+            s.completion_tokens = msg.completion_tokens or s.completion_tokens + len(msg.token_ids)
+            produced += len(msg.text)
+            if want_logprobs and msg.logprobs:
+                lps = [to_openai_logprob(lp, self._deps.token_texts) for lp in msg.logprobs]
+                pending.append((produced, lps))
+            result = out_filter.push(msg.text)
+            finish = msg.finish_reason or None
+            if finish is not None and not result.blocked:
+                tail = out_filter.finish()
+                result = dataclasses.replace(
+                    tail, text_to_send=result.text_to_send + tail.text_to_send
+                )
+            sent += len(result.text_to_send)
+            released: list[TokenLogprob] = []
+            while pending and (pending[0][0] <= sent or (finish and not result.blocked)):
+                released.extend(pending.popleft()[1])
+            if result.blocked:
+                s.finish_reason = "content_filter"
+                s.finished_at = now
+                self._send(
+                    ChoiceEvent(s.index, result.text_to_send, tuple(released), "content_filter")
+                )
+                stream.cancel()
+                self._deps.spawn(_abort_both(rid, prefill, decode, "gateway: output safety filter"))
+                return
+            if finish is not None:
+                s.finish_reason = finish
+                s.finished_at = now
+                self._send(ChoiceEvent(s.index, result.text_to_send, tuple(released), finish))
+                return
+            if result.text_to_send or released:
+                self._send(ChoiceEvent(s.index, result.text_to_send, tuple(released)))
+
+    async def _await_prefill_stats(self, prefill_task: asyncio.Future[object]) -> None:
+        """Take cached tokens and timings from the PrefillResponse (it arrives with the KV ack)."""
+        s = self.stats
+        try:
+            reply = await asyncio.wait_for(prefill_task, PREFILL_REPLY_GRACE_S)
+        except (TimeoutError, TandemError, WorkerDown) as err:
+            logger.warning(
+                "no prefill response for a finished choice",
+                extra={"request_id": s.request_id, "error": repr(err)},
+            )
+            return
+        if not isinstance(reply, prefill_pb2.PrefillResponse):
+            return
+        arrived = time.monotonic()
+        s.cached_tokens = reply.num_cached_tokens
+        s.prefill_s = reply.prefill_seconds
+        s.transfer_s = reply.transfer_seconds
+        known = reply.prefill_seconds + reply.transfer_seconds
+        end = min(arrived, s.first_token_at or arrived)
+        s.queue_s = max(0.0, end - s.dispatched_at - known)
+
+    def _send(self, event: ChoiceEvent) -> None:
+        self._emitted = True
+        self._emit(event)
+
+
+def _retrieve(task: asyncio.Future[object]) -> None:
+    """Mark a task's outcome as seen (its failure was handled or superseded)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _abort_both(rid: str, prefill: WorkerState, decode: WorkerState, reason: str) -> None:
+    """Abort ``rid`` on both workers at once (each call never raises)."""
+    await asyncio.gather(prefill.client.abort(rid, reason), decode.client.abort(rid, reason))

@@ -1,0 +1,285 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: one request flow for both.
+
+Per request (SPEC §2), in order, each step refusing before any compute when it fails:
+
+1. authenticate the API key (401) and count it against its rate limit (429 + Retry-After);
+2. read and validate the body (400 naming ``param``; 413 above the size limit; 404 for an
+   unknown model);
+3. check the input against the safety policy (400 ``content_policy_violation``);
+4. take an admission slot (429 + Retry-After when the gateway is full; nothing is queued);
+5. tokenize on the tokenizer service (chat template, context window; chats with no max_tokens
+   may use the whole context left after the prompt);
+6. run the ``n`` choices (:class:`~services.gateway.request_run.RequestRun`), racing every wait
+   against the client disconnecting;
+7. answer: one JSON object, or an SSE stream opened at the first token (so failures before it
+   are still proper HTTP errors), ending with an optional usage chunk and ``[DONE]``;
+8. always: release the slot, cancel what still runs (each choice aborts itself on its workers),
+   and close the :class:`~services.gateway.request_log.RequestRecord` (log line + metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from services.common.errors import InvalidArgumentError, TandemError
+from services.common.pb import common_pb2, tokenizer_pb2
+from services.common.sampling_params import SamplingParams
+from services.gateway.disconnect import watch_disconnect
+from services.gateway.http_errors import read_json_body
+from services.gateway.openai_requests import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from services.gateway.openai_responses import new_chat_completion_id, new_completion_id, usage_dict
+from services.gateway.renderers import ChatRenderer, CompletionRenderer, Renderer
+from services.gateway.request_log import OUTCOME_DISCONNECTED, RequestRecord
+from services.gateway.request_run import RequestRun
+from services.gateway.safety import content_policy_error
+from services.gateway.sse import ClientDisconnected, SSEWriter, current_writer
+from services.gateway.state import STATE_KEY, GatewayState
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A validated, tokenized request ready to run."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    renderer: Renderer
+    stream: bool
+    include_usage: bool
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, RequestRecord(new_chat_completion_id(), "chat"))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, RequestRecord(new_completion_id(), "completions"))
+
+
+async def _serve(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    slot = None
+    try:
+        record.api_key = state.auth.check(request.headers.get("Authorization"))
+        if state.rate_limiter is not None:
+            state.rate_limiter.acquire(record.api_key)
+        info = await state.require_model_info()
+        body = await read_json_body(request)
+        parsed: ChatRequest | CompletionRequest
+        if record.endpoint == "chat":
+            parsed = parse_chat_request(body, served_models=state.served_names)
+        else:
+            parsed = parse_completion_request(body, served_models=state.served_names)
+        record.model, record.stream = parsed.model, parsed.stream
+        await _check_input(state, parsed.texts(), _input_param(parsed))
+        slot = state.admission.try_acquire()
+        state.metrics.num_requests_running.inc()
+        if isinstance(parsed, ChatRequest):
+            job = await _prepare_chat(state, parsed, info, record)
+        else:
+            job = await _prepare_completion(state, parsed, info, record)
+        return await _run(request, state, record, job)
+    except ClientDisconnected:
+        # Return rather than raise: aiohttp logs any exception a handler raises as an error with
+        # a traceback, while a response for a closed connection is dropped quietly.
+        record.outcome = OUTCOME_DISCONNECTED
+        record.status = CLIENT_CLOSED_REQUEST
+        writer = current_writer(request)
+        if writer is not None and writer.prepared:
+            return writer.response
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    except asyncio.CancelledError:  # server shutdown past its grace period
+        record.outcome = OUTCOME_DISCONNECTED
+        record.status = CLIENT_CLOSED_REQUEST
+        record.error = "cancelled by the server"
+        raise
+    except TandemError as err:
+        record.fail(err.http_status, err.message, before_compute=not record.dispatched)
+        raise
+    except Exception as exc:
+        record.fail(500, f"{type(exc).__name__}: {exc}", before_compute=False)
+        raise
+    finally:
+        if slot is not None:
+            slot.release()
+            state.metrics.num_requests_running.dec()
+        record.close(state.metrics)
+
+
+def _input_param(parsed: ChatRequest | CompletionRequest) -> str:
+    return "messages" if isinstance(parsed, ChatRequest) else "prompt"
+
+
+async def _check_input(state: GatewayState, texts: tuple[str, ...], param: str) -> None:
+    if not texts:
+        return
+    verdict = await state.policy.check_input(texts)
+    if not verdict.allowed:
+        state.metrics.safety_blocks.labels(stage="input").inc()
+        raise content_policy_error(verdict, param=param)
+
+
+async def _tokenize(
+    state: GatewayState, record: RequestRecord, request: tokenizer_pb2.TokenizeRequest
+) -> tokenizer_pb2.TokenizeResponse:
+    start = time.monotonic()
+    reply = await state.backend.tokenizer.tokenize(request)
+    record.tokenize_s = time.monotonic() - start
+    record.dropped_messages = reply.dropped_messages
+    return reply
+
+
+async def _prepare_chat(
+    state: GatewayState, req: ChatRequest, info: tokenizer_pb2.ModelInfo, record: RequestRecord
+) -> _Job:
+    messages = [common_pb2.ChatMessage(role=m.role, content=m.content) for m in req.messages]
+    reply = await _tokenize(
+        state,
+        record,
+        tokenizer_pb2.TokenizeRequest(
+            chat=tokenizer_pb2.ChatMessages(messages=messages),
+            add_generation_prompt=True,
+            max_tokens=req.max_tokens or 1,
+            truncate=state.config.truncate_chats,
+        ),
+    )
+    ids = tuple(reply.token_ids)
+    params = req.sampling
+    if req.max_tokens is None and info.context_length:
+        room = info.context_length - len(ids)
+        if room < 1:
+            raise InvalidArgumentError(
+                f"This model's maximum context length is {info.context_length} tokens and the "
+                f"messages use {len(ids)}; no room is left for the completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        params = dataclasses.replace(params, max_tokens=room)
+    renderer = ChatRenderer(
+        request_id=record.request_id, model=req.model, n=params.n, logprobs=req.logprobs
+    )
+    return _Job(ids, params, renderer, req.stream, req.include_usage)
+
+
+async def _prepare_completion(
+    state: GatewayState,
+    req: CompletionRequest,
+    info: tokenizer_pb2.ModelInfo,
+    record: RequestRecord,
+) -> _Job:
+    params = req.sampling
+    if isinstance(req.prompt, str):
+        reply = await _tokenize(
+            state,
+            record,
+            tokenizer_pb2.TokenizeRequest(
+                text=req.prompt, add_special_tokens=True, max_tokens=params.max_tokens
+            ),
+        )
+        ids, prompt_text = tuple(reply.token_ids), req.prompt
+    else:
+        ids = req.prompt
+        _check_ids(ids, params.max_tokens, info)
+        start = time.monotonic()
+        prompt_text = await state.backend.tokenizer.detokenize(ids, skip_special_tokens=False)
+        record.tokenize_s = time.monotonic() - start
+        await _check_input(state, (prompt_text,), "prompt")
+    if req.echo and params.logprobs is not None:
+        raise InvalidArgumentError(
+            "'echo' together with 'logprobs' is not supported by this server.",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    renderer = CompletionRenderer(
+        request_id=record.request_id,
+        model=req.model,
+        n=params.n,
+        logprobs=params.logprobs is not None,
+        echo_text=prompt_text if req.echo else None,
+    )
+    return _Job(ids, params, renderer, req.stream, req.include_usage)
+
+
+def _check_ids(ids: tuple[int, ...], max_tokens: int, info: tokenizer_pb2.ModelInfo) -> None:
+    if info.vocab_size:
+        for i, token in enumerate(ids):
+            if token >= info.vocab_size:
+                raise InvalidArgumentError(
+                    f"Invalid 'prompt[{i}]': token id {token} is outside the vocabulary "
+                    f"[0, {info.vocab_size}).",
+                    param="prompt",
+                    code="invalid_value",
+                )
+    if info.context_length and len(ids) + max_tokens > info.context_length:
+        raise InvalidArgumentError(
+            f"This model's maximum context length is {info.context_length} tokens, but the "
+            f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+
+
+async def _run(
+    request: web.Request, state: GatewayState, record: RequestRecord, job: _Job
+) -> web.StreamResponse:
+    record.prompt_tokens = len(job.prompt_ids)
+    run = RequestRun(
+        state.choice_deps(),
+        request_id=record.request_id,
+        prompt_ids=job.prompt_ids,
+        params=job.params,
+    )
+    record.choices = run.stats
+    record.dispatched = True
+    gone = watch_disconnect(request)
+    run.start()
+    try:
+        if job.stream:
+            return await _stream(request, run, job, gone, record)
+        while (event := await run.next_event(gone)) is not None:
+            job.renderer.add(event)
+        return web.json_response(
+            job.renderer.response(_usage(record)), headers={"X-Request-Id": record.request_id}
+        )
+    finally:
+        gone.cancel()
+        await run.close()
+
+
+async def _stream(
+    request: web.Request,
+    run: RequestRun,
+    job: _Job,
+    gone: asyncio.Future[object],
+    record: RequestRecord,
+) -> web.StreamResponse:
+    event = await run.next_event(gone)  # the first token: only now commit to a 200
+    writer = SSEWriter(headers={"X-Request-Id": record.request_id})
+    await writer.prepare(request)
+    for chunk in job.renderer.start_chunks():
+        await writer.send_json(chunk)
+    while event is not None:
+        for chunk in job.renderer.event_chunks(event):
+            await writer.send_json(chunk)
+        event = await run.next_event(gone)
+    if job.include_usage:
+        await writer.send_json(job.renderer.usage_chunk(_usage(record)))
+    await writer.send_done()
+    return writer.response
+
+
+def _usage(record: RequestRecord) -> dict[str, object]:
+    completion = sum(c.completion_tokens for c in record.choices)
+    cached = min((c.cached_tokens for c in record.choices), default=0)
+    return usage_dict(record.prompt_tokens, completion, cached)

@@ -1,0 +1,105 @@
+"""The gateway's configuration: where the backend services are, and how the gateway limits and
+times out requests.
+
+One frozen dataclass built once by ``main.run`` from flags and the environment (never at import
+time) and handed to :func:`services.gateway.app.build_app`. Secrets (API keys) are not part of it:
+they go straight into :class:`~services.gateway.auth.ApiKeyAuth`, so the config can be logged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidArgumentError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_IN_FLIGHT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class BackendTimeouts:
+    """Deadlines (seconds) of the gateway's gRPC calls.
+
+    Attributes:
+        tokenize_s: one Tokenize / Detokenize call.
+        prefill_s: one Prefill call (queueing, compute and the KV hand-off), also sent to the
+            worker as ``deadline_unix``; CPU prefill of long prompts under load is slow.
+        wait_for_kv_s: how long a decode worker waits for a request's KV (``Generate``).
+        generate_idle_s: longest silence tolerated between two Generate messages once the first
+            arrived; a wedged decode worker fails the request instead of hanging it.
+        control_s: GetStats, GetModelInfo, Abort and health checks.
+    """
+
+    tokenize_s: float = 30.0
+    prefill_s: float = 600.0
+    wait_for_kv_s: float = 600.0
+    generate_idle_s: float = 300.0
+    control_s: float = 5.0
+
+    def validate(self) -> BackendTimeouts:
+        for name in ("tokenize_s", "prefill_s", "wait_for_kv_s", "generate_idle_s", "control_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be positive", param=name)
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything the gateway needs besides its secrets.
+
+    Attributes:
+        tokenizer_address: ``host:port`` of the tokenizer service.
+        prefill_addresses / decode_addresses: the worker pools (at least one each).
+        host / port: where the HTTP server listens.
+        served_model_names: names accepted in ``model`` and listed by ``/v1/models``; empty means
+            the name the tokenizer service reports (ModelInfo.name).
+        safety_policy: a policy file, ``None`` for the shipped default, or ``"off"``.
+        rate_limit_rpm / rate_limit_burst: per-API-key token bucket; ``None`` disables it.
+        max_in_flight: requests admitted at once; more get 429 (no queue).
+        max_body_bytes: request bodies above this get 413.
+        stats_interval_s: how often worker load is polled for routing and readiness.
+        truncate_chats: fit long conversations by dropping the oldest turns (SPEC §2.3) instead
+            of answering 400.
+        vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
+            logprob tokens as text; ``None`` renders them as ``token_id:<id>`` (vLLM's style).
+        timeouts: gRPC deadlines.
+    """
+
+    tokenizer_address: str
+    prefill_addresses: tuple[str, ...]
+    decode_addresses: tuple[str, ...]
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    safety_policy: str | None = None
+    rate_limit_rpm: float | None = None
+    rate_limit_burst: float | None = None
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    stats_interval_s: float = 1.0
+    truncate_chats: bool = True
+    vocab_model: str | None = None
+    timeouts: BackendTimeouts = field(default_factory=BackendTimeouts)
+
+    def validate(self) -> GatewayConfig:
+        """Raise InvalidArgumentError (naming the flag) on an unusable value; return self."""
+        if not self.tokenizer_address:
+            raise InvalidArgumentError("a tokenizer address is required", param="tokenizer")
+        if not self.prefill_addresses:
+            raise InvalidArgumentError("at least one prefill address is required", param="prefill")
+        if not self.decode_addresses:
+            raise InvalidArgumentError("at least one decode address is required", param="decode")
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port}", param="port")
+        if self.rate_limit_rpm is not None and not self.rate_limit_rpm > 0:
+            raise InvalidArgumentError("rate limit must be positive", param="rate_limit_rpm")
+        if self.rate_limit_burst is not None and not self.rate_limit_burst >= 1:
+            raise InvalidArgumentError("rate limit burst must be >= 1", param="rate_limit_burst")
+        if self.max_in_flight < 1:
+            raise InvalidArgumentError("max in-flight must be >= 1", param="max_in_flight")
+        if self.max_body_bytes < 1024:
+            raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
+        if not self.stats_interval_s > 0:
+            raise InvalidArgumentError("stats interval must be positive", param="stats_interval")
+        self.timeouts.validate()
+        return self

@@ -1,0 +1,224 @@
+"""``tandem serve gateway``: the OpenAI-compatible HTTP front door (torch-free).
+
+Flags say where the backend services are (``--tokenizer``, ``--prefill`` and ``--decode``, the
+last two repeatable or comma-separated) and how requests are limited; API keys come from
+``--api-keys-file`` and/or the ``TANDEM_API_KEYS`` environment variable (comma-separated), read
+here in :func:`run`, never at import time.
+
+Run loop:
+  1. build the application (``app.build_app``) and bind ``--host:--port``;
+  2. serve until SIGINT / SIGTERM;
+  3. shut down gracefully: in-flight requests get ``--shutdown-grace`` seconds, then their
+     handlers are cancelled and each aborts its work on the workers; channels are closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from aiohttp import web
+
+from services.common import ports
+from services.common.errors import UnavailableError
+from services.gateway.auth import ApiKeyAuth
+from services.gateway.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IN_FLIGHT,
+    BackendTimeouts,
+    GatewayConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+API_KEYS_ENV = "TANDEM_API_KEYS"
+DEFAULT_TOKENIZER = f"127.0.0.1:{ports.TOKENIZER_GRPC_PORT}"
+DEFAULT_PREFILL = f"127.0.0.1:{ports.prefill_grpc_port(0)}"
+DEFAULT_DECODE = f"127.0.0.1:{ports.decode_grpc_port(0)}"
+_TIMEOUTS = BackendTimeouts()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=ports.GATEWAY_HTTP_PORT, help="HTTP port")
+    parser.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        metavar="ADDR",
+        help=f"tokenizer service host:port (default {DEFAULT_TOKENIZER})",
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help=f"prefill worker host:port; repeat or comma-separate for a pool "
+        f"(default {DEFAULT_PREFILL})",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=None,
+        metavar="ADDR",
+        help=f"decode worker host:port; repeat or comma-separate for a pool "
+        f"(default {DEFAULT_DECODE})",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients use (default: the tokenizer service's)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="default | PATH: vocabulary used to print logprob tokens as text "
+        "(default: 'token_id:<id>')",
+    )
+    parser.add_argument(
+        "--safety-policy",
+        default=None,
+        metavar="PATH|off",
+        help="content policy JSON file, or 'off' (default: the shipped policy)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help=f"file with one API key per line (also: env {API_KEYS_ENV})",
+    )
+    parser.add_argument(
+        "--rate-limit-rpm",
+        type=float,
+        default=None,
+        help="requests per minute per API key (default: unlimited)",
+    )
+    parser.add_argument(
+        "--rate-limit-burst",
+        type=float,
+        default=None,
+        help="requests a key may send at once (default: one second's worth)",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="requests served at once; more get 429 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; larger get 413 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--no-truncate",
+        action="store_true",
+        help="answer 400 for chats longer than the context instead of dropping the oldest turns",
+    )
+    parser.add_argument(
+        "--stats-interval",
+        type=float,
+        default=1.0,
+        help="seconds between worker load polls (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=_TIMEOUTS.prefill_s,
+        help="seconds one prefill may take (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-wait-timeout",
+        type=float,
+        default=_TIMEOUTS.wait_for_kv_s,
+        help="seconds decode waits for a request's KV (default %(default)s)",
+    )
+    parser.add_argument(
+        "--generate-idle-timeout",
+        type=float,
+        default=_TIMEOUTS.generate_idle_s,
+        help="longest silence of a decode stream (default %(default)s)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get at shutdown (default %(default)s)",
+    )
+
+
+def _addresses(values: list[str] | None, default: str) -> tuple[str, ...]:
+    items = [a.strip() for v in (values or [default]) for a in v.split(",")]
+    return tuple(a for a in items if a)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    """The :class:`GatewayConfig` for parsed flags (validated)."""
+    return GatewayConfig(
+        tokenizer_address=args.tokenizer,
+        prefill_addresses=_addresses(args.prefill, DEFAULT_PREFILL),
+        decode_addresses=_addresses(args.decode, DEFAULT_DECODE),
+        host=args.host,
+        port=args.port,
+        served_model_names=tuple(args.served_model_name or ()),
+        safety_policy=args.safety_policy,
+        rate_limit_rpm=args.rate_limit_rpm,
+        rate_limit_burst=args.rate_limit_burst,
+        max_in_flight=args.max_in_flight,
+        max_body_bytes=args.max_body_bytes,
+        stats_interval_s=args.stats_interval,
+        truncate_chats=not args.no_truncate,
+        vocab_model=args.model,
+        timeouts=BackendTimeouts(
+            prefill_s=args.prefill_timeout,
+            wait_for_kv_s=args.kv_wait_timeout,
+            generate_idle_s=args.generate_idle_timeout,
+        ),
+    ).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    auth = ApiKeyAuth.from_sources(args.api_keys_file, os.environ.get(API_KEYS_ENV))
+    asyncio.run(_main(config, auth, args.shutdown_grace))
+    return 0
+
+
+async def _main(config: GatewayConfig, auth: ApiKeyAuth, shutdown_grace: float) -> None:
+    from services.gateway.app import build_app
+
+    # Built inside the running loop: grpc.aio channels belong to the loop they are created in.
+    app = build_app(config, auth=auth)
+    await serve(app, config.host, config.port, shutdown_grace=shutdown_grace)
+
+
+async def serve(
+    app: web.Application, host: str, port: int, *, shutdown_grace: float = 10.0
+) -> None:
+    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM, then shut down gracefully.
+
+    Raises:
+        UnavailableError: the address could not be bound.
+    """
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as err:
+            raise UnavailableError(f"could not listen on {host}:{port}: {err}") from err
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        logger.info("gateway listening on http://%s:%d", host, port)
+        await stop.wait()
+        logger.info("gateway shutting down")
+    finally:
+        await runner.cleanup()

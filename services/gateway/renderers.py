@@ -1,0 +1,184 @@
+"""Chat and text completions differ only in how choices are written on the wire; this module
+holds that difference, so one request flow (``completions.py``) serves both endpoints.
+
+A :class:`Renderer` turns :class:`~services.gateway.choice.ChoiceEvent` values into OpenAI
+chunks (streaming) or accumulates them into the final object (non-streaming), using the
+builders of ``openai_responses``. It keeps per-choice state: chat sends the ``role`` delta once,
+completions continue ``text_offset`` across chunks and may echo the prompt first.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.choice import ChoiceEvent
+from services.gateway.openai_responses import (
+    ChatChoice,
+    CompletionChoice,
+    JsonDict,
+    TokenLogprob,
+    chat_completion_chunk,
+    chat_completion_response,
+    chat_logprobs,
+    chat_usage_chunk,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    completion_usage_chunk,
+)
+
+
+@dataclass(slots=True)
+class _Accumulated:
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    offset: int = 0  # completions: characters already streamed (text_offset continues here)
+
+
+class Renderer(ABC):
+    """Writes one request's choices in one endpoint's format."""
+
+    def __init__(self, *, request_id: str, model: str, n: int, logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self._choices = [_Accumulated() for _ in range(n)]
+
+    def add(self, event: ChoiceEvent) -> None:
+        """Accumulate an event for the non-streamed response."""
+        acc = self._choices[event.index]
+        acc.text += event.text
+        acc.logprobs.extend(event.logprobs)
+        if event.finish_reason is not None:
+            acc.finish_reason = event.finish_reason
+
+    @abstractmethod
+    def start_chunks(self) -> list[JsonDict]:
+        """Chunks sent when the stream opens (one per choice, or none)."""
+
+    @abstractmethod
+    def event_chunks(self, event: ChoiceEvent) -> list[JsonDict]:
+        """Chunks for one event: its text (with logprobs), then its finish reason if any."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: Mapping[str, object]) -> JsonDict:
+        """The trailing usage-only chunk (``stream_options.include_usage``)."""
+
+    @abstractmethod
+    def response(self, usage: Mapping[str, object]) -> JsonDict:
+        """The non-streamed response object from everything :meth:`add` saw."""
+
+
+class ChatRenderer(Renderer):
+    """``chat.completion`` / ``chat.completion.chunk``."""
+
+    def _chunk(self, index: int, **fields: Any) -> JsonDict:
+        return chat_completion_chunk(
+            request_id=self.request_id, model=self.model, created=self.created, index=index,
+            **fields,
+        )  # fmt: skip
+
+    def start_chunks(self) -> list[JsonDict]:
+        return [self._chunk(i, role="assistant", content="") for i in range(len(self._choices))]
+
+    def event_chunks(self, event: ChoiceEvent) -> list[JsonDict]:
+        chunks: list[JsonDict] = []
+        if event.text or event.logprobs:
+            lp = chat_logprobs(event.logprobs) if self.logprobs else None
+            chunks.append(self._chunk(event.index, content=event.text, logprobs=lp))
+        if event.finish_reason is not None:
+            chunks.append(self._chunk(event.index, finish_reason=event.finish_reason))
+        return chunks
+
+    def usage_chunk(self, usage: Mapping[str, object]) -> JsonDict:
+        return chat_usage_chunk(
+            request_id=self.request_id, model=self.model, created=self.created, usage=usage
+        )
+
+    def response(self, usage: Mapping[str, object]) -> JsonDict:
+        choices = [
+            ChatChoice(
+                index=i,
+                text=acc.text,
+                finish_reason=acc.finish_reason or "stop",
+                logprobs=chat_logprobs(acc.logprobs) if self.logprobs else None,
+            )
+            for i, acc in enumerate(self._choices)
+        ]
+        return chat_completion_response(
+            request_id=self.request_id,
+            model=self.model,
+            created=self.created,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class CompletionRenderer(Renderer):
+    """``text_completion`` (streamed and not), with optional prompt echo."""
+
+    def __init__(
+        self, *, request_id: str, model: str, n: int, logprobs: bool, echo_text: str | None
+    ) -> None:
+        super().__init__(request_id=request_id, model=model, n=n, logprobs=logprobs)
+        self.echo_text = echo_text
+
+    def _chunk(self, index: int, **fields: Any) -> JsonDict:
+        return completion_chunk(
+            request_id=self.request_id, model=self.model, created=self.created, index=index,
+            **fields,
+        )  # fmt: skip
+
+    def start_chunks(self) -> list[JsonDict]:
+        if not self.echo_text:
+            return []
+        for acc in self._choices:
+            acc.offset = len(self.echo_text)
+        return [self._chunk(i, text=self.echo_text) for i in range(len(self._choices))]
+
+    def event_chunks(self, event: ChoiceEvent) -> list[JsonDict]:
+        acc = self._choices[event.index]
+        chunks: list[JsonDict] = []
+        if event.text or event.logprobs:
+            lp = None
+            if self.logprobs:
+                lp = completion_logprobs(event.logprobs, text_offset_start=acc.offset)
+            acc.offset += len(event.text)
+            chunks.append(self._chunk(event.index, text=event.text, logprobs=lp))
+        if event.finish_reason is not None:
+            chunks.append(self._chunk(event.index, finish_reason=event.finish_reason))
+        return chunks
+
+    def usage_chunk(self, usage: Mapping[str, object]) -> JsonDict:
+        return completion_usage_chunk(
+            request_id=self.request_id, model=self.model, created=self.created, usage=usage
+        )
+
+    def response(self, usage: Mapping[str, object]) -> JsonDict:
+        prefix = self.echo_text or ""
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=prefix + acc.text,
+                finish_reason=acc.finish_reason or "stop",
+                logprobs=(
+                    completion_logprobs(acc.logprobs, text_offset_start=len(prefix))
+                    if self.logprobs
+                    else None
+                ),
+            )
+            for i, acc in enumerate(self._choices)
+        ]
+        return completion_response(
+            request_id=self.request_id,
+            model=self.model,
+            created=self.created,
+            choices=choices,
+            usage=usage,
+        )

@@ -1,0 +1,64 @@
+"""What a worker's failed RPC means for the client, and for routing.
+
+The gateway sees typed errors (``status_to_error``); most keep their meaning for the client, but
+some say more about the worker than about the request:
+
+1. UNAVAILABLE produced by gRPC itself (connection refused or lost; no ``tandem-error-class``
+   metadata): the worker is down. :class:`WorkerDown` tells the choice to mark it down in the
+   router and, if nothing was sent yet, retry elsewhere.
+2. NOT_FOUND from Generate (the KV never arrived), FAILED_PRECONDITION (the workers disagree on
+   the model or KV layout) and ABORTED (the worker stopped the request itself): a server-side
+   problem, answered 503 rather than 404 / 400 / 499.
+3. Everything else (400 bad input, 429 a full KV cache, 502 corrupt data, 500) as is.
+"""
+
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+
+from services.common.errors import (
+    AbortedError,
+    FailedPreconditionError,
+    NotFoundError,
+    TandemError,
+    UnavailableError,
+)
+from services.common.grpc_errors import ERROR_CLASS_KEY
+from services.gateway.router import WorkerState
+
+
+class WorkerDown(Exception):
+    """A worker answered UNAVAILABLE: the router should stop using it; maybe retry."""
+
+    def __init__(self, worker: WorkerState, error: TandemError) -> None:
+        super().__init__(error.message)
+        self.worker = worker
+        self.error = error
+
+
+def worker_error(err: TandemError, worker: WorkerState) -> Exception:
+    """What a worker's failure means for the client.
+
+    Unreachable -> :class:`WorkerDown` (mark it down, maybe retry). Bad input (400) and a full
+    cache (429) keep their meaning. Anything else is the server's problem, not the request's:
+    NOT_FOUND from Generate (the KV never arrived), FAILED_PRECONDITION (workers disagree on the
+    model), ABORTED (the worker stopped it) become 503, DATA_LOSS stays 502, INTERNAL 500.
+    """
+    if isinstance(err, UnavailableError) and _is_unavailable_status(err):
+        return WorkerDown(worker, err)
+    if isinstance(err, (NotFoundError, FailedPreconditionError, AbortedError)):
+        role = worker.client.role
+        return UnavailableError(f"{role} worker {worker.address}: {err.message}")
+    return err
+
+
+def _is_unavailable_status(err: UnavailableError) -> bool:
+    """Whether ``err`` means the worker cannot be reached: an UNAVAILABLE status that gRPC itself
+    produced (connection refused or lost), not one the worker's code raised (those carry
+    ``tandem-error-class`` metadata), nor a deadline."""
+    cause = err.__cause__
+    if not isinstance(cause, grpc.aio.AioRpcError) or cause.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = cause.trailing_metadata() or ()
+    return not any(key == ERROR_CLASS_KEY for key, _ in trailing)

