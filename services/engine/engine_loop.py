@@ -10,16 +10,14 @@ The thread, one iteration at a time:
      allocate / release held blocks, read or write KV bytes, any ``call(fn)``); each one
      resolves its future.
   3. If the engine has work, run one ``engine.step()`` (every schedulable sequence in one
-     batch) and deliver each output to its request's asyncio queue with
-     ``loop.call_soon_threadsafe``. A step that ran nothing (a prompt waits for blocks that
-     leases hold) sleeps until the next command instead of spinning.
-  4. Publish an :class:`EngineStats` snapshot and the Prometheus gauges.
+     batch). A step that ran nothing (a prompt waits for blocks that leases hold) sleeps until
+     the next command instead of spinning.
+  4. Publish an :class:`EngineStats` snapshot (and the Prometheus gauges), then resolve the
+     commands' futures and deliver the outputs to their requests' asyncio queues with
+     ``loop.call_soon_threadsafe`` — so whoever sees a result also sees stats that new.
 
-Held blocks are blocks that belong to a request id but to no engine sequence: a prefill-only
-request's blocks after its first token (until its KV transfer ends), and a decode worker's
-blocks allocated for an incoming transfer (until :meth:`EngineLoop.generate_prefilled` hands
-them to the engine). They live in one table on the engine thread; every way out (ack, failure,
-abort, lease reaper, cancellation, shutdown) pops from it, so they are freed exactly once.
+Blocks owned by a request id but by no sequence (a prefill-only request's after its first token,
+a decode worker's for an incoming transfer) live in :class:`HeldBlocks`, freed exactly once.
 
 A request seen from asyncio:
   1. ``generate(...)`` / ``generate_prefilled(...)`` registers the request's queue and adds it to
@@ -36,21 +34,16 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from services.common.errors import (
-    FailedPreconditionError,
-    NotFoundError,
-    TandemError,
-    UnavailableError,
-)
+from services.common.errors import FailedPreconditionError, TandemError, UnavailableError
 from services.common.metrics import TandemMetrics
 from services.common.sampling_params import SamplingParams
 from services.engine.engine import LLMEngine, RequestOutput
-from services.engine.engine_stats import EngineStats
+from services.engine.engine_stats import EngineStats, StatsPublisher
+from services.engine.held_blocks import HeldBlocks
 from services.engine.request_sink import RequestSink
 from services.engine.sampler import TokenLogprobs
 
@@ -76,13 +69,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         # Engine-thread state.
         self._sinks: dict[str, RequestSink] = {}
-        self._held: dict[str, tuple[list[int], RequestSink | None]] = {}
+        self._held = HeldBlocks(engine)
+        self._outbox: list[tuple[str, RequestSink, RequestOutput | BaseException]] = []
         self._num_steps = 0
         self._max_batch = 0
-        self._last_prefix_hits = 0
-        self._last_prefix_queries = 0
-        self._last_preemptions = 0
-        self._stats = self._snapshot()
+        self._publisher = StatsPublisher(engine, metrics)
+        self._stats = self._publisher.publish(num_held_requests=0, num_steps=0, max_batch_size=0)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -125,11 +117,9 @@ class EngineLoop:
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Blocks held for ``request_id``. Engine thread only (inside ``call``)."""
-        self._check_thread()
-        held = self._held.get(request_id)
-        if held is None:
-            raise NotFoundError(f"no KV blocks are held for request {request_id!r}")
-        return held[0]
+        if threading.get_ident() != self._thread.ident:
+            raise RuntimeError("EngineLoop.held_blocks is for the engine thread only")
+        return self._held.blocks(request_id)
 
     async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
         """Allocate blocks held for ``request_id`` (ResourceExhaustedError when no room; then
@@ -138,25 +128,25 @@ class EngineLoop:
         def allocate(engine: LLMEngine) -> list[int]:
             self._check_free_id(request_id)
             blocks = engine.block_manager.allocate(num_blocks)
-            self._held[request_id] = (blocks, None)
+            self._held.hold(request_id, blocks)
             return list(blocks)
 
         return await self.call(allocate)
 
     async def release(self, request_id: str) -> bool:
         """Free the blocks held for ``request_id``; False when none were held."""
-        return await self.call(lambda engine: self._release(request_id))
+        return await self.call(lambda engine: self._held.release(request_id))
 
     def release_nowait(self, request_id: str) -> None:
         """Queue :meth:`release` without waiting (safe in ``finally`` of a cancelled task)."""
-        self._submit_quietly(lambda engine: self._release(request_id))
+        self._submit_quietly(lambda engine: self._held.release(request_id))
 
     async def abort(self, request_id: str) -> bool:
         """Abort the engine's request (its consumer sees finish reason "abort") and free its
         held blocks. True when anything was found."""
 
         def abort(engine: LLMEngine) -> bool:
-            return engine.abort(request_id) | self._release(request_id)
+            return engine.abort(request_id) | self._held.release(request_id)
 
         return await self.call(abort)
 
@@ -202,13 +192,11 @@ class EngineLoop:
         def start(engine: LLMEngine) -> None:
             if request_id in self._sinks or engine.scheduler.find(request_id) is not None:
                 raise FailedPreconditionError(f"request {request_id!r} is already running")
-            held = self._held.pop(request_id, None)
-            if held is None:
-                raise NotFoundError(f"no KV blocks are held for request {request_id!r}")
+            blocks = self._held.take(request_id)
             self._sinks[request_id] = sink
             try:
                 outputs = engine.add_prefilled(
-                    request_id, prompt, params, block_ids=held[0], first_token_id=first_token_id,
+                    request_id, prompt, params, block_ids=blocks, first_token_id=first_token_id,
                     first_logprob=first_logprob, num_cached_tokens=num_cached_tokens,
                 )
             except BaseException:
@@ -216,7 +204,7 @@ class EngineLoop:
                 if engine.scheduler.find(request_id) is not None:
                     engine.abort(request_id)
                 else:
-                    engine.release_blocks(held[0])
+                    engine.release_blocks(blocks)
                 raise
             for out in outputs:
                 self._deliver(out, sampled_here=False)
@@ -230,11 +218,7 @@ class EngineLoop:
         sink.loop = asyncio.get_running_loop()
         done = False
         try:
-            try:
-                await self.call(start)
-            except TandemError:
-                done = True  # nothing was registered
-                raise
+            await self.call(start)
             while not done:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
@@ -256,14 +240,23 @@ class EngineLoop:
                 commands, self._commands = self._commands, deque()
                 if self._stopping and not commands:
                     break
+            results: list[tuple[concurrent.futures.Future, bool, object]] = []
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:
-                        future.set_result(fn())
+                        results.append((future, True, fn()))
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                        future.set_exception(exc)
+                        results.append((future, False, exc))
             ran = self._step() if engine.has_unfinished() else True
+            # Publish first, then answer: whoever sees a result or an output sees stats at
+            # least as new as the state that produced it.
             self._publish()
+            for future, ok, value in results:
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)  # type: ignore[arg-type]
+            self._flush()
             if not ran:
                 with self._cond:
                     if not self._commands and not self._stopping:
@@ -289,44 +282,37 @@ class EngineLoop:
         rid = out.request_id
         sink = self._sinks.get(rid)
         if out.finished and out.finish_reason == "prefilled":
-            self._held[rid] = (list(out.block_ids), sink)
+            self._held.hold(rid, out.block_ids, sink)
             if sink is None:  # nobody will ever take them
-                self._release(rid)
+                self._held.release(rid)
         if sink is None:
             return
         if out.finished:
             del self._sinks[rid]
         if self.metrics is not None:
             sink.record(self.metrics, out, sampled_here=sampled_here)
-        try:
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
-        except RuntimeError:  # the consumer's event loop is closed
-            self._cancel(rid, sink)
+        self._outbox.append((rid, sink, out))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for rid, sink, item in outbox:
+            try:
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed
+                self._cancel(rid, sink)
 
     def _cancel(self, request_id: str, sink: RequestSink) -> None:
         """The consumer of ``sink`` left: abort its request and free what it still holds."""
         if self._sinks.get(request_id) is sink:
             del self._sinks[request_id]
             self.engine.abort(request_id)
-        held = self._held.get(request_id)
-        if held is not None and held[1] is sink:
-            self._release(request_id)
-
-    def _release(self, request_id: str) -> bool:
-        held = self._held.pop(request_id, None)
-        if held is None:
-            return False
-        self.engine.release_blocks(held[0])
-        return True
+        self._held.release_if_owned(request_id, sink)
 
     def _fail_all(self, error: TandemError) -> None:
         sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
             self.engine.abort(rid)
-            try:
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, error)
-            except RuntimeError:
-                pass
+            self._outbox.append((rid, sink, error))
 
     def _shutdown(self) -> None:
         scheduler = self.engine.scheduler
@@ -334,8 +320,7 @@ class EngineLoop:
             self.engine.abort(seq.request_id)
         for out in self.engine.step():
             self._deliver(out, sampled_here=False)
-        for rid in list(self._held):
-            self._release(rid)
+        self._held.release_all()
         with self._cond:
             self._stopping = True
 
@@ -347,44 +332,14 @@ class EngineLoop:
         ):
             raise FailedPreconditionError(f"request id {request_id!r} is already in use")
 
-    def _check_thread(self) -> None:
-        if threading.get_ident() != self._thread.ident:
-            raise RuntimeError("EngineLoop.held_blocks is for the engine thread only")
-
     def _submit_quietly(self, fn: Callable[[LLMEngine], object]) -> None:
         try:
             self.submit(fn)
         except UnavailableError:
             pass  # stopping: shutdown frees everything
 
-    def _snapshot(self) -> EngineStats:
-        bm = self.engine.block_manager.stats()
-        return EngineStats(
-            num_running=self.engine.scheduler.num_running,
-            num_waiting=self.engine.scheduler.num_waiting,
-            num_blocks_total=bm.num_blocks,
-            num_blocks_in_use=bm.num_in_use,
-            num_blocks_free=bm.num_free,
-            num_held_requests=len(self._held),
-            num_steps=self._num_steps,
-            max_batch_size=self._max_batch,
-            num_preemptions=self.engine.scheduler.num_preemptions,
-            block_size=self.engine.config.block_size,
-            prefix_hits=bm.prefix_hits,
-            prefix_queries=bm.prefix_queries,
-            updated=time.monotonic(),
-        )
-
     def _publish(self) -> None:
-        stats = self._stats = self._snapshot()
-        m = self.metrics
-        if m is None:
-            return
-        m.record_kv_state(stats.num_blocks_in_use, stats.num_blocks_total)
-        m.record_queue_state(stats.num_running, stats.num_waiting)
-        m.prefix_cache_hits.inc(stats.prefix_hits - self._last_prefix_hits)
-        m.prefix_cache_queries.inc(stats.prefix_queries - self._last_prefix_queries)
-        m.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
-        self._last_prefix_hits = stats.prefix_hits
-        self._last_prefix_queries = stats.prefix_queries
-        self._last_preemptions = stats.num_preemptions
+        self._stats = self._publisher.publish(
+            num_held_requests=len(self._held), num_steps=self._num_steps,
+            max_batch_size=self._max_batch,
+        )

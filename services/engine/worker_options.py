@@ -98,6 +98,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
 
 
 def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
+    """Options from parsed flags (``--device auto`` is resolved here, importing torch)."""
     device = args.device
     if device == "auto":
         import torch

@@ -32,7 +32,10 @@ from services.engine.worker_options import WorkerOptions
 
 logger = logging.getLogger(__name__)
 
+
 class Closable(Protocol):
+    """The role object of a worker (PrefillWorker, DecodeWorker): frees what it holds."""
+
     async def close(self) -> None: ...
 
 

@@ -12,15 +12,17 @@ one small module each:
 - ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
   default, ``Decode.TransferKV`` client streams) and ``transport.InProcessTransport`` (a direct
   call into a receiver object, for tests); both run the same sender and receiver state machines.
-- ``payload``: block-table <-> payload byte ranges; ``layout``: the layout both sides must share;
-  ``failures``: metric labels for failures.
+- ``checks``: what a well-formed header / chunk / commit is; ``payload``: block table <->
+  payload byte ranges; ``layout``: the layout both sides must share; ``failures``: metric
+  labels for failures.
 """
 
 from __future__ import annotations
 
 from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.lease import LeaseTable
-from services.engine.kv_transfer.receiver import KVReceiver, ReadyKV, ReceiveState
+from services.engine.kv_transfer.checks import ReadyKV
+from services.engine.kv_transfer.receiver import KVReceiver, ReceiveState
 from services.engine.kv_transfer.sender import (
     KVSender,
     PrefilledRequest,

@@ -5,6 +5,12 @@ data, far below the 64 MiB message limit both ends configure, and its own crc32,
 receiver. One channel per decode address is opened on first use and reused by every transfer
 (HTTP/2 multiplexes them); :meth:`GrpcKVTransport.close` closes them all.
 
+Go-ahead: after reading the header and allocating the blocks, the decode servicer sends initial
+metadata carrying :data:`ACCEPTED_METADATA`; the sender waits for it before the first chunk. A
+refusal instead ends the call with a status (trailers only, no marker), which the sender reads
+without ever having raced a chunk write against it (gRPC reports a write into a call the server
+already ended as INTERNAL, hiding the real status).
+
 No gRPC deadline is set on a transfer: the sender's lease bounds how long it may take, and the
 lease reaper cancels the call when it expires (the decode worker then sees the stream cancelled
 and frees its blocks). A dead peer surfaces through channel keepalive as UNAVAILABLE.
@@ -25,6 +31,10 @@ from services.engine.kv_transfer.transport import KVStream, KVTransport
 
 logger = logging.getLogger(__name__)
 
+ACCEPTED_KEY = "tandem-kv-accepted"
+ACCEPTED_METADATA = ((ACCEPTED_KEY, "1"),)
+"""Initial metadata of an accepted ``TransferKV`` call (sent by the decode servicer)."""
+
 
 class GrpcKVStream(KVStream):
     """One ``TransferKV`` call used in reader/writer style (errors surface in the sender's code)."""
@@ -40,6 +50,13 @@ class GrpcKVStream(KVStream):
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
             return False  # the receiver already answered; finish() tells how
         return True
+
+    async def accepted(self) -> bool:
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.aio.AioRpcError:
+            return False
+        return any(key == ACCEPTED_KEY for key, _ in metadata or ())
 
     async def finish(self) -> decode_pb2.KVTransferAck:
         try:

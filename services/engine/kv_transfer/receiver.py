@@ -2,9 +2,10 @@
 
 One transfer's state machine (ReceiveState), keyed by request id:
 
-  1. ALLOCATED — the header passed its checks (layout: FAILED_PRECONDITION; counts and params:
-                 INVALID_ARGUMENT) and its blocks were allocated on the engine thread before
-                 any data moved (no room: RESOURCE_EXHAUSTED, nothing allocated).
+  1. ALLOCATED — the header passed its checks (``checks.py``; layout: FAILED_PRECONDITION,
+                 counts and params: INVALID_ARGUMENT) and its blocks were allocated on the engine
+                 thread before any data moved (no room: RESOURCE_EXHAUSTED, nothing allocated);
+                 then the transport's go-ahead lets the sender stream chunks.
   2. RECEIVING — chunks arrive in offset order; each is checked (crc32, contiguity, block
                  indices: DATA_LOSS) and written into the blocks on the engine thread.
   3. COMMITTED — the commit's totals matched; the ack (accepted) goes back to prefill. The KV is
@@ -16,6 +17,9 @@ One transfer's state machine (ReceiveState), keyed by request id:
                  or it stalled / stayed parked too long: the blocks are freed at once. The entry
                  stays as a tombstone for ``park_seconds`` so a waiting or late ``Generate``
                  learns why (and a header for an aborted request is refused).
+
+A failure after the go-ahead first drains what the sender still streams (bounded by
+``DRAIN_SECONDS``), so the sender reads the real status instead of a broken pipe.
 
 ``claim`` may be called before the header arrives: it waits (up to its timeout) for the entry
 to reach COMMITTED or FAILED. Failures seen here count in
@@ -29,13 +33,11 @@ import contextlib
 import enum
 import logging
 import time
-import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.common.errors import (
     AbortedError,
-    DataLossError,
     InvalidArgumentError,
     NotFoundError,
     TandemError,
@@ -43,15 +45,24 @@ from services.common.errors import (
 )
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
-from services.common.sampling_params import SamplingParams
-from services.common.wire import sampling_params_from_proto, token_logprobs_from_proto
 from services.engine.engine_loop import EngineLoop
-from services.engine.kv_transfer.layout import check_layout, engine_layout
-from services.engine.kv_transfer.payload import blocks_touched, write_payload
+from services.engine.kv_transfer.checks import ReadyKV, check_chunk, check_commit, check_header
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
-from services.engine.sampler import TokenLogprobs
+from services.engine.kv_transfer.layout import engine_layout
+from services.engine.kv_transfer.payload import write_payload
 
 logger = logging.getLogger(__name__)
+
+
+DRAIN_SECONDS = 10.0
+"""Longest a failed transfer keeps reading (and discarding) what the sender still streams."""
+
+
+async def _drain(messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
+    with contextlib.suppress(Exception):  # TimeoutError included; cancellation propagates
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for _ in messages:
+                pass
 
 
 class ReceiveState(enum.Enum):
@@ -63,18 +74,6 @@ class ReceiveState(enum.Enum):
 
 
 _HOLDING = (ReceiveState.ALLOCATED, ReceiveState.RECEIVING, ReceiveState.COMMITTED)
-
-
-@dataclass(frozen=True, slots=True)
-class ReadyKV:
-    """A committed transfer, claimed: everything needed to continue the request."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    first_token_id: int
-    first_logprob: TokenLogprobs | None
-    num_blocks: int
 
 
 @dataclass(slots=True)
@@ -139,15 +138,29 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ receiving
     async def receive(
-        self, messages: AsyncIterator[decode_pb2.KVTransferMessage]
+        self,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        on_accept: Callable[[], Awaitable[None]] | None = None,
     ) -> decode_pb2.KVTransferAck:
-        """Run one transfer to its ack (see the state machine); raises typed errors."""
+        """Run one transfer to its ack (see the state machine); raises typed errors.
+
+        ``on_accept`` is awaited once the header passed and the blocks are allocated: the
+        transport's go-ahead, before which the sender sends no chunk. After it, a failure first
+        drains what the sender still streams (for at most ``DRAIN_SECONDS``) so that the sender
+        sees this error rather than a broken pipe.
+        """
         first = await anext(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgumentError("a KV transfer must start with a header", param="header")
         header = first.header
-        ready = self._check_header(header)
-        entry = self._admit(ready)
+        try:
+            ready = check_header(header, self.layout, block_bytes=self.block_bytes,
+                                 vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+            entry = self._admit(ready)
+        except TandemError as err:
+            self._count_failure(err)
+            raise
+        accepted = False
         try:
             entry.owns_blocks = True  # a cancelled allocation may still complete
             try:
@@ -155,53 +168,52 @@ class KVReceiver:
             except TandemError:
                 entry.owns_blocks = False  # refused: nothing was allocated
                 raise
-            received, chunks = 0, 0
-            async for message in self._until_failed(entry, messages):
-                kind = message.WhichOneof("kind")
-                if kind == "chunk":
-                    entry.state = ReceiveState.RECEIVING
-                    received += await self._write_chunk(entry, header, message.chunk, received)
-                    chunks += 1
-                elif kind == "commit":
-                    self._check_commit(header, message.commit, received, chunks)
-                    self._set(entry, ReceiveState.COMMITTED)
-                    break
-                else:
-                    raise InvalidArgumentError("a KV transfer has exactly one header")
-            if entry.state is ReceiveState.FAILED:
-                return self._ack(entry, header, received)
-            if entry.state is not ReceiveState.COMMITTED:
-                raise InvalidArgumentError("the KV transfer ended without a commit")
-            return self._ack(entry, header, received)
-        except BaseException as exc:
-            if entry.state is ReceiveState.FAILED and isinstance(exc, TandemError):
-                return self._ack(entry, header, 0)  # aborted meanwhile: refuse in-band
-            error = exc if isinstance(exc, TandemError) else AbortedError("the KV stream broke")
-            self._fail(entry, error)
+            if entry.state is ReceiveState.FAILED:  # aborted during the allocation
+                return self._ack(entry, header, 0)
+            if on_accept is not None:
+                await on_accept()
+            accepted = True
+            received = await self._receive_chunks(entry, header, messages)
+        except TandemError as exc:
+            failed_before = entry.state is ReceiveState.FAILED  # aborted meanwhile
+            self._fail(entry, exc)
+            if accepted:
+                await _drain(messages)
+            if failed_before:
+                return self._ack(entry, header, 0)  # refuse in-band
             raise
+        except BaseException:
+            self._fail(entry, UnavailableError("the KV stream broke"))
+            raise
+        if entry.state is ReceiveState.FAILED:
+            await _drain(messages)
+        return self._ack(entry, header, received)
 
-    def _check_header(self, header: decode_pb2.KVHeader) -> ReadyKV:
-        check_layout(header.layout, self.layout)
-        rid = header.request_id
-        if not rid:
-            raise InvalidArgumentError("the KV header has no request id", param="request_id")
-        n = header.num_tokens
-        bs = self.layout.block_size
-        if n < 1 or n != len(header.prompt_token_ids) or n != header.num_prompt_tokens:
-            raise InvalidArgumentError("KV header token counts disagree", param="num_tokens")
-        if header.num_blocks != -(-n // bs) or header.total_bytes != header.num_blocks * self.block_bytes:
-            raise InvalidArgumentError("KV header block / byte counts disagree", param="num_blocks")
-        if n + 1 > self.max_model_len:
-            raise InvalidArgumentError(f"the prompt does not fit the {self.max_model_len}-token "
-                                       "context", param="prompt")
-        tokens = tuple(header.prompt_token_ids)
-        if max(tokens) >= self.vocab_size or header.first_token_id >= self.vocab_size:
-            raise InvalidArgumentError(f"token ids must be below {self.vocab_size}", param="prompt")
-        params = sampling_params_from_proto(header.params)
-        first_logprob = None
-        if header.HasField("first_logprob"):
-            first_logprob = token_logprobs_from_proto(header.first_logprob, TokenLogprobs)
-        return ReadyKV(rid, tokens, params, header.first_token_id, first_logprob, header.num_blocks)
+    async def _receive_chunks(
+        self,
+        entry: _Entry,
+        header: decode_pb2.KVHeader,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+    ) -> int:
+        """Write chunks until the commit; returns early when the entry failed meanwhile."""
+        received, chunks = 0, 0
+        async for message in messages:
+            if entry.state is ReceiveState.FAILED:
+                return received
+            kind = message.WhichOneof("kind")
+            if kind == "chunk":
+                entry.state = ReceiveState.RECEIVING
+                received += await self._write_chunk(entry, header, message.chunk, received)
+                chunks += 1
+            elif kind == "commit":
+                check_commit(header, message.commit, received, chunks)
+                self._set(entry, ReceiveState.COMMITTED)
+                return received
+            else:
+                raise InvalidArgumentError("a KV transfer has exactly one header")
+        if entry.state is not ReceiveState.FAILED:
+            raise InvalidArgumentError("the KV transfer ended without a commit")
+        return received
 
     def _admit(self, ready: ReadyKV) -> _Entry:
         old = self._entries.get(ready.request_id)
@@ -217,42 +229,16 @@ class KVReceiver:
         self._entries[ready.request_id] = entry
         return entry
 
-    async def _until_failed(
-        self, entry: _Entry, messages: AsyncIterator[decode_pb2.KVTransferMessage]
-    ) -> AsyncIterator[decode_pb2.KVTransferMessage]:
-        async for message in messages:
-            if entry.state is ReceiveState.FAILED:
-                return
-            yield message
-
     async def _write_chunk(
         self, entry: _Entry, header: decode_pb2.KVHeader, chunk: decode_pb2.KVChunk, received: int
     ) -> int:
         data = chunk.data
-        if chunk.offset != received:
-            raise DataLossError(f"KV chunk at offset {chunk.offset}, expected {received}")
-        if not data or received + len(data) > header.total_bytes:
-            raise DataLossError(f"KV chunk of {len(data)} bytes overruns the payload")
-        if zlib.crc32(data) != chunk.crc32:
-            raise DataLossError(f"KV chunk at offset {chunk.offset} failed its crc32 check",
-                                code="kv_checksum")
-        if (chunk.first_block, chunk.num_blocks) != blocks_touched(received, len(data), self.block_bytes):
-            raise DataLossError(f"KV chunk at offset {chunk.offset} names the wrong blocks")
+        check_chunk(chunk, received, header.total_bytes, self.block_bytes)
         rid, loop = entry.request_id, self.engine_loop
         await loop.call(lambda engine: write_payload(engine.kv, loop.held_blocks(rid),
                                                      chunk.offset, data))
         entry.since = time.monotonic()
         return len(data)
-
-    @staticmethod
-    def _check_commit(
-        header: decode_pb2.KVHeader, commit: decode_pb2.KVCommit, received: int, chunks: int
-    ) -> None:
-        if commit.total_bytes != header.total_bytes or received != header.total_bytes:
-            raise DataLossError(f"KV commit after {received} of {header.total_bytes} bytes "
-                                f"(commit says {commit.total_bytes})")
-        if commit.num_chunks != chunks:
-            raise DataLossError(f"KV commit says {commit.num_chunks} chunks, {chunks} arrived")
 
     def _ack(self, entry: _Entry, header: decode_pb2.KVHeader, received: int) -> decode_pb2.KVTransferAck:
         if entry.state is ReceiveState.FAILED:
@@ -311,9 +297,12 @@ class KVReceiver:
         self._set(entry, ReceiveState.FAILED)
         if holding:
             self.engine_loop.release_nowait(entry.request_id)
+        self._count_failure(error)
+        logger.info("KV transfer failed: %s", error.message, extra={"request_id": entry.request_id})
+
+    def _count_failure(self, error: TandemError) -> None:
         if self.metrics is not None:
             self.metrics.kv_transfer_failures.labels(reason=failure_reason(error)).inc()
-        logger.info("KV transfer failed: %s", error.message, extra={"request_id": entry.request_id})
 
     def _change(self) -> asyncio.Future[None]:
         if self._changed is None or self._changed.done():

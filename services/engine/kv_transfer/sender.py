@@ -3,8 +3,9 @@
 One transfer's state machine (SendState):
 
   1. PENDING   — the lease is granted; nothing sent yet.
-  2. SENDING   — the header, then chunks of whole blocks (each read from the KV pool on the
-                 engine thread, with its crc32), then the commit are written to the stream.
+  2. SENDING   — the header is written and the receiver's go-ahead awaited (it allocated the
+                 destination blocks); then chunks of whole blocks (each read from the KV pool on
+                 the engine thread, with its crc32) and the commit.
   3. AWAIT_ACK — everything is written; waiting for decode's KVTransferAck.
   4. DONE      — decode accepted the KV: the lease is released and the blocks freed.
      FAILED    — refused, corrupt, broken, or aborted: the lease is released, blocks freed, the
@@ -146,8 +147,8 @@ class KVSender:
         """
         rid = request.request_id
         transfer = _Transfer()
+        self.leases.grant(rid, lambda: self._expire(rid, transfer))  # refuses a duplicate id
         self._transfers[rid] = transfer
-        self.leases.grant(rid, lambda: self._expire(rid, transfer))
         task = asyncio.create_task(self._send(request, address, transfer))
         transfer.task = task
         try:
@@ -240,6 +241,7 @@ class KVSender:
             ))
 
         ok = await stream.write(decode_pb2.KVTransferMessage(header=header))
+        ok = ok and await stream.accepted()
         pending = read(plans[0]) if plans and ok else None
         try:
             for index, plan in enumerate(plans):

@@ -6,11 +6,14 @@ A transport moves one request's ``KVTransferMessage`` stream (header, chunks, co
 every transport behaves the same; a transport only carries messages:
 
   1. ``stream = transport.open(address)`` starts a transfer to the decode worker at ``address``.
-  2. ``await stream.write(message)`` for each message, in order; it returns False once the
-     receiver has already ended the transfer (refused or failed it): stop writing then.
-  3. ``await stream.finish()`` half-closes and returns the ack, or raises the receiver's typed
+  2. ``await stream.write(header)``, then ``await stream.accepted()``: the receiver's go-ahead
+     once it checked the header and allocated the destination blocks (False: it refused, and
+     ``finish()`` says why). No chunk moves before that, so a refusal never races a write.
+  3. ``await stream.write(message)`` for each chunk and the commit, in order; it returns False
+     once the receiver has already ended the transfer: stop writing then.
+  4. ``await stream.finish()`` half-closes and returns the ack, or raises the receiver's typed
      error (DataLossError, FailedPreconditionError, ResourceExhaustedError, ...).
-  4. ``stream.cancel()`` abandons the transfer at any point (the receiver frees its blocks).
+  5. ``stream.cancel()`` abandons the transfer at any point (the receiver frees its blocks).
 
 :class:`InProcessTransport` hands the messages to a receiver object in the same process (its
 ``receive(messages) -> KVTransferAck``, the very method the gRPC servicer calls), running it as
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Protocol
 
 from services.common.errors import UnavailableError
@@ -33,7 +36,9 @@ class KVEndpoint(Protocol):
     """A decode-side receiver: consumes one transfer's messages and answers with an ack."""
 
     async def receive(
-        self, messages: AsyncIterator[decode_pb2.KVTransferMessage]
+        self,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        on_accept: Callable[[], Awaitable[None]] | None = None,
     ) -> decode_pb2.KVTransferAck: ...
 
 
@@ -43,6 +48,10 @@ class KVStream(ABC):
     @abstractmethod
     async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
         """Send one message; False when the receiver already ended the transfer."""
+
+    @abstractmethod
+    async def accepted(self) -> bool:
+        """Wait for the receiver's go-ahead after the header; False when it refused."""
 
     @abstractmethod
     async def finish(self) -> decode_pb2.KVTransferAck:
@@ -75,7 +84,11 @@ class InProcessStream(KVStream):
 
     def __init__(self, endpoint: KVEndpoint, depth: int = 4) -> None:
         self._queue: asyncio.Queue[decode_pb2.KVTransferMessage | _End] = asyncio.Queue(depth)
-        self._task = asyncio.create_task(endpoint.receive(self._messages()))
+        self._accepted = asyncio.Event()
+        self._task = asyncio.create_task(endpoint.receive(self._messages(), self._accept))
+
+    async def _accept(self) -> None:
+        self._accepted.set()
 
     async def _messages(self) -> AsyncIterator[decode_pb2.KVTransferMessage]:
         while True:
@@ -86,6 +99,15 @@ class InProcessStream(KVStream):
 
     async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
         return await self._put(message)
+
+    async def accepted(self) -> bool:
+        waiter = asyncio.ensure_future(self._accepted.wait())
+        try:
+            await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        return self._accepted.is_set()
 
     async def finish(self) -> decode_pb2.KVTransferAck:
         await self._put(_End())

@@ -1,0 +1,51 @@
+"""``tandem serve decode``: the decode worker process.
+
+Start-up: load the model and its tokenizer (for stop strings and text deltas; token ids only
+when the model has none), start the engine thread, the KV receiver with its park reaper, the
+gRPC server (Decode + health + reflection) and the Prometheus endpoint; then serve until
+SIGINT / SIGTERM and stop gracefully (in-flight streams get a grace period, then every parked
+transfer and running request is freed and the engine thread stops).
+
+Only flags live here, so building the ``tandem`` parser never imports torch; the worker
+itself is started by :func:`services.decode.server.start_decode_worker` (tests call it directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from services.common import ports
+from services.engine.worker_options import WorkerOptions, add_worker_arguments, options_from_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WAIT_FOR_KV_SECONDS = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_worker_arguments(
+        parser, port=ports.decode_grpc_port(0), metrics_port=ports.decode_metrics_port(0)
+    )
+    parser.add_argument(
+        "--wait-for-kv-seconds", type=float,
+        default=float(os.environ.get("TANDEM_WAIT_FOR_KV_SECONDS", DEFAULT_WAIT_FOR_KV_SECONDS)),
+        help="how long Generate waits for a request's KV, and how long committed KV waits for "
+             "its Generate before it is freed (default 30)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args, "decode")
+    asyncio.run(_serve(options, args.wait_for_kv_seconds))
+    return 0
+
+
+async def _serve(options: WorkerOptions, wait_for_kv_seconds: float) -> None:
+    from services.engine.worker_runtime import serve_until_signal
+    from services.decode.server import start_decode_worker
+
+    handle = await start_decode_worker(options, wait_for_kv_seconds=wait_for_kv_seconds)
+    await serve_until_signal(handle.stop)

@@ -1,0 +1,61 @@
+"""Start a decode worker in this process: engine thread, KV receiver, gRPC server, metrics.
+
+:func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
+call directly; it returns a :class:`~services.engine.worker_runtime.WorkerHandle`
+(``handle.address``, ``handle.engine_loop.stats``, ``await handle.stop()``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.metrics import TandemMetrics
+from services.common.pb import decode_pb2_grpc
+from services.decode.servicer import SERVICE_NAME, DecodeServicer
+from services.decode.worker import DecodeWorker
+from services.engine.engine_loop import EngineLoop
+from services.engine.kv_transfer import KVReceiver
+from services.engine.loaders import LoadedModel
+from services.engine.worker_options import WorkerOptions
+from services.engine.worker_runtime import WorkerHandle, build_engine, start_serving
+from services.decode.main import DEFAULT_WAIT_FOR_KV_SECONDS
+
+logger = logging.getLogger(__name__)
+
+
+async def start_decode_worker(
+    options: WorkerOptions,
+    *,
+    wait_for_kv_seconds: float = DEFAULT_WAIT_FOR_KV_SECONDS,
+    park_seconds: float | None = None,
+    loaded: LoadedModel | None = None,
+    tokenizer: object | None = None,
+    metrics: TandemMetrics | None = None,
+) -> WorkerHandle:
+    """Build and start a decode worker; see the module docstring.
+
+    Args:
+        options: the shared worker options.
+        wait_for_kv_seconds: default wait of ``Generate`` for its KV.
+        park_seconds: how long committed KV waits for ``Generate`` (and stalled transfers may
+            idle) before being freed; default ``wait_for_kv_seconds``.
+        loaded / tokenizer: already loaded model and tokenizer (tests share them).
+        metrics: the registry to record into (default: a fresh one).
+    """
+    metrics = metrics or TandemMetrics()
+    engine = build_engine(options, loaded=loaded, tokenizer=tokenizer)
+    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'decode'}")
+    engine_loop.start()
+    metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
+    receiver = KVReceiver(
+        engine_loop, park_seconds=park_seconds or wait_for_kv_seconds, metrics=metrics
+    )
+    worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds)
+    worker.start()
+    servicer = DecodeServicer(worker, worker_id=options.worker_id or "decode", address="")
+    handle = await start_serving(
+        "decode", options, engine_loop=engine_loop, worker=worker, metrics=metrics,
+        servicers=[(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, SERVICE_NAME)],
+    )
+    servicer.address = handle.address
+    return handle

@@ -1,0 +1,78 @@
+"""The decode worker: receive prompts' KV from prefill workers and generate in one running batch.
+
+One request (SPEC §2.6-2.7, §4):
+  1. ``TransferKV`` (``receiver.receive``) checks the header, allocates the destination blocks,
+     writes the checked chunks and parks the committed KV (see ``kv_transfer/receiver.py``).
+  2. ``Generate`` (``generate``) waits for that commit (or its failure), then hands the blocks
+     to the engine as a running sequence: it joins the continuous batch at the next step, and
+     every step appends one token to every running sequence.
+  3. Outputs stream back until a stop condition; the sequence's blocks are then freed.
+  4. ``abort`` frees the request wherever it is: mid-transfer, parked, or generating (the
+     stream then ends with finish reason "abort"). A client that cancels ``Generate`` aborts
+     the request in the engine the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from services.common.errors import AbortedError, NotFoundError
+from services.engine.engine import RequestOutput
+from services.engine.engine_loop import EngineLoop
+from services.engine.kv_transfer import KVReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    """KV receiving + generation over one engine loop."""
+
+    def __init__(
+        self, engine_loop: EngineLoop, receiver: KVReceiver, *, wait_for_kv_seconds: float = 30.0
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.receiver = receiver
+        self.wait_for_kv_seconds = wait_for_kv_seconds
+
+    def start(self) -> None:
+        self.receiver.start()
+
+    async def close(self) -> None:
+        await self.receiver.close()
+
+    async def generate(
+        self, request_id: str, wait_for_kv_seconds: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Wait for the request's KV, then yield its outputs (the first has prefill's token).
+
+        Raises:
+            NotFoundError: the KV did not arrive in time.
+            TandemError: the transfer failed (its typed error) or the request was aborted.
+        """
+        wait = wait_for_kv_seconds if wait_for_kv_seconds else self.wait_for_kv_seconds
+        ready = await self.receiver.claim(request_id, wait)
+        try:
+            stream = self.engine_loop.generate_prefilled(
+                request_id, ready.prompt_token_ids, ready.params,
+                first_token_id=ready.first_token_id, first_logprob=ready.first_logprob,
+            )
+            async with contextlib.aclosing(stream) as outputs:
+                async for out in outputs:
+                    yield out
+        except NotFoundError:
+            # The blocks vanished between claim and admission: an Abort got there first.
+            raise AbortedError(f"request {request_id!r} was aborted", code="aborted") from None
+        finally:
+            # Claimed blocks the engine never took (cancelled before admission) are freed here;
+            # once the engine owns them this is a no-op.
+            self.engine_loop.release_nowait(request_id)
+
+    async def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Free ``request_id`` on this worker wherever it is; True when it was found."""
+        found = self.receiver.abort(request_id, reason)
+        found = await self.engine_loop.abort(request_id) or found
+        if found:
+            logger.info("aborted: %s", reason, extra={"request_id": request_id})
+        return found

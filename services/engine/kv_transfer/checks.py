@@ -1,0 +1,96 @@
+"""What a well-formed KV transfer looks like; the receiver checks it before trusting a byte.
+
+  1. Header: the layout must match this worker (FAILED_PRECONDITION, see ``layout.py``); the
+     token, block and byte counts must agree with each other and the prompt must fit the
+     context, ids the vocabulary, params their ranges (INVALID_ARGUMENT).
+  2. Each chunk: it starts where the previous one ended, stays inside the payload, matches its
+     crc32 and names the blocks its bytes touch (DATA_LOSS).
+  3. Commit: the byte and chunk totals match what arrived (DATA_LOSS).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from services.common.errors import DataLossError, InvalidArgumentError
+from services.common.pb import common_pb2, decode_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.wire import sampling_params_from_proto, token_logprobs_from_proto
+from services.engine.kv_transfer.layout import check_layout
+from services.engine.kv_transfer.payload import blocks_touched
+from services.engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyKV:
+    """A committed transfer, claimed: everything needed to continue the request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    first_token_id: int
+    first_logprob: TokenLogprobs | None
+    num_blocks: int
+
+
+def check_header(
+    header: decode_pb2.KVHeader,
+    layout: common_pb2.KVLayout,
+    *,
+    block_bytes: int,
+    vocab_size: int,
+    max_model_len: int,
+) -> ReadyKV:
+    """Check a header against this worker; returns what decoding the request needs."""
+    check_layout(header.layout, layout)
+    if not header.request_id:
+        raise InvalidArgumentError("the KV header has no request id", param="request_id")
+    n = header.num_tokens
+    if n < 1 or n != len(header.prompt_token_ids) or n != header.num_prompt_tokens:
+        raise InvalidArgumentError("KV header token counts disagree", param="num_tokens")
+    if header.num_blocks != -(-n // layout.block_size):
+        raise InvalidArgumentError("KV header block count disagrees", param="num_blocks")
+    if header.total_bytes != header.num_blocks * block_bytes:
+        raise InvalidArgumentError("KV header byte count disagrees", param="total_bytes")
+    if n + 1 > max_model_len:
+        raise InvalidArgumentError(
+            f"the prompt does not fit the {max_model_len}-token context", param="prompt"
+        )
+    tokens = tuple(header.prompt_token_ids)
+    if max(tokens) >= vocab_size or header.first_token_id >= vocab_size:
+        raise InvalidArgumentError(f"token ids must be below {vocab_size}", param="prompt")
+    params = sampling_params_from_proto(header.params)
+    first_logprob = None
+    if header.HasField("first_logprob"):
+        first_logprob = token_logprobs_from_proto(header.first_logprob, TokenLogprobs)
+    return ReadyKV(header.request_id, tokens, params, header.first_token_id, first_logprob,
+                   header.num_blocks)
+
+
+def check_chunk(chunk: decode_pb2.KVChunk, received: int, total_bytes: int, block_bytes: int) -> None:
+    """Check one chunk, ``received`` payload bytes into a ``total_bytes`` transfer."""
+    data = chunk.data
+    if chunk.offset != received:
+        raise DataLossError(f"KV chunk at offset {chunk.offset}, expected {received}")
+    if not data or received + len(data) > total_bytes:
+        raise DataLossError(f"KV chunk of {len(data)} bytes overruns the payload")
+    if zlib.crc32(data) != chunk.crc32:
+        raise DataLossError(
+            f"KV chunk at offset {chunk.offset} failed its crc32 check", code="kv_checksum"
+        )
+    if (chunk.first_block, chunk.num_blocks) != blocks_touched(received, len(data), block_bytes):
+        raise DataLossError(f"KV chunk at offset {chunk.offset} names the wrong blocks")
+
+
+def check_commit(
+    header: decode_pb2.KVHeader, commit: decode_pb2.KVCommit, received: int, chunks: int
+) -> None:
+    """Check the commit against the header and what arrived."""
+    if commit.total_bytes != header.total_bytes or received != header.total_bytes:
+        raise DataLossError(
+            f"KV commit after {received} of {header.total_bytes} bytes "
+            f"(commit says {commit.total_bytes})"
+        )
+    if commit.num_chunks != chunks:
+        raise DataLossError(f"KV commit says {commit.num_chunks} chunks, {chunks} arrived")

@@ -1,0 +1,49 @@
+"""``tandem serve prefill``: the prefill worker process.
+
+Start-up: load the model, start the engine thread, the KV sender (gRPC transport by default)
+with its lease reaper, the gRPC server (Prefill + health + reflection) and the Prometheus
+endpoint; then serve until SIGINT / SIGTERM and stop gracefully (in-flight requests get a grace
+period, then every lease and block is freed and the engine thread stops).
+
+Only flags live here, so building the ``tandem`` parser never imports torch; the worker
+itself is started by :func:`services.prefill.server.start_prefill_worker` (tests call it directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from services.common import ports
+from services.engine.worker_options import WorkerOptions, add_worker_arguments, options_from_args
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_SECONDS = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_worker_arguments(
+        parser, port=ports.prefill_grpc_port(0), metrics_port=ports.prefill_metrics_port(0)
+    )
+    parser.add_argument(
+        "--lease-seconds", type=float,
+        default=float(os.environ.get("TANDEM_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)),
+        help="free a request's KV if decode has not acknowledged it by then (default 30)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args, "prefill")
+    asyncio.run(_serve(options, args.lease_seconds))
+    return 0
+
+
+async def _serve(options: WorkerOptions, lease_seconds: float) -> None:
+    from services.engine.worker_runtime import serve_until_signal
+    from services.prefill.server import start_prefill_worker
+
+    handle = await start_prefill_worker(options, lease_seconds=lease_seconds)
+    await serve_until_signal(handle.stop)

@@ -1,0 +1,68 @@
+"""Start a prefill worker in this process: engine thread, KV sender, gRPC server, metrics.
+
+:func:`start_prefill_worker` is what ``tandem serve prefill`` runs (``main.py``) and what tests
+call directly; it returns a :class:`~services.engine.worker_runtime.WorkerHandle`
+(``handle.address``, ``handle.engine_loop.stats``, ``await handle.stop()``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
+from services.common.metrics import TandemMetrics
+from services.common.pb import prefill_pb2_grpc
+from services.engine.engine_loop import EngineLoop
+from services.engine.kv_transfer import GrpcKVTransport, KVSender, KVTransport
+from services.engine.kv_transfer.sender import CorruptChunk
+from services.engine.loaders import LoadedModel
+from services.engine.worker_options import WorkerOptions
+from services.engine.worker_runtime import WorkerHandle, build_engine, start_serving
+from services.prefill.main import DEFAULT_LEASE_SECONDS
+from services.prefill.servicer import SERVICE_NAME, PrefillServicer
+from services.prefill.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+
+async def start_prefill_worker(
+    options: WorkerOptions,
+    *,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    lease_interval: float | None = None,
+    loaded: LoadedModel | None = None,
+    transport: KVTransport | None = None,
+    metrics: TandemMetrics | None = None,
+    max_chunk_bytes: int = MAX_KV_CHUNK_BYTES,
+    corrupt_chunk: CorruptChunk | None = None,
+) -> WorkerHandle:
+    """Build and start a prefill worker; see the module docstring.
+
+    Args:
+        options: the shared worker options.
+        lease_seconds / lease_interval: KV lease TTL and reaper period.
+        loaded: an already loaded model (tests share one between workers).
+        transport: how KV travels (default: gRPC to the decode worker's address).
+        metrics: the registry to record into (default: a fresh one).
+        max_chunk_bytes: KV chunk size budget.
+        corrupt_chunk: test-only fault hook, see ``KVSender``.
+    """
+    metrics = metrics or TandemMetrics()
+    engine = build_engine(options, loaded=loaded)
+    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'prefill'}")
+    engine_loop.start()
+    metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
+    sender = KVSender(
+        engine_loop, transport or GrpcKVTransport(), lease_seconds=lease_seconds,
+        lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,
+        corrupt_chunk=corrupt_chunk,
+    )
+    worker = PrefillWorker(engine_loop, sender)
+    worker.start()
+    servicer = PrefillServicer(worker, worker_id=options.worker_id or "prefill", address="")
+    handle = await start_serving(
+        "prefill", options, engine_loop=engine_loop, worker=worker, metrics=metrics,
+        servicers=[(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, SERVICE_NAME)],
+    )
+    servicer.address = handle.address
+    return handle

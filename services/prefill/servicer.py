@@ -1,0 +1,87 @@
+"""The ``tandem.v1.Prefill`` gRPC servicer: protos in and out around :class:`PrefillWorker`.
+
+Validation failures raise typed errors (the server's ErrorInterceptor turns them into
+INVALID_ARGUMENT etc.); a request past its ``deadline_unix`` is answered DEADLINE_EXCEEDED
+without computing, and one that runs past it is cancelled (freeing its blocks) and answered the
+same. A client that cancels the call cancels the work the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import grpc.aio
+
+from services.common.errors import InvalidArgumentError
+from services.common.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
+from services.engine.worker_runtime import worker_stats
+from services.prefill.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """Prefill, Abort and GetStats for one worker."""
+
+    def __init__(self, worker: PrefillWorker, *, worker_id: str, address: str) -> None:
+        self.worker = worker
+        self.worker_id = worker_id
+        self.address = address
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        if not request.request_id:
+            raise InvalidArgumentError("request_id is required", param="request_id")
+        if not request.token_ids:
+            raise InvalidArgumentError("token_ids must not be empty", param="prompt")
+        if not request.decode_address:
+            raise InvalidArgumentError("decode_address is required", param="decode_address")
+        params = sampling_params_from_proto(request.params)
+        timeout = None
+        if request.deadline_unix:
+            timeout = request.deadline_unix - time.time()
+            if timeout <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "the request's deadline passed before prefill started")
+        try:
+            async with asyncio.timeout(timeout):
+                result = await self.worker.prefill(
+                    request.request_id, list(request.token_ids), params, request.decode_address
+                )
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the request's deadline passed during prefill")
+        response = prefill_pb2.PrefillResponse(
+            request_id=result.request_id,
+            first_token_id=result.first_token_id,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_cached_tokens=result.num_cached_tokens,
+            kv_bytes=result.kv_bytes,
+            prefill_seconds=result.prefill_seconds,
+            transfer_seconds=result.transfer_seconds,
+            num_blocks=result.num_blocks,
+        )
+        if result.first_logprob is not None:
+            response.first_logprob.CopyFrom(token_logprobs_to_proto(result.first_logprob))
+        return response
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        if not request.request_id:
+            raise InvalidArgumentError("request_id is required", param="request_id")
+        found = await self.worker.abort(request.request_id, request.reason or "aborted")
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetStats(
+        self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerStats:
+        return worker_stats(self.worker.engine_loop.stats, role="prefill",
+                            worker_id=self.worker_id, address=self.address)

@@ -1,0 +1,380 @@
+"""KV hand-off without sockets: payload chunking and byte copies, wire conversions, and the
+sender / receiver state machines over the in-process transport (same code paths as gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import torch
+
+from services.common.errors import (
+    AbortedError,
+    DataLossError,
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from services.common.metrics import TandemMetrics
+from services.common.pb import decode_pb2
+from services.common.sampling_params import SamplingParams
+from services.common.wire import (
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+    token_logprobs_from_proto,
+    token_logprobs_to_proto,
+)
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.engine_loop import EngineLoop
+from services.engine.kv_cache import KVLayout, KVPool
+from services.engine.kv_transfer import (
+    InProcessTransport,
+    KVReceiver,
+    KVSender,
+    PrefilledRequest,
+    ReceiveState,
+)
+from services.engine.kv_transfer.payload import plan_chunks, read_payload, write_payload
+from services.engine.loaders import LoadedModel, load_model
+from services.engine.sampler import TokenLogprobs
+
+Accept = Callable[[], Awaitable[None]] | None
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+DECODE = "decode-0"
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_plan_chunks_whole_blocks_and_split_blocks() -> None:
+    plans = plan_chunks(num_blocks=5, block_bytes=100, max_chunk_bytes=250)
+    assert [(p.offset, p.length, p.first_block, p.num_blocks) for p in plans] == [
+        (0, 200, 0, 2), (200, 200, 2, 2), (400, 100, 4, 1),
+    ]
+    split = plan_chunks(num_blocks=2, block_bytes=100, max_chunk_bytes=40)
+    assert [(p.offset, p.length, p.first_block, p.num_blocks) for p in split] == [
+        (0, 40, 0, 1), (40, 40, 0, 1), (80, 20, 0, 1),
+        (100, 40, 1, 1), (140, 40, 1, 1), (180, 20, 1, 1),
+    ]
+    assert plan_chunks(0, 100, 40) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_payload_roundtrip_whole_and_partial(dtype: str) -> None:
+    layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
+    src = KVPool(8, layout)
+    src.data.copy_(torch.randn(src.data.shape))
+    dst = KVPool(8, layout)
+    src_ids, dst_ids = [5, 1, 6], [0, 7, 3]
+    total = len(src_ids) * layout.block_bytes
+    for plan in plan_chunks(len(src_ids), layout.block_bytes, max_chunk_bytes=300):
+        data = read_payload(src, src_ids, plan.offset, plan.length)
+        write_payload(dst, dst_ids, plan.offset, data)
+    assert torch.equal(dst.data[dst_ids], src.data[src_ids])
+    whole = read_payload(src, src_ids, 0, total)
+    assert whole == read_payload(dst, dst_ids, 0, total)
+    assert torch.count_nonzero(dst.data[[2, 4, 5, 6]]) == 0  # nothing else was touched
+    with pytest.raises(DataLossError):
+        read_payload(src, src_ids, 0, total + 1)
+
+
+def test_sampling_params_wire_roundtrip() -> None:
+    params = SamplingParams(
+        temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+        presence_penalty=0.5, frequency_penalty=-0.5, seed=2**64 - 1, max_tokens=33,
+        min_tokens=2, stop=("a", "bc"), stop_token_ids=(3, 4), ignore_eos=True, logprobs=3,
+        n=2, skip_special_tokens=False,
+    )
+    back = sampling_params_from_proto(sampling_params_to_proto(params))
+    assert back.seed == -1  # two's complement int64: seeds a generator identically
+    assert back == SamplingParams(**{**_fields(params), "seed": -1})
+    plain = sampling_params_from_proto(sampling_params_to_proto(SamplingParams()))
+    assert plain == SamplingParams()
+    lp = TokenLogprobs(7, -0.25, ((7, -0.25), (9, -2.0)))
+    assert token_logprobs_from_proto(token_logprobs_to_proto(lp), TokenLogprobs) == lp
+
+
+def _fields(params: SamplingParams) -> dict[str, object]:
+    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
+
+
+# ----------------------------------------------------------------------------- state machines
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model("dummy:tiny")
+
+
+class Pair:
+    """A prefill engine loop + sender and a decode engine loop + receiver, in process."""
+
+    def __init__(
+        self, tiny: LoadedModel, *, decode_blocks: int = 64, lease_seconds: float = 30.0,
+        park_seconds: float = 30.0, corrupt: Callable[[int, bytes], bytes] | None = None,
+        endpoint: object | None = None, max_chunk_bytes: int = 4096,
+    ) -> None:
+        self.metrics = TandemMetrics(process_metrics=False)
+        self.prefill = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64)), metrics=self.metrics)
+        self.decode = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=decode_blocks)))
+        self.receiver = KVReceiver(self.decode, park_seconds=park_seconds, reap_interval=0.05)
+        transport = InProcessTransport({DECODE: endpoint or self.receiver})  # type: ignore[dict-item]
+        self.sender = KVSender(self.prefill, transport, lease_seconds=lease_seconds,
+                               lease_interval=0.05, max_chunk_bytes=max_chunk_bytes,
+                               metrics=self.metrics, corrupt_chunk=corrupt)
+
+    async def __aenter__(self) -> Pair:
+        self.prefill.start()
+        self.decode.start()
+        self.sender.start()
+        self.receiver.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.sender.close()
+        await self.receiver.close()
+        await self.prefill.stop()
+        await self.decode.stop()
+
+    async def prefill_and_send(self, rid: str, prompt: list[int]) -> object:
+        final = None
+        async for out in self.prefill.generate(rid, prompt, GREEDY, prefill_only=True):
+            final = out
+        assert final is not None and final.finish_reason == "prefilled"
+        request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
+                                   len(final.block_ids))
+        return await self.sender.send(request, DECODE)
+
+    async def idle(self) -> None:
+        await wait_until(lambda: self.prefill.stats.num_blocks_in_use == 0
+                         and self.decode.stats.num_blocks_in_use == 0)
+
+
+def prompt_of(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + 3 + offset) % 500 + 1 for i in range(n)]
+
+
+async def test_transfer_then_generate_matches_engine(tiny: LoadedModel) -> None:
+    prompt = prompt_of(37)
+    reference = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate([prompt], GREEDY)[0]
+    async with Pair(tiny) as pair:
+        result = await pair.prefill_and_send("r1", prompt)
+        assert result.num_blocks == 3 and result.num_chunks > 1  # type: ignore[attr-defined]
+        assert pair.receiver.state("r1") is ReceiveState.COMMITTED
+        ready = await pair.receiver.claim("r1", 1.0)
+        tokens: list[int] = []
+        async for out in pair.decode.generate_prefilled(
+            "r1", ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
+        ):
+            tokens += out.new_token_ids
+        assert tokens == reference.new_token_ids
+        await pair.idle()
+        assert pair.metrics.kv_transfer_bytes._value.get() == result.num_bytes  # type: ignore[attr-defined]
+
+
+async def test_claim_waits_for_a_late_transfer(tiny: LoadedModel) -> None:
+    async with Pair(tiny) as pair:
+        claim = asyncio.create_task(pair.receiver.claim("late", 5.0))
+        await asyncio.sleep(0.05)
+        await pair.prefill_and_send("late", prompt_of(20))
+        ready = await claim
+        assert ready.num_blocks == 2
+        with pytest.raises(NotFoundError):
+            await pair.receiver.claim("never", 0.05)
+        await pair.decode.release("late")
+        await pair.idle()
+
+
+async def test_layout_mismatch_is_refused_before_allocating(tiny: LoadedModel) -> None:
+    async with Pair(tiny) as pair:
+        pair.receiver.layout.model_fingerprint = "another-model"
+        with pytest.raises(FailedPreconditionError, match="model_fingerprint"):
+            await pair.prefill_and_send("fp", prompt_of(20))
+        await pair.idle()
+        assert pair.receiver.state("fp") is None
+        failures = pair.metrics.kv_transfer_failures.labels(reason="layout")._value.get()
+        assert failures == 1
+
+
+async def test_no_room_on_decode_is_refused_cleanly(tiny: LoadedModel) -> None:
+    async with Pair(tiny, decode_blocks=2) as pair:
+        with pytest.raises(ResourceExhaustedError):
+            await pair.prefill_and_send("big", prompt_of(60))
+        await pair.idle()
+        assert pair.receiver.state("big") is ReceiveState.FAILED
+
+
+async def test_corrupt_chunk_fails_with_data_loss_and_frees_both_sides(tiny: LoadedModel) -> None:
+    def flip(index: int, data: bytes) -> bytes:
+        return data if index != 1 else data[:10] + bytes([data[10] ^ 0xFF]) + data[11:]
+
+    async with Pair(tiny, corrupt=flip) as pair:
+        with pytest.raises(DataLossError, match="crc32"):
+            await pair.prefill_and_send("bad", prompt_of(40))
+        await pair.idle()
+        with pytest.raises(DataLossError):  # a waiting Generate learns why at once
+            await pair.receiver.claim("bad", 1.0)
+
+
+class SilentDecode:
+    """Reads the whole transfer, then never acknowledges."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def receive(
+        self, messages: AsyncIterator[decode_pb2.KVTransferMessage], on_accept: Accept = None
+    ) -> object:
+        if on_accept is not None:
+            await on_accept()
+        async for _ in messages:
+            pass
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_lease_expires_when_decode_never_acknowledges(tiny: LoadedModel) -> None:
+    silent = SilentDecode()
+    async with Pair(tiny, lease_seconds=0.3, endpoint=silent) as pair:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="lease"):
+            await pair.prefill_and_send("quiet", prompt_of(30))
+        assert 0.25 < time.monotonic() - started < 5
+        assert silent.cancelled.is_set()
+        await pair.idle()
+        assert pair.metrics.kv_transfer_leases_expired._value.get() == 1
+        assert pair.metrics.kv_transfer_failures.labels(reason="timeout")._value.get() == 1
+
+
+async def test_committed_kv_nobody_claims_is_freed(tiny: LoadedModel) -> None:
+    async with Pair(tiny, park_seconds=0.2) as pair:
+        await pair.prefill_and_send("orphan", prompt_of(30))
+        assert pair.decode.stats.num_held_requests == 1 or pair.receiver.num_pending == 1
+        await pair.idle()
+        with pytest.raises(UnavailableError, match="no Generate"):
+            await pair.receiver.claim("orphan", 0.1)
+
+
+async def test_abort_mid_transfer_frees_both_sides(tiny: LoadedModel) -> None:
+    gate = asyncio.Event()
+
+    class Gated:
+        def __init__(self, inner: KVReceiver) -> None:
+            self.inner = inner
+
+        async def receive(
+            self, messages: AsyncIterator[decode_pb2.KVTransferMessage], on_accept: Accept = None
+        ) -> object:
+            async def slow() -> AsyncIterator[decode_pb2.KVTransferMessage]:
+                async for message in messages:
+                    if message.WhichOneof("kind") == "chunk":
+                        gate.set()
+                        await asyncio.sleep(0.05)
+                    yield message
+
+            return await self.inner.receive(slow(), on_accept)
+
+    async with Pair(tiny) as pair:
+        pair.sender.transport.endpoints[DECODE] = Gated(pair.receiver)  # type: ignore[attr-defined]
+        send = asyncio.create_task(pair.prefill_and_send("ab", prompt_of(60)))
+        await gate.wait()
+        assert pair.sender.abort("ab")
+        assert pair.receiver.abort("ab")
+        await pair.decode.abort("ab")
+        with pytest.raises(AbortedError):
+            await send
+        await pair.idle()
+        assert pair.receiver.state("ab") is ReceiveState.FAILED
+
+
+async def test_engine_loop_cancelled_consumer_frees_blocks(tiny: LoadedModel) -> None:
+    loop = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=32)))
+    loop.start()
+    started = asyncio.Event()
+
+    async def consume(params: SamplingParams, prefill_only: bool) -> None:
+        async for _ in loop.generate("c", prompt_of(40), params, prefill_only=prefill_only):
+            started.set()
+            await asyncio.sleep(10)  # the consumer is slow and then cancelled
+
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        task = asyncio.create_task(consume(long, False))
+        await asyncio.wait_for(started.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until(lambda: loop.stats.num_blocks_in_use == 0 and loop.stats.num_running == 0)
+        # A prefill-only consumer that received its last output owns the held blocks ...
+        started.clear()
+        task = asyncio.create_task(consume(GREEDY, True))
+        await asyncio.wait_for(started.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until(lambda: loop.stats.num_held_requests == 1)
+        # ... until it releases them (exactly once).
+        assert await loop.release("c") is True
+        assert await loop.release("c") is False
+        await wait_until(lambda: loop.stats.num_blocks_in_use == 0)
+    finally:
+        await loop.stop()
+
+
+async def test_engine_loop_batches_concurrent_requests(tiny: LoadedModel) -> None:
+    loop = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64)))
+    loop.start()
+
+    async def run(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for out in loop.generate(f"b{i}", prompt_of(10, i), GREEDY):
+            tokens += out.new_token_ids
+        return tokens
+
+    try:
+        results = await asyncio.gather(*(run(i) for i in range(4)))
+        assert all(len(tokens) == GREEDY.max_tokens for tokens in results)
+        assert loop.stats.max_batch_size == 4
+    finally:
+        await loop.stop()
+    with pytest.raises(UnavailableError):
+        await loop.call(lambda engine: None)
+
+
+
+async def test_queued_prompts_prefill_in_one_forward_pass(tiny: LoadedModel) -> None:
+    loop = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64, max_num_batched_tokens=1024)))
+    loop.start()
+
+    async def prefill(i: int) -> list[int]:
+        outs = [out async for out in loop.generate(f"p{i}", prompt_of(30, i), GREEDY,
+                                                   prefill_only=True)]
+        return outs[-1].block_ids
+
+    try:
+        # Hold the engine thread so that all four prompts are queued before the next step.
+        blocker = asyncio.ensure_future(loop.call(lambda engine: time.sleep(0.3)))
+        await asyncio.sleep(0.05)
+        steps_before = loop.stats.num_steps
+        tables = await asyncio.gather(*(prefill(i) for i in range(4)))
+        await blocker
+        assert loop.stats.num_steps - steps_before == 1
+        assert loop.stats.max_batch_size == 4
+        assert all(len(table) == 2 for table in tables)
+        for i in range(4):
+            assert await loop.release(f"p{i}")
+        await wait_until(lambda: loop.stats.num_blocks_in_use == 0)
+    finally:
+        await loop.stop()
