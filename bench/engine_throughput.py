@@ -84,7 +84,7 @@ def hf_decode(model: torch.nn.Module, batch: int, new_tokens: int) -> float:
                        do_sample=False, pad_token_id=0)
 
     run(2)
-    full = _best(lambda: run(new_tokens + 1), repeats=1)
+    full = _best(lambda: run(new_tokens + 1), repeats=2)
     first = _best(lambda: run(1), repeats=2)
     return batch * new_tokens / (full - first)
 

@@ -47,8 +47,13 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         splits, _, width = self.packed.shape
         rows = x.shape[0]
-        out = torch.bmm(x.expand(splits, rows, self.in_features), self.packed)
-        out = out.transpose(0, 1).reshape(rows, splits * width)[:, : self.out_features]
+        out = torch.matmul(x, self.packed)  # broadcasts x over the S slices: [S, rows, W]
+        if rows == 1:
+            out = out.view(1, splits * width)  # slice-major order is already the output order
+        else:
+            out = out.transpose(0, 1).reshape(rows, splits * width)
+        if splits * width != self.out_features:
+            out = out[:, : self.out_features]
         return out + self.bias if self.bias is not None else out
 
 

@@ -4,7 +4,9 @@ Reads top to bottom: embedding → N × (RMSNorm → attention → residual → 
 residual) → RMSNorm → LM head. Tokens of all sequences in a step are flattened into one
 ``[T]`` batch (vLLM style); :class:`AttentionMetadata` tells attention which token belongs where.
 Q/K/V and gate/up projections are fused into one matmul each (the loaders concatenate the
-checkpoint's weights), which matters on CPU where decode is dominated by per-op overhead.
+checkpoint's weights), and the per-token path calls submodules' ``forward`` directly (skipping
+``nn.Module.__call__``'s hook bookkeeping): on CPU, decode time not spent streaming weights is
+per-op Python overhead.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from services.engine.attention import AttentionMetadata, PagedAttention, TorchPa
 from services.engine.kv_cache import KVPool
 from services.engine.linear import Linear
 from services.engine.model_config import ModelConfig
-from services.engine.rope import RotaryEmbedding
+from services.engine.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -39,7 +41,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention with fused QKV projection (optional bias, as in Qwen2)."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: PagedAttention) -> None:
+    def __init__(self, config: ModelConfig, backend: PagedAttention) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -50,26 +52,28 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.rope = rope
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        qkv = self.qkv_proj.forward(x)
+        # q and k are adjacent in the fused output: rotate both heads' sets in one go
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.o_proj.forward(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -82,28 +86,28 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: PagedAttention) -> None:
+    def __init__(self, config: ModelConfig, backend: PagedAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rope, backend)
+        self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, k_cache, v_cache, meta)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,13 +117,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         backend = backend or TorchPagedAttention()
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.rope = rope
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rope, backend) for _ in range(config.num_layers)
+            DecoderLayer(config, backend) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -135,9 +138,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run ``[T]`` flattened tokens; return final hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(index)
-            x = layer(x, positions, k_cache, v_cache, meta)
+            x = layer.forward(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

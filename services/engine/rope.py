@@ -28,7 +28,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies rotary embeddings to q and k of shape ``[tokens, heads, head_dim]``."""
+    """Cos/sin tables and the rotation ``x * cos + rotate_half(x) * sin`` (Hugging Face layout).
+
+    The tables are stored full width with the sign of ``rotate_half`` folded into ``sin``
+    (``[-sin, sin]``), so the rotation is four tensor ops: ``x * cos + x.roll(d/2) * sin``.
+    :meth:`lookup` runs once per forward pass; every layer reuses its result.
+    """
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
@@ -36,30 +41,29 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
-        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
         if self.cos.device.type != "meta":
             self.reset_tables()
 
     def reset_tables(self) -> None:
-        """(Re)compute the float32 cos/sin tables on the buffers' device."""
+        """(Re)compute the float32 tables on the buffers' device."""
         inv = inverse_frequencies(self.head_dim, self.theta, self.scaling).float()
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv).to(self.cos.device)
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """``cos, sin`` of shape ``[T, 1, head_dim]`` in ``dtype`` (as transformers casts them)."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1 = x[..., :half].float()
-    x2 = x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[T, heads, head_dim]`` with tables from :meth:`lookup`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
