@@ -19,8 +19,8 @@ With the defaults, up to 10 workers per role fit; more need bases far enough apa
 ports are refused before anything starts).
 
 Lifecycle:
-  1. Plan every child (command line, ports, addresses) and refuse overlapping or busy ports with
-     a one-line error, before anything starts.
+  1. Plan every child (command line, ports, addresses; ``launch_plan.py``) and refuse
+     overlapping or busy ports with a one-line error, before anything starts.
   2. Start every child in its own session / process group (a Ctrl-C in the terminal reaches only
      the launcher), with ``PR_SET_PDEATHSIG`` on Linux so that a child is killed even when the
      launcher itself is SIGKILLed. Children log to the launcher's stderr; its stdout carries only
@@ -41,91 +41,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import importlib.util
 import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.common import ports
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import UnavailableError
+from services.launch_plan import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_STOP_TIMEOUT_S,
+    ChildSpec,
+    LaunchConfig,
+    check_ports_free,
+    plan,
+)
 
 logger = logging.getLogger(__name__)
 
 MODEL_ENV = "TANDEM_MODEL"
-GRPC_SERVICES = {
-    "tokenizer": "tandem.v1.Tokenizer",
-    "prefill": "tandem.v1.Prefill",
-    "decode": "tandem.v1.Decode",
-}
-SERVICE_MODULES = {
-    "tokenizer": "services.tokenizer.main",
-    "prefill": "services.prefill.main",
-    "decode": "services.decode.main",
-    "gateway": "services.gateway.main",
-}
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
-DEFAULT_STOP_TIMEOUT_S = 20.0
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchConfig:
-    """What ``tandem up`` starts; built from the flags by :func:`run`."""
-
-    model: str = "default"
-    num_prefill: int = 1
-    num_decode: int = 1
-    gateway: bool = True
-    host: str = "127.0.0.1"
-    gateway_port: int = ports.GATEWAY_HTTP_PORT
-    tokenizer_port: int = ports.TOKENIZER_GRPC_PORT
-    tokenizer_metrics_port: int = ports.TOKENIZER_METRICS_PORT
-    prefill_port: int = ports.PREFILL_GRPC_PORT_BASE
-    prefill_metrics_port: int = ports.PREFILL_METRICS_PORT_BASE
-    decode_port: int = ports.DECODE_GRPC_PORT_BASE
-    decode_metrics_port: int = ports.DECODE_METRICS_PORT_BASE
-    dtype: str | None = None
-    kv_cache_gib: float | None = None
-    num_blocks: int | None = None
-    worker_args: tuple[str, ...] = ()
-    gateway_args: tuple[str, ...] = ()
-    log_level: str = "INFO"
-    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
-    stop_timeout: float = DEFAULT_STOP_TIMEOUT_S
-
-
-@dataclass(frozen=True, slots=True)
-class ChildSpec:
-    """One planned child process.
-
-    Attributes:
-        name: ``tokenizer``, ``prefill-0``, ``decode-1``, ``gateway``.
-        service: the ``tandem serve`` service it runs.
-        argv: its full command line.
-        address: where clients reach it (``host:port``; an ``http://`` URL for the gateway).
-        metrics_url: its Prometheus endpoint.
-        ports: every port it binds, with what for (for the free-port check).
-    """
-
-    name: str
-    service: str
-    argv: tuple[str, ...]
-    address: str
-    metrics_url: str
-    ports: tuple[tuple[int, str], ...] = field(default=())
-
-    @property
-    def grpc_service(self) -> str | None:
-        """The full gRPC service name to health-check, or None (the gateway speaks HTTP)."""
-        return GRPC_SERVICES.get(self.service)
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -189,128 +130,6 @@ def run(args: argparse.Namespace) -> int:
         stop_timeout=args.stop_timeout,
     )
     return asyncio.run(Launcher(config).run())
-
-
-# ------------------------------------------------------------------------------------- planning
-
-
-def plan(config: LaunchConfig) -> list[ChildSpec]:
-    """Every child to start, in start order; InvalidArgumentError on a config that cannot work."""
-    if config.num_prefill < 0 or config.num_decode < 0:
-        raise InvalidArgumentError("--prefill and --decode must be >= 0", param="prefill")
-    gateway = config.gateway
-    if gateway and importlib.util.find_spec(SERVICE_MODULES["gateway"]) is None:
-        logger.warning("services/gateway/main.py is not installed; starting without the gateway")
-        gateway = False
-    if gateway and (config.num_prefill < 1 or config.num_decode < 1):
-        raise InvalidArgumentError(
-            "the gateway needs at least one prefill and one decode worker "
-            "(or pass --no-gateway)",
-            param="prefill",
-        )
-    for service, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
-        if count and importlib.util.find_spec(SERVICE_MODULES[service]) is None:
-            raise UnavailableError(
-                f"{SERVICE_MODULES[service]} is not installed; cannot start {service} workers "
-                f"(pass --{service} 0)"
-            )
-
-    host = config.host
-    client_host = _client_host(host)
-    base = [sys.executable, "-m", "services", f"--log-level={config.log_level}", "serve"]
-    specs: list[ChildSpec] = []
-
-    def grpc_child(name: str, service: str, port: int, metrics_port: int, extra: list[str]) -> None:
-        argv = [*base, service, "--model", config.model, "--host", host,
-                "--port", str(port), "--metrics-port", str(metrics_port), *extra]  # fmt: skip
-        specs.append(
-            ChildSpec(
-                name=name,
-                service=service,
-                argv=tuple(argv),
-                address=_join(client_host, port),
-                metrics_url=f"http://{_join(client_host, metrics_port)}/metrics",
-                ports=((port, f"{name} gRPC"), (metrics_port, f"{name} metrics")),
-            )
-        )
-
-    grpc_child("tokenizer", "tokenizer", config.tokenizer_port, config.tokenizer_metrics_port, [])
-    for service, count, port, metrics_port in (
-        ("prefill", config.num_prefill, config.prefill_port, config.prefill_metrics_port),
-        ("decode", config.num_decode, config.decode_port, config.decode_metrics_port),
-    ):
-        for i in range(count):
-            name = f"{service}-{i}"
-            extra = ["--worker-id", name, "--advertise-address", _join(client_host, port + i)]
-            if config.dtype is not None:
-                extra += ["--dtype", config.dtype]
-            if config.kv_cache_gib is not None:
-                extra += ["--kv-cache-gib", f"{config.kv_cache_gib:g}"]
-            if config.num_blocks is not None:
-                extra += ["--num-blocks", str(config.num_blocks)]
-            grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])
-
-    if gateway:
-        argv = [*base, "gateway", "--host", host, "--port", str(config.gateway_port),
-                "--model", config.model, "--tokenizer", specs[0].address]  # fmt: skip
-        for spec in specs[1:]:
-            argv += [f"--{spec.service}", spec.address]
-        url = f"http://{_join(client_host, config.gateway_port)}"
-        specs.append(
-            ChildSpec(
-                name="gateway",
-                service="gateway",
-                argv=(*argv, *config.gateway_args),
-                address=url,
-                metrics_url=f"{url}/metrics",
-                ports=((config.gateway_port, "gateway HTTP"),),
-            )
-        )
-    _check_distinct_ports(specs)
-    return specs
-
-
-def _check_distinct_ports(specs: Sequence[ChildSpec]) -> None:
-    seen: dict[int, str] = {}
-    for spec in specs:
-        for port, what in spec.ports:
-            if not 0 < port <= 65535:
-                raise InvalidArgumentError(f"{what} port {port} is not in [1, 65535]", param="port")
-            if port in seen:
-                raise InvalidArgumentError(
-                    f"port {port} is planned twice ({seen[port]} and {what}); move a port base",
-                    param="port",
-                )
-            seen[port] = what
-
-
-def check_ports_free(specs: Sequence[ChildSpec], host: str) -> None:
-    """UnavailableError naming the first planned port something else already holds."""
-    for spec in specs:
-        for port, what in spec.ports:
-            bind = _bind_host(host)
-            family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-            try:
-                with socket.create_server((bind, port), family=family):
-                    pass
-            except OSError as err:
-                raise UnavailableError(
-                    f"port {port} ({what}) on {host} is not available: "
-                    f"{os.strerror(err.errno) if err.errno else err}"
-                ) from err
-
-
-def _client_host(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
-
-
-def _bind_host(host: str) -> str:
-    return host.strip("[]")
-
-
-def _join(host: str, port: int) -> str:
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ------------------------------------------------------------------------------------- processes

@@ -25,11 +25,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services import launcher
+from services import launch_plan
 from services.common import ports
 from services.common.errors import InvalidArgumentError
 from services.common.grpc_channel import open_channel
-from services.launcher import LaunchConfig, plan
+from services.launch_plan import LaunchConfig, plan
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
@@ -55,7 +55,7 @@ def _with_gateway(monkeypatch: pytest.MonkeyPatch, present: bool) -> None:
             return object() if present else None
         return real(name, *args)
 
-    monkeypatch.setattr(launcher.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(launch_plan.importlib.util, "find_spec", find_spec)
 
 
 @needs_workers

@@ -1,0 +1,212 @@
+"""The plan of ``tandem up``: which children to start, with which command lines and ports.
+
+:func:`plan` turns a :class:`LaunchConfig` (the ``tandem up`` flags) into one :class:`ChildSpec`
+per child process, in start order: its ``python -m services serve ...`` command line, the address
+clients reach it at, its Prometheus URL and every port it binds. Overlapping or out-of-range ports
+are refused by :func:`plan` and ports something else already holds by :func:`check_ports_free`,
+both with a one-line error.
+
+Why a module of its own: planning is pure (no process is started, nothing is supervised), so it is
+checked in isolation and every configuration error surfaces before anything starts; starting,
+watching and stopping the children is ``launcher.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.common import ports
+from services.common.errors import InvalidArgumentError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+GRPC_SERVICES = {
+    "tokenizer": "tandem.v1.Tokenizer",
+    "prefill": "tandem.v1.Prefill",
+    "decode": "tandem.v1.Decode",
+}
+SERVICE_MODULES = {
+    "tokenizer": "services.tokenizer.main",
+    "prefill": "services.prefill.main",
+    "decode": "services.decode.main",
+    "gateway": "services.gateway.main",
+}
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+DEFAULT_STOP_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """What ``tandem up`` starts; built from the flags by :func:`services.launcher.run`."""
+
+    model: str = "default"
+    num_prefill: int = 1
+    num_decode: int = 1
+    gateway: bool = True
+    host: str = "127.0.0.1"
+    gateway_port: int = ports.GATEWAY_HTTP_PORT
+    tokenizer_port: int = ports.TOKENIZER_GRPC_PORT
+    tokenizer_metrics_port: int = ports.TOKENIZER_METRICS_PORT
+    prefill_port: int = ports.PREFILL_GRPC_PORT_BASE
+    prefill_metrics_port: int = ports.PREFILL_METRICS_PORT_BASE
+    decode_port: int = ports.DECODE_GRPC_PORT_BASE
+    decode_metrics_port: int = ports.DECODE_METRICS_PORT_BASE
+    dtype: str | None = None
+    kv_cache_gib: float | None = None
+    num_blocks: int | None = None
+    worker_args: tuple[str, ...] = ()
+    gateway_args: tuple[str, ...] = ()
+    log_level: str = "INFO"
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
+    stop_timeout: float = DEFAULT_STOP_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """One planned child process.
+
+    Attributes:
+        name: ``tokenizer``, ``prefill-0``, ``decode-1``, ``gateway``.
+        service: the ``tandem serve`` service it runs.
+        argv: its full command line.
+        address: where clients reach it (``host:port``; an ``http://`` URL for the gateway).
+        metrics_url: its Prometheus endpoint.
+        ports: every port it binds, with what for (for the free-port check).
+    """
+
+    name: str
+    service: str
+    argv: tuple[str, ...]
+    address: str
+    metrics_url: str
+    ports: tuple[tuple[int, str], ...] = field(default=())
+
+    @property
+    def grpc_service(self) -> str | None:
+        """The full gRPC service name to health-check, or None (the gateway speaks HTTP)."""
+        return GRPC_SERVICES.get(self.service)
+
+
+def plan(config: LaunchConfig) -> list[ChildSpec]:
+    """Every child to start, in start order; InvalidArgumentError on a config that cannot work."""
+    if config.num_prefill < 0 or config.num_decode < 0:
+        raise InvalidArgumentError("--prefill and --decode must be >= 0", param="prefill")
+    gateway = config.gateway
+    if gateway and importlib.util.find_spec(SERVICE_MODULES["gateway"]) is None:
+        logger.warning("services/gateway/main.py is not installed; starting without the gateway")
+        gateway = False
+    if gateway and (config.num_prefill < 1 or config.num_decode < 1):
+        raise InvalidArgumentError(
+            "the gateway needs at least one prefill and one decode worker "
+            "(or pass --no-gateway)",
+            param="prefill",
+        )
+    for service, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
+        if count and importlib.util.find_spec(SERVICE_MODULES[service]) is None:
+            raise UnavailableError(
+                f"{SERVICE_MODULES[service]} is not installed; cannot start {service} workers "
+                f"(pass --{service} 0)"
+            )
+
+    host = config.host
+    client_host = _client_host(host)
+    base = [sys.executable, "-m", "services", f"--log-level={config.log_level}", "serve"]
+    specs: list[ChildSpec] = []
+
+    def grpc_child(name: str, service: str, port: int, metrics_port: int, extra: list[str]) -> None:
+        argv = [*base, service, "--model", config.model, "--host", host,
+                "--port", str(port), "--metrics-port", str(metrics_port), *extra]  # fmt: skip
+        specs.append(
+            ChildSpec(
+                name=name,
+                service=service,
+                argv=tuple(argv),
+                address=_join(client_host, port),
+                metrics_url=f"http://{_join(client_host, metrics_port)}/metrics",
+                ports=((port, f"{name} gRPC"), (metrics_port, f"{name} metrics")),
+            )
+        )
+
+    grpc_child("tokenizer", "tokenizer", config.tokenizer_port, config.tokenizer_metrics_port, [])
+    for service, count, port, metrics_port in (
+        ("prefill", config.num_prefill, config.prefill_port, config.prefill_metrics_port),
+        ("decode", config.num_decode, config.decode_port, config.decode_metrics_port),
+    ):
+        for i in range(count):
+            name = f"{service}-{i}"
+            extra = ["--worker-id", name, "--advertise-address", _join(client_host, port + i)]
+            if config.dtype is not None:
+                extra += ["--dtype", config.dtype]
+            if config.kv_cache_gib is not None:
+                extra += ["--kv-cache-gib", f"{config.kv_cache_gib:g}"]
+            if config.num_blocks is not None:
+                extra += ["--num-blocks", str(config.num_blocks)]
+            grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])
+
+    if gateway:
+        argv = [*base, "gateway", "--host", host, "--port", str(config.gateway_port),
+                "--model", config.model, "--tokenizer", specs[0].address]  # fmt: skip
+        for spec in specs[1:]:
+            argv += [f"--{spec.service}", spec.address]
+        url = f"http://{_join(client_host, config.gateway_port)}"
+        specs.append(
+            ChildSpec(
+                name="gateway",
+                service="gateway",
+                argv=(*argv, *config.gateway_args),
+                address=url,
+                metrics_url=f"{url}/metrics",
+                ports=((config.gateway_port, "gateway HTTP"),),
+            )
+        )
+    _check_distinct_ports(specs)
+    return specs
+
+
+def _check_distinct_ports(specs: Sequence[ChildSpec]) -> None:
+    seen: dict[int, str] = {}
+    for spec in specs:
+        for port, what in spec.ports:
+            if not 0 < port <= 65535:
+                raise InvalidArgumentError(f"{what} port {port} is not in [1, 65535]", param="port")
+            if port in seen:
+                raise InvalidArgumentError(
+                    f"port {port} is planned twice ({seen[port]} and {what}); move a port base",
+                    param="port",
+                )
+            seen[port] = what
+
+
+def check_ports_free(specs: Sequence[ChildSpec], host: str) -> None:
+    """UnavailableError naming the first planned port something else already holds."""
+    for spec in specs:
+        for port, what in spec.ports:
+            bind = _bind_host(host)
+            family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+            try:
+                with socket.create_server((bind, port), family=family):
+                    pass
+            except OSError as err:
+                raise UnavailableError(
+                    f"port {port} ({what}) on {host} is not available: "
+                    f"{os.strerror(err.errno) if err.errno else err}"
+                ) from err
+
+
+def _client_host(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(host, host)
+
+
+def _bind_host(host: str) -> str:
+    return host.strip("[]")
+
+
+def _join(host: str, port: int) -> str:
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
