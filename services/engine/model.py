@@ -23,7 +23,11 @@ from services.engine.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face's LlamaRMSNorm does."""
+    """Root-mean-square norm computed in float32, exactly as Hugging Face's LlamaRMSNorm.
+
+    Written out rather than ``F.rms_norm`` so that it matches the reference bit for bit in every
+    dtype (the two measured the same speed for CPU decode).
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -31,11 +35,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.dtype != torch.float32:
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x32.to(x.dtype)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class Attention(nn.Module):
