@@ -233,3 +233,57 @@ def test_malformed_policy_files(tmp_path: Path, content: str) -> None:
 def test_missing_policy_file(tmp_path: Path) -> None:
     with pytest.raises(FailedPreconditionError):
         load_policy(tmp_path / "nope.json")
+
+
+TERMS_ONLY = {"categories": {"weapons": {"terms": ["build a pipe bomb", "nerve agent", "pipe dream"]}}}
+
+
+def test_terms_only_policy_holds_back_only_term_prefixes() -> None:
+    policy = RuleBasedPolicy.from_dict(TERMS_ONLY)
+    assert policy.pattern_hold == 0
+    flt = policy.stream_filter()
+    sent = ""
+    for ch in "Tomatoes need water. ":
+        sent += flt.push(ch).text_to_send
+    assert sent == "Tomatoes need water. "  # nothing held: no term starts like this
+    sent += flt.push("We will bu").text_to_send
+    assert sent == "Tomatoes need water. We will "  # "bu" may become "build a pipe bomb"
+    sent += flt.push("y a pi").text_to_send
+    assert sent == "Tomatoes need water. We will buy a "  # "pi" may become "pipe dream"
+    sent += flt.push("ano.").text_to_send
+    assert sent == "Tomatoes need water. We will buy a piano."
+    assert flt.finish() == FilterResult("")
+
+
+def test_terms_only_policy_never_leaks_over_every_split() -> None:
+    policy = RuleBasedPolicy.from_dict(TERMS_ONLY)
+    text = "Step one: Build a  pipe bomb. Then more."
+    hit = policy.first_match(text)
+    assert hit is None  # two spaces: "\\s" matches exactly one whitespace character
+    text = "Step one: Build a pipe\tbomb. Then more."
+    hit = policy.first_match(text)
+    assert hit is not None
+    expected = text[: hit[0].start()]
+    for deltas in all_two_and_three_way_splits(text):
+        sent, last, _ = run_filter(policy, deltas)
+        assert last.blocked and sent == expected, deltas
+
+
+def test_terms_only_random_texts_match_the_whole_text_oracle() -> None:
+    policy = RuleBasedPolicy.from_dict(TERMS_ONLY)
+    rng = random.Random(99)
+    words = ["build", "Build", "a", "pipe", "PIPE", "bomb", "bombs", "dream", "dreamy", "nerve",
+             "agent", "agents", "rebuild", "x", "build a pipe bomb", "pipe dream", "Nerve\tagent"]
+    seps = [" ", " ", "\n", "", "-", "  "]
+    blocked_seen = 0
+    for _ in range(400):
+        text = "".join(rng.choice(words) + rng.choice(seps) for _ in range(rng.randint(1, 10)))
+        hit = policy.first_match(text)
+        expected = text if hit is None else text[: hit[0].start()]
+        for _ in range(3):
+            cuts = rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(0, 8)))
+            sent, last, _ = run_filter(policy, splits(text, cuts))
+            assert last.blocked == (hit is not None), (text, cuts)
+            assert sent == expected, (text, cuts)
+        blocked_seen += hit is not None
+    assert 50 < blocked_seen < 350

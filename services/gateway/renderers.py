@@ -37,7 +37,10 @@ class _Accumulated:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    offset: int = 0  # completions: characters already streamed (text_offset continues here)
+    # completions: text_offset of the next token = echo length + the tokens' text so far. Counted
+    # from the tokens, not from the streamed text: the safety hold-back releases text and tokens
+    # in different chunks.
+    offset: int = 0
 
 
 class Renderer(ABC):
@@ -149,7 +152,7 @@ class CompletionRenderer(Renderer):
             lp = None
             if self.logprobs:
                 lp = completion_logprobs(event.logprobs, text_offset_start=acc.offset)
-            acc.offset += len(event.text)
+            acc.offset += sum(len(t.token) for t in event.logprobs)
             chunks.append(self._chunk(event.index, text=event.text, logprobs=lp))
         if event.finish_reason is not None:
             chunks.append(self._chunk(event.index, finish_reason=event.finish_reason))

@@ -24,10 +24,18 @@ Terms match case-insensitively on word boundaries (a space in a term matches any
 character). Patterns are Python regexes, compiled case-insensitively; ``max_len`` declares the
 longest text a category's patterns can match (default :data:`DEFAULT_PATTERN_MAX_LEN`), and the
 file's author keeps patterns within it. ``max_match_len`` is the longest span any rule must see,
-including the one character after a term that decides its trailing word boundary; the stream
-filter holds back ``max_match_len - 1`` characters so a violation ending at any character is seen
-before that character is sent. A match that touches the end of the buffer is treated as possible
-until the next character (or ``finish``) settles it, and nothing from its start on is sent.
+including the one character after a term that decides its trailing word boundary.
+
+How much the stream filter holds back (so that text streams as soon as it is known safe):
+
+* terms: only the tail that is the beginning of some term (at a word boundary) — checked with
+  one regex of every term's prefixes anchored at the end of the buffer; ordinary text is sent at
+  once, and ``"how to make a pi"`` waits until it can no longer become a blocked phrase;
+* patterns: Python regexes cannot report a *partial* match, so when a policy has patterns the
+  last ``max_len - 1`` characters are held back (a bounded, larger delay — prefer terms).
+
+A match that touches the end of the buffer is treated as possible until the next character (or
+``finish``) settles it, and nothing from its start on is sent.
 """
 
 from __future__ import annotations
@@ -143,6 +151,8 @@ class RuleCategory:
     name: str
     regex: re.Pattern[str]
     max_match_len: int
+    terms: tuple[str, ...] = ()
+    pattern_max_len: int = 0  # 0 when the category has no patterns
 
 
 class RuleBasedPolicy(SafetyPolicy):
@@ -153,6 +163,16 @@ class RuleBasedPolicy(SafetyPolicy):
     def __init__(self, categories: Sequence[RuleCategory]) -> None:
         self.categories = tuple(categories)
         self.max_match_len = max((c.max_match_len for c in self.categories), default=1)
+        self.pattern_hold = max(
+            (c.pattern_max_len - 1 for c in self.categories if c.pattern_max_len), default=0
+        )
+        terms = sorted({t for c in self.categories for t in c.terms}, key=len, reverse=True)
+        self.longest_term = max((len(t) for t in terms), default=0)
+        self.term_prefix = (
+            re.compile(rf"(?<!\w)(?:{'|'.join(_prefix_regex(t) for t in terms)})\Z", re.IGNORECASE)
+            if terms
+            else None
+        )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> RuleBasedPolicy:
@@ -204,7 +224,6 @@ class RuleOutputFilter(OutputFilter):
 
     def __init__(self, policy: RuleBasedPolicy) -> None:
         self._policy = policy
-        self._hold = policy.max_match_len - 1
         self._buf = ""
         self._sent = 0
         self._blocked: str | None = None
@@ -233,11 +252,22 @@ class RuleOutputFilter(OutputFilter):
                 return self._block(min(m.start(), pending), cat.name)
             pending = min(pending, m.start())  # touches the end: wait for the next character
             pos = m.start() + 1
-        safe_end = n if final else max(self._sent, min(pending, n - self._hold))
+        safe_end = n if final else max(self._sent, min(pending, self._hold_from(n)))
         out = self._buf[self._sent : safe_end]
         self._sent = safe_end
         self._trim()
         return FilterResult(out)
+
+    def _hold_from(self, n: int) -> int:
+        """Where the text that may still become a violation starts (``n``: nothing held)."""
+        policy = self._policy
+        hold_from = n - policy.pattern_hold
+        if policy.term_prefix is not None:
+            start = max(self._sent, n - policy.longest_term)
+            m = policy.term_prefix.search(self._buf, start)
+            if m is not None:
+                hold_from = min(hold_from, m.start())
+        return hold_from
 
     def _block(self, end: int, category: str) -> FilterResult:
         out = self._buf[self._sent : max(end, self._sent)]
@@ -266,6 +296,7 @@ def _compile_category(name: object, spec: object, source: str) -> RuleCategory:
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise _policy_error(source, f"category {name!r}: max_len must be a positive integer")
     parts: list[str] = []
+    normalized: list[str] = []
     longest = 1
     for term in terms:
         words = term.split()
@@ -273,6 +304,7 @@ def _compile_category(name: object, spec: object, source: str) -> RuleCategory:
             raise _policy_error(source, f"category {name!r}: empty term")
         body = r"\s".join(re.escape(w) for w in words)
         parts.append(rf"(?<!\w){body}(?!\w)")
+        normalized.append(" ".join(words))
         longest = max(longest, len(" ".join(words)) + 1)  # +1: the boundary character after it
     for pattern in patterns:
         try:
@@ -291,7 +323,23 @@ def _compile_category(name: object, spec: object, source: str) -> RuleCategory:
         regex = re.compile("|".join(parts), re.IGNORECASE)
     except re.error as exc:  # e.g. a global inline flag such as (?i) inside one pattern
         raise _policy_error(source, f"category {name!r}: {exc}") from exc
-    return RuleCategory(name=name, regex=regex, max_match_len=longest)
+    return RuleCategory(
+        name=name,
+        regex=regex,
+        max_match_len=longest,
+        terms=tuple(normalized),
+        pattern_max_len=max_len if patterns else 0,
+    )
+
+
+def _prefix_regex(term: str) -> str:
+    """A regex matching every non-empty prefix of ``term`` (a space matches any whitespace):
+    ``abc`` → ``a(?:b(?:c)?)?``."""
+    pieces = [r"\s" if ch == " " else re.escape(ch) for ch in term]
+    out = ""
+    for piece in reversed(pieces[1:]):
+        out = f"(?:{piece}{out})?"
+    return pieces[0] + out
 
 
 def _is_str_list(value: object) -> bool:
