@@ -110,11 +110,22 @@ class TorchPagedAttention(PagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        self.store_kv(k, v, k_cache, v_cache, meta)
         if meta.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
         return self._decode(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def store_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Write this step's K/V into their slots (shared by every backend)."""
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v
 
     @staticmethod
     def _prefill(

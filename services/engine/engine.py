@@ -22,17 +22,20 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.kv_cache import KVLayout, KVPool
 from services.engine.loaders import LoadedModel
 from services.engine.model_runner import ModelRunner
-from services.engine.sampler import Sampler, SamplingState, TokenLogprobs, make_generator
+from services.engine.sampler import (
+    Sampler,
+    SamplingState,
+    TokenLogprobs,
+    make_generator,
+)
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import Sequence, SequenceStatus
+from services.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -215,7 +215,20 @@ def chat_usage_chunk(
     system_fingerprint: str | None = SYSTEM_FINGERPRINT,
 ) -> JsonDict:
     """The final chunk sent when ``stream_options.include_usage`` is set: no choices, usage."""
-    chunk = _chunk_head(request_id, model, created, "chat.completion.chunk", system_fingerprint)
+    return _usage_chunk(
+        request_id, model, created, "chat.completion.chunk", usage, system_fingerprint
+    )
+
+
+def _usage_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    object_name: str,
+    usage: Mapping[str, object],
+    system_fingerprint: str | None,
+) -> JsonDict:
+    chunk = _chunk_head(request_id, model, created, object_name, system_fingerprint)
     chunk["choices"] = []
     chunk["usage"] = dict(usage)
     return chunk
@@ -286,10 +299,7 @@ def completion_usage_chunk(
     system_fingerprint: str | None = SYSTEM_FINGERPRINT,
 ) -> JsonDict:
     """The final completions chunk for ``stream_options.include_usage``: no choices, usage."""
-    chunk = _chunk_head(request_id, model, created, "text_completion", system_fingerprint)
-    chunk["choices"] = []
-    chunk["usage"] = dict(usage)
-    return chunk
+    return _usage_chunk(request_id, model, created, "text_completion", usage, system_fingerprint)
 
 
 def models_response(models: Sequence[ModelCard]) -> JsonDict:

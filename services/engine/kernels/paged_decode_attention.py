@@ -106,8 +106,7 @@ class TritonPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         if meta.is_prefill:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        self.store_kv(k, v, k_cache, v_cache, meta)
         if meta.context_lens_tensor is None:
             meta.context_lens_tensor = torch.tensor(meta.context_lens, device=q.device)
         return paged_decode_attention(

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.lease import LeaseTable
-from services.engine.kv_transfer.checks import ReadyKV
+from services.engine.kv_transfer.payload import PrefilledRequest
 from services.engine.kv_transfer.receiver import KVReceiver, ReceiveState
 from services.engine.kv_transfer.sender import (
     KVSender,
-    PrefilledRequest,
     SendState,
     TransferResult,
 )
@@ -46,7 +45,6 @@ __all__ = [
     "KVTransport",
     "LeaseTable",
     "PrefilledRequest",
-    "ReadyKV",
     "ReceiveState",
     "SendState",
     "TransferResult",

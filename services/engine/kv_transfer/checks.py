@@ -11,27 +11,13 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
 
 from services.common.errors import DataLossError, InvalidArgumentError
 from services.common.pb import common_pb2, decode_pb2
-from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_from_proto, token_logprobs_from_proto
 from services.engine.kv_transfer.layout import check_layout
-from services.engine.kv_transfer.payload import blocks_touched
+from services.engine.kv_transfer.payload import PrefilledRequest, blocks_touched
 from services.engine.sampler import TokenLogprobs
-
-
-@dataclass(frozen=True, slots=True)
-class ReadyKV:
-    """A committed transfer, claimed: everything needed to continue the request."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    first_token_id: int
-    first_logprob: TokenLogprobs | None
-    num_blocks: int
 
 
 def check_header(
@@ -41,7 +27,7 @@ def check_header(
     block_bytes: int,
     vocab_size: int,
     max_model_len: int,
-) -> ReadyKV:
+) -> PrefilledRequest:
     """Check a header against this worker; returns what decoding the request needs."""
     check_layout(header.layout, layout)
     if not header.request_id:
@@ -64,7 +50,7 @@ def check_header(
     first_logprob = None
     if header.HasField("first_logprob"):
         first_logprob = token_logprobs_from_proto(header.first_logprob, TokenLogprobs)
-    return ReadyKV(header.request_id, tokens, params, header.first_token_id, first_logprob,
+    return PrefilledRequest(header.request_id, tokens, params, header.first_token_id, first_logprob,
                    header.num_blocks)
 
 

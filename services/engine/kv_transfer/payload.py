@@ -22,7 +22,22 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import DataLossError, InvalidArgumentError
+from services.common.sampling_params import SamplingParams
 from services.engine.kv_cache import KVPool
+from services.engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class PrefilledRequest:
+    """A request whose prompt KV fills ``num_blocks`` blocks: what prefill ships and what decode
+    admits into its batch once the transfer is committed."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    first_token_id: int
+    first_logprob: TokenLogprobs | None
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,10 +46,10 @@ from services.common.errors import (
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
 from services.engine.engine_loop import EngineLoop
-from services.engine.kv_transfer.checks import ReadyKV, check_chunk, check_commit, check_header
+from services.engine.kv_transfer.checks import check_chunk, check_commit, check_header
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
-from services.engine.kv_transfer.payload import write_payload
+from services.engine.kv_transfer.payload import PrefilledRequest, write_payload
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class _Entry:
     request_id: str
     state: ReceiveState
     since: float
-    ready: ReadyKV | None = None
+    ready: PrefilledRequest | None = None
     error: TandemError | None = None
     aborted: bool = False
     owns_blocks: bool = False
@@ -215,7 +215,7 @@ class KVReceiver:
             raise InvalidArgumentError("the KV transfer ended without a commit")
         return received
 
-    def _admit(self, ready: ReadyKV) -> _Entry:
+    def _admit(self, ready: PrefilledRequest) -> _Entry:
         old = self._entries.get(ready.request_id)
         if old is not None and old.aborted:
             raise AbortedError(f"request {ready.request_id!r} was aborted", code="aborted")
@@ -249,7 +249,7 @@ class KVReceiver:
                                         num_blocks=header.num_blocks, bytes_received=received)
 
     # ------------------------------------------------------------------ claiming
-    async def claim(self, request_id: str, timeout: float) -> ReadyKV:
+    async def claim(self, request_id: str, timeout: float) -> PrefilledRequest:
         """Wait up to ``timeout`` seconds for the request's KV; the caller then owns the held
         blocks (and must pass them to the engine or release them)."""
         deadline = time.monotonic() + timeout

@@ -37,15 +37,18 @@ from services.common.errors import AbortedError, TandemError, UnavailableError
 from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
-from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto, token_logprobs_to_proto
 from services.engine.engine_loop import EngineLoop
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
 from services.engine.kv_transfer.lease import LeaseTable
-from services.engine.kv_transfer.payload import ChunkPlan, plan_chunks, read_payload
+from services.engine.kv_transfer.payload import (
+    ChunkPlan,
+    PrefilledRequest,
+    plan_chunks,
+    read_payload,
+)
 from services.engine.kv_transfer.transport import KVStream, KVTransport
-from services.engine.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +62,6 @@ class SendState(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     EXPIRED = "expired"
-
-
-@dataclass(frozen=True, slots=True)
-class PrefilledRequest:
-    """A request whose prompt KV sits in blocks held by the engine loop under its id."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    first_token_id: int
-    first_logprob: TokenLogprobs | None
-    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
