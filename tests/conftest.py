@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# the make_stack fixture (fake services behind the real gateway) for test_gateway_app.py
+pytest_plugins = ["tests.gateway_fakes"]
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
