@@ -9,8 +9,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# the make_stack fixture (fake services behind the real gateway) for test_gateway_app.py
-pytest_plugins = ["tests.gateway_fakes"]
+# fixtures: make_stack (fake services behind the real gateway), tokenizer/server/channel
+# (a real grpc.aio server with small fake servicers)
+pytest_plugins = ["tests.gateway_fakes", "tests.grpc_fakes"]
 
 
 @pytest.fixture(scope="session")
