@@ -27,7 +27,8 @@ class AttentionMetadata:
         query_lens: new tokens per sequence (prefill), in order of the flattened batch.
         context_lens: total tokens per sequence after this step (cached prefix + new).
         block_tables: ``[B, max_blocks]`` block ids per sequence, padded with 0.
-        decode_mask: ``[B, 1, 1, L]`` bool, True where a decode query may attend (decode only).
+        decode_mask: ``[B, 1, 1, L]`` bool, True where a decode query may attend (decode steps
+            of more than one sequence only).
         context_lens_tensor: ``context_lens`` as a device tensor (decode only), for kernels.
     """
 
@@ -63,8 +64,9 @@ class AttentionMetadata:
         mask = lens = None
         if not is_prefill:
             lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-            span = torch.arange(width * block_size, device=device)
-            mask = (span[None, :] < lens[:, None])[:, None, None, :]
+            if len(context_lens) > 1:  # one sequence attends to exactly its context, unmasked
+                span = torch.arange(width * block_size, device=device)
+                mask = (span[None, :] < lens[:, None])[:, None, None, :]
         return AttentionMetadata(
             is_prefill=is_prefill,
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
