@@ -24,6 +24,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# gcc builds Tandem's native CPU decode kernel at first use (-march=native for the host running
+# the container); Triton also needs it on GPUs to compile its launchers.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 COPY pyproject.toml README.md ./

@@ -3,9 +3,10 @@
 Prints one markdown table, measured in one run on this machine:
   * decode tokens/s (aggregate over the batch) at batch 1, 8 and 32;
   * prefill tokens/s for a 512-token prompt;
-for Tandem float32, Tandem bfloat16 and transformers float32 (same GGUF, dequantized), next to
-the memory-bandwidth bound for batch-1 decode (bytes of weights read per token / measured copy
-bandwidth).
+for Tandem float32, Tandem float32 without its native CPU kernel (PyTorch matmuls only, as with
+``TANDEM_CPU_KERNELS=0``), Tandem bfloat16 and transformers float32 (same GGUF, dequantized),
+next to the memory-bandwidth bound for batch-1 decode (bytes of weights read per token / measured
+read bandwidth).
 
     python bench/engine_throughput.py [--model default] [--decode-tokens 64] [--batches 1 8 32]
 """
@@ -24,24 +25,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.common.model_source import resolve_model  # noqa: E402
+from services.common.model_source import ModelSource, resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
 from services.engine.loaders import LoadedModel, load_model  # noqa: E402
 
 logger = logging.getLogger("bench")
 
 
-def memory_bandwidth_gbs() -> float:
-    """Read+write bandwidth of a 512 MiB tensor copy (a realistic bound for streaming weights)."""
+def memory_bandwidth_gbs() -> tuple[float, float]:
+    """(read, copy) bandwidth in GB/s over a 512 MiB tensor, best of 5.
+
+    Read (a streaming ``sum``) is the bound for decode, which only reads weights; copy counts the
+    bytes read plus the bytes written.
+    """
     src = torch.empty(128 * 1024 * 1024, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best / 1e9
+    nbytes = src.numel() * 4
+    return nbytes / _best(src.sum, repeats=5) / 1e9, 2 * nbytes / _best(lambda: dst.copy_(src), repeats=5) / 1e9
 
 
 def _prompts(batch: int, length: int) -> list[list[int]]:
@@ -94,6 +96,19 @@ def hf_prefill(model: torch.nn.Module, length: int) -> float:
     return length / _best(lambda: model(ids), repeats=3)
 
 
+def _without_native_kernel(source: ModelSource) -> LoadedModel:
+    """The float32 model packed as if the native kernel could not be built."""
+    os.environ["TANDEM_CPU_KERNELS"] = "0"
+    load_cpu_gemv.cache_clear()
+    try:
+        loaded = load_model(source, torch.float32)
+        LLMEngine(loaded, EngineConfig(num_blocks=8))  # packs the weights with the plan of now
+    finally:
+        del os.environ["TANDEM_CPU_KERNELS"]
+        load_cpu_gemv.cache_clear()
+    return loaded
+
+
 def _best(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     with torch.inference_mode():
@@ -119,10 +134,17 @@ def main() -> int:
     rows: dict[str, dict[str, float]] = {}
     f32 = load_model(source, torch.float32)
     weight_bytes = sum(p.numel() * p.element_size() for p in f32.model.parameters())
-    for name, loaded in (("Tandem float32", f32), ("Tandem bfloat16", load_model(source, torch.bfloat16))):
+    variants: list[tuple[str, Callable[[], LoadedModel]]] = [
+        ("Tandem float32", lambda: f32),
+        ("Tandem float32, no native kernel", lambda: _without_native_kernel(source)),
+        ("Tandem bfloat16", lambda: load_model(source, torch.bfloat16)),
+    ]
+    for name, make in variants:
+        loaded = make()
         rows[name] = {f"decode b={b}": tandem_decode(loaded, b, args.decode_tokens) for b in args.batches}
         rows[name]["prefill"] = tandem_prefill(loaded, args.prefill_length)
         print(f"measured {name}", file=sys.stderr, flush=True)
+        del loaded
     del f32
     if not args.skip_transformers and source.kind == "gguf":
         from transformers import AutoModelForCausalLM
@@ -131,7 +153,7 @@ def main() -> int:
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
         rows["transformers float32"] = {f"decode b={b}": hf_decode(hf, b, args.decode_tokens) for b in args.batches}
         rows["transformers float32"]["prefill"] = hf_prefill(hf, args.prefill_length)
-    bandwidth = memory_bandwidth_gbs()
+    read_bw, copy_bw = memory_bandwidth_gbs()
 
     columns = [f"decode b={b}" for b in args.batches] + ["prefill"]
     header = "| engine | " + " | ".join(
@@ -149,8 +171,8 @@ def main() -> int:
         if b1 and "decode b=32" in ours:
             lines.append(f"\nTandem f32 batch-32 aggregate / transformers batch-1: {ours['decode b=32'] / b1:.1f}x")
     lines.append(
-        f"\nMemory bandwidth (copy): {bandwidth:.1f} GB/s; float32 weights {weight_bytes / 1e6:.0f} MB "
-        f"→ batch-1 decode bound ≈ {bandwidth * 1e9 / weight_bytes:.0f} tok/s"
+        f"\nMemory bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s; float32 weights "
+        f"{weight_bytes / 1e6:.0f} MB → batch-1 decode bound ≈ {read_bw * 1e9 / weight_bytes:.0f} tok/s"
     )
     lines.append(f"threads: {torch.get_num_threads()}, torch {torch.__version__}, model {source.name}")
     sys.stdout.write("\n".join(lines) + "\n")

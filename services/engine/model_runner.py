@@ -12,7 +12,7 @@ import torch
 
 from services.engine.attention import AttentionMetadata
 from services.engine.kv_cache import KVPool
-from services.engine.linear import pack_linears, should_pack
+from services.engine.linear import pack_linears, pack_plan
 from services.engine.loaders import LoadedModel
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import ScheduledBatch
@@ -29,9 +29,9 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
-        splits = should_pack(self.device, loaded.dtype)
-        if splits:
-            pack_linears(self.model, splits, free_dense=True)
+        plan = pack_plan(self.device, loaded.dtype)
+        if plan is not None:
+            pack_linears(self.model, plan, free_dense=True)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:

@@ -1,0 +1,82 @@
+"""Python side of the float32 CPU decode GEMV kernel (``cpu_gemv.c``): weight tiling and calls.
+
+Batch-1 CPU decode is weight streaming: every token reads all float32 weights once. PyTorch's
+BLAS reaches about 25 GB/s per core on these skinny products; the C kernel reads a tiled copy of
+each weight front to back at close to the socket's read bandwidth (measured ~45-50 GB/s on 2
+cores here, docs/benchmarks.md). Rows come in register blocks of 4 that share each load of the
+weight, so it also serves batched decode and prefill (measured faster than MKL's SGEMM at every
+row count up to 512 on this AMD EPYC). :func:`load_cpu_gemv` builds it once per process or
+returns ``None`` (with one log line saying why) so callers keep the PyTorch path.
+``TANDEM_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from services.engine.kernels.native_build import NativeBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_gemv.c")
+
+
+class CpuGemv:
+    """``y = x @ W.T + b`` for float32 ``x`` ``[rows, in]`` over a tiled weight."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._gemv = library.tandem_gemv
+        self._gemv.restype = None
+        self._gemv.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+        ]  # fmt: skip
+        self.tile = int(library.tandem_gemv_tile())
+
+    def tile_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[out, in]`` → ``[ceil(out / tile), in, tile]``, the last tile padded with zeros."""
+        out_features, in_features = weight.shape
+        tiles = -(-out_features // self.tile)
+        pad = tiles * self.tile - out_features
+        if pad:
+            weight = torch.cat([weight, weight.new_zeros(pad, in_features)])
+        return weight.reshape(tiles, self.tile, in_features).transpose(1, 2).contiguous()
+
+    def tile_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """The bias padded to a whole number of tiles (the kernel loads whole tiles)."""
+        pad = -bias.numel() % self.tile
+        return torch.cat([bias, bias.new_zeros(pad)]) if pad else bias.contiguous()
+
+    def __call__(
+        self, x: torch.Tensor, tiled: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """``x`` ``[rows, in]`` float32 with unit column stride; returns ``[rows, out_features]``."""
+        rows, in_features = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
+        self._gemv(
+            x.data_ptr(), x.stride(0), tiled.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(),
+            rows, in_features, out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+
+@functools.cache
+def load_cpu_gemv() -> CpuGemv | None:
+    """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
+    if os.environ.get("TANDEM_CPU_KERNELS", "1").strip().lower() in {"0", "false", "no", "off"}:
+        logger.info("CPU decode kernel off (TANDEM_CPU_KERNELS=0); using PyTorch matmuls")
+        return None
+    try:
+        return CpuGemv(load_library(SOURCE))
+    except NativeBuildError as exc:
+        logger.warning("CPU decode kernel unavailable, using PyTorch matmuls: %s", exc)
+        return None

@@ -1,0 +1,130 @@
+"""Compile a C kernel shipped with Tandem into a shared library, once per machine, and load it.
+
+Why at run time: the kernel is built with ``-march=native`` for the CPU it will run on (AVX-512
+where there is AVX-512), and an install needs no compiler; a machine without one just keeps the
+PyTorch path. Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
+PyTorch headers, so a build takes well under a second instead of a minute.
+
+Threads: the library is linked against the GNU OpenMP runtime this process already loaded with
+PyTorch, so its ``#pragma omp parallel`` runs on PyTorch's own worker threads. Linking the system
+``libgomp`` instead would start a second pool that fights PyTorch's spinning workers for the
+same cores.
+
+Built libraries are cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``)``/kernels``,
+keyed by the source, the compiler, its flags, the CPU's feature flags and the OpenMP runtime; a
+build writes a temporary file and renames it, so processes that start together (``tandem up``)
+never load a half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CFLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-fopenmp")
+
+
+class NativeBuildError(RuntimeError):
+    """The kernel can't be built or loaded here; the message says why in one line."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries live (``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``, then ``kernels``)."""
+    root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem"
+    )
+    return Path(root) / "kernels"
+
+
+def find_compiler() -> str:
+    """``$CC``, else ``cc``, ``gcc`` or ``clang`` on ``PATH``."""
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate) or candidate
+    raise NativeBuildError("no C compiler found (set CC or install gcc)")
+
+
+def loaded_openmp_runtime() -> Path:
+    """The GNU OpenMP library PyTorch loaded into this process (Linux only)."""
+    import torch  # noqa: F401  (the runtime is loaded with torch)
+
+    maps = Path("/proc/self/maps")
+    if platform.system() != "Linux" or not maps.exists():
+        raise NativeBuildError(f"native CPU kernels are built on Linux only, not {platform.system()}")
+    for line in maps.read_text().splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if "libgomp" in Path(path).name:
+            return Path(path)
+    raise NativeBuildError("PyTorch here does not use GNU OpenMP (no libgomp loaded)")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
+
+
+def build_library(source: Path, defines: dict[str, str] | None = None) -> Path:
+    """Compile ``source`` (or reuse the cached build) and return the shared library's path."""
+    cc = find_compiler()
+    openmp = loaded_openmp_runtime()
+    flags = [*CFLAGS, *(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))]
+    key = hashlib.sha256(
+        "\0".join(
+            [source.read_text(), cc, _compiler_version(cc), " ".join(flags), _cpu_flags(), str(openmp)]
+        ).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        # compile with -fopenmp, but link the process's libgomp by path instead of -lgomp
+        steps = [
+            [cc, *flags, "-c", str(source), "-o", str(obj)],
+            [cc, "-shared", str(obj), str(openmp), f"-Wl,-rpath,{openmp.parent}",
+             "-Wl,--no-undefined", "-o", str(lib)],
+        ]
+        for cmd in steps:
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise NativeBuildError(f"{Path(cc).name} failed to run: {exc}") from exc
+            if done.returncode != 0:
+                first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+                raise NativeBuildError(f"{Path(cc).name} failed on {source.name}: {first}")
+        os.replace(lib, target)
+    logger.info("built %s", target)
+    return target
+
+
+def load_library(source: Path, defines: dict[str, str] | None = None) -> ctypes.CDLL:
+    """Build (or reuse) and ``dlopen`` the library for ``source``."""
+    path = build_library(source, defines)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {path.name}: {exc}") from exc
