@@ -1,8 +1,8 @@
 """CPU matmul benchmark: Tandem's native tiled kernel vs PyTorch paths, on SmolLM2's shapes.
 
 Prints one markdown table, measured in one run: for each float32 projection of SmolLM2-135M and a
-few row counts (1 = batch-1 decode, 8/32 = batched decode, 512 = prefill), the time and weight
-read rate of
+few row counts (1 = batch-1 decode, 8/32 = batched decode, 512 = prefill), the time, weight
+read rate and arithmetic rate of
 
   * ``F.linear``  the PyTorch reference (what transformers runs);
   * ``split bmm`` the weight split in one slice per thread and one ``bmm`` (Tandem's fallback);
@@ -58,12 +58,15 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     kernel = load_cpu_gemv()
     if kernel is None:
-        logging.error("the native kernel can't be built here (see the warning above)")
+        logging.getLogger("bench").error("the native kernel can't be built here (see the warning above)")
         return 1
     threads = torch.get_num_threads()
     lines = [
-        "| shape (out×in) | rows | F.linear µs | split bmm µs | kernel µs | kernel GB/s | kernel vs F.linear |",
-        "|---|---|---|---|---|---|---|",
+        (
+            "| shape (out×in) | rows | F.linear µs | split bmm µs | kernel µs "
+            "| kernel weight GB/s | kernel GFLOP/s | kernel vs F.linear |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, (out_f, in_f) in SHAPES.items():
         nbytes = out_f * in_f * 4
@@ -79,14 +82,16 @@ def main() -> int:
         for rows in args.rows:
             x = torch.randn(rows, in_f)
             calls = max(5, 200 // rows)
-            ref = best_us(lambda i: F.linear(x, weights[i]), copies, calls)
-            bmm = best_us(lambda i: torch.matmul(x, splits[i]), copies, calls)
-            ours = best_us(lambda i: kernel(x, tiles[i], None, out_f), copies, calls)
+            ref = best_us(lambda i, x=x, w=weights: F.linear(x, w[i]), copies, calls)
+            bmm = best_us(lambda i, x=x, s=splits: torch.matmul(x, s[i]), copies, calls)
+            ours = best_us(
+                lambda i, x=x, t=tiles, n=out_f: kernel(x, t[i], None, n), copies, calls
+            )
             lines.append(
                 f"| {name} {out_f}×{in_f} | {rows} | {ref:.1f} | {bmm:.1f} | {ours:.1f} | "
-                f"{nbytes / ours / 1e3:.1f} | {ref / ours:.2f}x |"
+                f"{nbytes / ours / 1e3:.1f} | {2 * rows * out_f * in_f / ours / 1e3:.1f} | "
+                f"{ref / ours:.2f}x |"
             )
-        del weights, splits, tiles
     lines.append(f"\nthreads: {threads}, torch {torch.__version__}, kernel tile {kernel.tile}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

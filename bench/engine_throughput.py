@@ -145,7 +145,6 @@ def main() -> int:
         rows[name]["prefill"] = tandem_prefill(loaded, args.prefill_length)
         print(f"measured {name}", file=sys.stderr, flush=True)
         del loaded
-    del f32
     if not args.skip_transformers and source.kind == "gguf":
         from transformers import AutoModelForCausalLM
 

@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 
 from services.engine.kernels import cpu_gemv
-from services.engine.kernels.native_build import NativeBuildError, build_library, find_compiler
+from services.engine.kernels.native_build import (
+    NativeBuildError,
+    build_library,
+    find_compiler,
+)
 
 
 def _compiler_or_skip() -> None:
