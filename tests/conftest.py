@@ -52,3 +52,15 @@ def smollm2_gguf() -> Path:
     from services.common.model_source import default_model_path
 
     return default_model_path()
+
+
+def native_kernel_or_skip():  # type: ignore[no-untyped-def]
+    """The native CPU matmul kernel; skips without one (fails instead on CI, which must have it)."""
+    from services.engine.kernels.cpu_gemv import load_cpu_gemv
+
+    kernel = load_cpu_gemv()
+    if kernel is None:
+        if os.environ.get("TANDEM_REQUIRE_CPU_KERNELS") == "1":
+            pytest.fail("the native CPU kernel must build here (TANDEM_REQUIRE_CPU_KERNELS=1)")
+        pytest.skip("no native CPU kernel on this machine (no C compiler or not Linux)")
+    return kernel

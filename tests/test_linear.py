@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from services.engine.kernels.cpu_gemv import load_cpu_gemv
 from services.engine.linear import Linear, PackPlan, pack_linears
+from tests.conftest import native_kernel_or_skip
 
 
 def kernel_plan() -> PackPlan:
-    kernel = load_cpu_gemv()
-    if kernel is None:
-        if os.environ.get("TANDEM_REQUIRE_CPU_KERNELS") == "1":
-            pytest.fail("the native CPU kernel must build here (TANDEM_REQUIRE_CPU_KERNELS=1)")
-        pytest.skip("no native CPU kernel on this machine (no C compiler or not Linux)")
-    return PackPlan(kernel=kernel)
+    return PackPlan(kernel=native_kernel_or_skip())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 33])

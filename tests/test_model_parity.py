@@ -1,7 +1,8 @@
 """Tandem's model vs Hugging Face transformers on the same tiny random Llama (float32).
 
 Logits must match to ~1e-5 for a batched prefill of prompts of different lengths, for a prefill
-on top of an already-cached prefix (chunked), and for step-by-step paged decode of the batch.
+on top of an already-cached prefix (chunked), and for step-by-step paged decode of the batch;
+with each linear layout: dense ``F.linear``, the split ``bmm`` and the native CPU kernel.
 """
 
 from __future__ import annotations
@@ -13,17 +14,25 @@ import torch
 
 from services.engine.attention import AttentionMetadata
 from services.engine.kv_cache import KVLayout, KVPool
+from services.engine.linear import PackPlan, pack_linears
 from services.engine.loaders import LoadedModel, load_model
+from tests.conftest import native_kernel_or_skip
 
 ATOL = 2e-5
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def models(tiny_llama_dir: Path) -> tuple[LoadedModel, torch.nn.Module]:
+@pytest.fixture(scope="module", params=["dense", "split-bmm", "native-kernel"])
+def models(
+    tiny_llama_dir: Path, request: pytest.FixtureRequest
+) -> tuple[LoadedModel, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 
     ours = load_model(str(tiny_llama_dir), torch.float32)
+    if request.param == "split-bmm":
+        pack_linears(ours.model, PackPlan(splits=2), free_dense=True)
+    elif request.param == "native-kernel":
+        pack_linears(ours.model, PackPlan(kernel=native_kernel_or_skip()), free_dense=True)
     ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     return ours, ref
 
