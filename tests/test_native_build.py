@@ -40,9 +40,20 @@ def test_compile_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     source = tmp_path / "broken.c"
     source.write_text("int broken(void) { return }\n")
-    with pytest.raises(NativeBuildError, match=r"failed on broken\.c") as info:
+    with pytest.raises(NativeBuildError, match=r"failed on broken\.c: .*error") as info:
         build_library(source)
     assert "\n" not in str(info.value)
+
+
+def test_unwritable_cache_is_a_build_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _compiler_or_skip()
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocker))
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    with pytest.raises(NativeBuildError, match="cannot build into"):
+        build_library(source)
 
 
 def test_missing_compiler_and_off_switch_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,6 +57,8 @@ class CpuGemv:
         self, x: torch.Tensor, tiled: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
         """``x`` ``[rows, in]`` float32 with unit column stride; returns ``[rows, out_features]``."""
+        if x.dtype != torch.float32:
+            raise TypeError(f"the CPU GEMV kernel takes float32 inputs, not {x.dtype}")
         rows, in_features = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()

@@ -86,11 +86,11 @@ def _compiler_version(cc: str) -> str:
         raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
 
 
-def build_library(source: Path, defines: dict[str, str] | None = None) -> Path:
+def build_library(source: Path) -> Path:
     """Compile ``source`` (or reuse the cached build) and return the shared library's path."""
     cc = find_compiler()
     openmp = loaded_openmp_runtime()
-    flags = [*CFLAGS, *(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))]
+    flags = list(CFLAGS)
     key = hashlib.sha256(
         "\0".join(
             [source.read_text(), cc, _compiler_version(cc), " ".join(flags), _cpu_flags(), str(openmp)]
@@ -99,6 +99,15 @@ def build_library(source: Path, defines: dict[str, str] | None = None) -> Path:
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
+    try:
+        _compile(cc, flags, source, openmp, target)
+    except OSError as exc:  # e.g. a read-only cache directory
+        raise NativeBuildError(f"cannot build into {target.parent}: {exc}") from exc
+    logger.info("built %s", target)
+    return target
+
+
+def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
@@ -114,16 +123,15 @@ def build_library(source: Path, defines: dict[str, str] | None = None) -> Path:
             except (OSError, subprocess.SubprocessError) as exc:
                 raise NativeBuildError(f"{Path(cc).name} failed to run: {exc}") from exc
             if done.returncode != 0:
-                first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
-                raise NativeBuildError(f"{Path(cc).name} failed on {source.name}: {first}")
+                lines = done.stderr.strip().splitlines() or ["(no output)"]
+                first = next((line for line in lines if "error" in line), lines[0])
+                raise NativeBuildError(f"{Path(cc).name} failed on {source.name}: {first.strip()}")
         os.replace(lib, target)
-    logger.info("built %s", target)
-    return target
 
 
-def load_library(source: Path, defines: dict[str, str] | None = None) -> ctypes.CDLL:
+def load_library(source: Path) -> ctypes.CDLL:
     """Build (or reuse) and ``dlopen`` the library for ``source``."""
-    path = build_library(source, defines)
+    path = build_library(source)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
