@@ -3,8 +3,8 @@
 Prints one markdown table, measured in one run on this machine:
   * decode tokens/s (aggregate over the batch) at batch 1, 8 and 32;
   * prefill tokens/s for a 512-token prompt;
-for Tandem float32, Tandem float32 without its native CPU kernel (PyTorch matmuls only, as with
-``TANDEM_CPU_KERNELS=0``), Tandem bfloat16 and transformers float32 (same GGUF, dequantized),
+for Tandem float32, Tandem float32 without its native CPU kernels (PyTorch matmuls and
+attention only, as with ``TANDEM_CPU_KERNELS=0``), Tandem bfloat16 and transformers float32 (same GGUF, dequantized),
 next to the memory-bandwidth bound for batch-1 decode (bytes of weights read per token / measured
 read bandwidth).
 
@@ -29,6 +29,7 @@ from services.common.model_source import ModelSource, resolve_model  # noqa: E40
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
+from services.engine.kernels.cpu_paged_attention import load_cpu_attention  # noqa: E402
 from services.engine.loaders import LoadedModel, load_model  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -96,16 +97,18 @@ def hf_prefill(model: torch.nn.Module, length: int) -> float:
     return length / _best(lambda: model(ids), repeats=3)
 
 
-def _without_native_kernel(source: ModelSource) -> LoadedModel:
-    """The float32 model packed as if the native kernel could not be built."""
+def _without_native_kernels(source: ModelSource) -> LoadedModel:
+    """The float32 model built as if the native kernels could not be (``TANDEM_CPU_KERNELS=0``)."""
     os.environ["TANDEM_CPU_KERNELS"] = "0"
     load_cpu_gemv.cache_clear()
+    load_cpu_attention.cache_clear()
     try:
-        loaded = load_model(source, torch.float32)
+        loaded = load_model(source, torch.float32)  # torch attention backend
         LLMEngine(loaded, EngineConfig(num_blocks=8))  # packs the weights with the plan of now
     finally:
         del os.environ["TANDEM_CPU_KERNELS"]
         load_cpu_gemv.cache_clear()
+        load_cpu_attention.cache_clear()
     return loaded
 
 
@@ -136,7 +139,7 @@ def main() -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in f32.model.parameters())
     variants: list[tuple[str, Callable[[], LoadedModel]]] = [
         ("Tandem float32", lambda: f32),
-        ("Tandem float32, no native kernel", lambda: _without_native_kernel(source)),
+        ("Tandem float32, no native kernels", lambda: _without_native_kernels(source)),
         ("Tandem bfloat16", lambda: load_model(source, torch.bfloat16)),
     ]
     for name, make in variants:

@@ -1,6 +1,7 @@
-"""Attention backends by name: ``torch`` (reference, everywhere) and ``triton`` (paged decode
-kernel; GPUs, or CPU under ``TRITON_INTERPRET=1``). ``auto`` picks triton on CUDA when it
-imports, else torch."""
+"""Attention backends by name: ``torch`` (reference, everywhere), ``cpu`` (float32 paged decode
+kernel in C, built at first use) and ``triton`` (paged decode kernel; GPUs, or CPU under
+``TRITON_INTERPRET=1``). ``auto`` picks triton on CUDA when it imports, cpu on CPU when its
+kernel builds, else torch."""
 
 from __future__ import annotations
 
@@ -9,14 +10,30 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.engine.attention import PagedAttention, TorchPagedAttention
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def make_attention_backend(name: str, device: torch.device | str) -> PagedAttention:
     """Build the named backend for ``device``."""
     if name not in BACKENDS:
         raise InvalidArgumentError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if name == "torch" or (name == "auto" and torch.device(device).type != "cuda"):
+    kind = torch.device(device).type
+    if name == "torch":
+        return TorchPagedAttention()
+    if name == "cpu" or (name == "auto" and kind == "cpu"):
+        from services.engine.kernels.cpu_paged_attention import (
+            CpuPagedAttention,
+            load_cpu_attention,
+        )
+
+        if kind != "cpu":
+            raise InvalidArgumentError(f"the cpu attention backend runs on CPU, not {kind}")
+        if load_cpu_attention() is not None:
+            return CpuPagedAttention()
+        if name == "cpu":
+            raise InvalidArgumentError("the cpu attention kernel can't be built here (see the log)")
+        return TorchPagedAttention()
+    if name == "auto" and kind != "cuda":
         return TorchPagedAttention()
     try:
         from services.engine.kernels.paged_decode_attention import TritonPagedAttention

@@ -15,12 +15,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from services.engine.kernels.native_build import NativeBuildError, load_library
+from services.engine.kernels.native_build import (
+    NativeBuildError,
+    kernels_enabled,
+    load_library,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +77,7 @@ class CpuGemv:
 @functools.cache
 def load_cpu_gemv() -> CpuGemv | None:
     """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
-    if os.environ.get("TANDEM_CPU_KERNELS", "1").strip().lower() in {"0", "false", "no", "off"}:
-        logger.info("CPU decode kernel off (TANDEM_CPU_KERNELS=0); using PyTorch matmuls")
+    if not kernels_enabled():
         return None
     try:
         return CpuGemv(load_library(SOURCE))

@@ -33,6 +33,14 @@ logger = logging.getLogger(__name__)
 CFLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-fopenmp")
 
 
+def kernels_enabled() -> bool:
+    """False when ``TANDEM_CPU_KERNELS`` is ``0``/``false``/``no``/``off`` (keep PyTorch paths)."""
+    off = os.environ.get("TANDEM_CPU_KERNELS", "1").strip().lower() in {"0", "false", "no", "off"}
+    if off:
+        logger.info("native CPU kernels off (TANDEM_CPU_KERNELS=0); using PyTorch paths")
+    return not off
+
+
 class NativeBuildError(RuntimeError):
     """The kernel can't be built or loaded here; the message says why in one line."""
 
@@ -115,7 +123,7 @@ def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path
         steps = [
             [cc, *flags, "-c", str(source), "-o", str(obj)],
             [cc, "-shared", str(obj), str(openmp), f"-Wl,-rpath,{openmp.parent}",
-             "-Wl,--no-undefined", "-o", str(lib)],
+             "-Wl,--no-undefined", "-lm", "-o", str(lib)],
         ]
         for cmd in steps:
             try:

@@ -1,0 +1,106 @@
+"""Python side of the CPU paged decode-attention kernel (``cpu_paged_attention.c``).
+
+:class:`CpuPagedAttention` is the :class:`~services.engine.attention.PagedAttention` backend that
+``auto`` picks on CPU: float32 decode steps go through the C kernel, which reads K/V in place
+from the paged pool (no gathered copy, no padding mask); prefill steps, and caches in other
+dtypes, use the torch reference it inherits. :func:`load_cpu_attention` builds the kernel once
+per process or returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from services.engine.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.kernels.native_build import (
+    NativeBuildError,
+    kernels_enabled,
+    load_library,
+)
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C entry point, built for this machine, or ``None`` when off or not buildable here."""
+    if not kernels_enabled():
+        return None
+    try:
+        fn = load_library(SOURCE).tandem_paged_decode_attention
+    except NativeBuildError as exc:
+        logger.warning("CPU decode-attention kernel unavailable, using the torch path: %s", exc)
+        return None
+    fn.restype = None
+    fn.argtypes = [
+        _PTR, _I64, _I64,
+        _PTR, _I64, _I64, _I64,
+        _PTR, _I64, _I64, _I64,
+        _PTR, _I64, _PTR, _PTR,
+        _I64, _I64, _I64, _I64, _I64,
+        ctypes.c_float, ctypes.c_int,
+    ]  # fmt: skip
+    return fn
+
+
+def cpu_paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[B, H, D]``, caches ``[NB, BS, KVH, D]`` (strided views; D contiguous), int64
+    ``block_tables [B, max_blocks]`` and ``context_lens [B]`` → ``[B, H, D]`` float32."""
+    fn = load_cpu_attention()
+    if fn is None:
+        raise RuntimeError("the CPU decode-attention kernel is not available")
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 with a contiguous head dimension")
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+    fn(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+        batch, heads, kv_heads, head_dim, block_size,
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """Float32 decode through the C kernel; store K/V, prefill and other dtypes through torch."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.is_prefill or k_cache.dtype != torch.float32 or q.dtype != torch.float32:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        self.store_kv(k, v, k_cache, v_cache, meta)
+        if meta.context_lens_tensor is None:
+            meta.context_lens_tensor = torch.tensor(meta.context_lens)
+        return cpu_paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens_tensor, scale
+        )

@@ -1,0 +1,83 @@
+"""The C paged decode-attention kernel equals the torch reference, and ``auto`` picks it on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.engine.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.attention_backends import make_attention_backend
+from services.engine.kernels import cpu_paged_attention
+from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
+from tests.conftest import native_kernel_or_skip
+
+
+@pytest.fixture(autouse=True)
+def _kernel_available() -> None:
+    native_kernel_or_skip()
+    if cpu_paged_attention.load_cpu_attention() is None:
+        pytest.fail("the matmul kernel builds here but the attention kernel does not")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block", "lens"),
+    [
+        (4, 2, 16, 4, [1, 7, 13, 4]),  # GQA, partial last blocks, a 1-token context
+        (6, 6, 32, 8, [20, 3]),  # multi-head attention
+        (9, 3, 64, 16, [40]),  # SmolLM2's shape, batch 1
+        (14, 2, 64, 16, [100, 3, 17, 64]),  # 7 query heads per KV head
+        (8, 8, 24, 4, [5, 9]),  # head_dim not a multiple of the vector width
+    ],
+)
+def test_decode_matches_torch_reference(
+    heads: int, kv_heads: int, dim: int, block: int, lens: list[int]
+) -> None:
+    torch.manual_seed(heads * 100 + dim)
+    layers = 3
+    pool = torch.randn(64, layers, 2, block, kv_heads, dim)  # the KVPool layout: strided views
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    tables, next_id = [], 1
+    for n in lens:  # reversed, interleaved-looking ids so a wrong table shows
+        need = -(-n // block)
+        tables.append(list(range(next_id, next_id + need))[::-1])
+        next_id += need
+    meta = AttentionMetadata.build(
+        is_prefill=False, query_lens=[1] * len(lens), context_lens=lens, block_tables=tables,
+        block_size=block,
+    )
+    q = torch.randn(len(lens), heads, dim)
+    k = torch.randn(len(lens), kv_heads, dim)
+    v = torch.randn(len(lens), kv_heads, dim)
+    expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+    got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
+
+
+def test_prefill_and_bfloat16_use_the_torch_path() -> None:
+    torch.manual_seed(0)
+    pool = torch.randn(8, 2, 4, 2, 16, dtype=torch.bfloat16)
+    k_cache, v_cache = pool[:, 0], pool[:, 1]
+    meta = AttentionMetadata.build(
+        is_prefill=False, query_lens=[1], context_lens=[5], block_tables=[[3, 1]], block_size=4
+    )
+    q, k, v = torch.randn(1, 4, 16).bfloat16(), torch.randn(1, 2, 16).bfloat16(), torch.randn(1, 2, 16).bfloat16()
+    expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.25), expected)
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(make_attention_backend("auto", "cpu"), CpuPagedAttention)
+    assert isinstance(make_attention_backend("cpu", "cpu"), CpuPagedAttention)
+    assert type(make_attention_backend("torch", "cpu")) is TorchPagedAttention
+    with pytest.raises(InvalidArgumentError, match="runs on CPU"):
+        make_attention_backend("cpu", "cuda")
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    cpu_paged_attention.load_cpu_attention.cache_clear()
+    try:
+        assert type(make_attention_backend("auto", "cpu")) is TorchPagedAttention
+        with pytest.raises(InvalidArgumentError, match="can't be built"):
+            make_attention_backend("cpu", "cpu")
+    finally:
+        cpu_paged_attention.load_cpu_attention.cache_clear()
