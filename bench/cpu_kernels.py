@@ -1,8 +1,9 @@
-"""CPU matmul benchmark: Tandem's native tiled kernel vs PyTorch paths, on SmolLM2's shapes.
+"""CPU kernel benchmark: Tandem's native kernels vs the PyTorch paths they replace, SmolLM2 shapes.
 
-Prints one markdown table, measured in one run: for each float32 projection of SmolLM2-135M and a
-few row counts (1 = batch-1 decode, 8/32 = batched decode, 512 = prefill), the time, weight
-read rate and arithmetic rate of
+Prints two markdown tables, measured in one run.
+
+Matmuls: for each float32 projection of SmolLM2-135M and a few row counts (1 = batch-1 decode,
+8/32 = batched decode, 512 = prefill), the time, weight read rate and arithmetic rate of
 
   * ``F.linear``  the PyTorch reference (what transformers runs);
   * ``split bmm`` the weight split in one slice per thread and one ``bmm`` (Tandem's fallback);
@@ -11,7 +12,11 @@ read rate and arithmetic rate of
 Weights rotate through enough copies (>= 256 MiB) that every call reads them from memory, not
 cache, as decode does.
 
-    python bench/cpu_gemv.py [--rows 1 8 32 512]
+Decode attention: one layer of SmolLM2 (9 query heads, 3 KV heads, head_dim 64, 16-token blocks)
+over a 30-layer paged pool, for a few batch sizes and context lengths: the torch reference
+(gather + ``scaled_dot_product_attention``) vs ``cpu_paged_attention.c``.
+
+    python bench/cpu_kernels.py [--rows 1 8 32 512]
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.engine.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
+from services.engine.kernels.cpu_paged_attention import (  # noqa: E402
+    cpu_paged_decode_attention,
+    load_cpu_attention,
+)
 
 SHAPES = {  # name: (out_features, in_features), SmolLM2-135M
     "qkv": (960, 576),
@@ -51,14 +61,51 @@ def best_us(fn: Callable[[int], object], copies: int, calls: int = 200) -> float
     return best * 1e6
 
 
+def attention_table(cases: list[tuple[int, int]]) -> list[str]:
+    """Torch reference vs the C kernel for (batch, context length) cases, SmolLM2's head shape."""
+    heads, kv_heads, head_dim, block, layers = 9, 3, 64, 16, 30
+    lines = [
+        "| batch | context | torch µs | kernel µs | kernel vs torch | max abs diff |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch, length in cases:
+        per_seq = -(-length // block)
+        pool = torch.randn(batch * per_seq + 1, layers, 2, block, kv_heads, head_dim)
+        k_cache, v_cache = pool[:, layers // 2, 0], pool[:, layers // 2, 1]
+        tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        meta = AttentionMetadata.build(
+            is_prefill=False, query_lens=[1] * batch, context_lens=[length] * batch,
+            block_tables=tables, block_size=block,
+        )
+        q = torch.randn(batch, heads, head_dim)
+        lens = meta.context_lens_tensor
+        assert lens is not None
+
+        def ref(_: int) -> torch.Tensor:
+            return TorchPagedAttention._decode(q, k_cache, v_cache, meta, head_dim**-0.5)
+
+        def ours(_: int) -> torch.Tensor:
+            return cpu_paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, lens, head_dim**-0.5
+            )
+
+        torch_us, kernel_us = best_us(ref, 1, 100), best_us(ours, 1, 100)
+        diff = (ref(0) - ours(0)).abs().max().item()
+        lines.append(
+            f"| {batch} | {length} | {torch_us:.1f} | {kernel_us:.1f} | "
+            f"{torch_us / kernel_us:.2f}x | {diff:.1e} |"
+        )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     kernel = load_cpu_gemv()
-    if kernel is None:
-        logging.getLogger("bench").error("the native kernel can't be built here (see the warning above)")
+    if kernel is None or load_cpu_attention() is None:
+        logging.getLogger("bench").error("the native kernels can't be built here (see the warning above)")
         return 1
     threads = torch.get_num_threads()
     lines = [
@@ -92,7 +139,9 @@ def main() -> int:
                 f"{nbytes / ours / 1e3:.1f} | {2 * rows * out_f * in_f / ours / 1e3:.1f} | "
                 f"{ref / ours:.2f}x |"
             )
-    lines.append(f"\nthreads: {threads}, torch {torch.__version__}, kernel tile {kernel.tile}")
+    lines.append("")
+    lines.extend(attention_table([(1, 100), (1, 1000), (8, 300), (32, 100), (32, 500)]))
+    lines.append(f"\nthreads: {threads}, torch {torch.__version__}, matmul kernel tile {kernel.tile}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
