@@ -120,6 +120,48 @@ def test_prefill_on_one_engine_decode_on_another(tiny: LoadedModel) -> None:
     assert decode.block_manager.num_blocks_in_use == 0
 
 
+def test_prefilled_requests_wait_for_a_seat(tiny: LoadedModel) -> None:
+    """A decode engine never runs more than ``max_num_seqs``: hand-offs beyond it queue, holding
+    their KV blocks, and decode the same tokens once seated."""
+    prompts = _prompts(3, seed=11)
+    prefill = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=128))
+    decode = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=2))
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
+    handed: list[RequestOutput] = []
+    while prefill.has_unfinished():
+        handed.extend(prefill.step())
+    tokens: dict[str, list[int]] = {}
+    for done in sorted(handed, key=lambda o: o.request_id):
+        dest = decode.block_manager.allocate(len(done.block_ids))
+        decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
+        prefill.release_blocks(done.block_ids)
+        i = int(done.request_id[1:])
+        tokens[done.request_id] = list(done.new_token_ids)
+        decode.add_prefilled(done.request_id, prompts[i], GREEDY, block_ids=dest,
+                             first_token_id=done.new_token_ids[0])
+    assert decode.scheduler.num_waiting == 3 and decode.scheduler.num_running == 0
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        assert decode.scheduler.num_running <= 2
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == _alone(tiny, prompt)
+    assert decode.block_manager.num_blocks_in_use == 0
+
+
+def test_abort_of_a_queued_prefilled_request_frees_its_blocks(tiny: LoadedModel) -> None:
+    decode = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=32, max_num_seqs=1))
+    prompt = _prompts(1, seed=12)[0]
+    for rid in ("a", "b"):
+        blocks = decode.block_manager.allocate(-(-len(prompt) // 4))
+        decode.add_prefilled(rid, prompt, GREEDY, block_ids=blocks, first_token_id=5)
+    decode.step()  # seats "a"; "b" keeps waiting with its blocks
+    assert decode.scheduler.num_running == 1 and decode.scheduler.num_waiting == 1
+    assert decode.abort("b") and decode.abort("a")
+    assert decode.block_manager.num_blocks_in_use == 0
+
+
 def test_seeded_sampling_is_independent_of_batch_mates(tiny: LoadedModel) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     prompt = _prompts(1, seed=6)[0]

@@ -161,6 +161,7 @@ async def test_prefill_to_decode_matches_the_engine_and_frees_everything(model: 
         again, responses = await c.run("two", prompt)
         assert again.num_cached_tokens == 32
         assert tokens_of(responses) == expected
+        assert [r.num_cached_tokens for r in responses] == [32] * len(responses)  # decode knows too
         await c.wait_idle()
         pre_stats, dec_stats = await c.stats()
         assert (pre_stats.role, dec_stats.role) == ("prefill", "decode")

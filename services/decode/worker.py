@@ -57,6 +57,7 @@ class DecodeWorker:
             stream = self.engine_loop.generate_prefilled(
                 request_id, ready.prompt_token_ids, ready.params,
                 first_token_id=ready.first_token_id, first_logprob=ready.first_logprob,
+                num_cached_tokens=ready.num_cached_tokens,
             )
             async with contextlib.aclosing(stream) as outputs:
                 async for out in outputs:

@@ -145,7 +145,8 @@ class LLMEngine:
         first_logprob: TokenLogprobs | None = None,
         num_cached_tokens: int = 0,
     ) -> list[RequestOutput]:
-        """Join a sequence whose prompt KV already fills ``block_ids`` (the engine takes them over).
+        """Queue a sequence whose prompt KV already fills ``block_ids`` (the engine takes them
+        over); it decodes once a seat is free (``max_num_seqs``).
 
         Returns the output for the first token (it may already finish the request).
         """
@@ -153,8 +154,12 @@ class LLMEngine:
         seq.block_ids = list(block_ids)
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens
-        self.scheduler.add_running(seq)
-        out = RequestOutput(request_id, num_prompt_tokens=len(seq.prompt_token_ids))
+        self.scheduler.add_prefilled(seq)
+        out = RequestOutput(
+            request_id,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
         self._append_token(seq, first_token_id, first_logprob, out)
         return [out]
 

@@ -11,8 +11,9 @@ end. Policy per step:
      (``max_num_seqs``) and the free blocks allow. Their prompt blocks are allocated at
      admission, reusing cached prefix blocks (prefix caching).
 
-A sequence that arrives with its KV already filled (prefilled on another worker) joins the
-running set directly through :meth:`Scheduler.add_running`.
+A sequence that arrives with its KV already filled (prefilled on another worker,
+:meth:`Scheduler.add_prefilled`) waits in the same queue holding its blocks, and takes a seat
+under the same limit without any allocation beyond room for its next token.
 """
 
 from __future__ import annotations
@@ -79,10 +80,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a sequence whose blocks and KV already exist (received from a prefill worker)."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Queue a sequence whose blocks and KV already exist (received from a prefill worker)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in self.running:
@@ -112,15 +113,23 @@ class Scheduler:
             index += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            tokens = seq.all_token_ids()
-            try:
-                alloc = self.block_manager.allocate_prompt(tokens)
-            except NoFreeBlocksError:
-                break
-            self.waiting.popleft()
-            seq.block_ids = list(alloc.block_ids)
-            seq.num_computed_tokens = alloc.num_cached_tokens
-            seq.num_cached_tokens = max(seq.num_cached_tokens, alloc.num_cached_tokens)
+            if seq.block_ids:  # prefilled elsewhere: its KV is in place, it needs a seat only
+                try:
+                    self.block_manager.ensure_capacity(
+                        seq.block_ids, seq.num_computed_tokens + min(seq.num_uncomputed, budget)
+                    )
+                except NoFreeBlocksError:
+                    break
+                self.waiting.popleft()
+            else:
+                try:
+                    alloc = self.block_manager.allocate_prompt(seq.all_token_ids())
+                except NoFreeBlocksError:
+                    break
+                self.waiting.popleft()
+                seq.block_ids = list(alloc.block_ids)
+                seq.num_computed_tokens = alloc.num_cached_tokens
+                seq.num_cached_tokens = max(seq.num_cached_tokens, alloc.num_cached_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)

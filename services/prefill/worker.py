@@ -93,6 +93,7 @@ class PrefillWorker:
                 first_token_id=final.new_token_ids[0],
                 first_logprob=first_logprob,
                 num_blocks=len(final.block_ids),
+                num_cached_tokens=final.num_cached_tokens,
             )
             result = await self.sender.send(request, decode_address)
         finally:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x8e\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\x06\n\x04kind\"\xa8\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x07 \x01(\r\x12.\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\"_\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"3\n\x08KVCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"p\n\rKVTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"B\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13wait_for_kv_seconds\x18\x02 \x01(\x01\"\xc6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r2\x90\x02\n\x06\x44\x65\x63ode\x12\x46\n\nTransferKV\x12\x1c.tandem.v1.KVTransferMessage\x1a\x18.tandem.v1.KVTransferAck(\x01\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x8e\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\x06\n\x04kind\"\xc3\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x07 \x01(\r\x12.\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0b \x01(\r\"_\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"3\n\x08KVCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"p\n\rKVTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"B\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13wait_for_kv_seconds\x18\x02 \x01(\x01\"\xc6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r2\x90\x02\n\x06\x44\x65\x63ode\x12\x46\n\nTransferKV\x12\x1c.tandem.v1.KVTransferMessage\x1a\x18.tandem.v1.KVTransferAck(\x01\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERMESSAGE']._serialized_start=62
   _globals['_KVTRANSFERMESSAGE']._serialized_end=204
   _globals['_KVHEADER']._serialized_start=207
-  _globals['_KVHEADER']._serialized_end=503
-  _globals['_KVCHUNK']._serialized_start=505
-  _globals['_KVCHUNK']._serialized_end=600
-  _globals['_KVCOMMIT']._serialized_start=602
-  _globals['_KVCOMMIT']._serialized_end=653
-  _globals['_KVTRANSFERACK']._serialized_start=655
-  _globals['_KVTRANSFERACK']._serialized_end=767
-  _globals['_GENERATEREQUEST']._serialized_start=769
-  _globals['_GENERATEREQUEST']._serialized_end=835
-  _globals['_GENERATERESPONSE']._serialized_start=838
-  _globals['_GENERATERESPONSE']._serialized_end=1036
-  _globals['_DECODE']._serialized_start=1039
-  _globals['_DECODE']._serialized_end=1311
+  _globals['_KVHEADER']._serialized_end=530
+  _globals['_KVCHUNK']._serialized_start=532
+  _globals['_KVCHUNK']._serialized_end=627
+  _globals['_KVCOMMIT']._serialized_start=629
+  _globals['_KVCOMMIT']._serialized_end=680
+  _globals['_KVTRANSFERACK']._serialized_start=682
+  _globals['_KVTRANSFERACK']._serialized_end=794
+  _globals['_GENERATEREQUEST']._serialized_start=796
+  _globals['_GENERATEREQUEST']._serialized_end=862
+  _globals['_GENERATERESPONSE']._serialized_start=865
+  _globals['_GENERATERESPONSE']._serialized_end=1063
+  _globals['_DECODE']._serialized_start=1066
+  _globals['_DECODE']._serialized_end=1338
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class KVTransferMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "layout", "num_tokens", "num_blocks", "total_bytes", "prompt_token_ids", "first_token_id", "first_logprob", "params", "num_prompt_tokens")
+    __slots__ = ("request_id", "layout", "num_tokens", "num_blocks", "total_bytes", "prompt_token_ids", "first_token_id", "first_logprob", "params", "num_prompt_tokens", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class KVHeader(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: _common_pb2.KVLayout
     num_tokens: int
@@ -39,7 +40,8 @@ class KVHeader(_message.Message):
     first_logprob: _common_pb2.TokenLogprob
     params: _common_pb2.SamplingParams
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("first_block", "num_blocks", "data", "crc32", "offset")

@@ -51,7 +51,7 @@ def check_header(
     if header.HasField("first_logprob"):
         first_logprob = token_logprobs_from_proto(header.first_logprob, TokenLogprobs)
     return PrefilledRequest(header.request_id, tokens, params, header.first_token_id, first_logprob,
-                   header.num_blocks)
+                            header.num_blocks, min(header.num_cached_tokens, len(tokens)))
 
 
 def check_chunk(chunk: decode_pb2.KVChunk, received: int, total_bytes: int, block_bytes: int) -> None:

@@ -38,6 +38,7 @@ class PrefilledRequest:
     first_token_id: int
     first_logprob: TokenLogprobs | None
     num_blocks: int
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,7 @@ class KVSender:
             first_token_id=request.first_token_id,
             params=sampling_params_to_proto(request.params),
             num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
         )
         if request.first_logprob is not None and request.params.logprobs is not None:
             header.first_logprob.CopyFrom(token_logprobs_to_proto(request.first_logprob))
