@@ -120,6 +120,29 @@ def test_prefill_on_one_engine_decode_on_another(tiny: LoadedModel) -> None:
     assert decode.block_manager.num_blocks_in_use == 0
 
 
+def test_seeded_sampling_survives_the_hand_off(tiny: LoadedModel) -> None:
+    """Prefill draws the first token from the seed; decode continues the same random stream."""
+    prompt = _prompts(1, seed=13)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = _alone(tiny, prompt, params)
+    prefill = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
+    decode = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
+    prefill.add_request("s", prompt, params, prefill_only=True)
+    outs: list[RequestOutput] = []
+    while prefill.has_unfinished():
+        outs.extend(prefill.step())
+    (done,) = outs
+    dest = decode.block_manager.allocate(len(done.block_ids))
+    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
+    prefill.release_blocks(done.block_ids)
+    tokens = list(done.new_token_ids)
+    decode.add_prefilled("s", prompt, params, block_ids=dest, first_token_id=tokens[0])
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == alone
+
+
 def test_prefilled_requests_wait_for_a_seat(tiny: LoadedModel) -> None:
     """A decode engine never runs more than ``max_num_seqs``: hand-offs beyond it queue, holding
     their KV blocks, and decode the same tokens once seated."""

@@ -33,6 +33,7 @@ from services.engine.sampler import (
     SamplingState,
     TokenLogprobs,
     make_generator,
+    skip_draws,
 )
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
@@ -151,6 +152,8 @@ class LLMEngine:
         Returns the output for the first token (it may already finish the request).
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, False)
+        if seq.sampling.generator is not None:  # prefill drew the first token from this seed
+            skip_draws(seq.sampling.generator, self.loaded.config.vocab_size, 1)
         seq.block_ids = list(block_ids)
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         seq.num_cached_tokens = num_cached_tokens

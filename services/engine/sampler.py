@@ -219,6 +219,15 @@ def sample_from_probs(
     return probs.div(noise).argmax(dim=-1)
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, tokens: int) -> None:
+    """Advance ``generator`` past ``tokens`` draws of :func:`sample_from_probs` (one float32
+    ``Exp(1)`` per vocabulary entry each), so that a sequence continued on another worker (the KV
+    hand-off) draws what it would have drawn had it never moved."""
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(tokens):
+        scratch.exponential_(generator=generator)
+
+
 def _token_counts(
     token_lists: Sequence[Sequence[int]], rows: int, vocab: int, device: torch.device
 ) -> torch.Tensor:
