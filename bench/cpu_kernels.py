@@ -78,11 +78,11 @@ def attention_table(cases: list[tuple[int, int]]) -> list[str]:
             block_tables=tables, block_size=block,
         )
         q = torch.randn(batch, heads, head_dim)
-        lens = meta.context_lens_tensor
-        assert lens is not None
+        lens = meta.decode_context_lens()
+        reference = TorchPagedAttention()
 
         def ref(_: int) -> torch.Tensor:
-            return TorchPagedAttention._decode(q, k_cache, v_cache, meta, head_dim**-0.5)
+            return reference.decode(q, k_cache, v_cache, meta, head_dim**-0.5)
 
         def ours(_: int) -> torch.Tensor:
             return cpu_paged_decode_attention(

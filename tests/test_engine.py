@@ -94,21 +94,31 @@ def test_prefix_cache_hit_reuses_blocks_and_keeps_outputs(tiny: LoadedModel) -> 
     assert engine.block_manager.num_blocks_in_use == 0
 
 
+def _move_kv(prefill: LLMEngine, decode: LLMEngine, done: RequestOutput) -> list[int]:
+    """Copy a prefilled request's blocks into fresh blocks of ``decode``; free prefill's copy."""
+    dest = decode.block_manager.allocate(len(done.block_ids))
+    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
+    prefill.release_blocks(done.block_ids)
+    return dest
+
+
+def _prefill_all(prefill: LLMEngine) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while prefill.has_unfinished():
+        outs.extend(prefill.step())
+    return outs
+
+
 def test_prefill_on_one_engine_decode_on_another(tiny: LoadedModel) -> None:
     """The in-process version of the KV hand-off: copy whole blocks between two pools."""
     prompt = _prompts(1, seed=5)[0]
     prefill = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
     decode = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
     prefill.add_request("r", prompt, GREEDY, prefill_only=True)
-    outs: list[RequestOutput] = []
-    while prefill.has_unfinished():
-        outs.extend(prefill.step())
-    (done,) = outs
+    (done,) = _prefill_all(prefill)
     assert done.finish_reason == "prefilled" and len(done.new_token_ids) == 1
     assert prefill.block_manager.num_blocks_in_use == len(done.block_ids)  # held under lease
-    dest = decode.block_manager.allocate(len(done.block_ids))
-    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
-    prefill.release_blocks(done.block_ids)
+    dest = _move_kv(prefill, decode, done)
     tokens = list(done.new_token_ids)
     for out in decode.add_prefilled("r", prompt, GREEDY, block_ids=dest, first_token_id=tokens[0]):
         assert out.new_token_ids == tokens[:1]
@@ -128,13 +138,8 @@ def test_seeded_sampling_survives_the_hand_off(tiny: LoadedModel) -> None:
     prefill = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
     decode = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
     prefill.add_request("s", prompt, params, prefill_only=True)
-    outs: list[RequestOutput] = []
-    while prefill.has_unfinished():
-        outs.extend(prefill.step())
-    (done,) = outs
-    dest = decode.block_manager.allocate(len(done.block_ids))
-    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
-    prefill.release_blocks(done.block_ids)
+    (done,) = _prefill_all(prefill)
+    dest = _move_kv(prefill, decode, done)
     tokens = list(done.new_token_ids)
     decode.add_prefilled("s", prompt, params, block_ids=dest, first_token_id=tokens[0])
     while decode.has_unfinished():
@@ -151,14 +156,9 @@ def test_prefilled_requests_wait_for_a_seat(tiny: LoadedModel) -> None:
     decode = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=2))
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
-    handed: list[RequestOutput] = []
-    while prefill.has_unfinished():
-        handed.extend(prefill.step())
     tokens: dict[str, list[int]] = {}
-    for done in sorted(handed, key=lambda o: o.request_id):
-        dest = decode.block_manager.allocate(len(done.block_ids))
-        decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
-        prefill.release_blocks(done.block_ids)
+    for done in sorted(_prefill_all(prefill), key=lambda o: o.request_id):
+        dest = _move_kv(prefill, decode, done)
         i = int(done.request_id[1:])
         tokens[done.request_id] = list(done.new_token_ids)
         decode.add_prefilled(done.request_id, prompts[i], GREEDY, block_ids=dest,

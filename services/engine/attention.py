@@ -29,7 +29,7 @@ class AttentionMetadata:
         block_tables: ``[B, max_blocks]`` block ids per sequence, padded with 0.
         decode_mask: ``[B, 1, 1, L]`` bool, True where a decode query may attend (decode steps
             of more than one sequence only).
-        context_lens_tensor: ``context_lens`` as a device tensor (decode only), for kernels.
+        context_lens_tensor: ``context_lens`` as an int64 device tensor (decode only), for kernels.
     """
 
     is_prefill: bool
@@ -79,6 +79,15 @@ class AttentionMetadata:
         )
 
 
+    def decode_context_lens(self) -> torch.Tensor:
+        """``context_lens`` as an int64 tensor on the block tables' device (built once)."""
+        if self.context_lens_tensor is None:
+            self.context_lens_tensor = torch.tensor(
+                self.context_lens, dtype=torch.long, device=self.block_tables.device
+            )
+        return self.context_lens_tensor
+
+
 class PagedAttention(ABC):
     """Stores this step's K/V into the cache, then attends over each sequence's context."""
 
@@ -100,7 +109,11 @@ class PagedAttention(ABC):
 
 
 class TorchPagedAttention(PagedAttention):
-    """Reference path: gather each sequence's blocks and call ``scaled_dot_product_attention``."""
+    """Reference path: gather each sequence's blocks and call ``scaled_dot_product_attention``.
+
+    Decode kernels subclass it and override :meth:`decode` only: storing K/V and prefill stay
+    here, shared.
+    """
 
     def forward(
         self,
@@ -115,7 +128,7 @@ class TorchPagedAttention(PagedAttention):
         self.store_kv(k, v, k_cache, v_cache, meta)
         if meta.is_prefill:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return self._decode(q, k_cache, v_cache, meta, scale)
+        return self.decode(q, k_cache, v_cache, meta, scale)
 
     @staticmethod
     def store_kv(
@@ -165,14 +178,15 @@ class TorchPagedAttention(PagedAttention):
             start += qlen
         return torch.cat(outputs, dim=0)
 
-    @staticmethod
-    def _decode(
+    def decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        """One query per sequence: q ``[B, H, D]`` over its context in the cache → ``[B, H, D]``."""
         batch = q.shape[0]
         keys = k_cache[meta.block_tables].flatten(1, 2)  # [B, L, KVH, D]
         values = v_cache[meta.block_tables].flatten(1, 2)

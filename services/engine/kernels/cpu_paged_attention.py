@@ -84,23 +84,18 @@ def cpu_paged_decode_attention(
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Float32 decode through the C kernel; store K/V, prefill and other dtypes through torch."""
+    """Float32 decode steps through the C kernel; the rest through the torch reference."""
 
-    def forward(
+    def decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.is_prefill or k_cache.dtype != torch.float32 or q.dtype != torch.float32:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        self.store_kv(k, v, k_cache, v_cache, meta)
-        if meta.context_lens_tensor is None:
-            meta.context_lens_tensor = torch.tensor(meta.context_lens)
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            return super().decode(q, k_cache, v_cache, meta, scale)
         return cpu_paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens_tensor, scale
+            q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
         )

@@ -92,23 +92,16 @@ def paged_decode_attention(
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """Decode through the Triton kernel; store K/V and prefill through the torch reference."""
+    """Decode steps through the Triton kernel; the rest through the torch reference."""
 
-    def forward(
+    def decode(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.is_prefill:
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
-        self.store_kv(k, v, k_cache, v_cache, meta)
-        if meta.context_lens_tensor is None:
-            meta.context_lens_tensor = torch.tensor(meta.context_lens, device=q.device)
         return paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens_tensor, scale
+            q.contiguous(), k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
         )
