@@ -110,9 +110,11 @@ async def cluster(
     prefill_kw: dict[str, object] | None = None,
     decode_kw: dict[str, object] | None = None,
     decode_address: str | None = None,
+    decode_max_seqs: int = 64,
 ) -> AsyncIterator[Cluster]:
     decode = await start_decode_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=decode_blocks, worker_id="decode-t"),
+        WorkerOptions(host="127.0.0.1", port=0, num_blocks=decode_blocks, worker_id="decode-t",
+                      max_num_seqs=decode_max_seqs),
         loaded=model, **(decode_kw or {}),  # type: ignore[arg-type]
     )
     prefill = await start_prefill_worker(
@@ -180,6 +182,33 @@ async def test_concurrent_requests_are_batched_in_decode(model: LoadedModel) -> 
         results = await asyncio.gather(*(c.run(f"b{i}", p, params) for i, p in enumerate(prompts)))
         assert [tokens_of(responses) for _, responses in results] == expected
         assert c.decode_handle.engine_loop.stats.max_batch_size > 1
+        await c.wait_idle()
+
+
+async def test_decode_seat_limit_queues_hand_offs(model: LoadedModel) -> None:
+    """--max-num-seqs 1: hand-offs wait for the seat, keep their KV, and give the same tokens;
+    a client that gives up while its request waits frees that request's blocks."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [prompt_of(20 + 3 * i, offset=i) for i in range(3)]
+    expected = reference(model, prompts, params)
+    async with cluster(model, decode_max_seqs=1) as c:
+        results = await asyncio.gather(*(c.run(f"q{i}", p, params) for i, p in enumerate(prompts)))
+        assert [tokens_of(responses) for _, responses in results] == expected
+        assert c.decode_handle.engine_loop.stats.max_batch_size == 1
+        await c.wait_idle()
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        seated = c.generate("seated")
+        await c.prefill("seated", prompt_of(30), long)
+        await seated.read()
+        queued = c.generate("queued")
+        await c.prefill("queued", prompt_of(25, offset=7), long)
+        deadline = time.monotonic() + 10
+        while (dec := (await c.stats())[1]).num_waiting < 1:  # until Generate hands it over
+            assert time.monotonic() < deadline, dec
+            await asyncio.sleep(0.02)
+        assert dec.num_running == 1
+        queued.cancel()
+        seated.cancel()
         await c.wait_idle()
 
 
