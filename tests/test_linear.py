@@ -86,3 +86,13 @@ def test_free_dense_keeps_shared_weights(tiny_llama_dir, use_kernel: bool) -> No
     assert pack_linears(model, plan, free_dense=True) == 1 + 4 * loaded.config.num_layers
     assert model.layers[0].mlp.down_proj.weight.numel() == 0  # dense copy released
     assert model.embed_tokens.weight.numel() == loaded.config.vocab_size * loaded.config.hidden_size
+
+
+def test_native_kernel_refuses_mismatched_shapes() -> None:
+    plan = kernel_plan()
+    layer = Linear(64, 40)
+    layer.pack(plan)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer(torch.randn(2, 63))
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.randn(2, 64, dtype=torch.float64))

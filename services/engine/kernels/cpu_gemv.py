@@ -63,6 +63,9 @@ class CpuGemv:
         if x.dtype != torch.float32:
             raise TypeError(f"the CPU GEMV kernel takes float32 inputs, not {x.dtype}")
         rows, in_features = x.shape
+        tiles, tiled_in, tile = tiled.shape
+        if tiled_in != in_features or tile != self.tile or tiles * tile < out_features:
+            raise ValueError(f"input [{rows}, {in_features}] does not fit weight tiles {tuple(tiled.shape)}")
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
