@@ -76,8 +76,14 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
     cpu_paged_attention.load_cpu_attention.cache_clear()
     try:
-        assert type(make_attention_backend("auto", "cpu")) is TorchPagedAttention
         with pytest.raises(InvalidArgumentError, match="can't be built"):
             make_attention_backend("cpu", "cpu")
+        fallback = make_attention_backend("auto", "cpu")  # runs the torch path without its kernel
+        meta = AttentionMetadata.build(
+            is_prefill=False, query_lens=[1], context_lens=[3], block_tables=[[1]], block_size=4
+        )
+        q, cache = torch.randn(1, 4, 16), torch.randn(4, 4, 2, 16)
+        expected = TorchPagedAttention().decode(q, cache, cache, meta, 0.25)
+        assert torch.equal(fallback.decode(q, cache, cache, meta, 0.25), expected)
     finally:
         cpu_paged_attention.load_cpu_attention.cache_clear()

@@ -1,7 +1,8 @@
 """Attention backends by name: ``torch`` (reference, everywhere), ``cpu`` (float32 paged decode
-kernel in C, built at first use) and ``triton`` (paged decode kernel; GPUs, or CPU under
-``TRITON_INTERPRET=1``). ``auto`` picks triton on CUDA when it imports, cpu on CPU when its
-kernel builds, else torch."""
+kernel in C, built at first decode) and ``triton`` (paged decode kernel; GPUs, or CPU under
+``TRITON_INTERPRET=1``). ``auto`` picks triton on CUDA when it imports, else torch; on CPU it
+picks cpu, which itself runs the torch path when its kernel can't be built here. (Building at
+first decode, not here, keeps a model that fails to load from logging about kernels first.)"""
 
 from __future__ import annotations
 
@@ -28,11 +29,9 @@ def make_attention_backend(name: str, device: torch.device | str) -> PagedAttent
 
         if kind != "cpu":
             raise InvalidArgumentError(f"the cpu attention backend runs on CPU, not {kind}")
-        if load_cpu_attention() is not None:
-            return CpuPagedAttention()
-        if name == "cpu":
+        if name == "cpu" and load_cpu_attention() is None:
             raise InvalidArgumentError("the cpu attention kernel can't be built here (see the log)")
-        return TorchPagedAttention()
+        return CpuPagedAttention()
     if name == "auto" and kind != "cuda":
         return TorchPagedAttention()
     try:

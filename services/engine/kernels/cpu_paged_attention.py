@@ -2,8 +2,8 @@
 
 :class:`CpuPagedAttention` is the :class:`~services.engine.attention.PagedAttention` backend that
 ``auto`` picks on CPU: float32 decode steps go through the C kernel, which reads K/V in place
-from the paged pool (no gathered copy, no padding mask); prefill steps, and caches in other
-dtypes, use the torch reference it inherits. :func:`load_cpu_attention` builds the kernel once
+from the paged pool (no gathered copy, no padding mask); prefill steps, caches in other dtypes,
+and machines where the kernel can't be built use the torch reference it inherits. :func:`load_cpu_attention` builds the kernel once
 per process or returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
 """
 
@@ -84,7 +84,8 @@ def cpu_paged_decode_attention(
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Float32 decode steps through the C kernel; the rest through the torch reference."""
+    """Float32 decode steps through the C kernel (built at the first one); the rest, and
+    everything when the kernel can't be built here, through the torch reference."""
 
     def decode(
         self,
@@ -94,7 +95,7 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or load_cpu_attention() is None:
             return super().decode(q, k_cache, v_cache, meta, scale)
         return cpu_paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
