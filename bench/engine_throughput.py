@@ -4,9 +4,9 @@ Prints one markdown table, measured in one run on this machine:
   * decode tokens/s (aggregate over the batch) at batch 1, 8 and 32;
   * prefill tokens/s for a 512-token prompt;
 for Tandem float32, Tandem float32 without its native CPU kernels (PyTorch matmuls and
-attention only, as with ``TANDEM_CPU_KERNELS=0``), Tandem bfloat16 and transformers float32 (same GGUF, dequantized),
-next to the memory-bandwidth bound for batch-1 decode (bytes of weights read per token / measured
-read bandwidth).
+attention only, as with ``TANDEM_CPU_KERNELS=0``), Tandem bfloat16 and transformers float32
+(same GGUF, dequantized), next to the memory-bandwidth bound for batch-1 decode (bytes of
+weights read per token / measured read bandwidth).
 
     python bench/engine_throughput.py [--model default] [--decode-tokens 64] [--batches 1 8 32]
 """
@@ -29,7 +29,6 @@ from services.common.model_source import ModelSource, resolve_model  # noqa: E40
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
-from services.engine.kernels.cpu_paged_attention import load_cpu_attention  # noqa: E402
 from services.engine.loaders import LoadedModel, load_model  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -44,7 +43,9 @@ def memory_bandwidth_gbs() -> tuple[float, float]:
     src = torch.empty(128 * 1024 * 1024, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    return nbytes / _best(src.sum, repeats=5) / 1e9, 2 * nbytes / _best(lambda: dst.copy_(src), repeats=5) / 1e9
+    read = nbytes / _best(src.sum, repeats=5)
+    copy = 2 * nbytes / _best(lambda: dst.copy_(src), repeats=5)
+    return read / 1e9, copy / 1e9
 
 
 def _prompts(batch: int, length: int) -> list[list[int]]:
@@ -98,17 +99,16 @@ def hf_prefill(model: torch.nn.Module, length: int) -> float:
 
 
 def _without_native_kernels(source: ModelSource) -> LoadedModel:
-    """The float32 model built as if the native kernels could not be (``TANDEM_CPU_KERNELS=0``)."""
+    """The float32 model on the paths ``TANDEM_CPU_KERNELS=0`` gives: torch attention, and weights
+    packed for the split ``bmm``."""
+    loaded = load_model(source, torch.float32, attention="torch")
     os.environ["TANDEM_CPU_KERNELS"] = "0"
     load_cpu_gemv.cache_clear()
-    load_cpu_attention.cache_clear()
     try:
-        loaded = load_model(source, torch.float32)  # torch attention backend
         LLMEngine(loaded, EngineConfig(num_blocks=8))  # packs the weights with the plan of now
     finally:
         del os.environ["TANDEM_CPU_KERNELS"]
         load_cpu_gemv.cache_clear()
-        load_cpu_attention.cache_clear()
     return loaded
 
 

@@ -78,7 +78,6 @@ class AttentionMetadata:
             context_lens_tensor=lens,
         )
 
-
     def decode_context_lens(self) -> torch.Tensor:
         """``context_lens`` as an int64 tensor on the block tables' device (built once)."""
         if self.context_lens_tensor is None:

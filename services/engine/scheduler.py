@@ -113,23 +113,17 @@ class Scheduler:
             index += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.block_ids:  # prefilled elsewhere: its KV is in place, it needs a seat only
-                try:
-                    self.block_manager.ensure_capacity(
-                        seq.block_ids, seq.num_computed_tokens + min(seq.num_uncomputed, budget)
-                    )
-                except NoFreeBlocksError:
-                    break
-                self.waiting.popleft()
-            else:
-                try:
+            try:
+                if seq.block_ids:  # prefilled elsewhere: its KV is in place; room for what's next
+                    self.block_manager.ensure_capacity(seq.block_ids, seq.num_tokens)
+                else:
                     alloc = self.block_manager.allocate_prompt(seq.all_token_ids())
-                except NoFreeBlocksError:
-                    break
-                self.waiting.popleft()
-                seq.block_ids = list(alloc.block_ids)
-                seq.num_computed_tokens = alloc.num_cached_tokens
-                seq.num_cached_tokens = max(seq.num_cached_tokens, alloc.num_cached_tokens)
+                    seq.block_ids = list(alloc.block_ids)
+                    seq.num_computed_tokens = alloc.num_cached_tokens
+                    seq.num_cached_tokens = max(seq.num_cached_tokens, alloc.num_cached_tokens)
+            except NoFreeBlocksError:
+                break
+            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)

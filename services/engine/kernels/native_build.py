@@ -19,6 +19,7 @@ never load a half-written library.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -85,6 +86,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
 def _compiler_version(cc: str) -> str:
     try:
         return subprocess.run(
