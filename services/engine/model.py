@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from services.engine.embedding import Embedding
 from services.engine.kv_cache import KVPool
 from services.engine.linear import Linear
 from services.engine.model_config import ModelConfig
@@ -124,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend) for _ in range(config.num_layers)
         )

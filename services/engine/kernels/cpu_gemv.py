@@ -1,13 +1,13 @@
-"""Python side of the float32 CPU decode GEMV kernel (``cpu_gemv.c``): weight tiling and calls.
+"""Python side of the float32 CPU GEMV kernel (``cpu_gemv.c``): weight tiling and calls.
 
 Batch-1 CPU decode is weight streaming: every token reads all float32 weights once. PyTorch's
-BLAS reaches about 25 GB/s per core on these skinny products; the C kernel reads a tiled copy of
-each weight front to back at close to the socket's read bandwidth (measured ~45-50 GB/s on 2
-cores here, docs/benchmarks.md). Rows come in register blocks of 4 that share each load of the
-weight, so it also serves batched decode and prefill (measured faster than MKL's SGEMM at every
-row count up to 512 on this AMD EPYC). :func:`load_cpu_gemv` builds it once per process or
-returns ``None`` (with one log line saying why) so callers keep the PyTorch path.
-``TANDEM_CPU_KERNELS=0`` turns it off.
+BLAS GEMV reads these skinny products well below the socket's bandwidth; the C kernel reads a
+tiled copy of each weight front to back. Rows come in register blocks that share each load of the
+weight, so it also serves batched decode and prefill (docs/benchmarks.md has the tables per
+instruction set). :func:`load_cpu_gemv` builds it once per process for the selected instruction
+set (``TANDEM_CPU_ISA``, see native_build.py) or returns ``None`` (with one log line saying why)
+so callers keep the PyTorch path. ``TANDEM_CPU_KERNELS=0`` turns it off. Whether it is used for
+a given row count is decided by measurement (:mod:`services.engine.kernels.autotune`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from services.engine.kernels.native_build import (
     NativeBuildError,
     kernels_enabled,
     load_library,
+    selected_isa,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ class CpuGemv:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
         ]  # fmt: skip
         self.tile = int(library.tandem_gemv_tile())
+        isa = library.tandem_gemv_isa
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()
+        self.build = Path(str(library._name)).name  # the cached library's file name
 
     def tile_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """``[out, in]`` → ``[ceil(out / tile), in, tile]``, the last tile padded with zeros."""
@@ -83,7 +88,7 @@ def load_cpu_gemv() -> CpuGemv | None:
     if not kernels_enabled():
         return None
     try:
-        return CpuGemv(load_library(SOURCE))
+        return CpuGemv(load_library(SOURCE, selected_isa()))
     except NativeBuildError as exc:
         logger.warning("CPU decode kernel unavailable, using PyTorch matmuls: %s", exc)
         return None

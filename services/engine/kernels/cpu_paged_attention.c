@@ -8,44 +8,18 @@
  * slots, keep a running max and sum (online softmax, as in FlashAttention and vLLM's paged
  * attention) and accumulate the weighted values. Nothing is copied and nothing is padded.
  *
- * Tasks run on OpenMP (PyTorch's own runtime; see native_build.py). Built at run time with
- * -O3 -march=native by services/engine/kernels/native_build.py.
+ * Tasks run on OpenMP (PyTorch's own runtime; see native_build.py). Built at run time,
+ * once per instruction set by services/engine/kernels/native_build.py (vector width from
+ * tandem_simd.h).
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define LANES 16
-typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef float half_vec __attribute__((vector_size(LANES * 2)));
-typedef float quarter_vec __attribute__((vector_size(LANES)));
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-/* Sum of the lanes as a tree (halves, quarters, then 4 scalars), not 16 dependent adds. */
-static inline float hsum(vec v) {
-    half_vec lo, hi;
-    memcpy(&lo, &v, sizeof lo);
-    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    lo += hi;
-    quarter_vec a, b;
-    memcpy(&a, &lo, sizeof a);
-    memcpy(&b, (const char *)&lo + sizeof a, sizeof b);
-    a += b;
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
+#include "tandem_simd.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     vec acc = {0};
     int64_t d = 0;
-    for (; d + LANES <= n; d += LANES) acc += load(a + d) * load(b + d);
+    for (; d + LANES <= n; d += LANES) acc += load_vec(a + d) * load_vec(b + d);
     float sum = hsum(acc);
     for (; d < n; d++) sum += a[d] * b[d];
     return sum;
@@ -88,9 +62,9 @@ void tandem_paged_decode_attention(
                 float *ag = acc + g * head_dim;
                 int64_t d = 0;
                 for (; d + LANES <= head_dim; d += LANES) {
-                    vec a = load(ag + d) * rescale;
-                    for (int64_t s = 0; s < slots; s++) a += pg[s] * load(vb + s * v_ss + d);
-                    store(ag + d, a);
+                    vec a = load_vec(ag + d) * rescale;
+                    for (int64_t s = 0; s < slots; s++) a += pg[s] * load_vec(vb + s * v_ss + d);
+                    store_vec(ag + d, a);
                 }
                 for (; d < head_dim; d++) {
                     float a = ag[d] * rescale;

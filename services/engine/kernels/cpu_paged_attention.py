@@ -21,6 +21,7 @@ from services.engine.kernels.native_build import (
     NativeBuildError,
     kernels_enabled,
     load_library,
+    selected_isa,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-define
     if not kernels_enabled():
         return None
     try:
-        fn = load_library(SOURCE).tandem_paged_decode_attention
+        fn = load_library(SOURCE, selected_isa()).tandem_paged_decode_attention
     except NativeBuildError as exc:
         logger.warning("CPU decode-attention kernel unavailable, using the torch path: %s", exc)
         return None

@@ -1,8 +1,18 @@
-"""Compile a C kernel shipped with Tandem into a shared library, once per machine, and load it.
+"""Compile a C kernel shipped with Tandem into a shared library, once per machine and instruction
+set, and load it.
 
-Why at run time: the kernel is built with ``-march=native`` for the CPU it will run on (AVX-512
-where there is AVX-512), and an install needs no compiler; a machine without one just keeps the
-PyTorch path. Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
+Why at run time: the kernel is built for the instruction set of the CPU it will run on, and an
+install needs no compiler; a machine without one just keeps the PyTorch path.
+
+Instruction sets (``tandem_simd.h`` picks the vector width and register blocking for each):
+
+* ``avx512`` — ``-march=x86-64-v4`` (AVX-512 F/BW/DQ/VL), for CPUs that have them;
+* ``avx2`` — ``-march=x86-64-v3`` (AVX2, FMA, F16C);
+* ``generic`` — the architecture's baseline: SSE2 on x86-64, NEON on aarch64, plain C elsewhere.
+
+:func:`selected_isa` takes the best set the CPU's flags allow; ``TANDEM_CPU_ISA=avx512|avx2|generic``
+forces one (so every variant can be built, tested and benchmarked on one AVX-512 machine), and a
+set the CPU can't execute is a build error, never an illegal instruction. Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
 PyTorch headers, so a build takes well under a second instead of a minute.
 
 Threads: the library is linked against the GNU OpenMP runtime this process already loaded with
@@ -31,7 +41,19 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CFLAGS = ("-O3", "-march=native", "-fPIC", "-std=gnu11", "-fopenmp")
+CFLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fopenmp")
+ISAS = ("avx512", "avx2", "generic")
+_X86_ISA_FLAGS = {
+    "avx512": ["-march=x86-64-v4", "-mtune=native"],
+    "avx2": ["-march=x86-64-v3", "-mtune=native"],
+    "generic": ["-march=x86-64", "-mtune=generic"],
+}
+# what each set needs in /proc/cpuinfo's flags (the kernels use no more than x86-64-v3/v4 give)
+_X86_ISA_NEEDS = {
+    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"},
+    "avx2": {"avx2", "fma", "f16c", "bmi2", "movbe"},
+    "generic": set(),
+}
 
 
 def kernels_enabled() -> bool:
@@ -86,6 +108,39 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _is_x86() -> bool:
+    return platform.machine().lower() in {"x86_64", "amd64"}
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU can execute, best first (``generic`` always)."""
+    if not _is_x86():
+        return ["generic"]
+    flags = set(_cpu_flags().partition(":")[2].split())
+    return [isa for isa in ISAS if _X86_ISA_NEEDS[isa] <= flags]
+
+
+def selected_isa() -> str:
+    """``$TANDEM_CPU_ISA`` when set (checked against the CPU), else the best set it supports."""
+    forced = os.environ.get("TANDEM_CPU_ISA", "").strip().lower()
+    if not forced:
+        return supported_isas()[0]
+    if forced not in ISAS:
+        raise NativeBuildError(f"TANDEM_CPU_ISA={forced!r} is not one of {', '.join(ISAS)}")
+    if forced not in supported_isas():
+        raise NativeBuildError(f"TANDEM_CPU_ISA={forced} but this CPU lacks it ({platform.machine()})")
+    return forced
+
+
+def isa_flags(isa: str) -> list[str]:
+    """Compiler flags that target ``isa`` on this architecture."""
+    if _is_x86():
+        return list(_X86_ISA_FLAGS[isa])
+    if platform.machine().lower() in {"aarch64", "arm64"}:
+        return ["-march=armv8-a"]  # NEON is part of the baseline
+    return []
+
+
 @functools.cache
 def _compiler_version(cc: str) -> str:
     try:
@@ -96,17 +151,21 @@ def _compiler_version(cc: str) -> str:
         raise NativeBuildError(f"{cc} --version failed: {exc}") from exc
 
 
-def build_library(source: Path) -> Path:
-    """Compile ``source`` (or reuse the cached build) and return the shared library's path."""
+def build_library(source: Path, isa: str | None = None) -> Path:
+    """Compile ``source`` for ``isa`` (default :func:`selected_isa`), or reuse the cached build,
+    and return the shared library's path. Headers beside the source are part of the cache key."""
+    isa = isa or selected_isa()
     cc = find_compiler()
     openmp = loaded_openmp_runtime()
-    flags = list(CFLAGS)
+    flags = [*CFLAGS, *isa_flags(isa)]
+    headers = [p.read_text() for p in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), cc, _compiler_version(cc), " ".join(flags), _cpu_flags(), str(openmp)]
+            [source.read_text(), *headers, cc, _compiler_version(cc), " ".join(flags),
+             _cpu_flags(), str(openmp)]
         ).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_dir() / f"{source.stem}-{isa}-{key}.so"
     if target.exists():
         return target
     try:
@@ -123,7 +182,7 @@ def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         # compile with -fopenmp, but link the process's libgomp by path instead of -lgomp
         steps = [
-            [cc, *flags, "-c", str(source), "-o", str(obj)],
+            [cc, *flags, f"-I{source.parent}", "-c", str(source), "-o", str(obj)],
             [cc, "-shared", str(obj), str(openmp), f"-Wl,-rpath,{openmp.parent}",
              "-Wl,--no-undefined", "-lm", "-o", str(lib)],
         ]
@@ -139,9 +198,9 @@ def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path
         os.replace(lib, target)
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """Build (or reuse) and ``dlopen`` the library for ``source``."""
-    path = build_library(source)
+def load_library(source: Path, isa: str | None = None) -> ctypes.CDLL:
+    """Build (or reuse) and ``dlopen`` the library for ``source`` and ``isa``."""
+    path = build_library(source, isa)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:

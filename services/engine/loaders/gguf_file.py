@@ -1,5 +1,7 @@
-"""Load a GGUF file: model shape from its metadata, weights dequantized to float32 with the
-``gguf`` package and renamed to Hugging Face names.
+"""Load a GGUF file: model shape from its metadata, weights renamed to Hugging Face names,
+dequantized to float32 with the ``gguf`` package or, for a quantized model (``quantize``), kept as
+the file stores them (:func:`~services.engine.quant.quantized_weight.from_gguf_blocks`: Q8_0,
+Q4_0, Q4_1, Q4_K; other types are re-quantized to Q8_0 from their float32 values).
 
 For Llama models llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its rotary layout
 (interleaved pairs); we undo it so the weights match the Hugging Face ``rotate_half`` layout:
@@ -9,7 +11,7 @@ For Llama models llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,8 +21,18 @@ from services.common.errors import ModelLoadError
 from services.engine.loaders.progress import progress
 from services.engine.config_reader import field_value, gguf_config, open_gguf
 from services.engine.model_config import ModelConfig
+from services.engine.quant.quantized_weight import (
+    FORMAT_Q8_0,
+    GROUP,
+    SUPPORTED_GGML_TYPES,
+    QuantizedWeight,
+    from_gguf_blocks,
+    quantize_q8_0,
+)
 
-__all__ = ["field_value", "gguf_config", "iter_gguf_weights", "open_gguf", "unpermute"]
+__all__ = [
+    "field_value", "gguf_config", "gguf_weight_types", "iter_gguf_weights", "open_gguf", "unpermute",
+]
 
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,29 +56,59 @@ _BLOCK_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def iter_gguf_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield dequantized float32 tensors under Hugging Face names, q/k un-permuted."""
-    from gguf.quants import dequantize
-
+def iter_gguf_weights(
+    reader: Any, config: ModelConfig, quantize: str | None = None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yield weights under Hugging Face names, q/k un-permuted: float32 tensors, or with
+    ``quantize`` (``"q8_0"`` / ``"q4"``) matrices as :class:`QuantizedWeight` (``"q8_0"`` turns
+    4-bit blocks into Q8_0 too)."""
     total = sum(int(t.n_bytes) for t in reader.tensors)
     with progress(total, "loading GGUF") as bar:
         for tensor in reader.tensors:
             name = _hf_name(tensor.name)
             if name is None:
                 continue
-            try:
-                array = dequantize(tensor.data, tensor.tensor_type)
-            except Exception as exc:
-                raise ModelLoadError(f"cannot dequantize {tensor.name}: {exc}") from exc
             shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"])).reshape(shape)
+            weight: torch.Tensor | QuantizedWeight
+            if quantize and len(shape) == 2 and shape[1] % GROUP == 0:
+                weight = _quantized(tensor, shape, quantize)
+            else:
+                weight = _dequantized(tensor, shape)
             if config.architecture == "llama":  # only llama.cpp's LlamaModel permutes q/k
                 if name.endswith(("q_proj.weight", "q_proj.bias")):
-                    weight = unpermute(weight, config.num_heads)
+                    weight = _rows(weight, lambda t: unpermute(t, config.num_heads))
                 elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                    weight = unpermute(weight, config.num_kv_heads)
+                    weight = _rows(weight, lambda t: unpermute(t, config.num_kv_heads))
             bar.update(int(tensor.n_bytes))
             yield name, weight
+
+
+def _dequantized(tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot dequantize {tensor.name}: {exc}") from exc
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"])).reshape(shape)
+
+
+def _quantized(tensor: Any, shape: tuple[int, ...], quantize: str) -> QuantizedWeight:
+    """The tensor's own blocks when the kernel reads them, else Q8_0 from its float32 values."""
+    if tensor.tensor_type in SUPPORTED_GGML_TYPES:
+        try:
+            weight = from_gguf_blocks(tensor.data, tensor.tensor_type, (shape[0], shape[1]))
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot read {tensor.name}: {exc}") from exc
+        if weight is not None and (quantize != FORMAT_Q8_0 or weight.format == FORMAT_Q8_0):
+            return weight
+    return quantize_q8_0(_dequantized(tensor, shape))
+
+
+def _rows(
+    weight: torch.Tensor | QuantizedWeight, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | QuantizedWeight:
+    return weight.map_rows(fn) if isinstance(weight, QuantizedWeight) else fn(weight)
 
 
 def unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -83,3 +125,8 @@ def _hf_name(name: str) -> str | None:
     if match is None or match.group(2) not in _BLOCK_NAMES:
         return None
     return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+
+
+def gguf_weight_types(reader: Any) -> set[str]:
+    """Names of the GGML types of the file's 2-D weights (e.g. ``{"Q4_1", "Q8_0"}``)."""
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}

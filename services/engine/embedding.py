@@ -1,0 +1,39 @@
+"""Token embedding that can hold its table quantized (GGUF's ``token_embd`` is often Q8_0).
+
+A lookup only needs the rows of the step's tokens, so a quantized table is dequantized row by row
+(:meth:`QuantizedWeight.rows`) and never expanded whole; with tied embeddings the LM head shares
+the same quantized weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.quant.quantized_weight import QuantizedWeight
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` plus an optional quantized table (:meth:`set_quantized`)."""
+
+    quant: QuantizedWeight | None
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.quant = None
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Hold the table quantized; the float ``weight`` parameter is emptied."""
+        if weight.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"quantized table {weight.shape} does not fit a {self.num_embeddings}×"
+                f"{self.embedding_dim} embedding"
+            )
+        self.quant = weight
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.rows(input_ids)
+        return F.embedding(input_ids, self.weight)

@@ -1,0 +1,136 @@
+"""Measure a native kernel against the PyTorch path on the model's own layers; keep the faster.
+
+A kernel tuned on one CPU can lose on another (vector width, cache sizes, how good the local BLAS
+is), so a fast path has to prove itself on the machine it runs on. The first time a kernel build
+meets a model's layer shapes, :func:`choose_regimes`:
+
+1. runs the model's layers (their real shapes, weights read from memory) once per path to warm
+   up, for each row regime: decode of 1, 8 and 32 rows and a prefill chunk of 256 rows;
+2. times each path as the best of a few alternating runs;
+3. picks, per regime, the faster path; a row count uses the regime of the smallest measured
+   count at or above it (2-8 rows → the 8-row choice, 33+ rows → the prefill choice);
+4. caches the decision as JSON next to the kernel build (keyed by the build, the format, the
+   shapes, the thread count and the torch version), so later starts reuse it, and logs it once
+   in one line: format, instruction set, measured speed ratio per regime.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.kernels.native_build import cache_dir
+
+logger = logging.getLogger(__name__)
+
+REGIME_ROWS = (1, 8, 32, 256)
+REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRegimes:
+    """Per measured row count, whether the kernel (True) or the PyTorch path runs."""
+
+    rows: tuple[int, ...] = REGIME_ROWS
+    use_kernel: tuple[bool, ...] = (True,) * len(REGIME_ROWS)
+    speedup: tuple[float, ...] = ()  # PyTorch time / kernel time per regime, when measured
+
+    def kernel_for(self, rows: int) -> bool:
+        """Whether ``rows`` rows go through the kernel."""
+        index = min(bisect.bisect_left(self.rows, rows), len(self.rows) - 1)
+        return self.use_kernel[index]
+
+    def any_torch(self) -> bool:
+        return not all(self.use_kernel)
+
+    def describe(self) -> str:
+        ratios = ", ".join(
+            f"{rows} row{'s' if rows > 1 else ''} {ratio:.2f}x"
+            for rows, ratio in zip(self.rows, self.speedup, strict=True)
+        )
+        torch_rows = [str(r) for r, k in zip(self.rows, self.use_kernel, strict=True) if not k]
+        verdict = f"PyTorch for {', '.join(torch_rows)} rows" if torch_rows else "kernel everywhere"
+        return f"kernel/PyTorch speed {ratios} -> {verdict}"
+
+
+def choose_regimes(
+    fmt: str,
+    *,
+    isa: str,
+    build: str,
+    shapes: Sequence[tuple[int, int]],
+    run_kernel: Callable[[int], object],
+    run_torch: Callable[[int], object],
+    rows: Sequence[int] = REGIME_ROWS,
+) -> KernelRegimes:
+    """Time ``run_kernel(n)`` against ``run_torch(n)`` for each ``n`` in ``rows`` (or reuse the
+    cached decision for this build, format and set of shapes) and return the per-regime choice."""
+    key = _cache_key(fmt, build, shapes, rows)
+    path = cache_dir() / f"autotune-{key}.json"
+    cached = _read(path)
+    if cached is not None:
+        logger.info("CPU %s matmul [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
+        return cached
+    kernel_s, torch_s = [], []
+    for n in rows:
+        run_kernel(n), run_torch(n)  # warm-up: allocators, first-touch, caches
+        best_kernel = best_torch = float("inf")
+        for _ in range(REPEATS):
+            best_kernel = min(best_kernel, _timed(run_kernel, n))
+            best_torch = min(best_torch, _timed(run_torch, n))
+        kernel_s.append(best_kernel)
+        torch_s.append(best_torch)
+    regimes = KernelRegimes(
+        rows=tuple(rows),
+        use_kernel=tuple(k <= t for k, t in zip(kernel_s, torch_s, strict=True)),
+        speedup=tuple(t / k for k, t in zip(kernel_s, torch_s, strict=True)),
+    )
+    _write(path, regimes)
+    logger.info("CPU %s matmul [%s, %s]: %s (measured)", fmt, isa, build, regimes.describe())
+    return regimes
+
+
+def _timed(fn: Callable[[int], object], rows: int) -> float:
+    start = time.perf_counter()
+    fn(rows)
+    return time.perf_counter() - start
+
+
+def _cache_key(
+    fmt: str, build: str, shapes: Sequence[tuple[int, int]], rows: Sequence[int]
+) -> str:
+    parts = [fmt, build, repr(sorted(shapes)), repr(list(rows)), str(torch.get_num_threads()),
+             torch.__version__]  # fmt: skip
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _read(path: Path) -> KernelRegimes | None:
+    try:
+        data = json.loads(path.read_text())
+        return KernelRegimes(
+            rows=tuple(int(r) for r in data["rows"]),
+            use_kernel=tuple(bool(k) for k in data["use_kernel"]),
+            speedup=tuple(float(s) for s in data["speedup"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: Path, regimes: KernelRegimes) -> None:
+    data = {"rows": regimes.rows, "use_kernel": regimes.use_kernel, "speedup": regimes.speedup}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers starting together never collide
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as exc:  # an unwritable cache only costs a re-measure next start
+        logger.debug("autotune decision not cached: %s", exc)

@@ -1,0 +1,168 @@
+/* Weight-only quantized y = x @ W^T (+ bias) for CPUs: 8-bit and 4-bit weights, float32 rows.
+ *
+ * Decode on CPU streams every weight once per token; reading 4- or 8-bit weights instead of
+ * float32 ones cuts those bytes 4-6x (GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K, as llama.cpp serves
+ * them). The weights stay quantized in memory and become floats in registers right before the
+ * multiply-adds; activations stay float32 (no activation quantization).
+ *
+ * Both formats keep GGUF's groups of 32 inputs with one scale (and for 4-bit one offset) per
+ * output feature and group: w[o, i] = q[o, i] * scale[o, g] + min[o, g], g = i / 32, computed as
+ * one fused multiply-add, which is exact for every GGUF format (see quantized_weight.py), so the
+ * floats are bit for bit gguf's dequantization. Tiled like cpu_gemv.c, TILE output features at a
+ * time, each (tile, group) one contiguous block:
+ *
+ *   q4:   float scale[TILE], float min[TILE], uint8 q[32][TILE / 2]   byte c of an input row holds
+ *         column c in its low nibble and column c + TILE / 2 in its high nibble
+ *   q8_0: float scale[TILE], int8 q[32][TILE]
+ *
+ * A few rows (decode) dequantize each weight vector in registers and feed it to every row of the
+ * block. More rows than one register block (batched decode, prefill) dequantize a tile once into
+ * a per-thread float32 scratch tile and run cpu_gemv's micro-kernel over all rows, so the
+ * conversion is paid once per tile, not once per row block. Both paths run the same multiply-add
+ * chain as tandem_tile_rows.h: a row's result is the same bits whatever its batch mates, and the
+ * same bits as the float32 kernel over the dequantized weight.
+ */
+#include <stdlib.h>
+
+#include "tandem_tile_rows.h"
+
+#define GROUP 32
+#define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
+#define Q8_BLOCK (4 * TILE + GROUP * TILE)
+
+enum { FORMAT_Q8_0 = 0, FORMAT_Q4 = 1 };
+
+/* Input j of one group block as two float vectors (columns 0..LANES-1 and LANES..TILE-1). */
+static inline void dequant_q4(const uint8_t *block, int j, vec *w) {
+    const float *scale = (const float *)block, *min = scale + TILE;
+    vec low, high;
+    nibbles_to_float(block + 8 * TILE + j * LANES, &low, &high);
+    w[0] = low * load_vec(scale) + load_vec(min);
+    w[1] = high * load_vec(scale + LANES) + load_vec(min + LANES);
+}
+
+static inline void dequant_q8(const uint8_t *block, int j, vec *w) {
+    const float *scale = (const float *)block;
+    const int8_t *q = (const int8_t *)(block + 4 * TILE + j * TILE);
+    w[0] = s8_to_float(q) * load_vec(scale);
+    w[1] = s8_to_float(q + LANES) * load_vec(scale + LANES);
+}
+
+static inline void store_cols(float *y, const vec *acc, int64_t cols) {
+    float tmp[TILE];
+    memcpy(tmp, acc, sizeof tmp);
+    memcpy(y, tmp, (size_t)cols * sizeof(float));
+}
+
+/* R rows over one quantized tile, dequantizing in registers (the chain of tandem_tile_rows.h). */
+#define DEFINE_QTILE_ROWS(NAME, BLOCK, DEQUANT, R)                                                \
+    static void NAME##_rows_##R(const float *x, int64_t ldx, const uint8_t *w, int64_t in,       \
+                                const float *bias, float *y, int64_t ldy, int64_t cols) {        \
+        vec acc[R][VECS];                                                                         \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : (vec){0}; \
+        for (int64_t i0 = 0; i0 < in; i0 += KBLOCK) {                                             \
+            const int64_t i1 = i0 + KBLOCK < in ? i0 + KBLOCK : in;                               \
+            vec part[R][VECS];                                                                    \
+            for (int r = 0; r < R; r++)                                                           \
+                for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                             \
+            for (int64_t g = i0 / GROUP; g < i1 / GROUP; g++) {                                   \
+                const uint8_t *block = w + g * BLOCK;                                             \
+                for (int j = 0; j < GROUP; j++) {                                                 \
+                    vec wv[VECS];                                                                 \
+                    DEQUANT(block, j, wv);                                                        \
+                    for (int r = 0; r < R; r++) {                                                 \
+                        const float xv = x[r * ldx + g * GROUP + j];                              \
+                        for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                  \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int r = 0; r < R; r++)                                                           \
+                for (int c = 0; c < VECS; c++) acc[r][c] += part[r][c];                           \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
+    }
+
+DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 1)
+DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 2)
+DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 4)
+DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 1)
+DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 2)
+DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 4)
+#if ROW_BLOCK == 8
+DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 8)
+DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 8)
+#endif
+
+typedef void (*qrows_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *, float *,
+                         int64_t, int64_t);
+
+/* The whole tile as float32 [in, TILE] (the scratch path). */
+static void dequant_tile(int format, const uint8_t *w, int64_t in, float *out) {
+    for (int64_t g = 0; g < in / GROUP; g++)
+        for (int j = 0; j < GROUP; j++) {
+            vec wv[VECS];
+            if (format == FORMAT_Q4)
+                dequant_q4(w + g * Q4_BLOCK, j, wv);
+            else
+                dequant_q8(w + g * Q8_BLOCK, j, wv);
+            store_vec(out + (g * GROUP + j) * TILE, wv[0]);
+            store_vec(out + (g * GROUP + j) * TILE + LANES, wv[1]);
+        }
+}
+
+int tandem_qgemv_tile(void) { return TILE; }
+
+const char *tandem_qgemv_isa(void) { return TANDEM_ISA; }
+
+/* Bytes of one (tile, group) block, or -1 for an unknown format. */
+int64_t tandem_qgemv_block_bytes(int format) {
+    return format == FORMAT_Q4 ? Q4_BLOCK : format == FORMAT_Q8_0 ? Q8_BLOCK : -1;
+}
+
+/* x [rows, in] float32 (row stride ldx), w [n_tiles, in / 32, block] as above, bias
+ * [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32. Returns 0, or -1 for an
+ * unknown format or when a scratch tile can't be allocated. */
+int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, const float *bias,
+                 float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
+    if (block < 0 || in % GROUP) return -1;
+    const int q4 = format == FORMAT_Q4;
+    const qrows_fn fns[4] = {q4 ? q4_rows_1 : q8_rows_1, q4 ? q4_rows_2 : q8_rows_2,
+                             q4 ? q4_rows_4 : q8_rows_4,
+#if ROW_BLOCK == 8
+                             q4 ? q4_rows_8 : q8_rows_8
+#else
+                             NULL
+#endif
+    };
+    const int scratch = rows > ROW_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = scratch ? malloc((size_t)in * TILE * sizeof(float)) : NULL;
+        if (scratch && !tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_tiles; t++) {
+            const uint8_t *wt = w + t * (in / GROUP) * block;
+            const float *bt = bias ? bias + t * TILE : NULL;
+            const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
+            float *yt = y + t * TILE;
+            if (scratch) {
+                if (!tile) continue;
+                dequant_tile(format, wt, in, tile);
+                tile_all_rows(x, ldx, tile, in, bt, yt, out, cols, rows);
+                continue;
+            }
+            int64_t r = 0;
+            for (int k = 3; k >= 0; k--)
+                for (const int64_t n = 1 << k; fns[k] && r + n <= rows; r += n)
+                    fns[k](x + r * ldx, ldx, wt, in, bt, yt + r * out, out, cols);
+        }
+        free(tile);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,103 @@
+/* Vector width and register blocking per instruction set, shared by Tandem's CPU kernels.
+ *
+ * Each kernel is written once over GCC/Clang's generic vector extension and compiled once per
+ * instruction set by native_build.py (-march=x86-64-v4 for AVX-512, x86-64-v3 for AVX2+FMA, the
+ * architecture's baseline for "generic": SSE2 on x86-64, NEON on aarch64). The macros below pick
+ * what fits each set's register file, so a vector never spans several hardware registers and the
+ * accumulators of a row block stay in registers:
+ *
+ *   set      vector registers   LANES (floats)   GEMM row block
+ *   AVX-512  32 x 512-bit       16               8 rows x 2 vectors = 16 accumulators
+ *   AVX2     16 x 256-bit        8               4 rows x 2 vectors =  8 accumulators
+ *   generic  16 (SSE2) or 32    4               4 rows x 2 vectors =  8 accumulators
+ *            (NEON) x 128-bit
+ *
+ * A weight tile is always two vectors wide (TILE = 2 * LANES output features).
+ */
+#ifndef TANDEM_SIMD_H
+#define TANDEM_SIMD_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define TANDEM_ISA "avx512"
+#define LANES 16
+#define ROW_BLOCK 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TANDEM_ISA "avx2"
+#define LANES 8
+#define ROW_BLOCK 4
+#else
+#define TANDEM_ISA "generic"
+#define LANES 4
+#define ROW_BLOCK 4
+#endif
+
+#define VECS 2
+#define TILE (VECS * LANES)
+
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef uint8_t bytes_vec __attribute__((vector_size(LANES)));
+typedef int8_t sbytes_vec __attribute__((vector_size(LANES)));
+/* unaligned, aliasing views for loads and stores (a memcpy into a vector can go through the stack) */
+typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(1), may_alias));
+typedef uint8_t bytes_vec_u __attribute__((vector_size(LANES), aligned(1), may_alias));
+typedef int8_t sbytes_vec_u __attribute__((vector_size(LANES), aligned(1), may_alias));
+
+static inline vec load_vec(const float *p) { return *(const vec_u *)p; }
+
+static inline void store_vec(float *p, vec v) { *(vec_u *)p = v; }
+
+typedef int32_t int_vec __attribute__((vector_size(LANES * 4)));
+
+/* LANES bytes at p widened to 32-bit lanes. Written with the x86 widening loads where there are
+ * some: GCC lowers a generic byte-to-int vector conversion lane by lane in some shapes. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline int_vec widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (int_vec)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (int_vec)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const bytes_vec_u *)p, int_vec);
+#endif
+}
+
+static inline int_vec widen_s8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (int_vec)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (int_vec)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const sbytes_vec_u *)p, int_vec);
+#endif
+}
+
+/* LANES signed bytes at p as floats. */
+static inline vec s8_to_float(const int8_t *p) { return __builtin_convertvector(widen_s8(p), vec); }
+
+/* The low and the high nibbles of LANES bytes at p as floats (masks and shifts on 32-bit lanes:
+ * x86 has no byte shift). */
+static inline void nibbles_to_float(const uint8_t *p, vec *low, vec *high) {
+    const int_vec wide = widen_u8(p);
+    *low = __builtin_convertvector(wide & 15, vec);
+    *high = __builtin_convertvector(wide >> 4, vec);
+}
+
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+/* Sum of the lanes as a tree (halves, then quarters, ...), not LANES dependent adds. */
+static inline float hsum(vec v) {
+    float a[LANES];
+    memcpy(a, &v, sizeof a);
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int i = 0; i < width; i++) a[i] += a[i + width];
+    return a[0];
+}
+
+#endif

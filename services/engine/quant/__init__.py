@@ -1,0 +1,1 @@
+"""Quantized weight storage: GGUF-style blocks held in one canonical, row-major form."""
