@@ -1,14 +1,37 @@
-"""Engine throughput benchmark: Tandem's paged engine vs Hugging Face transformers, same weights.
+"""Engine throughput benchmark: Tandem's paged engine vs transformers and llama.cpp, same weights.
 
-Prints one markdown table, measured in one run on this machine:
-  * decode tokens/s (aggregate over the batch) at batch 1, 8 and 32;
-  * prefill tokens/s for a 512-token prompt;
-for Tandem float32, Tandem float32 without its native CPU kernels (PyTorch matmuls and
-attention only, as with ``TANDEM_CPU_KERNELS=0``), Tandem bfloat16 and transformers float32
-(same GGUF, dequantized), next to the memory-bandwidth bound for batch-1 decode (bytes of
-weights read per token / measured read bandwidth).
+Everything is measured in one run on this machine, on the same GGUF (transformers dequantizes it).
+
+Prints a header (CPU model, the instruction sets it supports and the one selected, what
+``--dtype auto`` resolves to, threads, torch version), then one markdown table of
+
+  * decode tokens/s (aggregate over the batch) at each ``--batches`` size (default 1, 8, 32);
+  * prefill tokens/s for a ``--prefill-length`` prompt (default 512);
+
+with one row per configuration, in this order:
+
+1. ``Tandem auto (<dtype>, <isa>)`` — the default configuration (``--dtype auto``), once per
+   instruction set variant (native CPU kernels built for that set);
+2. ``Tandem float32 (<isa>)`` — once per instruction set variant;
+3. ``Tandem q8_0 (<isa>)`` — the GGUF re-quantized to Q8_0, for the selected set only;
+4. ``Tandem float32, no native kernels`` — PyTorch matmuls and attention only, the paths
+   ``TANDEM_CPU_KERNELS=0`` gives;
+5. ``Tandem bfloat16``;
+6. ``transformers float32`` — the same GGUF, dequantized;
+7. ``llama.cpp (<quant type>, <n> threads)`` — the GGUF as stored, through llama-cpp-python
+   (``llama_cpp_baseline.py``), when it is installed: batch-1 decode and prefill only.
+
+Then ratio rows (default vs transformers per column, default vs llama.cpp), a check that no
+Tandem configuration is slower than the no-native-kernels one, and the memory-bandwidth bound for
+batch-1 decode: bytes of weights read per decoded token / measured read bandwidth.
+
+Instruction set variants: every set the CPU supports (best first) unless ``--isa`` names some;
+when ``TANDEM_CPU_ISA`` is set, only that one. The first variant is "the selected set": it runs
+the q8_0, no-kernel and bfloat16 rows and is the default configuration the ratios use. Every
+row uses the same random token prompts, greedy decoding, and ``os.cpu_count()`` threads.
 
     python bench/engine_throughput.py [--model default] [--decode-tokens 64] [--batches 1 8 32]
+        [--prefill-length 512] [--isa avx512 avx2 generic] [--skip-transformers] [--skip-llama-cpp]
 """
 
 from __future__ import annotations
@@ -16,22 +39,47 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.llama_cpp_baseline import (  # noqa: E402
+    llama_cpp_available,
+    llama_cpp_decode,
+    llama_cpp_prefill,
+    llama_cpp_quant_type,
+    random_prompts,
+)
 from services.common.model_source import ModelSource, resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
-from services.engine.loaders import LoadedModel, load_model  # noqa: E402
+from services.engine.kernels.cpu_paged_attention import load_cpu_attention  # noqa: E402
+from services.engine.kernels.cpu_qgemv import load_cpu_qgemv  # noqa: E402
+from services.engine.kernels.native_build import (  # noqa: E402
+    ISAS,
+    NativeBuildError,
+    selected_isa,
+    supported_isas,
+)
+from services.engine.linear import Linear  # noqa: E402
+from services.engine.loaders import LoadedModel, load_model, resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("bench")
+
+Row = dict[str, float | None]  # column name → tokens/s (None: not measured)
+NO_KERNELS = "Tandem float32, no native kernels"
+TRANSFORMERS = "transformers float32"
+
+
+# --- measurements ---------------------------------------------------------------------------
 
 
 def memory_bandwidth_gbs() -> tuple[float, float]:
@@ -48,17 +96,12 @@ def memory_bandwidth_gbs() -> tuple[float, float]:
     return read / 1e9, copy / 1e9
 
 
-def _prompts(batch: int, length: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(batch)
-    return torch.randint(100, 40000, (batch, length), generator=gen).tolist()
-
-
 def tandem_decode(loaded: LoadedModel, batch: int, new_tokens: int) -> float:
     """Aggregate decode tokens/s: time of the steps after every sequence has its first token."""
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(batch, 1), num_blocks=2048))
     params = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
     for attempt in range(2):  # the first round warms up allocators and caches
-        for i, prompt in enumerate(_prompts(batch, 32)):
+        for i, prompt in enumerate(random_prompts(batch, 32)):
             engine.add_request(f"{attempt}-{i}", prompt, params)
         first = 0
         while first < batch:
@@ -75,12 +118,18 @@ def tandem_prefill(loaded: LoadedModel, length: int) -> float:
     engine = LLMEngine(loaded, EngineConfig(num_blocks=2048, max_num_batched_tokens=length,
                                             enable_prefix_caching=False))
     params = SamplingParams(temperature=0, max_tokens=1)
-    prompt = _prompts(1, length)[0]
+    prompt = random_prompts(1, length)[0]
     return length / _best(lambda: engine.generate([prompt], params), repeats=3)
 
 
+def tandem_row(loaded: LoadedModel, args: argparse.Namespace) -> Row:
+    row: Row = {f"decode b={b}": tandem_decode(loaded, b, args.decode_tokens) for b in args.batches}
+    row["prefill"] = tandem_prefill(loaded, args.prefill_length)
+    return row
+
+
 def hf_decode(model: torch.nn.Module, batch: int, new_tokens: int) -> float:
-    prompts = torch.tensor(_prompts(batch, 32))
+    prompts = torch.tensor(random_prompts(batch, 32))
     mask = torch.ones_like(prompts)
 
     def run(n: int) -> None:
@@ -94,22 +143,27 @@ def hf_decode(model: torch.nn.Module, batch: int, new_tokens: int) -> float:
 
 
 def hf_prefill(model: torch.nn.Module, length: int) -> float:
-    ids = torch.tensor(_prompts(1, length))
+    ids = torch.tensor(random_prompts(1, length))
     return length / _best(lambda: model(ids), repeats=3)
 
 
-def _without_native_kernels(source: ModelSource) -> LoadedModel:
-    """The float32 model on the paths ``TANDEM_CPU_KERNELS=0`` gives: torch attention, and weights
-    packed for the split ``bmm``."""
-    loaded = load_model(source, torch.float32, attention="torch")
-    os.environ["TANDEM_CPU_KERNELS"] = "0"
-    load_cpu_gemv.cache_clear()
-    try:
-        LLMEngine(loaded, EngineConfig(num_blocks=8))  # packs the weights with the plan of now
-    finally:
-        del os.environ["TANDEM_CPU_KERNELS"]
-        load_cpu_gemv.cache_clear()
-    return loaded
+def transformers_row(source: ModelSource, args: argparse.Namespace) -> Row:
+    from transformers import AutoModelForCausalLM
+
+    path = Path(source.path)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    row: Row = {f"decode b={b}": hf_decode(hf, b, args.decode_tokens) for b in args.batches}
+    row["prefill"] = hf_prefill(hf, args.prefill_length)
+    return row
+
+
+def llama_cpp_row(source: ModelSource, args: argparse.Namespace, threads: int) -> Row:
+    """Batch-1 decode and prefill; llama-cpp-python runs one sequence, so other batches are None."""
+    row: Row = {f"decode b={b}": None for b in args.batches}
+    if 1 in args.batches:
+        row["decode b=1"] = llama_cpp_decode(source.path, args.decode_tokens, threads)
+    row["prefill"] = llama_cpp_prefill(source.path, args.prefill_length, threads)
+    return row
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -122,61 +176,243 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+# --- kernel and instruction set control -----------------------------------------------------
+
+
+def _clear_kernel_caches() -> None:
+    """Forget the loaded kernels, so the next load reads ``TANDEM_CPU_*`` again."""
+    for loader in (load_cpu_gemv, load_cpu_qgemv, load_cpu_attention):
+        loader.cache_clear()
+
+
+@contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """Set ``name`` (and reload the kernels) for the block; restore the previous value after.
+
+    Hold it for a variant's whole measurement: the attention kernel loads at the first decode.
+    """
+    before = os.environ.get(name)
+    os.environ[name] = value
+    _clear_kernel_caches()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+        _clear_kernel_caches()
+
+
+def isa_variants(requested: list[str] | None) -> list[str]:
+    """Instruction sets to measure, best first: ``TANDEM_CPU_ISA`` alone when set, else the
+    supported sets (restricted to ``requested``)."""
+    if os.environ.get("TANDEM_CPU_ISA", "").strip():
+        try:
+            forced = selected_isa()
+        except NativeBuildError as exc:  # not a set, or one this CPU lacks
+            raise SystemExit(str(exc)) from exc
+        if requested and requested != [forced]:
+            print(f"TANDEM_CPU_ISA={forced} is set: ignoring --isa {' '.join(requested)}",
+                  file=sys.stderr)
+        return [forced]
+    supported = supported_isas()
+    if not requested:
+        return supported
+    missing = sorted(set(requested) - set(supported))
+    if missing:
+        raise SystemExit(f"--isa {' '.join(missing)}: this CPU supports only {', '.join(supported)}")
+    return [isa for isa in supported if isa in requested]
+
+
+def _kernel_isa(loaded: LoadedModel) -> str:
+    """The instruction set of the kernel the model's linear layers were packed for."""
+    for module in loaded.model.modules():
+        if isinstance(module, Linear) and module.kernel is not None:
+            return module.kernel.isa
+    return "no native kernel"
+
+
+def _without_native_kernels(source: ModelSource) -> LoadedModel:
+    """The float32 model on the paths ``TANDEM_CPU_KERNELS=0`` gives: torch attention, and weights
+    packed for the split ``bmm``."""
+    loaded = load_model(source, torch.float32, attention="torch")
+    with _environment("TANDEM_CPU_KERNELS", "0"):
+        LLMEngine(loaded, EngineConfig(num_blocks=8))  # packs the weights with the plan of now
+    return loaded
+
+
+def decode_weight_bytes(loaded: LoadedModel) -> int:
+    """Bytes of Linear-layer weights (the LM head included) one batch-1 decode step reads, as
+    packed for it: kernel tiles with their scales, the split layout, or the plain weight. The
+    embedding table is left out: a step reads one row of it."""
+    total = 0
+    for module in loaded.model.modules():
+        if not isinstance(module, Linear):
+            continue
+        if module.packed is not None and module.regimes.kernel_for(1):
+            tensors = [module.packed]
+        elif module.split is not None:
+            tensors = [module.split]
+        elif module.quant is not None:
+            total += module.quant.nbytes()
+            continue
+        else:
+            tensors = [module.weight]
+        total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def measure_tandem(
+    source: ModelSource, args: argparse.Namespace, isas: list[str]
+) -> tuple[dict[str, Row], dict[str, int]]:
+    """Every Tandem row, and decode weight bytes per token for ``auto`` and ``float32``."""
+    rows: dict[str, Row] = {}
+    weight_bytes: dict[str, int] = {}
+
+    def run(dtype: str, isa: str, label: Callable[[LoadedModel], str]) -> None:
+        with _environment("TANDEM_CPU_ISA", isa):
+            loaded = load_model(source, dtype)
+            row = tandem_row(loaded, args)
+            name = label(loaded)
+            rows[name] = row
+            weight_bytes.setdefault(dtype, decode_weight_bytes(loaded))
+        print(f"measured {name}", file=sys.stderr, flush=True)
+
+    for isa in isas:
+        run("auto", isa, lambda m: f"Tandem auto ({m.weight_format}, {_kernel_isa(m)})")
+    for isa in isas:
+        run("float32", isa, lambda m: f"Tandem float32 ({_kernel_isa(m)})")
+    run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({_kernel_isa(m)})")
+    with _environment("TANDEM_CPU_ISA", isas[0]):
+        rows[NO_KERNELS] = tandem_row(_without_native_kernels(source), args)
+        print(f"measured {NO_KERNELS}", file=sys.stderr, flush=True)
+        rows["Tandem bfloat16"] = tandem_row(load_model(source, torch.bfloat16), args)
+        print("measured Tandem bfloat16", file=sys.stderr, flush=True)
+    return rows, weight_bytes
+
+
+def header_lines(source: ModelSource, isas: list[str], auto_dtype: str) -> list[str]:
+    forced = os.environ.get("TANDEM_CPU_ISA", "").strip()
+    isa = selected_isa() + (" (forced by TANDEM_CPU_ISA)" if forced else "")
+    return [
+        f"CPU: {cpu_model_name()}",
+        f"instruction sets: supported {', '.join(supported_isas())}; selected {isa}; "
+        f"measured {', '.join(isas)}",
+        f"model: {source.name}; --dtype auto → {auto_dtype}",
+        f"threads: {torch.get_num_threads()}, torch {torch.__version__}",
+        "",
+    ]
+
+
+def cpu_model_name() -> str:
+    """``model name`` from /proc/cpuinfo, else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table_lines(rows: dict[str, Row], columns: list[str], args: argparse.Namespace) -> list[str]:
+    titles = [f"decode tok/s b={b}" for b in args.batches] + [f"prefill tok/s ({args.prefill_length})"]
+    lines = [_table_row("engine", titles), "|" + "---|" * (len(columns) + 1)]
+    for name, values in rows.items():
+        lines.append(_table_row(name, [_cell(values.get(c), "{:.1f}") for c in columns]))
+    return lines
+
+
+def ratio_lines(rows: dict[str, Row], columns: list[str], default: str, llama: str | None) -> list[str]:
+    """Table rows: the default configuration's speed over transformers' and llama.cpp's."""
+    lines = []
+    for label, name in (("transformers", TRANSFORMERS), ("llama.cpp", llama)):
+        base = rows.get(name) if name else None
+        if base:
+            ratios = [_ratio(rows[default].get(c), base.get(c)) for c in columns]
+            lines.append(_table_row(f"default (auto) vs {label}", [_cell(r, "{:.2f}x") for r in ratios]))
+    return lines
+
+
+def slower_than_no_kernels(rows: dict[str, Row], columns: list[str]) -> str:
+    """One line: every Tandem configuration and column slower than the no-native-kernels row."""
+    floor = rows[NO_KERNELS]
+    slower = [
+        f"{name} @ {c} ({values[c]:.1f} < {floor[c]:.1f})"
+        for name, values in rows.items()
+        if name.startswith("Tandem") and name != NO_KERNELS
+        for c in columns
+        if values.get(c) is not None and floor.get(c) is not None and values[c] < floor[c]
+    ]
+    verdict = "yes" if not slower else "NO — " + "; ".join(slower)
+    return f"\nNo Tandem configuration slower than no native kernels: {verdict}"
+
+
+def bandwidth_lines(weight_bytes: dict[str, int], auto_format: str) -> list[str]:
+    read_bw, copy_bw = memory_bandwidth_gbs()
+    lines = [f"\nMemory bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s"]
+    lines.append("Weights read per decoded token (Linear layers incl. LM head as packed for "
+                 "batch-1 decode, quantization scales included; embedding table excluded):")
+    for dtype, label in (("float32", "float32"), ("auto", f"auto ({auto_format})")):
+        if dtype in weight_bytes:
+            nbytes = weight_bytes[dtype]
+            lines.append(f"  {label}: {nbytes / 1e6:.1f} MB → batch-1 decode bound "
+                         f"≈ {read_bw * 1e9 / nbytes:.0f} tok/s")
+    return lines
+
+
+def _table_row(name: str, cells: list[str]) -> str:
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def _ratio(ours: float | None, base: float | None) -> float | None:
+    return ours / base if ours and base else None
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "—" if value is None else fmt.format(value)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prefill-length", type=int, default=512)
+    parser.add_argument("--isa", choices=ISAS, nargs="+", action="extend",
+                        help="instruction set variants to measure (default: all the CPU supports)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(os.cpu_count() or 1)
+    threads = torch.get_num_threads()
     source = resolve_model(args.model)
+    isas = isa_variants(args.isa)
+    auto_dtype = resolve_dtype("auto", source)
+    sys.stdout.write("\n".join(header_lines(source, isas, auto_dtype)) + "\n")
+    sys.stdout.flush()
 
-    rows: dict[str, dict[str, float]] = {}
-    f32 = load_model(source, torch.float32)
-    weight_bytes = sum(p.numel() * p.element_size() for p in f32.model.parameters())
-    variants: list[tuple[str, Callable[[], LoadedModel]]] = [
-        ("Tandem float32", lambda: f32),
-        ("Tandem float32, no native kernels", lambda: _without_native_kernels(source)),
-        ("Tandem bfloat16", lambda: load_model(source, torch.bfloat16)),
-    ]
-    for name, make in variants:
-        loaded = make()
-        rows[name] = {f"decode b={b}": tandem_decode(loaded, b, args.decode_tokens) for b in args.batches}
-        rows[name]["prefill"] = tandem_prefill(loaded, args.prefill_length)
-        print(f"measured {name}", file=sys.stderr, flush=True)
-        del loaded
+    rows, weight_bytes = measure_tandem(source, args, isas)
+    default = next(iter(rows))  # "Tandem auto (...)" at the selected instruction set
     if not args.skip_transformers and source.kind == "gguf":
-        from transformers import AutoModelForCausalLM
-
-        path = Path(source.path)
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        rows["transformers float32"] = {f"decode b={b}": hf_decode(hf, b, args.decode_tokens) for b in args.batches}
-        rows["transformers float32"]["prefill"] = hf_prefill(hf, args.prefill_length)
-    read_bw, copy_bw = memory_bandwidth_gbs()
+        rows[TRANSFORMERS] = transformers_row(source, args)
+        print(f"measured {TRANSFORMERS}", file=sys.stderr, flush=True)
+    llama = None
+    if not args.skip_llama_cpp and source.kind == "gguf" and llama_cpp_available():
+        llama = f"llama.cpp ({llama_cpp_quant_type(source.path)}, {threads} threads)"
+        rows[llama] = llama_cpp_row(source, args, threads)
+        print(f"measured {llama}", file=sys.stderr, flush=True)
 
     columns = [f"decode b={b}" for b in args.batches] + ["prefill"]
-    header = "| engine | " + " | ".join(
-        [f"decode tok/s b={b}" for b in args.batches] + [f"prefill tok/s ({args.prefill_length})"]
-    ) + " |"
-    lines = [header, "|" + "---|" * (len(columns) + 1)]
-    for name, values in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{values[c]:.1f}" for c in columns) + " |")
-    base = rows.get("transformers float32")
-    if base:
-        ours = rows["Tandem float32"]
-        lines.append("| speed-up f32 vs transformers | " + " | ".join(
-            f"{ours[c] / base[c]:.2f}x" for c in columns) + " |")
-        b1 = base.get("decode b=1")
-        if b1 and "decode b=32" in ours:
-            lines.append(f"\nTandem f32 batch-32 aggregate / transformers batch-1: {ours['decode b=32'] / b1:.1f}x")
-    lines.append(
-        f"\nMemory bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s; float32 weights "
-        f"{weight_bytes / 1e6:.0f} MB → batch-1 decode bound ≈ {read_bw * 1e9 / weight_bytes:.0f} tok/s"
-    )
-    lines.append(f"threads: {torch.get_num_threads()}, torch {torch.__version__}, model {source.name}")
+    lines = table_lines(rows, columns, args)
+    lines += ratio_lines(rows, columns, default, llama)
+    lines.append(slower_than_no_kernels(rows, columns))
+    lines += bandwidth_lines(weight_bytes, auto_dtype)
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--decode-port", type=int, default=ports.DECODE_GRPC_PORT_BASE,
         help="gRPC port of decode worker 0; worker i gets this + i")
     add("--decode-metrics-port", type=int, default=ports.DECODE_METRICS_PORT_BASE)
-    add("--dtype", default=None, help="worker dtype, e.g. float32 | bfloat16 (workers' default)")
+    add("--dtype", default=None,
+        help="worker weight dtype: auto | float32 | bfloat16 | float16 | q8_0 | q4 (default auto)")
     add("--kv-cache-gib", type=float, default=None, help="KV cache size of each worker")
     add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
     add("--worker-args", default="", metavar="ARGS",

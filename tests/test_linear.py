@@ -22,7 +22,7 @@ def test_split_bmm_equals_reference(rows: int, splits: int, bias: bool) -> None:
     x = torch.randn(rows, 24)
     expected = layer(x)
     layer.pack(PackPlan(splits=splits))
-    assert layer.packed is not None and layer.packed.shape == (splits, 24, -(-37 // splits))
+    assert layer.split is not None and layer.split.shape == (splits, 24, -(-37 // splits))
     assert torch.allclose(layer(x), expected, atol=1e-6)
 
 

@@ -15,6 +15,7 @@ import sys
 
 from services.common.model_source import resolve_model
 from services.common.sampling_params import SamplingParams
+from services.engine.worker_options import DTYPE_CHOICES
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="auto (default) | float32 | bfloat16 | float16 | q8_0 | q4")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     parser.set_defaults(inputs=[])
 

@@ -14,8 +14,9 @@ lays the weight out once, after loading:
 Which path runs is decided per row count: :class:`~services.engine.kernels.autotune.KernelRegimes`
 (measured at load by :func:`pack_linears`) says, for decode of 1, 8, 32 rows and a prefill chunk,
 whether the kernel or the PyTorch path was faster on this machine. The PyTorch path of a packed
-layer is the split ``bmm`` for float32 and dequantize-then-``F.linear`` for quantized weights (the
-dequantization reads the kernel's tiles back, so there is no second copy of the weight).
+layer is the split ``bmm`` for float32, and for quantized weights PyTorch's GEMM over a transient
+float32 copy that the C kernel dequantizes per call (llama.cpp hands large batches to BLAS the
+same way), so there is never a second resident copy of the weight.
 
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
@@ -149,6 +150,9 @@ class Linear(nn.Linear):
             return split_matmul(x, self.split, self.out_features, self.bias)
         if self.weight.numel():
             return F.linear(x, self.weight, self.bias)
+        if isinstance(self.kernel, CpuQGemv) and self.packed is not None and x.dim() == 2:
+            wt = self.kernel.dequantize_t(self.packed, self._packed_format, self.out_features)
+            return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
         return F.linear(x, self.dequantized_weight(), self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -3,7 +3,9 @@ pool, and samples the sequences that reached their end.
 
 The scheduler decides *what* runs; this file decides *how*: token ids and positions for every
 scheduled slice, one :class:`AttentionMetadata` shared by all layers, logits only for the last
-token of each sampled sequence.
+token of each sampled sequence. On CPU it first lays the weights out for the native kernels and
+has each kernel prove itself against PyTorch on this model's shapes (``linear.pack_linears``,
+``CpuPagedAttention.tune``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.attention import AttentionMetadata
+from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.kv_cache import KVPool
 from services.engine.linear import pack_linears, pack_plan
 from services.engine.loaders import LoadedModel
@@ -32,6 +35,12 @@ class ModelRunner:
         plan = pack_plan(self.device, loaded.dtype)
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
+            backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+            if isinstance(backend, CpuPagedAttention) and plan.autotune:
+                backend.tune(
+                    self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
+                    self.block_size,
+                )  # fmt: skip
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:

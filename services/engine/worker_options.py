@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from services.engine.engine import EngineConfig
 
 GIB = 1 << 30
+# the names services.engine.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +28,9 @@ class WorkerOptions:
 
     Attributes:
         model: ``default``, a GGUF file, a Hugging Face folder or ``dummy:<shape>``.
-        dtype: ``float32`` or ``bfloat16``.
+        dtype: weight dtype: ``auto`` (the fastest the device supports: a GGUF's own quantized
+            format on CPU), ``float32``, ``bfloat16``, ``float16``, ``q8_0``, ``q4`` (see
+            ``services.engine.loaders``).
         device: ``cpu``, ``cuda``, ``cuda:N``; ``auto`` picks CUDA when available.
         host / port: where the gRPC server binds (port 0 picks a free one).
         metrics_port: Prometheus endpoint port; None serves no endpoint (tests).
@@ -37,7 +41,7 @@ class WorkerOptions:
     """
 
     model: str = "default"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     host: str = "0.0.0.0"
     port: int = 0
@@ -75,8 +79,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
     parser.add_argument("--model", default=env("TANDEM_MODEL", "default"),
                         help="default | PATH to a .gguf file or HF folder | dummy:<shape> "
                              "(env TANDEM_MODEL)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
-                        default=env("TANDEM_DTYPE", "float32"))
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=env("TANDEM_DTYPE", "auto"),
+                        help="auto (default: a GGUF's own quantized format on CPU, bfloat16 on "
+                             "CUDA) | float32 | bfloat16 | float16 | q8_0 | q4 (env TANDEM_DTYPE)")
     parser.add_argument("--device", default=env("TANDEM_DEVICE", "auto"),
                         help="cpu | cuda | cuda:N | auto (default)")
     parser.add_argument("--host", default="0.0.0.0", help="gRPC bind host (default 0.0.0.0)")

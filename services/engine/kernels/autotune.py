@@ -12,17 +12,22 @@ meets a model's layer shapes, :func:`choose_regimes`:
 4. caches the decision as JSON next to the kernel build (keyed by the build, the format, the
    shapes, the thread count and the torch version), so later starts reuse it, and logs it once
    in one line: format, instruction set, measured speed ratio per regime.
+
+Workers that start together (``tandem up``) would time each other's load; a lock file beside the
+cache makes them measure one at a time, and the later ones find the decision already cached.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +59,7 @@ class KernelRegimes:
 
     def describe(self) -> str:
         ratios = ", ".join(
-            f"{rows} row{'s' if rows > 1 else ''} {ratio:.2f}x"
+            f"{rows} row{'s' if rows > 1 else ''} {ratio:.2f}x"  # rows: batch size for attention
             for rows, ratio in zip(self.rows, self.speedup, strict=True)
         )
         torch_rows = [str(r) for r, k in zip(self.rows, self.use_kernel, strict=True) if not k]
@@ -67,7 +72,7 @@ def choose_regimes(
     *,
     isa: str,
     build: str,
-    shapes: Sequence[tuple[int, int]],
+    shapes: Sequence[tuple[int, ...]],
     run_kernel: Callable[[int], object],
     run_torch: Callable[[int], object],
     rows: Sequence[int] = REGIME_ROWS,
@@ -76,10 +81,37 @@ def choose_regimes(
     cached decision for this build, format and set of shapes) and return the per-regime choice."""
     key = _cache_key(fmt, build, shapes, rows)
     path = cache_dir() / f"autotune-{key}.json"
-    cached = _read(path)
-    if cached is not None:
-        logger.info("CPU %s matmul [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
-        return cached
+    with _measuring_lock():
+        cached = _read(path)
+        if cached is not None:
+            logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
+            return cached
+        regimes = _measure(rows, run_kernel, run_torch)
+        _write(path, regimes)
+    logger.info("CPU %s kernel [%s, %s]: %s (measured)", fmt, isa, build, regimes.describe())
+    return regimes
+
+
+@contextlib.contextmanager
+def _measuring_lock() -> Iterator[None]:
+    """One measuring process per machine at a time (a no-op when the cache is not writable)."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        handle = open(cache_dir() / "autotune.lock", "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _measure(
+    rows: Sequence[int], run_kernel: Callable[[int], object], run_torch: Callable[[int], object]
+) -> KernelRegimes:
     kernel_s, torch_s = [], []
     for n in rows:
         run_kernel(n), run_torch(n)  # warm-up: allocators, first-touch, caches
@@ -89,14 +121,11 @@ def choose_regimes(
             best_torch = min(best_torch, _timed(run_torch, n))
         kernel_s.append(best_kernel)
         torch_s.append(best_torch)
-    regimes = KernelRegimes(
+    return KernelRegimes(
         rows=tuple(rows),
         use_kernel=tuple(k <= t for k, t in zip(kernel_s, torch_s, strict=True)),
         speedup=tuple(t / k for k, t in zip(kernel_s, torch_s, strict=True)),
     )
-    _write(path, regimes)
-    logger.info("CPU %s matmul [%s, %s]: %s (measured)", fmt, isa, build, regimes.describe())
-    return regimes
 
 
 def _timed(fn: Callable[[int], object], rows: int) -> float:
@@ -106,7 +135,7 @@ def _timed(fn: Callable[[int], object], rows: int) -> float:
 
 
 def _cache_key(
-    fmt: str, build: str, shapes: Sequence[tuple[int, int]], rows: Sequence[int]
+    fmt: str, build: str, shapes: Sequence[tuple[int, ...]], rows: Sequence[int]
 ) -> str:
     parts = [fmt, build, repr(sorted(shapes)), repr(list(rows)), str(torch.get_num_threads()),
              torch.__version__]  # fmt: skip

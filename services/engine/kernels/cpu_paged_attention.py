@@ -3,8 +3,14 @@
 :class:`CpuPagedAttention` is the :class:`~services.engine.attention.PagedAttention` backend that
 ``auto`` picks on CPU: float32 decode steps go through the C kernel, which reads K/V in place
 from the paged pool (no gathered copy, no padding mask); prefill steps, caches in other dtypes,
-and machines where the kernel can't be built use the torch reference it inherits. :func:`load_cpu_attention` builds the kernel once
-per process or returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
+and machines where the kernel can't be built use the torch reference it inherits.
+:func:`load_cpu_attention` builds the kernel once per process (for the selected instruction set)
+or returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
+
+Like the matmul kernels it proves itself: :meth:`CpuPagedAttention.tune` (called by the model
+runner once the model is loaded) times it against the torch reference on the model's head shape
+at batch 1, 8 and 32 over a 256-token context (:mod:`services.engine.kernels.autotune`, cached),
+and a batch size where the reference was faster runs the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 import torch
 
 from services.engine.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.kernels.native_build import (
     NativeBuildError,
     kernels_enabled,
@@ -36,7 +43,9 @@ def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-define
     if not kernels_enabled():
         return None
     try:
-        fn = load_library(SOURCE, selected_isa()).tandem_paged_decode_attention
+        library = load_library(SOURCE, selected_isa())
+        fn = library.tandem_paged_decode_attention
+        fn._tandem_build = library._name  # the cached build's path, for the autotune cache key
     except NativeBuildError as exc:
         logger.warning("CPU decode-attention kernel unavailable, using the torch path: %s", exc)
         return None
@@ -88,6 +97,53 @@ class CpuPagedAttention(TorchPagedAttention):
     """Float32 decode steps through the C kernel (built at the first one); the rest, and
     everything when the kernel can't be built here, through the torch reference."""
 
+    regimes: KernelRegimes = KernelRegimes()
+    TUNE_BATCHES = (1, 8, 32)
+    TUNE_CONTEXT = 256
+
+    def tune(self, heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+        """Time the kernel against the torch reference for this head shape (once per build)."""
+        fn = load_cpu_attention()
+        if fn is None:
+            return
+        context, batches = self.TUNE_CONTEXT, self.TUNE_BATCHES
+        per_seq = -(-context // block_size)
+        blocks = per_seq * max(batches) + 1
+        gen = torch.Generator().manual_seed(0)
+        k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
+        v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
+        metas = {}
+        for batch in batches:
+            tables = [[1 + b * per_seq + i for i in range(per_seq)] for b in range(batch)]
+            metas[batch] = AttentionMetadata.build(
+                is_prefill=False, query_lens=[1] * batch, context_lens=[context] * batch,
+                block_tables=tables, block_size=block_size,
+            )  # fmt: skip
+        queries = {b: torch.randn(b, heads, head_dim, generator=gen) for b in batches}
+        scale = head_dim**-0.5
+
+        def runner(kernel: bool):  # type: ignore[no-untyped-def]
+            def run(batch: int) -> None:
+                meta, q = metas[batch], queries[batch]
+                if kernel:
+                    cpu_paged_decode_attention(
+                        q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
+                    )
+                else:
+                    TorchPagedAttention.decode(self, q, k_cache, v_cache, meta, scale)
+
+            return run
+
+        self.regimes = choose_regimes(
+            "decode-attention",
+            isa=selected_isa(),
+            build=Path(str(getattr(fn, "_tandem_build", "?"))).name,
+            shapes=[(heads, kv_heads, head_dim, block_size, context)],
+            run_kernel=runner(True),
+            run_torch=runner(False),
+            rows=batches,
+        )
+
     def decode(
         self,
         q: torch.Tensor,
@@ -96,7 +152,12 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or load_cpu_attention() is None:
+        if (
+            q.dtype != torch.float32
+            or k_cache.dtype != torch.float32
+            or not self.regimes.kernel_for(q.shape[0])
+            or load_cpu_attention() is None
+        ):
             return super().decode(q, k_cache, v_cache, meta, scale)
         return cpu_paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale

@@ -111,14 +111,38 @@ static void dequant_tile(int format, const uint8_t *w, int64_t in, float *out) {
         }
 }
 
-int tandem_qgemv_tile(void) { return TILE; }
-
-const char *tandem_qgemv_isa(void) { return TANDEM_ISA; }
-
 /* Bytes of one (tile, group) block, or -1 for an unknown format. */
 int64_t tandem_qgemv_block_bytes(int format) {
     return format == FORMAT_Q4 ? Q4_BLOCK : format == FORMAT_Q8_0 ? Q8_BLOCK : -1;
 }
+
+/* The whole weight transposed to float32 wt [in, out] (row stride out), for a BLAS GEMM over many
+ * rows: llama.cpp, too, hands prefill-sized batches to BLAS after dequantizing. Returns 0, or -1
+ * for an unknown format. */
+int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, float *wt,
+                      int threads) {
+    const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
+    if (block < 0 || in % GROUP) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n_tiles; t++) {
+        const uint8_t *wt_tile = w + t * (in / GROUP) * block;
+        const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
+        for (int64_t g = 0; g < in / GROUP; g++)
+            for (int j = 0; j < GROUP; j++) {
+                vec wv[VECS];
+                if (format == FORMAT_Q4)
+                    dequant_q4(wt_tile + g * block, j, wv);
+                else
+                    dequant_q8(wt_tile + g * block, j, wv);
+                store_cols(wt + (g * GROUP + j) * out + t * TILE, wv, cols);
+            }
+    }
+    return 0;
+}
+
+int tandem_qgemv_tile(void) { return TILE; }
+
+const char *tandem_qgemv_isa(void) { return TANDEM_ISA; }
 
 /* x [rows, in] float32 (row stride ldx), w [n_tiles, in / 32, block] as above, bias
  * [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32. Returns 0, or -1 for an

@@ -4,8 +4,9 @@ A :class:`~services.engine.quant.quantized_weight.QuantizedWeight` (``q8_0`` or 
 32 inputs) is re-laid once, after loading, into the kernel's tiles: ``[n_tiles, in / 32, block]``
 bytes, one contiguous block per (tile of ``TILE`` output features, group) holding that group's
 float32 scales (and offsets) followed by its 8- or 4-bit values. Nothing is expanded to float32
-in memory; the kernel does that in registers. :meth:`CpuQGemv.untile` turns tiles back into the
-canonical form, so the PyTorch reference path (dequantize, then ``F.linear``) needs no second copy.
+in memory; the kernel does that in registers. For many rows (prefill) :meth:`CpuQGemv.dequantize_t`
+expands one weight into a transient float32 buffer for PyTorch's GEMM, as llama.cpp hands large
+batches to BLAS; :meth:`CpuQGemv.untile` turns tiles back into the canonical form.
 
 :func:`load_cpu_qgemv` builds the kernel once per process for the selected instruction set, or
 returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
@@ -49,6 +50,12 @@ class CpuQGemv:
         block_bytes.restype = ctypes.c_int64
         block_bytes.argtypes = [ctypes.c_int]
         self.block_bytes = {fmt: int(block_bytes(code)) for fmt, code in FORMAT_CODES.items()}
+        self._dequant_t = library.tandem_qdequant_t
+        self._dequant_t.restype = ctypes.c_int
+        self._dequant_t.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int,
+        ]  # fmt: skip
         isa = library.tandem_qgemv_isa
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
@@ -109,6 +116,20 @@ class CpuQGemv:
         q = packed[..., 4 * tile :].contiguous().view(torch.int8)
         q = q.reshape(tiles, groups, GROUP, tile).transpose(2, 3)
         return QuantizedWeight(fmt, unlay(q), scales, None)
+
+    def dequantize_t(self, packed: torch.Tensor, fmt: str, out_features: int) -> torch.Tensor:
+        """The float32 weight transposed, ``[in, out]``, dequantized by the C kernel (a transient
+        buffer for one ``torch.mm`` over many rows; never kept)."""
+        tiles, groups, block = packed.shape
+        if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
+            raise ValueError(f"{fmt} tiles {tuple(packed.shape)} do not hold {out_features} outputs")
+        in_features = groups * GROUP
+        wt = torch.empty(in_features, out_features, dtype=torch.float32)
+        self._dequant_t(
+            FORMAT_CODES[fmt], packed.data_ptr(), in_features, out_features, wt.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return wt
 
     def tile_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """The bias padded to a whole number of tiles (the kernel loads whole tiles)."""

@@ -23,15 +23,18 @@
 #if defined(__AVX512F__)
 #define TANDEM_ISA "avx512"
 #define LANES 16
-#define ROW_BLOCK 8
+#define DEFAULT_ROW_BLOCK 8
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_ISA "avx2"
 #define LANES 8
-#define ROW_BLOCK 4
+#define DEFAULT_ROW_BLOCK 4
 #else
 #define TANDEM_ISA "generic"
 #define LANES 4
-#define ROW_BLOCK 4
+#define DEFAULT_ROW_BLOCK 4
+#endif
+#ifndef ROW_BLOCK
+#define ROW_BLOCK DEFAULT_ROW_BLOCK
 #endif
 
 #define VECS 2

@@ -57,14 +57,19 @@ DEFINE_TILE_ROWS(2)
 DEFINE_TILE_ROWS(4)
 #if ROW_BLOCK == 8
 DEFINE_TILE_ROWS(8)
+#define TILE_ROWS_WIDE tile_rows_8
+#elif ROW_BLOCK == 6
+DEFINE_TILE_ROWS(6)
+#define TILE_ROWS_WIDE tile_rows_6
 #endif
 
 /* All rows of x over one tile, in row blocks of ROW_BLOCK, 4, 2 and 1. */
 static void tile_all_rows(const float *x, int64_t ldx, const float *w, int64_t in,
                           const float *bias, float *y, int64_t ldy, int64_t cols, int64_t rows) {
     int64_t r = 0;
-#if ROW_BLOCK == 8
-    for (; r + 8 <= rows; r += 8) tile_rows_8(x + r * ldx, ldx, w, in, bias, y + r * ldy, ldy, cols);
+#if ROW_BLOCK > 4
+    for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK)
+        TILE_ROWS_WIDE(x + r * ldx, ldx, w, in, bias, y + r * ldy, ldy, cols);
 #endif
     for (; r + 4 <= rows; r += 4) tile_rows_4(x + r * ldx, ldx, w, in, bias, y + r * ldy, ldy, cols);
     for (; r + 2 <= rows; r += 2) tile_rows_2(x + r * ldx, ldx, w, in, bias, y + r * ldy, ldy, cols);

@@ -1,0 +1,227 @@
+"""A native kernel has to prove itself: measured against PyTorch on the layers' own shapes, per row
+regime, with the decision cached. A deliberately slow kernel is never used; the real 4-bit kernel
+wins single-row decode against dequantize-then-``F.linear``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.kernels import cpu_gemv, cpu_qgemv
+from services.engine.kernels.autotune import REGIME_ROWS, KernelRegimes, choose_regimes
+from services.engine.kernels.cpu_gemv import CpuGemv
+from services.engine.kernels.cpu_qgemv import CpuQGemv
+from services.engine.kernels.native_build import cache_dir, load_library
+from services.engine.linear import Linear, PackPlan, pack_linears
+from services.engine.quant.quantized_weight import QuantizedWeight, quantize_q8_0
+from tests.conftest import native_kernel_or_skip
+
+SLEEP_S = 0.003
+
+
+class SlowGemv(CpuGemv):
+    """The real float32 kernel, a few milliseconds late: PyTorch must win every regime."""
+
+    calls = 0
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        time.sleep(SLEEP_S)
+        return super().__call__(*args, **kwargs)
+
+
+class SlowQGemv(CpuQGemv):
+    """The real quantized kernel, a few milliseconds late."""
+
+    calls = 0
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        time.sleep(SLEEP_S)
+        return super().__call__(*args, **kwargs)
+
+
+@pytest.fixture
+def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh autotune cache; kernels built before this fixture keep the shared build cache."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    return cache_dir()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Time on one thread: on a machine busy with other work, every parallel region of two
+    threads waits a scheduler tick (~4 ms) for its second thread, which drowns what is measured."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _model(bias_first: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Linear(64, 96, bias=bias_first), Linear(96, 64), Linear(64, 160))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
+@pytest.mark.usefixtures("one_thread")
+def test_slow_kernel_loses_every_regime_and_is_never_called(
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native_kernel_or_skip()
+    model = _model()
+    if fmt == "float32":
+        slow: SlowGemv | SlowQGemv = SlowGemv(load_library(cpu_gemv.SOURCE))
+        plan = PackPlan(kernel=slow, splits=2, autotune=True)
+        weights = [layer.weight.detach().clone() for layer in model]
+    else:
+        slow = SlowQGemv(load_library(cpu_qgemv.SOURCE))
+        plan = PackPlan(qkernel=slow, splits=2, autotune=True)
+        weights = []
+        for layer in model:
+            quant = quantize_q8_0(layer.weight.detach())
+            layer.set_quantized(quant)
+            weights.append(quant.dequantize())
+    slow.build = f"slow-{slow.build}"  # its own autotune cache key
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    biases = [None if layer.bias is None else layer.bias.detach().clone() for layer in model]
+
+    assert pack_linears(model, plan, free_dense=True) == 3
+    assert slow.calls > 0  # it was measured
+    for layer in model:
+        assert layer.weight_format == fmt and layer.packed is not None
+        assert layer.regimes.any_torch() and not any(layer.regimes.use_kernel)
+        assert all(not layer.regimes.kernel_for(n) for n in (1, 5, 8, 20, 32, 100, 256, 1000))
+        assert all(ratio < 1 for ratio in layer.regimes.speedup)
+
+    slow.calls = 0
+    with torch.inference_mode():
+        for rows in (1, 5, 40, 300):
+            x = torch.randn(rows, 64)
+            got = model(x)
+            expected = x
+            for weight, bias in zip(weights, biases, strict=True):
+                expected = F.linear(expected, weight, bias)
+            # the split bmm, or dequantize (from the kernel's tiles) then F.linear: the same
+            # products, perhaps summed in another order (BLAS picks by the weight's alignment)
+            assert torch.allclose(got, expected, atol=1e-5), (rows, (got - expected).abs().max())
+    assert slow.calls == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_real_q4_kernel_wins_single_row_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_kernel_or_skip()
+    qkernel = cpu_qgemv.load_cpu_qgemv()  # built (or found) in the shared cache
+    assert qkernel is not None
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # a fresh measurement
+    gen = torch.Generator().manual_seed(1)
+    layer = Linear(576, 1024)
+    qs = torch.randint(0, 256, (1024, 576 // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(1024, 576 // 32, generator=gen) * 0.01).half().float()
+    quant = QuantizedWeight("q4", qs, scales, (-8 * scales).half().float())
+    layer.set_quantized(quant)
+    pack_linears(nn.Sequential(layer), PackPlan(qkernel=qkernel, autotune=True), free_dense=True)
+    assert layer.packed is not None and layer.packed.dtype == torch.uint8
+    assert layer.regimes.kernel_for(1), layer.regimes.describe()
+    assert layer.regimes.speedup[0] > 1
+    assert list(cache_dir().glob("autotune-*.json"))
+    x = torch.randn(1, 576)
+    expected = F.linear(x, quant.dequantize())
+    assert torch.allclose(layer(x), expected, atol=1e-4)
+
+
+def _runners(kernel_slow_from: int) -> tuple[list[int], list[int], object, object]:
+    """Fake paths: the kernel sleeps from ``kernel_slow_from`` rows on, PyTorch below it."""
+    kernel_calls: list[int] = []
+    torch_calls: list[int] = []
+
+    def run_kernel(rows: int) -> None:
+        kernel_calls.append(rows)
+        if rows >= kernel_slow_from:
+            time.sleep(0.002)
+
+    def run_torch(rows: int) -> None:
+        torch_calls.append(rows)
+        if rows < kernel_slow_from:
+            time.sleep(0.002)
+
+    return kernel_calls, torch_calls, run_kernel, run_torch
+
+
+def test_decision_per_regime_is_cached(tmp_cache: Path) -> None:
+    kernel_calls, torch_calls, run_kernel, run_torch = _runners(kernel_slow_from=32)
+    shapes = [(96, 64), (64, 96)]
+    first = choose_regimes(
+        "q4", isa="avx2", build="fake.so", shapes=shapes, run_kernel=run_kernel, run_torch=run_torch
+    )
+    assert first.rows == REGIME_ROWS and first.use_kernel == (True, True, False, False)
+    assert [first.kernel_for(n) for n in (1, 2, 8, 9, 32, 33, 256, 4096)] == [
+        True, True, True, False, False, False, False, False
+    ]  # fmt: skip
+    assert sorted(set(kernel_calls)) == sorted(set(torch_calls)) == list(REGIME_ROWS)
+    assert len(kernel_calls) == len(torch_calls) == 4 * len(REGIME_ROWS)  # warm-up + 3 repeats
+
+    files = list(tmp_cache.glob("autotune-*.json"))
+    assert len(files) == 1
+    data = json.loads(files[0].read_text())
+    assert data["use_kernel"] == [True, True, False, False] and len(data["speedup"]) == 4
+
+    kernel_calls.clear(), torch_calls.clear()
+    again = choose_regimes(  # same key, shapes in another order: read from the cache
+        "q4", isa="avx2", build="fake.so", shapes=shapes[::-1], run_kernel=run_kernel,
+        run_torch=run_torch,
+    )
+    assert again == first and kernel_calls == [] and torch_calls == []
+
+    for other in ({"fmt": "q8_0", "build": "fake.so"}, {"fmt": "q4", "build": "other.so"}):
+        choose_regimes(
+            other["fmt"], isa="avx2", build=other["build"], shapes=shapes, run_kernel=run_kernel,
+            run_torch=run_torch,
+        )
+    assert len(kernel_calls) == 2 * 4 * len(REGIME_ROWS)  # a new format or build is measured
+    assert len(list(tmp_cache.glob("autotune-*.json"))) == 3
+
+
+def test_unreadable_or_unwritable_cache_remeasures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    kernel_calls, _, run_kernel, run_torch = _runners(kernel_slow_from=8)
+    rows = (1, 8)
+    args = {"isa": "generic", "build": "fake.so", "shapes": [(8, 8)], "run_kernel": run_kernel,
+            "run_torch": run_torch, "rows": rows}  # fmt: skip
+    first = choose_regimes("q8_0", **args)  # type: ignore[arg-type]
+    assert first.use_kernel == (True, False)
+    (cached,) = cache_dir().glob("autotune-*.json")
+    cached.write_text("{not json")
+    kernel_calls.clear()
+    assert choose_regimes("q8_0", **args).use_kernel == first.use_kernel  # type: ignore[arg-type]
+    assert len(kernel_calls) == 4 * len(rows)
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocker))  # cache_dir() is under a file
+    kernel_calls.clear()
+    assert choose_regimes("q8_0", **args).use_kernel == first.use_kernel  # type: ignore[arg-type]
+    assert len(kernel_calls) == 4 * len(rows)
+
+
+def test_kernel_for_maps_row_counts_to_regimes() -> None:
+    regimes = KernelRegimes(use_kernel=(True, False, True, False), speedup=(3.0, 0.5, 1.5, 0.9))
+    expected = {1: True, 2: False, 5: False, 8: False, 9: True, 20: True, 32: True, 33: False,
+                256: False, 257: False, 10_000: False}  # fmt: skip
+    assert {n: regimes.kernel_for(n) for n in expected} == expected
+    assert regimes.any_torch()
+    assert regimes.describe() == (
+        "kernel/PyTorch speed 1 row 3.00x, 8 rows 0.50x, 32 rows 1.50x, 256 rows 0.90x "
+        "-> PyTorch for 8, 256 rows"
+    )
+    always = KernelRegimes()
+    assert not always.any_torch() and all(always.kernel_for(n) for n in (1, 8, 32, 256, 999))

@@ -1,0 +1,234 @@
+"""Every instruction-set build of the CPU kernels (avx512, avx2, generic) on this machine.
+
+Per build: the float32 kernel equals a float64 reference; the q8_0 and q4 kernels give the same
+bits as that build's float32 kernel on the dequantized weight (both the few-rows register path and
+the scratch-tile path); a row's result does not depend on its batch mates; tiling round-trips; the
+decode-attention kernel equals the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
+is a clear build error and the loaders fall back to PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+
+import pytest
+import torch
+
+from services.engine.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.kernels import cpu_gemv, cpu_paged_attention, cpu_qgemv
+from services.engine.kernels import native_build
+from services.engine.kernels.cpu_gemv import CpuGemv
+from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
+from services.engine.kernels.cpu_qgemv import CpuQGemv
+from services.engine.kernels.native_build import (
+    ISAS,
+    NativeBuildError,
+    build_library,
+    load_library,
+    selected_isa,
+    supported_isas,
+)
+from services.engine.quant.quantized_weight import QuantizedWeight, quantize_q8_0
+from tests.conftest import native_kernel_or_skip
+
+ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; > ROW_BLOCK takes the scratch tile
+OUT, IN = 70, 288  # 70 outputs: a partial last tile for every width; 288 inputs: a partial K block
+
+
+@functools.cache
+def _kernels(isa: str) -> tuple[CpuGemv, CpuQGemv]:
+    return CpuGemv(load_library(cpu_gemv.SOURCE, isa)), CpuQGemv(load_library(cpu_qgemv.SOURCE, isa))
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> str:
+    native_kernel_or_skip()
+    if request.param not in supported_isas():
+        pytest.skip(f"this CPU lacks {request.param}")
+    return str(request.param)
+
+
+def _q8_weight(seed: int) -> QuantizedWeight:
+    torch.manual_seed(seed)
+    return quantize_q8_0(torch.randn(OUT, IN) * 0.1)
+
+
+def _q4_weight(seed: int) -> QuantizedWeight:
+    """Random nibbles with float16-representable scales and offsets, as a GGUF holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    qs = torch.randint(0, 256, (OUT, IN // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(OUT, IN // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    mins = (-torch.rand(OUT, IN // 32, generator=gen) * 0.15).half().float()
+    return QuantizedWeight("q4", qs, scales, mins)
+
+
+def _weights() -> dict[str, QuantizedWeight]:
+    return {"q8_0": _q8_weight(1), "q4": _q4_weight(2)}
+
+
+def test_kernels_report_their_isa(isa: str) -> None:
+    gemv, qgemv = _kernels(isa)
+    assert gemv.isa == isa and qgemv.isa == isa
+    assert gemv.tile == qgemv.tile == {"avx512": 32, "avx2": 16, "generic": 8}[isa]
+    assert f"-{isa}-" in gemv.build and f"-{isa}-" in qgemv.build
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_kernel_equals_float64_reference(isa: str, bias: bool) -> None:
+    gemv, _ = _kernels(isa)
+    torch.manual_seed(3)
+    weight, b = torch.randn(OUT, IN) * 0.1, torch.randn(OUT)
+    tiled = gemv.tile_weight(weight)
+    for rows in ROWS:
+        x = torch.randn(rows, IN)
+        expected = x.double() @ weight.double().T + (b.double() if bias else 0)
+        got = gemv(x, tiled, gemv.tile_bias(b) if bias else None, OUT)
+        assert got.shape == (rows, OUT)
+        assert torch.allclose(got.double(), expected, atol=2e-5), (rows, (got - expected).abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+def test_quantized_kernel_equals_float32_kernel_bit_for_bit(isa: str, fmt: str) -> None:
+    """Same multiply-add chain as the float32 kernel on the dequantized weight: same bits."""
+    gemv, qgemv = _kernels(isa)
+    weight = _weights()[fmt]
+    dense = weight.dequantize()
+    packed, tiled = qgemv.tile_weight(weight), gemv.tile_weight(dense)
+    torch.manual_seed(4)
+    b = torch.randn(OUT)
+    for rows in ROWS:
+        x = torch.randn(rows, IN)
+        for bias in (None, b):
+            expected = gemv(x, tiled, None if bias is None else gemv.tile_bias(bias), OUT)
+            got = qgemv(x, packed, fmt, None if bias is None else qgemv.tile_bias(bias), OUT)
+            assert torch.equal(got, expected), (rows, (got - expected).abs().max())
+        reference = torch.nn.functional.linear(x, dense)  # and both are right
+        assert torch.allclose(got - b, reference, atol=1e-4)
+
+
+def test_rows_do_not_depend_on_batch_mates(isa: str) -> None:
+    """One row alone (register path) equals that row among 11 (scratch path for 4-bit/8-bit)."""
+    gemv, qgemv = _kernels(isa)
+    torch.manual_seed(5)
+    batch = torch.randn(11, IN)
+    dense = torch.randn(OUT, IN)
+    tiled = gemv.tile_weight(dense)
+    calls = [lambda x: gemv(x, tiled, None, OUT)]
+    for fmt, weight in _weights().items():
+        packed = qgemv.tile_weight(weight)
+        calls.append(lambda x, packed=packed, fmt=fmt: qgemv(x, packed, fmt, None, OUT))
+    for call in calls:
+        together = call(batch)
+        for r in range(11):
+            assert torch.equal(call(batch[r : r + 1]), together[r : r + 1])
+        assert torch.equal(call(batch[3:8]), together[3:8])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+def test_tile_untile_round_trip(isa: str, fmt: str) -> None:
+    _, qgemv = _kernels(isa)
+    weight = _weights()[fmt]
+    back = qgemv.untile(qgemv.tile_weight(weight), fmt, OUT)
+    assert back.format == fmt
+    assert torch.equal(back.qs, weight.qs) and torch.equal(back.scales, weight.scales)
+    assert (back.mins is None) == (weight.mins is None)
+    if weight.mins is not None:
+        assert back.mins is not None and torch.equal(back.mins, weight.mins)
+
+
+def test_attention_kernel_matches_torch_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_ISA", isa)
+    cpu_paged_attention.load_cpu_attention.cache_clear()
+    try:
+        assert cpu_paged_attention.load_cpu_attention() is not None
+        assert build_library(cpu_paged_attention.SOURCE).name.startswith(f"cpu_paged_attention-{isa}-")
+        torch.manual_seed(6)
+        heads, kv_heads, dim, block, lens = 6, 2, 40, 4, [1, 7, 13]  # GQA; 40: not a vector multiple
+        pool = torch.randn(16, 2, 2, block, kv_heads, dim)  # strided views, as the KV pool gives
+        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        tables = [[5], [9, 2], [3, 11, 1, 7]]
+        meta = AttentionMetadata.build(
+            is_prefill=False, query_lens=[1] * len(lens), context_lens=lens, block_tables=tables,
+            block_size=block,
+        )
+        q = torch.randn(len(lens), heads, dim)
+        k, v = torch.randn(len(lens), kv_heads, dim), torch.randn(len(lens), kv_heads, dim)
+        expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
+    finally:
+        cpu_paged_attention.load_cpu_attention.cache_clear()
+
+
+def test_kernel_shape_checks(isa: str) -> None:
+    gemv, qgemv = _kernels(isa)
+    tiled = gemv.tile_weight(torch.randn(OUT, IN))
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(torch.randn(2, IN - 1), tiled, None, OUT)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(torch.randn(2, IN), tiled, None, 10_000)  # more outputs than tiles
+    with pytest.raises(TypeError, match="float32"):
+        gemv(torch.randn(2, IN, dtype=torch.float64), tiled, None, OUT)
+    packed = qgemv.tile_weight(_q4_weight(7))
+    with pytest.raises(ValueError, match="does not fit"):
+        qgemv(torch.randn(2, IN - 32), packed, "q4", None, OUT)
+    with pytest.raises(ValueError, match="does not fit"):
+        qgemv(torch.randn(2, IN), packed, "q8_0", None, OUT)  # 4-bit tiles read as 8-bit
+    with pytest.raises(TypeError, match="float32"):
+        qgemv(torch.randn(2, IN, dtype=torch.float64), packed, "q4", None, OUT)
+
+
+def _clear_loaders() -> None:
+    cpu_gemv.load_cpu_gemv.cache_clear()
+    cpu_qgemv.load_cpu_qgemv.cache_clear()
+    cpu_paged_attention.load_cpu_attention.cache_clear()
+
+
+def _assert_loaders_fall_back(caplog: pytest.LogCaptureFixture, reason: str) -> None:
+    _clear_loaders()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_gemv.load_cpu_gemv() is None
+            assert cpu_qgemv.load_cpu_qgemv() is None
+            assert cpu_paged_attention.load_cpu_attention() is None
+    finally:
+        _clear_loaders()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3 and all(reason in w for w in warnings), warnings
+
+
+def test_unknown_isa_is_a_build_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TANDEM_CPU_ISA", "bogus")
+    with pytest.raises(NativeBuildError, match="'bogus' is not one of avx512, avx2, generic"):
+        selected_isa()
+    _assert_loaders_fall_back(caplog, "is not one of")
+
+
+def test_forced_isa_is_checked_against_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CPU_ISA", " AVX2 ")  # case and spaces don't matter
+    if "avx2" in supported_isas():
+        assert selected_isa() == "avx2"
+    monkeypatch.setenv("TANDEM_CPU_ISA", "generic")
+    assert selected_isa() == "generic" and supported_isas()[-1] == "generic"
+    monkeypatch.delenv("TANDEM_CPU_ISA")
+    assert selected_isa() == supported_isas()[0]
+
+
+@pytest.mark.parametrize("missing", ["avx512", "avx2"])
+def test_isa_the_cpu_lacks_falls_back(
+    missing: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On this CPU if it lacks the set; otherwise on a CPU whose flags are SSE2 only."""
+    if platform.machine().lower() not in {"x86_64", "amd64"}:
+        pytest.skip("x86 instruction sets")
+    if missing in supported_isas():  # this CPU has it: present a baseline x86-64 CPU instead
+        monkeypatch.setattr(native_build, "_cpu_flags", lambda: "flags\t\t: fpu sse sse2 lm")
+        assert supported_isas() == ["generic"]
+    monkeypatch.setenv("TANDEM_CPU_ISA", missing)
+    with pytest.raises(NativeBuildError, match=f"{missing} but this CPU lacks it"):
+        selected_isa()
+    _assert_loaders_fall_back(caplog, "lacks it")
