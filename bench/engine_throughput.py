@@ -19,7 +19,8 @@ with one row per configuration, in this order:
 5. ``Tandem bfloat16``;
 6. ``transformers float32`` — the same GGUF, dequantized;
 7. ``llama.cpp (<quant type>, <n> threads)`` — the GGUF as stored, through llama-cpp-python
-   (``llama_cpp_baseline.py``), when it is installed: batch-1 decode and prefill only.
+   (``llama_cpp_baseline.py``, in a fresh process), when it is installed: batch-1 decode and
+   prefill only.
 
 Then ratio rows (default vs transformers per column, default vs llama.cpp), a check that no
 Tandem configuration is slower than the no-native-kernels one, and the memory-bandwidth bound for
@@ -38,11 +39,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -158,11 +161,17 @@ def transformers_row(source: ModelSource, args: argparse.Namespace) -> Row:
 
 
 def llama_cpp_row(source: ModelSource, args: argparse.Namespace, threads: int) -> Row:
-    """Batch-1 decode and prefill; llama-cpp-python runs one sequence, so other batches are None."""
+    """Batch-1 decode and prefill; llama-cpp-python runs one sequence, so other batches are None.
+
+    Measured in a fresh (spawned) process: after this process has run PyTorch's OpenMP thread
+    pool, llama.cpp's batch-1 decode in the same process ran ~80x slower (0.3 vs 24 tok/s).
+    """
     row: Row = {f"decode b={b}": None for b in args.batches}
-    if 1 in args.batches:
-        row["decode b=1"] = llama_cpp_decode(source.path, args.decode_tokens, threads)
-    row["prefill"] = llama_cpp_prefill(source.path, args.prefill_length, threads)
+    path = source.path
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        if 1 in args.batches:
+            row["decode b=1"] = pool.submit(llama_cpp_decode, path, args.decode_tokens, threads).result()
+        row["prefill"] = pool.submit(llama_cpp_prefill, path, args.prefill_length, threads).result()
     return row
 
 
@@ -250,10 +259,11 @@ def decode_weight_bytes(loaded: LoadedModel) -> int:
     for module in loaded.model.modules():
         if not isinstance(module, Linear):
             continue
-        if module.packed is not None and module.regimes.kernel_for(1):
-            tensors = [module.packed]
-        elif module.split is not None:
+        kernel = module.packed is not None and module.regimes.kernel_for(1)
+        if module.split is not None and not kernel:  # float32 where PyTorch won at batch 1
             tensors = [module.split]
+        elif module.packed is not None:  # the kernel, or dequantizing its tiles
+            tensors = [module.packed]
         elif module.quant is not None:
             total += module.quant.nbytes()
             continue
@@ -304,8 +314,15 @@ def header_lines(source: ModelSource, isas: list[str], auto_dtype: str) -> list[
         f"measured {', '.join(isas)}",
         f"model: {source.name}; --dtype auto → {auto_dtype}",
         f"threads: {torch.get_num_threads()}, torch {torch.__version__}",
+        f"load average at start: {_load_average()}",
         "",
     ]
+
+
+def _load_average() -> str:
+    """The 1-minute load average: other busy processes make every row here unreliable (threads
+    that wait at a barrier for a core lose a scheduler time slice each time)."""
+    return f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
 
 
 def cpu_model_name() -> str:
@@ -413,6 +430,7 @@ def main() -> int:
     lines += ratio_lines(rows, columns, default, llama)
     lines.append(slower_than_no_kernels(rows, columns))
     lines += bandwidth_lines(weight_bytes, auto_dtype)
+    lines.append(f"load average at end: {_load_average()}")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

@@ -212,7 +212,7 @@ def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) 
     if plan.autotune:
         by_format: dict[str, list[Linear]] = {}
         for layer in layers:
-            if layer.packed is not None:
+            if layer.packed is not None and layer.regimes is ALWAYS_KERNEL:  # not tuned yet
                 by_format.setdefault(layer.weight_format, []).append(layer)
         for fmt, group in by_format.items():
             _tune(fmt, group, plan)

@@ -14,7 +14,9 @@ meets a model's layer shapes, :func:`choose_regimes`:
    in one line: format, instruction set, measured speed ratio per regime.
 
 Workers that start together (``tandem up``) would time each other's load; a lock file beside the
-cache makes them measure one at a time, and the later ones find the decision already cached.
+cache makes them measure one at a time, and the later ones find the decision already cached. A
+measurement taken while something else keeps the cores busy (load average above the core count)
+is used but not cached, so a busy moment does not decide for every later start.
 """
 
 from __future__ import annotations
@@ -87,9 +89,22 @@ def choose_regimes(
             logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
             return cached
         regimes = _measure(rows, run_kernel, run_torch)
-        _write(path, regimes)
-    logger.info("CPU %s kernel [%s, %s]: %s (measured)", fmt, isa, build, regimes.describe())
+        busy = _machine_busy()
+        if not busy:
+            _write(path, regimes)
+    logger.info(
+        "CPU %s kernel [%s, %s]: %s (measured%s)", fmt, isa, build, regimes.describe(),
+        "; machine busy, not cached" if busy else "",
+    )  # fmt: skip
     return regimes
+
+
+def _machine_busy() -> bool:
+    """Whether other work was competing for the cores (1-minute load average above the cores)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
