@@ -6,7 +6,10 @@ residual) → RMSNorm → LM head. Tokens of all sequences in a step are flatten
 Q/K/V and gate/up projections are fused into one matmul each (the loaders concatenate the
 checkpoint's weights), and the per-token path calls submodules' ``forward`` directly (skipping
 ``nn.Module.__call__``'s hook bookkeeping): on CPU, decode time not spent streaming weights is
-per-op Python overhead.
+per-op Python overhead. For the same reason, decode-sized float32 batches on CPU run the residual
+add + RMSNorm, ``silu(gate) * up`` and the rotary embedding as one fused C call each when the
+native kernels are here (:mod:`services.engine.kernels.cpu_fused`, set by the model runner with
+:meth:`LlamaForCausalLM.use_fused`); the PyTorch ops below stay the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from services.engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from services.engine.embedding import Embedding
+from services.engine.kernels.cpu_fused import CpuFused
 from services.engine.kv_cache import KVPool
 from services.engine.linear import Linear
 from services.engine.model_config import ModelConfig
@@ -59,6 +63,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        self.fused: CpuFused | None = None
 
     def forward(
         self,
@@ -74,7 +79,10 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        qk = apply_rotary(qk, *rope)
+        if self.fused is not None and self.fused.applies(qkv):
+            self.fused.rope_(qk, *rope)  # in place in the projection's output
+        else:
+            qk = apply_rotary(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -89,9 +97,13 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused: CpuFused | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj.forward(x)
+        if self.fused is not None and self.fused.applies(gate_up):
+            return self.down_proj.forward(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj.forward(F.silu(gate) * up)
 
 
@@ -102,6 +114,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.fused: CpuFused | None = None
 
     def forward(
         self,
@@ -111,6 +124,15 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        fused = self.fused
+        if fused is not None and fused.applies(x):
+            norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+            h = self.self_attn.forward(
+                fused.add_rmsnorm(x, None, norm1.weight, norm1.eps), rope, k_cache, v_cache, meta
+            )
+            residual = torch.empty_like(x)  # x + h, written by the fused norm
+            h = self.mlp.forward(fused.add_rmsnorm(x, h, norm2.weight, norm2.eps, residual))
+            return residual.add_(h)
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, k_cache, v_cache, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
@@ -148,6 +170,11 @@ class LlamaForCausalLM(nn.Module):
             k_cache, v_cache = kv.layer(index)
             x = layer.forward(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
+
+    def use_fused(self, fused: CpuFused | None) -> None:
+        """Run decode-sized float32 batches through ``fused`` ops (``None``: PyTorch ops only)."""
+        for layer in self.layers:
+            layer.fused = layer.self_attn.fused = layer.mlp.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""

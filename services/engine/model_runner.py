@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.attention import AttentionMetadata
+from services.engine.kernels.cpu_fused import load_cpu_fused
 from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.kv_cache import KVPool
 from services.engine.linear import pack_linears, pack_plan
@@ -35,6 +36,7 @@ class ModelRunner:
         plan = pack_plan(self.device, loaded.dtype)
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
+            self.model.use_fused(load_cpu_fused())
             backend = self.model.layers[0].self_attn.backend if self.model.layers else None
             if isinstance(backend, CpuPagedAttention) and plan.autotune:
                 backend.tune(

@@ -1,0 +1,75 @@
+/* Small fused float32 ops for CPU decode: residual add + RMSNorm, SwiGLU's silu(gate) * up, and
+ * the rotary embedding, each one pass over its rows instead of 3-6 PyTorch ops.
+ *
+ * At batch-1 decode a layer's element-wise work is a few thousand floats, so its cost is the
+ * number of ops, not the arithmetic: each PyTorch op costs microseconds of dispatch whatever its
+ * size, and a small model's decode step is ~30% such overhead. These run single-threaded (the
+ * rows are short) and are used for batches of a few rows only (MAX_ROWS in cpu_fused.py).
+ * Arithmetic follows the PyTorch reference (float32, same formulas); sums run in a different
+ * order, so results match it to float32 rounding, not bit for bit.
+ */
+#include <math.h>
+
+#include "tandem_simd.h"
+
+/* With h: s = x + h (the residual stream; s may be x), else s = x. Then
+ * y = w * (s * 1/sqrt(mean(s^2) + eps)). x, h, s, y: [rows, n] contiguous; w: [n]. */
+void tandem_add_rmsnorm(const float *x, const float *h, float *s, const float *w, float *y,
+                        int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        vec acc = {0};
+        int64_t i = 0;
+        if (h) {
+            const float *hr = h + r * n;
+            float *sr = s + r * n;
+            for (; i + LANES <= n; i += LANES) {
+                const vec v = load_vec(xr + i) + load_vec(hr + i);
+                store_vec(sr + i, v);
+                acc += v * v;
+            }
+            for (int64_t j = i; j < n; j++) sr[j] = xr[j] + hr[j];
+            xr = sr;
+        } else {
+            for (; i + LANES <= n; i += LANES) {
+                const vec v = load_vec(xr + i);
+                acc += v * v;
+            }
+        }
+        float sum = hsum(acc);
+        for (; i < n; i++) sum += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        i = 0;
+        for (; i + LANES <= n; i += LANES)
+            store_vec(yr + i, load_vec(w + i) * (load_vec(xr + i) * inv));
+        for (; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* y[r, :] = silu(gu[r, :n]) * gu[r, n:2n]; gu [rows, 2n], y [rows, n], both contiguous. */
+void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * n, *u = g + n;
+        float *yr = y + r * n;
+        for (int64_t i = 0; i < n; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* In place on x [rows, heads, d] (row stride ldx, head stride d): x = x * cos + roll(x, d/2) * sin
+ * with cos/sin [rows, d] (sin holds rotate_half's sign, as rope.py stores it). */
+void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int64_t rows,
+                 int64_t heads, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * d, *s = sin + r * d;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *v = x + r * ldx + hd * d;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}

@@ -1,0 +1,81 @@
+"""The fused CPU decode ops equal the PyTorch ops they replace, and the model uses them only for
+a few float32 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.kernels.cpu_fused import MAX_ROWS, CpuFused, load_cpu_fused
+from services.engine.model import RMSNorm
+from services.engine.rope import RotaryEmbedding, apply_rotary
+from tests.conftest import native_kernel_or_skip
+
+
+@pytest.fixture
+def fused() -> CpuFused:
+    native_kernel_or_skip()
+    ops = load_cpu_fused()
+    if ops is None:
+        pytest.fail("the matmul kernel builds here but the fused ops do not")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n", [576, 70])  # 70: not a multiple of the vector width
+def test_add_rmsnorm_matches_reference(fused: CpuFused, rows: int, n: int) -> None:
+    torch.manual_seed(rows + n)
+    norm = RMSNorm(n, 1e-5)
+    norm.weight.data = torch.randn(n)
+    x, h = torch.randn(rows, n), torch.randn(rows, n)
+    with torch.no_grad():
+        assert torch.allclose(fused.add_rmsnorm(x, None, norm.weight, norm.eps), norm(x), atol=2e-6)
+        total = torch.empty_like(x)
+        y = fused.add_rmsnorm(x, h, norm.weight, norm.eps, total)
+        assert torch.equal(total, x + h)
+        assert torch.allclose(y, norm(x + h), atol=2e-6)
+    with pytest.raises(ValueError, match="out_sum"):
+        fused.add_rmsnorm(x, h, norm.weight, norm.eps)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_silu_mul_and_rope_match_reference(fused: CpuFused, rows: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 96)
+    gate, up = gate_up.split(96, dim=-1)
+    assert torch.allclose(fused.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6)
+
+    rope = RotaryEmbedding(64, 256, 10000.0, None)
+    rope.reset_tables()
+    cos, sin = rope.lookup(torch.arange(rows) + 7, torch.float32)
+    qkv = torch.randn(rows, (4 + 2 + 2) * 64)
+    qk = qkv[:, : 6 * 64].view(rows, 6, 64)  # strided rows, as in the model
+    expected = apply_rotary(qk, cos, sin)
+    untouched = qkv[:, 6 * 64 :].clone()
+    fused.rope_(qk, cos, sin)
+    assert torch.allclose(qk, expected, atol=1e-6)
+    assert torch.equal(qkv[:, 6 * 64 :], untouched)
+
+
+def test_applies_only_to_a_few_float32_rows(fused: CpuFused) -> None:
+    assert fused.applies(torch.zeros(MAX_ROWS, 8))
+    assert not fused.applies(torch.zeros(MAX_ROWS + 1, 8))
+    assert not fused.applies(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not fused.applies(torch.zeros(8, 4).T)
+
+
+def test_model_tokens_equal_with_and_without_fused_ops(fused: CpuFused, tiny_llama_dir) -> None:  # type: ignore[no-untyped-def]
+    from services.common.sampling_params import SamplingParams
+    from services.engine.engine import EngineConfig, LLMEngine
+    from services.engine.loaders import load_model
+
+    loaded = load_model(str(tiny_llama_dir), torch.float32)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for name, ops in (("fused", fused), ("torch", None)):
+        loaded.model.use_fused(ops)
+        outs[name] = engine.generate([[1, 5, 9, 13], [1, 7]], params)
+    for a, b in zip(outs["fused"], outs["torch"], strict=True):
+        assert a.new_token_ids == b.new_token_ids and len(a.new_token_ids) == 12
