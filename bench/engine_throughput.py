@@ -33,6 +33,11 @@ row uses the same random token prompts, greedy decoding, and ``os.cpu_count()`` 
 
     python bench/engine_throughput.py [--model default] [--decode-tokens 64] [--batches 1 8 32]
         [--prefill-length 512] [--isa avx512 avx2 generic] [--skip-transformers] [--skip-llama-cpp]
+
+An AVX2 machine, emulated on an AVX-512 one (PyTorch's MKL and oneDNN limited too):
+
+    TANDEM_CPU_ISA=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python bench/engine_throughput.py
 """
 
 from __future__ import annotations
@@ -314,9 +319,19 @@ def header_lines(source: ModelSource, isas: list[str], auto_dtype: str) -> list[
         f"measured {', '.join(isas)}",
         f"model: {source.name}; --dtype auto → {auto_dtype}",
         f"threads: {torch.get_num_threads()}, torch {torch.__version__}",
+        *_baseline_isa_limits(),
         f"load average at start: {_load_average()}",
         "",
     ]
+
+
+def _baseline_isa_limits() -> list[str]:
+    """PyTorch's own BLAS dispatch limits, when set: with ``TANDEM_CPU_ISA=avx2`` on an AVX-512 CPU,
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2`` makes PyTorch (and so transformers and
+    Tandem's PyTorch paths) run as on an AVX2 machine too."""
+    names = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+    limits = [f"{name}={os.environ[name]}" for name in names if os.environ.get(name)]
+    return [f"PyTorch BLAS limited: {' '.join(limits)}"] if limits else []
 
 
 def _load_average() -> str:

@@ -7,10 +7,12 @@ meets a model's layer shapes, :func:`choose_regimes`:
 1. runs the model's layers (their real shapes, weights read from memory) once per path to warm
    up, for each row regime: decode of 1, 8 and 32 rows and a prefill chunk of 256 rows;
 2. times each path as the best of a few alternating runs;
-3. picks, per regime, the faster path; a row count uses the regime of the smallest measured
-   count at or above it (2-8 rows → the 8-row choice, 33+ rows → the prefill choice);
+3. picks, per regime, the faster path (the kernel only when it wins by more than
+   :data:`MARGIN`: a near tie is noise, and goes to PyTorch); a row count uses the regime of the
+   smallest measured count at or above it (2-8 rows → the 8-row choice, 33+ rows → prefill);
 4. caches the decision as JSON next to the kernel build (keyed by the build, the format, the
-   shapes, the thread count and the torch version), so later starts reuse it, and logs it once
+   shapes, the thread count, the torch version and any limit on PyTorch's BLAS instruction set),
+   so later starts reuse it, and logs it once
    in one line: format, instruction set, measured speed ratio per regime.
 
 Workers that start together (``tandem up``) would time each other's load; a lock file beside the
@@ -40,7 +42,12 @@ from services.engine.kernels.native_build import cache_dir
 logger = logging.getLogger(__name__)
 
 REGIME_ROWS = (1, 8, 32, 256)
-REPEATS = 3
+# PyTorch's BLAS instruction-set limits: they change how fast the PyTorch path is
+BLAS_LIMIT_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+REPEATS = 5
+# the kernel must beat PyTorch by this fraction: within it the two are a tie that run-to-run noise
+# decides, and a tie goes to the reference path
+MARGIN = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +145,7 @@ def _measure(
         torch_s.append(best_torch)
     return KernelRegimes(
         rows=tuple(rows),
-        use_kernel=tuple(k <= t for k, t in zip(kernel_s, torch_s, strict=True)),
+        use_kernel=tuple(k * (1 + MARGIN) <= t for k, t in zip(kernel_s, torch_s, strict=True)),
         speedup=tuple(t / k for k, t in zip(kernel_s, torch_s, strict=True)),
     )
 
@@ -152,8 +159,9 @@ def _timed(fn: Callable[[int], object], rows: int) -> float:
 def _cache_key(
     fmt: str, build: str, shapes: Sequence[tuple[int, ...]], rows: Sequence[int]
 ) -> str:
+    blas_limits = [os.environ.get(name, "") for name in BLAS_LIMIT_VARIABLES]
     parts = [fmt, build, repr(sorted(shapes)), repr(list(rows)), str(torch.get_num_threads()),
-             torch.__version__]  # fmt: skip
+             torch.__version__, *blas_limits]  # fmt: skip
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

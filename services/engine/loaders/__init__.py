@@ -10,7 +10,8 @@ Weight dtypes (``--dtype``):
   other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU the quantized format the GGUF already
   uses (``q4`` for 4-bit files, ``q8_0`` for other quantized ones) when the quantized CPU kernel
-  builds here, else float32. bfloat16 is never picked on CPU: even where the CPU has native bf16
+  builds here for AVX2 or AVX-512, else float32 (the ``generic`` build's 4-wide kernel measured
+  slower than float32 PyTorch on x86, docs/benchmarks.md). bfloat16 is never picked on CPU: even where the CPU has native bf16
   dot products it measured slower than float32 at batch 1 (docs/benchmarks.md).
 
 Quantized weights run on CPU only, with float32 activations and KV cache.
@@ -87,7 +88,8 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
 
     types = gguf_weight_types(open_gguf(Path(source.path)))
     quantized = types - _FLOAT_TYPES
-    if not quantized or load_cpu_qgemv() is None:
+    kernel = load_cpu_qgemv()
+    if not quantized or kernel is None or kernel.isa == "generic":
         return "float32"
     return "q4" if quantized & _FOUR_BIT_TYPES else "q8_0"
 
