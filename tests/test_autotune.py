@@ -172,7 +172,7 @@ def test_decision_per_regime_is_cached(tmp_cache: Path) -> None:
         True, True, True, False, False, False, False, False
     ]  # fmt: skip
     assert sorted(set(kernel_calls)) == sorted(set(torch_calls)) == list(REGIME_ROWS)
-    assert len(kernel_calls) == len(torch_calls) == 4 * len(REGIME_ROWS)  # warm-up + 3 repeats
+    assert len(kernel_calls) == len(torch_calls) == (1 + autotune.REPEATS) * len(REGIME_ROWS)
 
     files = list(tmp_cache.glob("autotune-*.json"))
     assert len(files) == 1
@@ -191,7 +191,7 @@ def test_decision_per_regime_is_cached(tmp_cache: Path) -> None:
             other["fmt"], isa="avx2", build=other["build"], shapes=shapes, run_kernel=run_kernel,
             run_torch=run_torch,
         )
-    assert len(kernel_calls) == 2 * 4 * len(REGIME_ROWS)  # a new format or build is measured
+    assert len(kernel_calls) == 2 * (1 + autotune.REPEATS) * len(REGIME_ROWS)  # new format or build
     assert len(list(tmp_cache.glob("autotune-*.json"))) == 3
 
 
@@ -206,7 +206,7 @@ def test_busy_machine_decision_is_used_but_not_cached(
     assert not list(tmp_cache.glob("autotune-*.json"))
     kernel_calls.clear()
     assert choose_regimes("q4", **args).use_kernel == (True, False)  # type: ignore[arg-type]
-    assert len(kernel_calls) == 4 * 2  # measured again
+    assert len(kernel_calls) == (1 + autotune.REPEATS) * 2  # measured again
 
 
 def test_unreadable_or_unwritable_cache_remeasures(
@@ -222,14 +222,14 @@ def test_unreadable_or_unwritable_cache_remeasures(
     cached.write_text("{not json")
     kernel_calls.clear()
     assert choose_regimes("q8_0", **args).use_kernel == first.use_kernel  # type: ignore[arg-type]
-    assert len(kernel_calls) == 4 * len(rows)
+    assert len(kernel_calls) == (1 + autotune.REPEATS) * len(rows)
 
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(blocker))  # cache_dir() is under a file
     kernel_calls.clear()
     assert choose_regimes("q8_0", **args).use_kernel == first.use_kernel  # type: ignore[arg-type]
-    assert len(kernel_calls) == 4 * len(rows)
+    assert len(kernel_calls) == (1 + autotune.REPEATS) * len(rows)
 
 
 def test_kernel_for_maps_row_counts_to_regimes() -> None:

@@ -11,19 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from services.engine.kernels.native_build import (
-    NativeBuildError,
-    kernels_enabled,
-    load_library,
-    selected_isa,
-)
-
-logger = logging.getLogger(__name__)
+from services.engine.kernels.native_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 # single-threaded, scalar expf: measured even with PyTorch's vectorised, threaded ops at 8 rows of
@@ -100,10 +92,4 @@ class CpuFused:
 @functools.cache
 def load_cpu_fused() -> CpuFused | None:
     """The fused ops, built for this machine, or ``None`` when off or not buildable here."""
-    if not kernels_enabled():
-        return None
-    try:
-        return CpuFused(load_library(SOURCE, selected_isa()))
-    except NativeBuildError as exc:
-        logger.warning("fused CPU ops unavailable, using PyTorch ops: %s", exc)
-        return None
+    return load_kernel(SOURCE, CpuFused, "fused CPU ops")

@@ -14,19 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from services.engine.kernels.native_build import (
-    NativeBuildError,
-    kernels_enabled,
-    load_library,
-    selected_isa,
-)
-
-logger = logging.getLogger(__name__)
+from services.engine.kernels.native_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 
@@ -85,10 +77,4 @@ class CpuGemv:
 @functools.cache
 def load_cpu_gemv() -> CpuGemv | None:
     """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
-    if not kernels_enabled():
-        return None
-    try:
-        return CpuGemv(load_library(SOURCE, selected_isa()))
-    except NativeBuildError as exc:
-        logger.warning("CPU decode kernel unavailable, using PyTorch matmuls: %s", exc)
-        return None
+    return load_kernel(SOURCE, CpuGemv, "CPU float32 matmul kernel")

@@ -17,21 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from services.engine.attention import AttentionMetadata, TorchPagedAttention
 from services.engine.kernels.autotune import KernelRegimes, choose_regimes
-from services.engine.kernels.native_build import (
-    NativeBuildError,
-    kernels_enabled,
-    load_library,
-    selected_isa,
-)
-
-logger = logging.getLogger(__name__)
+from services.engine.kernels.native_build import load_kernel, selected_isa
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -40,15 +32,11 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 @functools.cache
 def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C entry point, built for this machine, or ``None`` when off or not buildable here."""
-    if not kernels_enabled():
+    library = load_kernel(SOURCE, lambda lib: lib, "CPU decode-attention kernel")
+    if library is None:
         return None
-    try:
-        library = load_library(SOURCE, selected_isa())
-        fn = library.tandem_paged_decode_attention
-        fn._tandem_build = library._name  # the cached build's path, for the autotune cache key
-    except NativeBuildError as exc:
-        logger.warning("CPU decode-attention kernel unavailable, using the torch path: %s", exc)
-        return None
+    fn = library.tandem_paged_decode_attention
+    fn._tandem_build = library._name  # the cached build's path, for the autotune cache key
     fn.restype = None
     fn.argtypes = [
         _PTR, _I64, _I64,

@@ -16,20 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from services.engine.kernels.native_build import (
-    NativeBuildError,
-    kernels_enabled,
-    load_library,
-    selected_isa,
-)
+from services.engine.kernels.native_build import load_kernel
 from services.engine.quant.quantized_weight import FORMAT_Q4, FORMAT_Q8_0, GROUP, QuantizedWeight
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_qgemv.c")
 FORMAT_CODES = {FORMAT_Q8_0: 0, FORMAT_Q4: 1}
@@ -173,10 +165,4 @@ class CpuQGemv:
 @functools.cache
 def load_cpu_qgemv() -> CpuQGemv | None:
     """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
-    if not kernels_enabled():
-        return None
-    try:
-        return CpuQGemv(load_library(SOURCE, selected_isa()))
-    except NativeBuildError as exc:
-        logger.warning("CPU quantized matmul kernel unavailable, using PyTorch: %s", exc)
-        return None
+    return load_kernel(SOURCE, CpuQGemv, "CPU quantized matmul kernel")

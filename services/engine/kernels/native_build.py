@@ -37,9 +37,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CFLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fopenmp")
 ISAS = ("avx512", "avx2", "generic")
@@ -196,6 +199,19 @@ def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path
                 first = next((line for line in lines if "error" in line), lines[0])
                 raise NativeBuildError(f"{Path(cc).name} failed on {source.name}: {first.strip()}")
         os.replace(lib, target)
+
+
+def load_kernel(source: Path, make: Callable[[ctypes.CDLL], T], what: str) -> T | None:
+    """``make(library)`` for ``source`` built for the selected instruction set, or ``None`` when
+    the kernels are off (``TANDEM_CPU_KERNELS=0``) or can't be built here (one warning saying why:
+    the caller keeps its PyTorch path)."""
+    if not kernels_enabled():
+        return None
+    try:
+        return make(load_library(source, selected_isa()))
+    except NativeBuildError as exc:
+        logger.warning("%s unavailable, using PyTorch: %s", what, exc)
+        return None
 
 
 def load_library(source: Path, isa: str | None = None) -> ctypes.CDLL:
