@@ -24,8 +24,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# gcc builds Tandem's native CPU decode kernel at first use (-march=native for the host running
-# the container); Triton also needs it on GPUs to compile its launchers.
+# gcc builds Tandem's native CPU kernels at first use, for the instruction set of the host running
+# the container (and with them --dtype auto serves the GGUF's 4-bit weights); Triton also needs
+# it on GPUs to compile its launchers.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
