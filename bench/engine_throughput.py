@@ -203,7 +203,7 @@ def _clear_kernel_caches() -> None:
 def _environment(name: str, value: str) -> Iterator[None]:
     """Set ``name`` (and reload the kernels) for the block; restore the previous value after.
 
-    Hold it for a variant's whole measurement: the attention kernel loads at the first decode.
+    Hold it for a variant's whole measurement: kernels load when each engine is built.
     """
     before = os.environ.get(name)
     os.environ[name] = value

@@ -1,8 +1,9 @@
 """Attention backends by name: ``torch`` (reference, everywhere), ``cpu`` (float32 paged decode
-kernel in C, built at first decode) and ``triton`` (paged decode kernel; GPUs, or CPU under
-``TRITON_INTERPRET=1``). ``auto`` picks triton on CUDA when it imports, else torch; on CPU it
-picks cpu, which itself runs the torch path when its kernel can't be built here. (Building at
-first decode, not here, keeps a model that fails to load from logging about kernels first.)"""
+kernel in C, built and timed against the reference once the model has loaded) and ``triton``
+(paged decode kernel; GPUs, or CPU under ``TRITON_INTERPRET=1``). ``auto`` picks triton on CUDA
+when it imports, else torch; on CPU it picks cpu, which itself runs the torch path when its kernel
+can't be built here or lost to the reference. (Building after the load, not here, keeps a model
+that fails to load from logging about kernels first.)"""
 
 from __future__ import annotations
 
