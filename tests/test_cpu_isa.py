@@ -138,6 +138,15 @@ def test_tile_untile_round_trip(isa: str, fmt: str) -> None:
         assert back.mins is not None and torch.equal(back.mins, weight.mins)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+def test_rows_gathered_from_tiles_equal_the_table(isa: str, fmt: str) -> None:
+    """A tied embedding reads the head's tiles: the same rows as the quantized table gives."""
+    _, qgemv = _kernels(isa)
+    weight = _weights()[fmt]
+    index = torch.tensor([[0, OUT - 1, 17], [16, 5, 5]])  # first, last (partial tile), repeats
+    assert torch.equal(qgemv.gather_rows(qgemv.tile_weight(weight), fmt, index), weight.rows(index))
+
+
 def test_attention_kernel_matches_torch_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_CPU_ISA", isa)
     cpu_paged_attention.load_cpu_attention.cache_clear()

@@ -155,6 +155,13 @@ class Linear(nn.Linear):
             return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
         return F.linear(x, self.dequantized_weight(), self.bias)
 
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``index`` of the weight read from quantized kernel tiles (a tied embedding's
+        lookup), or ``None`` when this layer holds no such tiles."""
+        if isinstance(self.kernel, CpuQGemv) and self.packed is not None:
+            return self.kernel.gather_rows(self.packed, self._packed_format, index)
+        return None
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight of a quantized layer (built per call, not kept)."""
         if self.quant is not None:

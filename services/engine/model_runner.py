@@ -18,6 +18,7 @@ from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.kv_cache import KVPool
 from services.engine.linear import pack_linears, pack_plan
 from services.engine.loaders import LoadedModel
+from services.engine.model import LlamaForCausalLM
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -37,6 +38,7 @@ class ModelRunner:
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
             self.model.use_fused(load_cpu_fused())
+            _share_tied_table(self.model)
             backend = self.model.layers[0].self_attn.backend if self.model.layers else None
             if isinstance(backend, CpuPagedAttention) and plan.autotune:
                 backend.tune(
@@ -80,6 +82,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         states = [item.seq.sampling for item in batch.items if item.sample]
         return self.sampler(logits, states)
+
+
+def _share_tied_table(model: LlamaForCausalLM) -> None:
+    """A tied quantized table is held once: the embedding reads the head's kernel tiles."""
+    embed, head = model.embed_tokens, model.lm_head
+    if not model.config.tie_word_embeddings or embed.quant is None:
+        return
+    if head.gather_rows(torch.zeros(1, dtype=torch.long)) is not None:
+        embed.read_from(head.gather_rows)  # type: ignore[arg-type]
 
 
 def token_slice(seq: Sequence, start: int, end: int) -> list[int]:

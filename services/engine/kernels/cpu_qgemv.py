@@ -123,6 +123,34 @@ class CpuQGemv:
         )  # fmt: skip
         return wt
 
+    def gather_rows(self, packed: torch.Tensor, fmt: str, index: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``index`` of a tiled weight, ``[*index.shape, in]``: an embedding
+        lookup on a tied head's tiles (only those rows are expanded; same values as
+        :meth:`QuantizedWeight.rows`)."""
+        flat = index.reshape(-1)
+        count, tile = flat.numel(), self.tile
+        tiles, groups, _ = packed.shape
+        column = flat % tile
+        picked = packed[flat // tile]  # [N, groups, block]
+        every = torch.arange(count)
+
+        def floats(start: int) -> torch.Tensor:  # [N, groups]: this column's per-group floats
+            raw = picked[..., start : start + 4 * tile].contiguous().view(torch.float32)
+            return raw[every, :, column]
+
+        scales = floats(0)
+        if fmt == FORMAT_Q4:
+            half = tile // 2
+            q = picked[..., 8 * tile :].reshape(count, groups, GROUP, half)[every, :, :, column % half]
+            low = (column < half).view(count, 1, 1)
+            values = torch.where(low, q & 0x0F, q >> 4).to(torch.float32) * scales.unsqueeze(-1)
+            values += floats(4 * tile).unsqueeze(-1)
+        else:
+            q = picked[..., 4 * tile :].contiguous().view(torch.int8)
+            q = q.reshape(count, groups, GROUP, tile)[every, :, :, column]
+            values = q.to(torch.float32) * scales.unsqueeze(-1)
+        return values.reshape(*index.shape, groups * GROUP)
+
     def tile_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """The bias padded to a whole number of tiles (the kernel loads whole tiles)."""
         pad = -bias.numel() % self.tile
