@@ -34,11 +34,7 @@ class Embedding(nn.Embedding):
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Hold the table quantized; the float ``weight`` parameter is emptied."""
-        if weight.shape != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(
-                f"quantized table {weight.shape} does not fit a {self.num_embeddings}×"
-                f"{self.embedding_dim} embedding"
-            )
+        weight.require_shape((self.num_embeddings, self.embedding_dim), "an embedding")
         self.quant = weight
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 

@@ -36,9 +36,6 @@ from services.engine.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
 from services.engine.kernels.cpu_qgemv import CpuQGemv, load_cpu_qgemv
 from services.engine.quant.quantized_weight import QuantizedWeight
 
-ALWAYS_KERNEL = KernelRegimes()
-
-
 @dataclass(frozen=True, slots=True)
 class PackPlan:
     """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
@@ -64,7 +61,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed = self.packed_bias = self.kernel = self.quant = self.split = None
-        self.regimes = ALWAYS_KERNEL
+        self.regimes = KernelRegimes()  # kernel everywhere until pack_linears measures
         self._packed_format = ""
 
     @property
@@ -76,11 +73,7 @@ class Linear(nn.Linear):
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Hold ``weight`` quantized; the float32 ``weight`` parameter is emptied."""
-        if weight.shape != (self.out_features, self.in_features):
-            raise ValueError(
-                f"quantized weight {weight.shape} does not fit a {self.in_features}→"
-                f"{self.out_features} linear layer"
-            )
+        weight.require_shape((self.out_features, self.in_features), "a linear layer")
         self.quant = weight
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
@@ -150,24 +143,26 @@ class Linear(nn.Linear):
             return split_matmul(x, self.split, self.out_features, self.bias)
         if self.weight.numel():
             return F.linear(x, self.weight, self.bias)
-        if isinstance(self.kernel, CpuQGemv) and self.packed is not None and x.dim() == 2:
-            wt = self.kernel.dequantize_t(self.packed, self._packed_format, self.out_features)
-            return torch.mm(x, wt) if self.bias is None else torch.addmm(self.bias, x, wt)
         return F.linear(x, self.dequantized_weight(), self.bias)
 
-    def gather_rows(self, index: torch.Tensor) -> torch.Tensor | None:
-        """Rows ``index`` of the weight read from quantized kernel tiles (a tied embedding's
-        lookup), or ``None`` when this layer holds no such tiles."""
-        if isinstance(self.kernel, CpuQGemv) and self.packed is not None:
-            return self.kernel.gather_rows(self.packed, self._packed_format, index)
-        return None
+    @property
+    def has_quantized_tiles(self) -> bool:
+        return isinstance(self.kernel, CpuQGemv) and self.packed is not None
+
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the weight read from the quantized kernel tiles (a tied embedding's
+        lookup); needs :attr:`has_quantized_tiles`."""
+        if not isinstance(self.kernel, CpuQGemv) or self.packed is None:
+            raise RuntimeError("gather_rows on a layer without quantized kernel tiles")
+        return self.kernel.gather_rows(self.packed, self._packed_format, index)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The float32 ``[out, in]`` weight of a quantized layer (built per call, not kept)."""
+        """The float32 ``[out, in]`` weight of a quantized or packed layer (built per call, not
+        kept; for quantized tiles the C kernel dequantizes, transposed, for PyTorch's GEMM)."""
         if self.quant is not None:
             return self.quant.dequantize()
         if isinstance(self.kernel, CpuQGemv) and self.packed is not None:
-            return self.kernel.untile(self.packed, self._packed_format, self.out_features).dequantize()
+            return self.kernel.dequantize_t(self.packed, self._packed_format, self.out_features).T
         if self.packed is not None and isinstance(self.kernel, CpuGemv):
             tiles, in_features, tile = self.packed.shape
             dense = self.packed.transpose(1, 2).reshape(tiles * tile, in_features)
@@ -219,7 +214,7 @@ def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) 
     if plan.autotune:
         by_format: dict[str, list[Linear]] = {}
         for layer in layers:
-            if layer.packed is not None and layer.regimes is ALWAYS_KERNEL:  # not tuned yet
+            if layer.packed is not None and not layer.regimes.measured:
                 by_format.setdefault(layer.weight_format, []).append(layer)
         for fmt, group in by_format.items():
             _tune(fmt, group, plan)

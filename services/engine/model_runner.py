@@ -89,8 +89,8 @@ def _share_tied_table(model: LlamaForCausalLM) -> None:
     embed, head = model.embed_tokens, model.lm_head
     if not model.config.tie_word_embeddings or embed.quant is None:
         return
-    if head.gather_rows(torch.zeros(1, dtype=torch.long)) is not None:
-        embed.read_from(head.gather_rows)  # type: ignore[arg-type]
+    if head.has_quantized_tiles:
+        embed.read_from(head.gather_rows)
 
 
 def token_slice(seq: Sequence, start: int, end: int) -> list[int]:

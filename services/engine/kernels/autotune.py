@@ -63,6 +63,11 @@ class KernelRegimes:
         index = min(bisect.bisect_left(self.rows, rows), len(self.rows) - 1)
         return self.use_kernel[index]
 
+    @property
+    def measured(self) -> bool:
+        """False for the default (kernel everywhere, nothing timed yet)."""
+        return bool(self.speedup)
+
     def any_torch(self) -> bool:
         return not all(self.use_kernel)
 

@@ -85,14 +85,14 @@ class CpuPagedAttention(TorchPagedAttention):
     """Float32 decode steps through the C kernel (built at the first one); the rest, and
     everything when the kernel can't be built here, through the torch reference."""
 
-    regimes: KernelRegimes = KernelRegimes()
+    regimes = KernelRegimes()  # kernel for every batch until tune() measures
     TUNE_BATCHES = (1, 8, 32)
     TUNE_CONTEXT = 256
 
     def tune(self, heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
         """Time the kernel against the torch reference for this head shape (once per build)."""
         fn = load_cpu_attention()
-        if fn is None or "regimes" in vars(self):  # no kernel, or already tuned
+        if fn is None or self.regimes.measured:
             return
         context, batches = self.TUNE_CONTEXT, self.TUNE_BATCHES
         per_seq = -(-context // block_size)

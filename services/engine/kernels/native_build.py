@@ -12,7 +12,9 @@ Instruction sets (``tandem_simd.h`` picks the vector width and register blocking
 
 :func:`selected_isa` takes the best set the CPU's flags allow; ``TANDEM_CPU_ISA=avx512|avx2|generic``
 forces one (so every variant can be built, tested and benchmarked on one AVX-512 machine), and a
-set the CPU can't execute is a build error, never an illegal instruction. Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
+set the CPU can't execute is a build error, never an illegal instruction.
+
+Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
 PyTorch headers, so a build takes well under a second instead of a minute.
 
 Threads: the library is linked against the GNU OpenMP runtime this process already loaded with

@@ -96,6 +96,11 @@ class QuantizedWeight:
         """``(out_features, in_features)`` of the weight this stands for."""
         return int(self.scales.shape[0]), int(self.scales.shape[1]) * GROUP
 
+    def require_shape(self, shape: tuple[int, int], what: str) -> None:
+        """ValueError unless this weight is ``shape`` (``[out, in]``) for ``what``."""
+        if self.shape != shape:
+            raise ValueError(f"quantized weight {self.shape} does not fit {what} of shape {shape}")
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight (exactly what ``gguf.quants.dequantize`` gives)."""
         return _dequantize(self.format, self.qs, self.scales, self.mins)
