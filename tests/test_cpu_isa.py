@@ -164,9 +164,13 @@ def test_attention_kernel_matches_torch_reference(isa: str, monkeypatch: pytest.
         )
         q = torch.randn(len(lens), heads, dim)
         k, v = torch.randn(len(lens), kv_heads, dim), torch.randn(len(lens), kv_heads, dim)
+        before = pool.clone()
         expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        stored = pool.clone()
+        pool.copy_(before)  # the kernel stores this step's K/V itself, in the same call
         got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
         assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
+        assert torch.equal(pool, stored)  # the same slots written, nothing else touched
     finally:
         cpu_paged_attention.load_cpu_attention.cache_clear()
 

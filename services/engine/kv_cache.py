@@ -57,10 +57,14 @@ class KVPool:
             dtype=getattr(torch, layout.dtype),
             device=device,
         )
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
-        return self.data[:, index, 0], self.data[:, index, 1]
+        """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``
+        (made once: every step of every layer asks)."""
+        if not self._layers:
+            self._layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.data.shape[1])]
+        return self._layers[index]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of the given blocks, ``[len(block_ids), *block_shape]``."""

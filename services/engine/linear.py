@@ -33,7 +33,7 @@ from torch import nn
 
 from services.engine.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
-from services.engine.kernels.cpu_qgemv import CpuQGemv, load_cpu_qgemv
+from services.engine.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
 from services.engine.quant.quantized_weight import QuantizedWeight
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,7 @@ class Linear(nn.Linear):
         self.packed = self.packed_bias = self.kernel = self.quant = self.split = None
         self.regimes = KernelRegimes()  # kernel everywhere until pack_linears measures
         self._packed_format = ""
+        self._qcall: QGemvCall | None = None
 
     @property
     def weight_format(self) -> str:
@@ -94,6 +95,9 @@ class Linear(nn.Linear):
             self.quant = None  # the tiles hold every bit of it (see CpuQGemv.untile)
             if self.bias is not None:
                 self.packed_bias = plan.qkernel.tile_bias(self.bias.detach())
+            self._qcall = plan.qkernel.bind(
+                self.packed, self._packed_format, self.packed_bias, self.out_features
+            )
             return
         if self.weight.dtype != torch.float32:
             return
@@ -131,8 +135,8 @@ class Linear(nn.Linear):
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The native kernel over the packed tiles (``pack`` must have built them)."""
-        if isinstance(self.kernel, CpuQGemv) and self.packed is not None:
-            return self.kernel(x, self.packed, self._packed_format, self.packed_bias, self.out_features)
+        if self._qcall is not None:
+            return self._qcall(x)
         if self.kernel is None or self.packed is None:
             raise RuntimeError("kernel_forward on a layer that pack() gave no kernel")
         return self.kernel(x, self.packed, self.packed_bias, self.out_features)

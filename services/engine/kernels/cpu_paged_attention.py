@@ -45,6 +45,7 @@ def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-define
         _PTR, _I64, _PTR, _PTR,
         _I64, _I64, _I64, _I64, _I64,
         ctypes.c_float, ctypes.c_int,
+        _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
     ]  # fmt: skip
     return fn
 
@@ -56,9 +57,13 @@ def cpu_paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q ``[B, H, D]``, caches ``[NB, BS, KVH, D]`` (strided views; D contiguous), int64
-    ``block_tables [B, max_blocks]`` and ``context_lens [B]`` → ``[B, H, D]`` float32."""
+    ``block_tables [B, max_blocks]`` and ``context_lens [B]`` → ``[B, H, D]`` float32.
+
+    ``new_kv`` = (k and v ``[B, KVH, D]`` with D contiguous, int64 slot blocks ``[B]``, slot
+    offsets ``[B]``): write this step's K/V into the cache first, in the same call."""
     fn = load_cpu_attention()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel is not available")
@@ -67,8 +72,20 @@ def cpu_paged_decode_attention(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be float32 with a contiguous head dimension")
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = context_lens.to(torch.int64).contiguous()
+    tables, lens = _int64(block_tables), _int64(context_lens)
+    store: tuple[int | None, ...] = (None, 0, 0, None, 0, 0, None, None)
+    if new_kv is not None:
+        k, v, blocks, offsets = new_kv
+        if (
+            k.shape != (batch, kv_heads, head_dim) or v.shape != k.shape
+            or k.stride(-1) != 1 or v.stride(-1) != 1
+            or k.dtype != torch.float32 or v.dtype != torch.float32
+            or blocks.numel() != batch or offsets.numel() != batch
+        ):  # fmt: skip
+            raise ValueError("new K/V must be float32 [B, KVH, D], D contiguous, one slot per row")
+        blocks, offsets = _int64(blocks), _int64(offsets)
+        store = (k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+                 blocks.data_ptr(), offsets.data_ptr())  # fmt: skip
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
     fn(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -76,9 +93,13 @@ def cpu_paged_decode_attention(
         v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
         batch, heads, kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(),
+        scale, torch.get_num_threads(), *store,
     )  # fmt: skip
     return out
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -132,6 +153,32 @@ class CpuPagedAttention(TorchPagedAttention):
             rows=batches,
         )
 
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode step the kernel takes stores K/V and attends in one call."""
+        if meta.is_prefill or not self._kernel_takes(q, k_cache):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        return cpu_paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale,
+            new_kv=(k, v, meta.slot_blocks, meta.slot_offsets),
+        )  # fmt: skip
+
+    def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (
+            q.dtype == torch.float32
+            and k_cache.dtype == torch.float32
+            and self.regimes.kernel_for(q.shape[0])
+            and load_cpu_attention() is not None
+        )
+
     def decode(
         self,
         q: torch.Tensor,
@@ -140,12 +187,7 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if (
-            q.dtype != torch.float32
-            or k_cache.dtype != torch.float32
-            or not self.regimes.kernel_for(q.shape[0])
-            or load_cpu_attention() is None
-        ):
+        if not self._kernel_takes(q, k_cache):
             return super().decode(q, k_cache, v_cache, meta, scale)
         return cpu_paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale

@@ -165,28 +165,56 @@ class CpuQGemv:
         out_features: int,
     ) -> torch.Tensor:
         """``x`` ``[rows, in]`` float32 with unit column stride; returns ``[rows, out_features]``."""
+        return self.bind(packed, fmt, bias, out_features)(x)
+
+    def bind(
+        self, packed: torch.Tensor, fmt: str, bias: torch.Tensor | None, out_features: int
+    ) -> QGemvCall:
+        """One layer's call, its weight checked once (a decode step makes ~120 of them)."""
+        tiles, groups, block = packed.shape
+        if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
+            raise ValueError(f"{fmt} tiles {tuple(packed.shape)}: {out_features} outputs does not fit")
+        return QGemvCall(self._qgemv, FORMAT_CODES[fmt], packed, bias, groups * GROUP, out_features)
+
+
+class QGemvCall:
+    """``y = x @ W.T + b`` for one tiled weight: the kernel call with its weight's arguments
+    prepared; per call only the input is checked."""
+
+    __slots__ = ("_fn", "_format", "_packed", "_bias", "_weight_ptr", "_bias_ptr", "in_features",
+                 "out_features")  # fmt: skip
+
+    def __init__(
+        self,
+        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        format_code: int,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+    ) -> None:
+        self._fn, self._format = fn, format_code
+        self._packed, self._bias = packed, bias  # kept alive: the call holds their pointers
+        self._weight_ptr = packed.data_ptr()
+        self._bias_ptr = None if bias is None else bias.data_ptr()
+        self.in_features, self.out_features = in_features, out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"the CPU quantized matmul kernel takes float32 inputs, not {x.dtype}")
         rows, in_features = x.shape
-        tiles, groups, block = packed.shape
-        if (
-            groups * GROUP != in_features
-            or block != self.block_bytes.get(fmt)
-            or tiles * self.tile < out_features
-        ):
-            raise ValueError(
-                f"input [{rows}, {in_features}] does not fit {fmt} tiles {tuple(packed.shape)}"
-            )
+        if in_features != self.in_features:
+            raise ValueError(f"input [{rows}, {in_features}] does not fit a weight of "
+                             f"{self.in_features} inputs")  # fmt: skip
         if x.stride(1) != 1:
             x = x.contiguous()
-        y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
-        status = self._qgemv(
-            FORMAT_CODES[fmt], x.data_ptr(), x.stride(0), packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(),
-            rows, in_features, out_features, torch.get_num_threads(),
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = self._fn(
+            self._format, x.data_ptr(), x.stride(0), self._weight_ptr, self._bias_ptr,
+            y.data_ptr(), rows, in_features, self.out_features, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
-            raise MemoryError("the CPU quantized matmul kernel could not allocate its scratch tile")
+            raise MemoryError("the CPU quantized matmul kernel could not allocate its buffers")
         return y
 
 
