@@ -195,22 +195,23 @@ def _capture_logits(engine: LLMEngine) -> list[torch.Tensor]:
     return steps
 
 
-@pytest.fixture(scope="module")
-def smol_f32() -> tuple[LoadedModel, list[list[int]], list[torch.Tensor]]:
-    loaded = load_model("default", "float32")
+def _greedy_run(dtype: str) -> tuple[LoadedModel, list[list[int]], list[torch.Tensor]]:
+    """The default model as ``dtype``: greedy tokens for CHATS and the logits of every step."""
+    loaded = load_model("default", dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
     steps = _capture_logits(engine)
     outputs = engine.generate(CHATS, GREEDY)
     return loaded, [o.new_token_ids for o in outputs], steps
+
+
+@pytest.fixture(scope="module")
+def smol_f32() -> tuple[LoadedModel, list[list[int]], list[torch.Tensor]]:
+    return _greedy_run("float32")
 
 
 @pytest.fixture(scope="module")
 def smol_q4() -> tuple[LoadedModel, list[list[int]], list[torch.Tensor]]:
-    loaded = load_model("default", "q4")
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
-    steps = _capture_logits(engine)
-    outputs = engine.generate(CHATS, GREEDY)
-    return loaded, [o.new_token_ids for o in outputs], steps
+    return _greedy_run("q4")
 
 
 @pytest.mark.slow

@@ -57,13 +57,11 @@ class KVPool:
             dtype=getattr(torch, layout.dtype),
             device=device,
         )
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # K and V views per layer, made once: every step of every layer asks for them
+        self._layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(layout.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``
-        (made once: every step of every layer asks)."""
-        if not self._layers:
-            self._layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(self.data.shape[1])]
+        """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
         return self._layers[index]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:

@@ -32,22 +32,23 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * slot_offsets[b]): the step's store and attention in one call. */
 void tandem_paged_decode_attention(
     const float *q, int64_t q_sb, int64_t q_sh,
-    const float *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
-    const float *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+    float *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    float *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
     const int64_t *tables, int64_t t_sb, const int64_t *lens, float *out,
     int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
     float scale, int threads,
     const float *new_k, int64_t nk_sb, int64_t nk_sh,
-    const float *new_v, int64_t nv_sb, int64_t nv_sh, const int64_t *slot_blocks, const int64_t *slot_offsets) {
+    const float *new_v, int64_t nv_sb, int64_t nv_sh,
+    const int64_t *slot_blocks, const int64_t *slot_offsets) {
     const int64_t group = heads / kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         const int64_t b = task / kv_heads, kh = task % kv_heads, len = lens[b];
         if (new_k) {
             const int64_t block = slot_blocks[b], offset = slot_offsets[b];
-            memcpy((float *)k + block * k_sb + offset * k_ss + kh * k_sh,
+            memcpy(k + block * k_sb + offset * k_ss + kh * k_sh,
                    new_k + b * nk_sb + kh * nk_sh, (size_t)head_dim * sizeof(float));
-            memcpy((float *)v + block * v_sb + offset * v_ss + kh * v_sh,
+            memcpy(v + block * v_sb + offset * v_ss + kh * v_sh,
                    new_v + b * nv_sb + kh * nv_sh, (size_t)head_dim * sizeof(float));
         }
         float acc[group * head_dim], running_max[group], total[group], scores[group * block_size];

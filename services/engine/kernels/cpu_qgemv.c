@@ -97,18 +97,22 @@ DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 8)
 typedef void (*qrows_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *, float *,
                          int64_t, int64_t);
 
+/* Input i of a whole tile (every group block) as two float vectors. */
+static inline void dequant_input(int format, const uint8_t *tile, int64_t i, vec *w) {
+    if (format == FORMAT_Q4)
+        dequant_q4(tile + i / GROUP * Q4_BLOCK, (int)(i % GROUP), w);
+    else
+        dequant_q8(tile + i / GROUP * Q8_BLOCK, (int)(i % GROUP), w);
+}
+
 /* The whole tile as float32 [in, TILE] (the scratch path). */
 static void dequant_tile(int format, const uint8_t *w, int64_t in, float *out) {
-    for (int64_t g = 0; g < in / GROUP; g++)
-        for (int j = 0; j < GROUP; j++) {
-            vec wv[VECS];
-            if (format == FORMAT_Q4)
-                dequant_q4(w + g * Q4_BLOCK, j, wv);
-            else
-                dequant_q8(w + g * Q8_BLOCK, j, wv);
-            store_vec(out + (g * GROUP + j) * TILE, wv[0]);
-            store_vec(out + (g * GROUP + j) * TILE + LANES, wv[1]);
-        }
+    for (int64_t i = 0; i < in; i++) {
+        vec wv[VECS];
+        dequant_input(format, w, i, wv);
+        store_vec(out + i * TILE, wv[0]);
+        store_vec(out + i * TILE + LANES, wv[1]);
+    }
 }
 
 /* Bytes of one (tile, group) block, or -1 for an unknown format. */
@@ -127,15 +131,11 @@ int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, flo
     for (int64_t t = 0; t < n_tiles; t++) {
         const uint8_t *wt_tile = w + t * (in / GROUP) * block;
         const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-        for (int64_t g = 0; g < in / GROUP; g++)
-            for (int j = 0; j < GROUP; j++) {
-                vec wv[VECS];
-                if (format == FORMAT_Q4)
-                    dequant_q4(wt_tile + g * block, j, wv);
-                else
-                    dequant_q8(wt_tile + g * block, j, wv);
-                store_cols(wt + (g * GROUP + j) * out + t * TILE, wv, cols);
-            }
+        for (int64_t i = 0; i < in; i++) {
+            vec wv[VECS];
+            dequant_input(format, wt_tile, i, wv);
+            store_cols(wt + i * out + t * TILE, wv, cols);
+        }
     }
     return 0;
 }

@@ -173,7 +173,7 @@ class CpuQGemv:
         """One layer's call, its weight checked once (a decode step makes ~120 of them)."""
         tiles, groups, block = packed.shape
         if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
-            raise ValueError(f"{fmt} tiles {tuple(packed.shape)}: {out_features} outputs does not fit")
+            raise ValueError(f"a {fmt} weight of {out_features} outputs does not fit tiles {tuple(packed.shape)}")
         return QGemvCall(self._qgemv, FORMAT_CODES[fmt], packed, bias, groups * GROUP, out_features)
 
 
