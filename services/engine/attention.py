@@ -106,6 +106,11 @@ class PagedAttention(ABC):
         Returns: ``[T, H, D]`` attention output for the new tokens.
         """
 
+    def native_decode(self, batch: int) -> bool:
+        """Whether a float32 decode step of ``batch`` sequences runs the native C kernel (which a
+        whole-layer C step can then call directly); False for backends without one."""
+        return False
+
 
 class TorchPagedAttention(PagedAttention):
     """Reference path: gather each sequence's blocks and call ``scaled_dot_product_attention``.

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.kernels.autotune import KernelRegimes, choose_regimes
+from services.engine.kernels.cpu_decode_layers import LinearTiles
 from services.engine.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
 from services.engine.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
 from services.engine.quant.quantized_weight import QuantizedWeight
@@ -148,6 +149,13 @@ class Linear(nn.Linear):
         if self.weight.numel():
             return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.dequantized_weight(), self.bias)
+
+    def kernel_tiles(self, rows: int) -> LinearTiles | None:
+        """This layer's kernel tiles, when ``rows`` rows run its native kernel (else ``None``)."""
+        if self.packed is None or self.kernel is None or not self.regimes.kernel_for(rows):
+            return None
+        return LinearTiles(self._packed_format, self.packed, self.packed_bias, self.in_features,
+                           self.out_features)  # fmt: skip
 
     @property
     def has_quantized_tiles(self) -> bool:

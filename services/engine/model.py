@@ -9,7 +9,11 @@ checkpoint's weights), and the per-token path calls submodules' ``forward`` dire
 per-op Python overhead. For the same reason, decode-sized float32 batches on CPU run the residual
 add + RMSNorm, ``silu(gate) * up`` and the rotary embedding as one fused C call each when the
 native kernels are here (:mod:`services.engine.kernels.cpu_fused`, set by the model runner with
-:meth:`LlamaForCausalLM.use_fused`); the PyTorch ops below stay the reference.
+:meth:`LlamaForCausalLM.use_fused`); the PyTorch ops below stay the reference. Going one step
+further, a decode step of a few sequences whose every op has a native kernel can run all its
+decoder layers as one C call (:meth:`LlamaForCausalLM.use_decode_layers`,
+:mod:`services.engine.kernels.cpu_decode_layers`): the same kernels in the same order, so the same
+bits, without ~10 Python-level calls per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ from torch import nn
 
 from services.engine.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from services.engine.embedding import Embedding
-from services.engine.kernels.cpu_fused import CpuFused
+from services.engine.kernels.autotune import KernelRegimes
+from services.engine.kernels.cpu_decode_layers import (
+    CpuDecodeLayers,
+    DecodeLayersCall,
+    DecodeShape,
+    LayerWeights,
+)
+from services.engine.kernels.cpu_fused import MAX_ROWS, CpuFused
 from services.engine.kv_cache import KVPool
 from services.engine.linear import Linear
 from services.engine.model_config import ModelConfig
@@ -155,6 +166,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.decode_layers: DecodeLayersCall | None = None
+        self.decode_layers_rows = 0  # decode batches of up to this many sequences may use it
+        # per batch size, whether the one-call layers beat the per-op path (the runner measures)
+        self.decode_layers_regimes = KernelRegimes(rows=(1, MAX_ROWS), use_kernel=(True, True))
 
     def forward(
         self,
@@ -166,16 +181,76 @@ class LlamaForCausalLM(nn.Module):
         """Run ``[T]`` flattened tokens; return final hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
+        rows = x.shape[0]
+        call = self.decode_layers
+        if (
+            call is not None
+            and not meta.is_prefill
+            and rows <= self.decode_layers_rows
+            and self.decode_layers_regimes.kernel_for(rows)
+        ):
+            if call.caches_of is not kv:
+                call.set_caches([kv.layer(i) for i in range(len(self.layers))], kv)
+            x = call(
+                x.contiguous(), rope[0].view(rows, -1), rope[1].view(rows, -1), meta.block_tables,
+                meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets,
+            )  # fmt: skip
+            return self.norm(x)
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(index)
             x = layer.forward(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
     def use_fused(self, fused: CpuFused | None) -> None:
-        """Run decode-sized float32 batches through ``fused`` ops (``None``: PyTorch ops only)."""
+        """Run decode-sized float32 batches through ``fused`` ops (``None``: PyTorch ops only,
+        which also turns the one-call decode layers off: they compute the fused ops)."""
         for layer in self.layers:
             layer.fused = layer.self_attn.fused = layer.mlp.fused = fused
+        if fused is None:
+            self.use_decode_layers(None)
+
+    def use_decode_layers(self, kernel: CpuDecodeLayers | None) -> int:
+        """Run float32 decode steps of up to N sequences through ``kernel``, all layers in one
+        call, where every op of a layer has chosen its native kernel for that batch size (the
+        fused ops too: :meth:`use_fused` first). Returns N (0: never; ``None`` turns it off)."""
+        self.decode_layers, self.decode_layers_rows = None, 0
+        if kernel is None or not self.layers:
+            return 0
+        rows, weights = 0, None
+        for n in range(1, MAX_ROWS + 1):
+            layers = [_layer_weights(layer, n) for layer in self.layers]
+            if any(w is None for w in layers):
+                break
+            rows, weights = n, [w for w in layers if w is not None]
+        if not rows or weights is None:
+            return 0
+        config = self.config
+        shape = DecodeShape(
+            hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size,
+            eps=self.layers[0].input_layernorm.eps, scale=self.layers[0].self_attn.scale,
+        )  # fmt: skip
+        self.decode_layers, self.decode_layers_rows = kernel.bind(shape, weights), rows
+        return rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
         return self.lm_head(hidden).float()
+
+
+def _layer_weights(layer: DecoderLayer, rows: int) -> LayerWeights | None:
+    """What the one-call decode layers need from ``layer`` for ``rows`` rows, or ``None`` when
+    some op of it would not run its native kernel there."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if (
+        layer.fused is None or attn.fused is None or mlp.fused is None or rows > MAX_ROWS
+        or not attn.backend.native_decode(rows)
+    ):  # fmt: skip
+        return None
+    tiles = [attn.qkv_proj.kernel_tiles(rows), attn.o_proj.kernel_tiles(rows),
+             mlp.gate_up_proj.kernel_tiles(rows), mlp.down_proj.kernel_tiles(rows)]  # fmt: skip
+    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+    if any(t is None for t in tiles) or any(n.dtype != torch.float32 for n in norms):
+        return None
+    qkv, o, gate_up, down = (t for t in tiles if t is not None)
+    return LayerWeights(norms[0].contiguous(), norms[1].contiguous(), qkv, o, gate_up, down)

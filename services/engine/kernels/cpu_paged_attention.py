@@ -171,6 +171,9 @@ class CpuPagedAttention(TorchPagedAttention):
             new_kv=(k, v, meta.slot_blocks, meta.slot_offsets),
         )  # fmt: skip
 
+    def native_decode(self, batch: int) -> bool:
+        return self.regimes.kernel_for(batch) and load_cpu_attention() is not None
+
     def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return (
             q.dtype == torch.float32

@@ -158,12 +158,13 @@ def _compiler_version(cc: str) -> str:
 
 def build_library(source: Path, isa: str | None = None) -> Path:
     """Compile ``source`` for ``isa`` (default :func:`selected_isa`), or reuse the cached build,
-    and return the shared library's path. Headers beside the source are part of the cache key."""
+    and return the shared library's path. Every C source and header beside ``source`` is part of
+    the cache key (a kernel may include another's source: cpu_decode_layers.c)."""
     isa = isa or selected_isa()
     cc = find_compiler()
     openmp = loaded_openmp_runtime()
     flags = [*CFLAGS, *isa_flags(isa)]
-    headers = [p.read_text() for p in sorted(source.parent.glob("*.h"))]
+    headers = [p.read_text() for p in sorted(source.parent.glob("*.[ch]")) if p != source]
     key = hashlib.sha256(
         "\0".join(
             [source.read_text(), *headers, cc, _compiler_version(cc), " ".join(flags),

@@ -1,0 +1,94 @@
+/* Every decoder layer of a float32 decode step in one call, for CPUs.
+ *
+ * At batch-1 decode of a small model the kernels themselves are fast and the step is dominated by
+ * what happens between them: a layer is about ten PyTorch ops and kernel calls from Python (norm,
+ * projection, rotary, attention with the K/V store, projection, norm, projection, SwiGLU,
+ * projection, residual add), each a few microseconds of interpreter, argument conversion and
+ * tensor allocation, times thirty layers. This entry point runs the same kernels in the same
+ * order from C, so the step pays that once instead of ~300 times.
+ *
+ * It is a unity build of the kernels it chains (the files below), so it computes exactly what the
+ * per-op path computes, bit for bit: the same matmul chains (cpu_gemv.c / cpu_qgemv.c), the same
+ * fused norm, SwiGLU and rotary loops (cpu_fused.c), the same attention and K/V store
+ * (cpu_paged_attention.c), and the same residual adds in the same order.
+ */
+#include <stdlib.h>
+
+#include "cpu_fused.c"
+#include "cpu_gemv.c"
+#include "cpu_paged_attention.c"
+#include "cpu_qgemv.c"
+
+enum { FORMAT_FLOAT32 = -1 };
+
+/* One projection: float32 tiles (cpu_gemv.c) or quantized tiles (cpu_qgemv.c's format codes). */
+typedef struct {
+    int64_t format;
+    const void *weight;
+    const float *bias; /* padded to whole tiles, or NULL */
+    int64_t in, out;
+} tandem_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] RMSNorm weights */
+    tandem_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
+} tandem_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; /* cache strides, the same for every layer */
+    float eps, scale;
+} tandem_decode_shape;
+
+static int linear(const tandem_linear *l, const float *x, float *y, int64_t rows, int threads) {
+    if (l->format == FORMAT_FLOAT32) {
+        tandem_gemv(x, l->in, (const float *)l->weight, l->bias, y, rows, l->in, l->out, threads);
+        return 0;
+    }
+    return tandem_qgemv((int)l->format, x, l->in, (const uint8_t *)l->weight, l->bias, y, rows,
+                        l->in, l->out, threads);
+}
+
+/* x [rows, hidden] contiguous: the residual stream entering layer 0, replaced by the stream
+ * leaving the last layer (before the final norm). cos / sin [rows, head_dim] (rope.py's tables);
+ * tables [rows, *] (row stride t_sb), lens, slot_blocks, slot_offsets [rows] int64: the decode
+ * step's attention metadata (one new token per sequence). Returns 0, or -1 when the step's buffer
+ * can't be allocated or a matmul fails (an unknown format, or no memory for its scratch). */
+int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layers,
+                         int64_t n_layers, float *x, int64_t rows, const float *cos,
+                         const float *sin, const int64_t *tables, int64_t t_sb,
+                         const int64_t *lens, const int64_t *slot_blocks,
+                         const int64_t *slot_offsets, int threads) {
+    const int64_t hidden = s->hidden, d = s->head_dim;
+    const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
+    const int64_t qkv_out = q_size + 2 * kv_size;
+    const size_t floats = (size_t)rows * (size_t)(3 * hidden + qkv_out + q_size + 3 * s->intermediate);
+    float *buffer = malloc(floats * sizeof(float));
+    if (!buffer) return -1;
+    float *normed = buffer, *h = normed + rows * hidden, *stream = h + rows * hidden;
+    float *qkv = stream + rows * hidden, *attn = qkv + rows * qkv_out;
+    float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * s->intermediate;
+    int status = 0;
+    for (int64_t index = 0; index < n_layers; index++) {
+        const tandem_layer *l = &layers[index];
+        tandem_add_rmsnorm(x, NULL, NULL, l->input_norm, normed, rows, hidden, s->eps);
+        if ((status = linear(&l->qkv, normed, qkv, rows, threads))) break;
+        /* q and k heads are adjacent in the fused projection: rotate both in one pass */
+        tandem_rope(qkv, qkv_out, cos, sin, rows, s->heads + s->kv_heads, d);
+        tandem_paged_decode_attention(
+            qkv, qkv_out, d, l->k_cache, s->k_sb, s->k_ss, s->k_sh, l->v_cache, s->v_sb, s->v_ss,
+            s->v_sh, tables, t_sb, lens, attn, rows, s->heads, s->kv_heads, d, s->block_size,
+            s->scale, threads, qkv + q_size, qkv_out, d, qkv + q_size + kv_size, qkv_out, d,
+            slot_blocks, slot_offsets);
+        if ((status = linear(&l->o, attn, h, rows, threads))) break;
+        /* stream = x + h (the post-attention residual), normed = RMSNorm(stream) */
+        tandem_add_rmsnorm(x, h, stream, l->post_norm, normed, rows, hidden, s->eps);
+        if ((status = linear(&l->gate_up, normed, gate_up, rows, threads))) break;
+        tandem_silu_mul(gate_up, act, rows, s->intermediate);
+        if ((status = linear(&l->down, act, h, rows, threads))) break;
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] = stream[i] + h[i];
+    }
+    free(buffer);
+    return status;
+}

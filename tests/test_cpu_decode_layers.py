@@ -1,0 +1,186 @@
+"""All decoder layers of a decode step in one C call: the same bits as the per-op kernel path
+(hidden states and the K/V it stores), on every instruction set the machine runs, for float32
+and quantized weights; used only where every op of a layer chose its kernel; measured against the
+per-op path at load, so a slower one never runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.attention import AttentionMetadata
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.kernels import (
+    autotune,
+    cpu_decode_layers,
+    cpu_fused,
+    cpu_gemv,
+    cpu_paged_attention,
+    cpu_qgemv,
+)
+from services.engine.kernels.autotune import KernelRegimes
+from services.engine.kernels.cpu_decode_layers import DecodeLayersCall, load_cpu_decode_layers
+from services.engine.kernels.native_build import supported_isas
+from services.engine.linear import Linear
+from services.engine.loaders import LoadedModel, load_model
+from tests.conftest import native_kernel_or_skip
+
+CONTEXTS = [5, 17, 33, 2, 40, 16, 9, 64]  # one per sequence: partial and whole blocks
+
+
+def _clear_loaders() -> None:
+    for loader in (cpu_gemv.load_cpu_gemv, cpu_qgemv.load_cpu_qgemv,
+                   cpu_paged_attention.load_cpu_attention, cpu_fused.load_cpu_fused,
+                   cpu_decode_layers.load_cpu_decode_layers):  # fmt: skip
+        loader.cache_clear()
+
+
+@pytest.fixture(params=supported_isas())
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
+    _clear_loaders()
+    yield request.param
+    monkeypatch.delenv("TANDEM_CPU_ISA")
+    _clear_loaders()
+
+
+def _engine_with_every_kernel(tiny_llama_dir: Path, dtype: str) -> tuple[LoadedModel, LLMEngine]:
+    """The tiny model packed for the native kernels, every op forced onto its kernel (whatever
+    this machine's timings chose), the one-call layers bound for up to 8 rows."""
+    loaded = load_model(str(tiny_llama_dir), dtype)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    model = loaded.model
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.regimes = KernelRegimes()
+    for layer in model.layers:
+        layer.self_attn.backend.regimes = KernelRegimes()
+    assert model.use_decode_layers(load_cpu_decode_layers()) == 8
+    return loaded, engine
+
+
+def _decode_step(loaded: LoadedModel, engine: LLMEngine, rows: int, native: bool) -> torch.Tensor:
+    """One decode step of ``rows`` sequences (contexts ``CONTEXTS``) over the pool as it is."""
+    model = loaded.model
+    model.decode_layers_regimes = KernelRegimes(rows=(1, 8), use_kernel=(native, native))
+    block_size = engine.kv.layout.block_size
+    tables = [[1 + 4 * i + j for j in range(-(-CONTEXTS[i] // block_size))] for i in range(rows)]
+    meta = AttentionMetadata.build(
+        is_prefill=False, query_lens=[1] * rows, context_lens=CONTEXTS[:rows],
+        block_tables=tables, block_size=block_size,
+    )  # fmt: skip
+    ids = torch.arange(rows) * 7 + 3
+    positions = torch.tensor(CONTEXTS[:rows]) - 1
+    with torch.inference_mode():
+        return model(ids, positions, engine.kv, meta)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q8_0"])
+def test_one_call_equals_the_per_op_path_bit_for_bit(
+    isa: str, dtype: str, tiny_llama_dir: Path
+) -> None:
+    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, dtype)
+    call = loaded.model.decode_layers
+    assert call is not None and call.isa == isa
+    assert {t.format for t in call.tiles()} == {dtype}
+    torch.manual_seed(0)
+    pool = engine.kv.data
+    with torch.inference_mode():
+        pool.normal_()
+    start = pool.clone()
+    for rows in (1, 3, 8):
+        pool.copy_(start)
+        per_op = _decode_step(loaded, engine, rows, native=False)
+        stored = pool.clone()
+        pool.copy_(start)
+        one_call = _decode_step(loaded, engine, rows, native=True)
+        assert torch.equal(one_call, per_op), rows
+        assert torch.equal(pool, stored), rows  # the same K/V written into the same slots
+        assert not torch.equal(stored, start)
+
+
+def test_the_engine_decodes_the_same_tokens_through_it(tiny_llama_dir: Path) -> None:
+    from services.common.sampling_params import SamplingParams
+
+    native_kernel_or_skip()
+    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, "float32")
+    calls = 0
+    real = DecodeLayersCall.__call__
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return real(self, *args)
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    tokens = {}
+    for native in (True, False):
+        loaded.model.decode_layers_regimes = KernelRegimes(rows=(1, 8), use_kernel=(native, native))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DecodeLayersCall, "__call__", counted)
+            tokens[native] = [out.new_token_ids for out in engine.generate(prompts, params)]
+        assert (calls > 0) == native
+        calls = 0
+    assert tokens[True] == tokens[False] and all(len(t) == 10 for t in tokens[True])
+
+
+def test_it_runs_only_where_every_op_chose_its_kernel(tiny_llama_dir: Path) -> None:
+    native_kernel_or_skip()
+    loaded, _ = _engine_with_every_kernel(tiny_llama_dir, "float32")
+    model, kernel = loaded.model, load_cpu_decode_layers()
+    for layer in model.layers:  # attention measured slower than torch from 8 sequences on
+        layer.self_attn.backend.regimes = KernelRegimes(rows=(1, 8), use_kernel=(True, False))
+    assert model.use_decode_layers(kernel) == 1
+    model.layers[-1].mlp.down_proj.regimes = KernelRegimes(use_kernel=(False, True, True, True))
+    assert model.use_decode_layers(kernel) == 0 and model.decode_layers is None
+    model.layers[-1].mlp.down_proj.regimes = KernelRegimes()
+    assert model.use_decode_layers(kernel) == 1
+    model.use_fused(None)  # the one call computes the fused ops: off with them
+    assert model.decode_layers is None and model.decode_layers_rows == 0
+
+
+def test_a_slower_one_call_loses_to_the_per_op_path(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # measured now, not read from a cache
+    monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
+    real = DecodeLayersCall.__call__
+
+    def slow(self, *args):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return real(self, *args)
+
+    monkeypatch.setattr(DecodeLayersCall, "__call__", slow)
+    loaded = load_model(str(tiny_llama_dir), "float32")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    model = loaded.model
+    if not model.decode_layers_rows:
+        pytest.skip("no op of this model chose its kernel here: nothing to bind")
+    regimes = model.decode_layers_regimes
+    assert regimes.measured and not any(regimes.use_kernel), regimes
+    assert not engine.kv.data.any()  # the timed steps' K/V are gone
+    assert list(tmp_path.glob("kernels/autotune-*.json"))  # the decision is kept
+
+
+def test_bad_bindings_are_refused(tiny_llama_dir: Path) -> None:
+    native_kernel_or_skip()
+    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, "float32")
+    call = loaded.model.decode_layers
+    assert call is not None
+    caches = [engine.kv.layer(i) for i in range(len(loaded.model.layers))]
+    with pytest.raises(ValueError, match="cache pairs"):
+        call.set_caches(caches[:-1], engine.kv)
+    with pytest.raises(ValueError, match="float32 views"):
+        call.set_caches([(k.double(), v) for k, v in caches], engine.kv)
+    fresh = load_cpu_decode_layers()
+    assert fresh is not None
+    unbound = DecodeLayersCall(call._fn, call._decode_shape, call._layers_py, call.isa, call.build)
+    with pytest.raises(RuntimeError, match="set_caches"):
+        unbound(torch.zeros(1, 64), *[torch.zeros(1, 16)] * 2, *[torch.zeros(1, dtype=torch.long)] * 4)
