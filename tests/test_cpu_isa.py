@@ -108,6 +108,22 @@ def test_quantized_kernel_equals_float32_kernel_bit_for_bit(isa: str, fmt: str) 
         assert torch.allclose(got - b, reference, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+@pytest.mark.parametrize("out", [60, 70])  # an even / odd tile count: the last pair is partial or single
+def test_one_row_tile_pairs_equal_the_float32_kernel(isa: str, fmt: str, out: int) -> None:
+    gemv, qgemv = _kernels(isa)
+    weight = _weights()[fmt]
+    weight = QuantizedWeight(fmt, weight.qs[:out], weight.scales[:out],
+                             None if weight.mins is None else weight.mins[:out])  # fmt: skip
+    packed, tiled = qgemv.tile_weight(weight), gemv.tile_weight(weight.dequantize())
+    torch.manual_seed(6)
+    x, b = torch.randn(1, IN), torch.randn(out)
+    for bias in (None, b):
+        expected = gemv(x, tiled, None if bias is None else gemv.tile_bias(bias), out)
+        got = qgemv(x, packed, fmt, None if bias is None else qgemv.tile_bias(bias), out)
+        assert got.shape == (1, out) and torch.equal(got, expected)
+
+
 def test_rows_do_not_depend_on_batch_mates(isa: str) -> None:
     """One row alone (register path) equals that row among 11 (scratch path for 4-bit/8-bit)."""
     gemv, qgemv = _kernels(isa)

@@ -16,7 +16,7 @@
  *   q8_0: float scale[TILE], int8 q[32][TILE]
  *
  * A few rows (decode) dequantize each weight vector in registers and feed it to every row of the
- * block. More rows than one register block (batched decode, prefill) dequantize a tile once into
+ * block; a single row takes two tiles at a time, for enough independent accumulators. More rows than one register block (batched decode, prefill) dequantize a tile once into
  * a per-thread float32 scratch tile and run cpu_gemv's micro-kernel over all rows, so the
  * conversion is paid once per tile, not once per row block. Both paths run the same multiply-add
  * chain as tandem_tile_rows.h: a row's result is the same bits whatever its batch mates, and the
@@ -94,6 +94,47 @@ DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 8)
 DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 8)
 #endif
 
+/* One row over two tiles at once: the same chain per output as NAME##_rows_1, with twice the
+ * independent accumulators. A single row has only VECS of them per tile, too few to hide the
+ * multiply-add latency (AVX2 waits on it); two tiles' worth keep the vector units busy. */
+#define DEFINE_QTILE_PAIR(NAME, BLOCK, DEQUANT)                                                   \
+    static void NAME##_pair_1(const float *x, const uint8_t *w0, const uint8_t *w1, int64_t in,  \
+                              const float *b0, const float *b1, float *y0, float *y1,            \
+                              int64_t cols1) {                                                    \
+        vec acc[2][VECS];                                                                         \
+        for (int c = 0; c < VECS; c++) {                                                          \
+            acc[0][c] = b0 ? load_vec(b0 + c * LANES) : (vec){0};                                 \
+            acc[1][c] = b1 ? load_vec(b1 + c * LANES) : (vec){0};                                 \
+        }                                                                                         \
+        for (int64_t i0 = 0; i0 < in; i0 += KBLOCK) {                                             \
+            const int64_t i1 = i0 + KBLOCK < in ? i0 + KBLOCK : in;                               \
+            vec part[2][VECS];                                                                    \
+            for (int c = 0; c < VECS; c++) part[0][c] = part[1][c] = (vec){0};                    \
+            for (int64_t g = i0 / GROUP; g < i1 / GROUP; g++) {                                   \
+                const uint8_t *block0 = w0 + g * BLOCK, *block1 = w1 + g * BLOCK;                 \
+                for (int j = 0; j < GROUP; j++) {                                                 \
+                    vec wv0[VECS], wv1[VECS];                                                     \
+                    DEQUANT(block0, j, wv0);                                                      \
+                    DEQUANT(block1, j, wv1);                                                      \
+                    const float xv = x[g * GROUP + j];                                            \
+                    for (int c = 0; c < VECS; c++) {                                              \
+                        part[0][c] += xv * wv0[c];                                                \
+                        part[1][c] += xv * wv1[c];                                                \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int c = 0; c < VECS; c++) {                                                      \
+                acc[0][c] += part[0][c];                                                          \
+                acc[1][c] += part[1][c];                                                          \
+            }                                                                                     \
+        }                                                                                         \
+        store_cols(y0, acc[0], TILE);                                                             \
+        store_cols(y1, acc[1], cols1);                                                            \
+    }
+
+DEFINE_QTILE_PAIR(q4, Q4_BLOCK, dequant_q4)
+DEFINE_QTILE_PAIR(q8, Q8_BLOCK, dequant_q8)
+
 typedef void (*qrows_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *, float *,
                          int64_t, int64_t);
 
@@ -161,6 +202,7 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
 #endif
     };
     const int scratch = rows > ROW_BLOCK;
+    const int64_t step = rows == 1 ? 2 : 1; /* one row: tiles in pairs (q4_pair_1, q8_pair_1) */
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -170,11 +212,17 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < n_tiles; t++) {
+        for (int64_t t = 0; t < n_tiles; t += step) {
             const uint8_t *wt = w + t * (in / GROUP) * block;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             float *yt = y + t * TILE;
+            if (rows == 1 && t + 1 < n_tiles) { /* a tile pair: this one is whole */
+                const int64_t cols1 = out - (t + 1) * TILE < TILE ? out - (t + 1) * TILE : TILE;
+                (q4 ? q4_pair_1 : q8_pair_1)(x, wt, wt + (in / GROUP) * block, in, bt,
+                                             bias ? bt + TILE : NULL, yt, yt + TILE, cols1);
+                continue;
+            }
             if (scratch) {
                 if (!tile) continue;
                 dequant_tile(format, wt, in, tile);
