@@ -68,11 +68,7 @@ from bench.llama_cpp_baseline import (  # noqa: E402
 from services.common.model_source import ModelSource, resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from services.engine.kernels.cpu_decode_layers import load_cpu_decode_layers  # noqa: E402
-from services.engine.kernels.cpu_fused import load_cpu_fused  # noqa: E402
-from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
-from services.engine.kernels.cpu_paged_attention import load_cpu_attention  # noqa: E402
-from services.engine.kernels.cpu_qgemv import load_cpu_qgemv  # noqa: E402
+from services.engine.kernels.loaded import forget_loaded_kernels  # noqa: E402
 from services.engine.kernels.native_build import (  # noqa: E402
     ISAS,
     NativeBuildError,
@@ -197,9 +193,7 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
 
 def _clear_kernel_caches() -> None:
     """Forget the loaded kernels, so the next load reads ``TANDEM_CPU_*`` again."""
-    for loader in (load_cpu_gemv, load_cpu_qgemv, load_cpu_attention, load_cpu_fused,
-                   load_cpu_decode_layers):
-        loader.cache_clear()
+    forget_loaded_kernels()
 
 
 @contextmanager

@@ -14,16 +14,10 @@ import torch
 
 from services.engine.attention import AttentionMetadata
 from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.kernels import (
-    autotune,
-    cpu_decode_layers,
-    cpu_fused,
-    cpu_gemv,
-    cpu_paged_attention,
-    cpu_qgemv,
-)
+from services.engine.kernels import autotune
 from services.engine.kernels.autotune import KernelRegimes
 from services.engine.kernels.cpu_decode_layers import DecodeLayersCall, load_cpu_decode_layers
+from services.engine.kernels.loaded import forget_loaded_kernels
 from services.engine.kernels.native_build import supported_isas
 from services.engine.linear import Linear
 from services.engine.loaders import LoadedModel, load_model
@@ -32,21 +26,14 @@ from tests.conftest import native_kernel_or_skip
 CONTEXTS = [5, 17, 33, 2, 40, 16, 9, 64]  # one per sequence: partial and whole blocks
 
 
-def _clear_loaders() -> None:
-    for loader in (cpu_gemv.load_cpu_gemv, cpu_qgemv.load_cpu_qgemv,
-                   cpu_paged_attention.load_cpu_attention, cpu_fused.load_cpu_fused,
-                   cpu_decode_layers.load_cpu_decode_layers):  # fmt: skip
-        loader.cache_clear()
-
-
 @pytest.fixture(params=supported_isas())
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CPU_ISA", request.param)
-    _clear_loaders()
+    forget_loaded_kernels()
     yield request.param
     monkeypatch.delenv("TANDEM_CPU_ISA")
-    _clear_loaders()
+    forget_loaded_kernels()
 
 
 def _engine_with_every_kernel(tiny_llama_dir: Path, dtype: str) -> tuple[LoadedModel, LLMEngine]:
@@ -179,8 +166,6 @@ def test_bad_bindings_are_refused(tiny_llama_dir: Path) -> None:
         call.set_caches(caches[:-1], engine.kv)
     with pytest.raises(ValueError, match="float32 views"):
         call.set_caches([(k.double(), v) for k, v in caches], engine.kv)
-    fresh = load_cpu_decode_layers()
-    assert fresh is not None
     unbound = DecodeLayersCall(call._fn, call._decode_shape, call._layers_py, call.isa, call.build)
     with pytest.raises(RuntimeError, match="set_caches"):
         unbound(torch.zeros(1, 64), *[torch.zeros(1, 16)] * 2, *[torch.zeros(1, dtype=torch.long)] * 4)

@@ -216,14 +216,12 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layers, self.decode_layers_rows = None, 0
         if kernel is None or not self.layers:
             return 0
-        rows, weights = 0, None
-        for n in range(1, MAX_ROWS + 1):
-            layers = [_layer_weights(layer, n) for layer in self.layers]
-            if any(w is None for w in layers):
-                break
-            rows, weights = n, [w for w in layers if w is not None]
-        if not rows or weights is None:
+        rows = 0
+        while rows < MAX_ROWS and all(_all_native(layer, rows + 1) for layer in self.layers):
+            rows += 1
+        if not rows:
             return 0
+        weights = [_layer_weights(layer) for layer in self.layers]
         config = self.config
         shape = DecodeShape(
             hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
@@ -238,19 +236,24 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def _layer_weights(layer: DecoderLayer, rows: int) -> LayerWeights | None:
-    """What the one-call decode layers need from ``layer`` for ``rows`` rows, or ``None`` when
-    some op of it would not run its native kernel there."""
+def _all_native(layer: DecoderLayer, rows: int) -> bool:
+    """Whether every op of ``layer`` runs its native kernel for ``rows`` rows."""
     attn, mlp = layer.self_attn, layer.mlp
-    if (
-        layer.fused is None or attn.fused is None or mlp.fused is None or rows > MAX_ROWS
-        or not attn.backend.native_decode(rows)
-    ):  # fmt: skip
-        return None
-    tiles = [attn.qkv_proj.kernel_tiles(rows), attn.o_proj.kernel_tiles(rows),
-             mlp.gate_up_proj.kernel_tiles(rows), mlp.down_proj.kernel_tiles(rows)]  # fmt: skip
-    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
-    if any(t is None for t in tiles) or any(n.dtype != torch.float32 for n in norms):
-        return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return (
+        layer.fused is not None and attn.fused is not None and mlp.fused is not None
+        and rows <= MAX_ROWS and attn.backend.native_decode(rows)
+        and all(linear.kernel_tiles(rows) is not None for linear in linears)
+        and all(norm.dtype == torch.float32 for norm in norms)
+    )  # fmt: skip
+
+
+def _layer_weights(layer: DecoderLayer) -> LayerWeights:
+    """What the one-call decode layers read of ``layer`` (checked by :func:`_all_native`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    tiles = [linear.kernel_tiles(1) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                   mlp.down_proj)]  # fmt: skip
     qkv, o, gate_up, down = (t for t in tiles if t is not None)
+    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
     return LayerWeights(norms[0].contiguous(), norms[1].contiguous(), qkv, o, gate_up, down)

@@ -89,7 +89,6 @@ class ModelRunner:
         states = [item.seq.sampling for item in batch.items if item.sample]
         return self.sampler(logits, states)
 
-
     TUNE_CONTEXT = 128  # tokens each timed sequence attends to
 
     def _tune_decode_layers(self, max_rows: int) -> None:

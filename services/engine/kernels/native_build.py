@@ -164,10 +164,10 @@ def build_library(source: Path, isa: str | None = None) -> Path:
     cc = find_compiler()
     openmp = loaded_openmp_runtime()
     flags = [*CFLAGS, *isa_flags(isa)]
-    headers = [p.read_text() for p in sorted(source.parent.glob("*.[ch]")) if p != source]
+    beside = [p.read_text() for p in sorted(source.parent.glob("*.[ch]")) if p != source]
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), *headers, cc, _compiler_version(cc), " ".join(flags),
+            [source.read_text(), *beside, cc, _compiler_version(cc), " ".join(flags),
              _cpu_flags(), str(openmp)]
         ).encode()
     ).hexdigest()[:16]
