@@ -6,25 +6,28 @@
  * multiply-adds; activations stay float32 (no activation quantization).
  *
  * Both formats keep GGUF's groups of 32 inputs with one scale (and for 4-bit one offset) per
- * output feature and group: w[o, i] = q[o, i] * scale[o, g] + min[o, g], g = i / 32, computed as
- * one fused multiply-add, which is exact for every GGUF format (see quantized_weight.py), so the
- * floats are bit for bit gguf's dequantization. Tiled like cpu_gemv.c, TILE output features at a
- * time, each (tile, group) one contiguous block:
+ * output feature and group: w[o, i] = q[o, i] * scale[o, g] + min[o, g], g = i / 32. Tiled like
+ * cpu_gemv.c, TILE output features at a time, each (tile, group) one contiguous block:
  *
  *   q4:   float scale[TILE], float min[TILE], uint8 q[32][TILE / 2]   byte c of an input row holds
  *         column c in its low nibble and column c + TILE / 2 in its high nibble
  *   q8_0: float scale[TILE], int8 q[32][TILE]
  *
- * A few rows (decode) dequantize each weight vector in registers and feed it to every row of the
- * block; a single row takes two tiles at a time, for enough independent accumulators. More rows than one register block (batched decode, prefill) dequantize a tile once into
- * a per-thread float32 scratch tile and run cpu_gemv's micro-kernel over all rows, so the
- * conversion is paid once per tile, not once per row block. Both paths run the same multiply-add
- * chain as tandem_tile_rows.h: a row's result is the same bits whatever its batch mates, and the
- * same bits as the float32 kernel over the dequantized weight.
+ * The scale and offset are factored out of each group, as llama.cpp does:
+ *   y[o] = bias[o] + sum_g (scale[o, g] * sum_j x[j] q[o, j] + min[o, g] * sum_j x[j])
+ * so a weight costs its integer-to-float conversion and one multiply-add (not two), and the input
+ * sums are computed once per row and group. Activations stay float32 (no activation quantization).
+ *
+ * A few rows (decode) convert each weight vector in registers and feed it to every row of the
+ * block; a single row takes two tiles at a time, for enough independent accumulators. More rows
+ * than one register block (batched decode, prefill) convert a tile once into a per-thread float32
+ * scratch tile of integer values, so the conversion is paid once per tile, not once per row block.
+ * Both paths run the same multiply-add chain per output (DEFINE_QROWS): a row's result is the same
+ * bits whatever its batch mates.
  */
 #include <stdlib.h>
 
-#include "tandem_tile_rows.h"
+#include "tandem_simd.h"
 
 #define GROUP 32
 #define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
@@ -32,21 +35,40 @@
 
 enum { FORMAT_Q8_0 = 0, FORMAT_Q4 = 1 };
 
-/* Input j of one group block as two float vectors (columns 0..LANES-1 and LANES..TILE-1). */
-static inline void dequant_q4(const uint8_t *block, int j, vec *w) {
-    const float *scale = (const float *)block, *min = scale + TILE;
-    vec low, high;
-    nibbles_to_float(block + 8 * TILE + j * LANES, &low, &high);
-    w[0] = low * load_vec(scale) + load_vec(min);
-    w[1] = high * load_vec(scale + LANES) + load_vec(min + LANES);
+/* Input j of one group block: its integer values (no scale, no offset) as two float vectors
+ * (columns 0..LANES-1 and LANES..TILE-1). Exact: every value is a small integer. */
+static inline void q4_values(const uint8_t *block, int j, vec *w) {
+    nibbles_to_float(block + 8 * TILE + j * LANES, &w[0], &w[1]);
 }
 
-static inline void dequant_q8(const uint8_t *block, int j, vec *w) {
-    const float *scale = (const float *)block;
+static inline void q8_values(const uint8_t *block, int j, vec *w) {
     const int8_t *q = (const int8_t *)(block + 4 * TILE + j * TILE);
-    w[0] = s8_to_float(q) * load_vec(scale);
-    w[1] = s8_to_float(q + LANES) * load_vec(scale + LANES);
+    w[0] = s8_to_float(q);
+    w[1] = s8_to_float(q + LANES);
 }
+
+/* The end of one group: acc += scale * part (+ min * sum of the group's inputs, for 4-bit). */
+static inline void q4_finish(const uint8_t *block, const vec *part, float sum, vec *acc) {
+    const float *scale = (const float *)block, *min = scale + TILE;
+    for (int c = 0; c < VECS; c++) {
+        acc[c] += part[c] * load_vec(scale + c * LANES);
+        acc[c] += sum * load_vec(min + c * LANES);
+    }
+}
+
+static inline void q8_finish(const uint8_t *block, const vec *part, float sum, vec *acc) {
+    (void)sum;
+    const float *scale = (const float *)block;
+    for (int c = 0; c < VECS; c++) acc[c] += part[c] * load_vec(scale + c * LANES);
+}
+
+/* The group's integer values read back from the scratch tile (float32 [in, TILE]). */
+#define SCRATCH_VALUES(block, j, w)                                                               \
+    do {                                                                                          \
+        (w)[0] = load_vec(values + (g * GROUP + (j)) * TILE);                                     \
+        (w)[1] = load_vec(values + (g * GROUP + (j)) * TILE + LANES);                             \
+    } while (0)
+#define REGISTER_VALUES(NAME) NAME##_values
 
 static inline void store_cols(float *y, const vec *acc, int64_t cols) {
     float tmp[TILE];
@@ -54,103 +76,132 @@ static inline void store_cols(float *y, const vec *acc, int64_t cols) {
     memcpy(y, tmp, (size_t)cols * sizeof(float));
 }
 
-/* R rows over one quantized tile, dequantizing in registers (the chain of tandem_tile_rows.h). */
-#define DEFINE_QTILE_ROWS(NAME, BLOCK, DEQUANT, R)                                                \
-    static void NAME##_rows_##R(const float *x, int64_t ldx, const uint8_t *w, int64_t in,       \
-                                const float *bias, float *y, int64_t ldy, int64_t cols) {        \
+/* Sums of each row's groups of 32 inputs, sums[r * groups + g], each one fixed chain (vector adds
+ * in input order, then hsum's tree): the 4-bit offset term is min * sum, once per group. */
+static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, float *sums) {
+    const int64_t groups = in / GROUP;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * ldx + g * GROUP;
+            vec v = load_vec(xg);
+            for (int k = LANES; k < GROUP; k += LANES) v += load_vec(xg + k);
+            sums[r * groups + g] = hsum(v);
+        }
+}
+
+/* R rows over one quantized tile. Per output and group, one chain: part = sum_j x[j] * q[j] (fused
+ * multiply-adds in input order, from zero), then acc += scale * part and, for 4-bit,
+ * acc += min * sum(x over the group); acc starts at the bias. Factoring the scale and offset out
+ * of the group halves the vector work per weight compared with dequantizing each weight first,
+ * and the chain is the same whether the values come from registers (VALUES: the few-rows path) or
+ * from a scratch tile converted once (many rows), so a row's result never depends on its batch
+ * mates. */
+#define DEFINE_QROWS(NAME, SUFFIX, BLOCK, VALUES, FINISH, R)                                       \
+    static void NAME##_rows##SUFFIX##_##R(const float *x, int64_t ldx, const float *sums,         \
+                                          const uint8_t *w, const float *values, int64_t in,     \
+                                          const float *bias, float *y, int64_t ldy,               \
+                                          int64_t cols) {                                         \
+        (void)values;                                                                             \
+        const int64_t groups = in / GROUP;                                                        \
         vec acc[R][VECS];                                                                         \
         for (int r = 0; r < R; r++)                                                               \
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : (vec){0}; \
-        for (int64_t i0 = 0; i0 < in; i0 += KBLOCK) {                                             \
-            const int64_t i1 = i0 + KBLOCK < in ? i0 + KBLOCK : in;                               \
+        for (int64_t g = 0; g < groups; g++) {                                                    \
+            const uint8_t *block = w + g * BLOCK;                                                 \
             vec part[R][VECS];                                                                    \
             for (int r = 0; r < R; r++)                                                           \
                 for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                             \
-            for (int64_t g = i0 / GROUP; g < i1 / GROUP; g++) {                                   \
-                const uint8_t *block = w + g * BLOCK;                                             \
-                for (int j = 0; j < GROUP; j++) {                                                 \
-                    vec wv[VECS];                                                                 \
-                    DEQUANT(block, j, wv);                                                        \
-                    for (int r = 0; r < R; r++) {                                                 \
-                        const float xv = x[r * ldx + g * GROUP + j];                              \
-                        for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                  \
-                    }                                                                             \
+            for (int j = 0; j < GROUP; j++) {                                                     \
+                vec wv[VECS];                                                                     \
+                VALUES(block, j, wv);                                                             \
+                for (int r = 0; r < R; r++) {                                                     \
+                    const float xv = x[r * ldx + g * GROUP + j];                                  \
+                    for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                      \
                 }                                                                                 \
             }                                                                                     \
-            for (int r = 0; r < R; r++)                                                           \
-                for (int c = 0; c < VECS; c++) acc[r][c] += part[r][c];                           \
+            for (int r = 0; r < R; r++) FINISH(block, part[r], sums[r * groups + g], acc[r]);     \
         }                                                                                         \
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
     }
 
-DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 1)
-DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 2)
-DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 4)
-DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 1)
-DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 2)
-DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 4)
+#define DEFINE_QROWS_ALL(NAME, BLOCK, R)                                                          \
+    DEFINE_QROWS(NAME, , BLOCK, REGISTER_VALUES(NAME), NAME##_finish, R)                          \
+    DEFINE_QROWS(NAME, _scratch, BLOCK, SCRATCH_VALUES, NAME##_finish, R)
+
+DEFINE_QROWS_ALL(q4, Q4_BLOCK, 1)
+DEFINE_QROWS_ALL(q4, Q4_BLOCK, 2)
+DEFINE_QROWS_ALL(q4, Q4_BLOCK, 4)
+DEFINE_QROWS_ALL(q8, Q8_BLOCK, 1)
+DEFINE_QROWS_ALL(q8, Q8_BLOCK, 2)
+DEFINE_QROWS_ALL(q8, Q8_BLOCK, 4)
 #if ROW_BLOCK == 8
-DEFINE_QTILE_ROWS(q4, Q4_BLOCK, dequant_q4, 8)
-DEFINE_QTILE_ROWS(q8, Q8_BLOCK, dequant_q8, 8)
+DEFINE_QROWS_ALL(q4, Q4_BLOCK, 8)
+DEFINE_QROWS_ALL(q8, Q8_BLOCK, 8)
 #endif
 
 /* One row over two tiles at once: the same chain per output as NAME##_rows_1, with twice the
  * independent accumulators. A single row has only VECS of them per tile, too few to hide the
  * multiply-add latency (AVX2 waits on it); two tiles' worth keep the vector units busy. */
-#define DEFINE_QTILE_PAIR(NAME, BLOCK, DEQUANT)                                                   \
-    static void NAME##_pair_1(const float *x, const uint8_t *w0, const uint8_t *w1, int64_t in,  \
-                              const float *b0, const float *b1, float *y0, float *y1,            \
-                              int64_t cols1) {                                                    \
+#define DEFINE_QTILE_PAIR(NAME, BLOCK)                                                            \
+    static void NAME##_pair_1(const float *x, const float *sums, const uint8_t *w0,              \
+                              const uint8_t *w1, int64_t in, const float *b0, const float *b1,   \
+                              float *y0, float *y1, int64_t cols1) {                              \
         vec acc[2][VECS];                                                                         \
         for (int c = 0; c < VECS; c++) {                                                          \
             acc[0][c] = b0 ? load_vec(b0 + c * LANES) : (vec){0};                                 \
             acc[1][c] = b1 ? load_vec(b1 + c * LANES) : (vec){0};                                 \
         }                                                                                         \
-        for (int64_t i0 = 0; i0 < in; i0 += KBLOCK) {                                             \
-            const int64_t i1 = i0 + KBLOCK < in ? i0 + KBLOCK : in;                               \
+        for (int64_t g = 0; g < in / GROUP; g++) {                                                \
+            const uint8_t *block0 = w0 + g * BLOCK, *block1 = w1 + g * BLOCK;                     \
             vec part[2][VECS];                                                                    \
             for (int c = 0; c < VECS; c++) part[0][c] = part[1][c] = (vec){0};                    \
-            for (int64_t g = i0 / GROUP; g < i1 / GROUP; g++) {                                   \
-                const uint8_t *block0 = w0 + g * BLOCK, *block1 = w1 + g * BLOCK;                 \
-                for (int j = 0; j < GROUP; j++) {                                                 \
-                    vec wv0[VECS], wv1[VECS];                                                     \
-                    DEQUANT(block0, j, wv0);                                                      \
-                    DEQUANT(block1, j, wv1);                                                      \
-                    const float xv = x[g * GROUP + j];                                            \
-                    for (int c = 0; c < VECS; c++) {                                              \
-                        part[0][c] += xv * wv0[c];                                                \
-                        part[1][c] += xv * wv1[c];                                                \
-                    }                                                                             \
+            for (int j = 0; j < GROUP; j++) {                                                     \
+                vec wv0[VECS], wv1[VECS];                                                         \
+                NAME##_values(block0, j, wv0);                                                    \
+                NAME##_values(block1, j, wv1);                                                    \
+                const float xv = x[g * GROUP + j];                                                \
+                for (int c = 0; c < VECS; c++) {                                                  \
+                    part[0][c] += xv * wv0[c];                                                    \
+                    part[1][c] += xv * wv1[c];                                                    \
                 }                                                                                 \
             }                                                                                     \
-            for (int c = 0; c < VECS; c++) {                                                      \
-                acc[0][c] += part[0][c];                                                          \
-                acc[1][c] += part[1][c];                                                          \
-            }                                                                                     \
+            NAME##_finish(block0, part[0], sums[g], acc[0]);                                      \
+            NAME##_finish(block1, part[1], sums[g], acc[1]);                                      \
         }                                                                                         \
         store_cols(y0, acc[0], TILE);                                                             \
         store_cols(y1, acc[1], cols1);                                                            \
     }
 
-DEFINE_QTILE_PAIR(q4, Q4_BLOCK, dequant_q4)
-DEFINE_QTILE_PAIR(q8, Q8_BLOCK, dequant_q8)
+DEFINE_QTILE_PAIR(q4, Q4_BLOCK)
+DEFINE_QTILE_PAIR(q8, Q8_BLOCK)
 
-typedef void (*qrows_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *, float *,
-                         int64_t, int64_t);
+typedef void (*qrows_fn)(const float *, int64_t, const float *, const uint8_t *, const float *,
+                         int64_t, const float *, float *, int64_t, int64_t);
 
-/* Input i of a whole tile (every group block) as two float vectors. */
-static inline void dequant_input(int format, const uint8_t *tile, int64_t i, vec *w) {
-    if (format == FORMAT_Q4)
-        dequant_q4(tile + i / GROUP * Q4_BLOCK, (int)(i % GROUP), w);
-    else
-        dequant_q8(tile + i / GROUP * Q8_BLOCK, (int)(i % GROUP), w);
+/* Input i of a whole tile (every group block) as two float vectors: the integer values, or with
+ * scaled (and offset), GGUF's dequantization (w = q * scale + min, one fused multiply-add, exact
+ * for every GGUF format: see quantized_weight.py). */
+static inline void input_values(int format, const uint8_t *tile, int64_t i, int scaled, vec *w) {
+    const uint8_t *block = tile + i / GROUP * (format == FORMAT_Q4 ? Q4_BLOCK : Q8_BLOCK);
+    const int j = (int)(i % GROUP);
+    const float *scale = (const float *)block;
+    if (format == FORMAT_Q4) {
+        q4_values(block, j, w);
+        if (scaled)
+            for (int c = 0; c < VECS; c++)
+                w[c] = w[c] * load_vec(scale + c * LANES) + load_vec(scale + TILE + c * LANES);
+    } else {
+        q8_values(block, j, w);
+        if (scaled)
+            for (int c = 0; c < VECS; c++) w[c] = w[c] * load_vec(scale + c * LANES);
+    }
 }
 
-/* The whole tile as float32 [in, TILE] (the scratch path). */
-static void dequant_tile(int format, const uint8_t *w, int64_t in, float *out) {
+/* The whole tile's integer values as float32 [in, TILE] (the scratch path). */
+static void values_tile(int format, const uint8_t *w, int64_t in, float *out) {
     for (int64_t i = 0; i < in; i++) {
         vec wv[VECS];
-        dequant_input(format, w, i, wv);
+        input_values(format, w, i, 0, wv);
         store_vec(out + i * TILE, wv[0]);
         store_vec(out + i * TILE + LANES, wv[1]);
     }
@@ -174,7 +225,7 @@ int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, flo
         const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
         for (int64_t i = 0; i < in; i++) {
             vec wv[VECS];
-            dequant_input(format, wt_tile, i, wv);
+            input_values(format, wt_tile, i, 1, wv);
             store_cols(wt + i * out + t * TILE, wv, cols);
         }
     }
@@ -192,8 +243,8 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                  float *y, int64_t rows, int64_t in, int64_t out, int threads) {
     const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
     if (block < 0 || in % GROUP) return -1;
-    const int q4 = format == FORMAT_Q4;
-    const qrows_fn fns[4] = {q4 ? q4_rows_1 : q8_rows_1, q4 ? q4_rows_2 : q8_rows_2,
+    const int q4 = format == FORMAT_Q4, scratch = rows > ROW_BLOCK;
+    const qrows_fn reg[4] = {q4 ? q4_rows_1 : q8_rows_1, q4 ? q4_rows_2 : q8_rows_2,
                              q4 ? q4_rows_4 : q8_rows_4,
 #if ROW_BLOCK == 8
                              q4 ? q4_rows_8 : q8_rows_8
@@ -201,7 +252,23 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                              NULL
 #endif
     };
-    const int scratch = rows > ROW_BLOCK;
+    const qrows_fn from_scratch[4] = {
+        q4 ? q4_rows_scratch_1 : q8_rows_scratch_1, q4 ? q4_rows_scratch_2 : q8_rows_scratch_2,
+        q4 ? q4_rows_scratch_4 : q8_rows_scratch_4,
+#if ROW_BLOCK == 8
+        q4 ? q4_rows_scratch_8 : q8_rows_scratch_8
+#else
+        NULL
+#endif
+    };
+    const qrows_fn *fns = scratch ? from_scratch : reg;
+    const int64_t groups = in / GROUP;
+    float small[8 * 64];
+    float *sums = rows * groups <= (int64_t)(sizeof small / sizeof *small)
+                      ? small
+                      : malloc((size_t)(rows * groups) * sizeof(float));
+    if (!sums) return -1;
+    group_sums(x, ldx, rows, in, sums);
     const int64_t step = rows == 1 ? 2 : 1; /* one row: tiles in pairs (q4_pair_1, q8_pair_1) */
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -213,28 +280,28 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_tiles; t += step) {
-            const uint8_t *wt = w + t * (in / GROUP) * block;
+            const uint8_t *wt = w + t * groups * block;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             float *yt = y + t * TILE;
             if (rows == 1 && t + 1 < n_tiles) { /* a tile pair: this one is whole */
                 const int64_t cols1 = out - (t + 1) * TILE < TILE ? out - (t + 1) * TILE : TILE;
-                (q4 ? q4_pair_1 : q8_pair_1)(x, wt, wt + (in / GROUP) * block, in, bt,
+                (q4 ? q4_pair_1 : q8_pair_1)(x, sums, wt, wt + groups * block, in, bt,
                                              bias ? bt + TILE : NULL, yt, yt + TILE, cols1);
                 continue;
             }
             if (scratch) {
                 if (!tile) continue;
-                dequant_tile(format, wt, in, tile);
-                tile_all_rows(x, ldx, tile, in, bt, yt, out, cols, rows);
-                continue;
+                values_tile(format, wt, in, tile);
             }
             int64_t r = 0;
             for (int k = 3; k >= 0; k--)
                 for (const int64_t n = 1 << k; fns[k] && r + n <= rows; r += n)
-                    fns[k](x + r * ldx, ldx, wt, in, bt, yt + r * out, out, cols);
+                    fns[k](x + r * ldx, ldx, sums + r * groups, wt, tile, in, bt, yt + r * out,
+                           out, cols);
         }
         free(tile);
     }
+    if (sums != small) free(sums);
     return failed ? -1 : 0;
 }

@@ -1,11 +1,9 @@
-/* The float32 tile-times-rows micro-kernel shared by cpu_gemv.c and cpu_qgemv.c.
+/* The float32 tile-times-rows micro-kernel of cpu_gemv.c.
  *
  * tile_rows(x, w, ...) computes y[r, 0:cols] = bias + sum_i x[r, i] * w[i, 0:TILE] for a block of
  * rows over one weight tile w [in, TILE] (float32, contiguous). Each output is one fixed chain:
  * fused multiply-adds in input order within blocks of KBLOCK inputs, block sums added in order;
- * the same chain whatever the row block, so a row's result never depends on its batch mates, and
- * the quantized kernel (which dequantizes into this chain) gives the same bits as this kernel on
- * the dequantized weight.
+ * the same chain whatever the row block, so a row's result never depends on its batch mates.
  */
 #ifndef TANDEM_TILE_ROWS_H
 #define TANDEM_TILE_ROWS_H
