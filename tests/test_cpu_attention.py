@@ -21,17 +21,19 @@ def _kernel_available() -> None:
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim", "block", "lens"),
+    ("heads", "kv_heads", "dim", "block", "lens", "q_scale"),
     [
-        (4, 2, 16, 4, [1, 7, 13, 4]),  # GQA, partial last blocks, a 1-token context
-        (6, 6, 32, 8, [20, 3]),  # multi-head attention
-        (9, 3, 64, 16, [40]),  # SmolLM2's shape, batch 1
-        (14, 2, 64, 16, [100, 3, 17, 64]),  # 7 query heads per KV head
-        (8, 8, 24, 4, [5, 9]),  # head_dim not a multiple of the vector width
+        (4, 2, 16, 4, [1, 7, 13, 4], 1.0),  # GQA, partial last blocks, a 1-token context
+        (6, 6, 32, 8, [20, 3], 1.0),  # multi-head attention
+        (9, 3, 64, 16, [40], 1.0),  # SmolLM2's shape, batch 1
+        (14, 2, 64, 16, [100, 3, 17, 64], 1.0),  # 7 query heads per KV head
+        (4, 2, 128, 16, [33, 5], 1.0),  # head_dim 128 (Llama 3, Qwen)
+        (9, 3, 64, 16, [70, 9], 60.0),  # peaked scores: most weights underflow to exactly 0
+        (8, 8, 24, 4, [5, 9], 1.0),  # head_dim not a multiple of the vector width
     ],
 )
 def test_decode_matches_torch_reference(
-    heads: int, kv_heads: int, dim: int, block: int, lens: list[int]
+    heads: int, kv_heads: int, dim: int, block: int, lens: list[int], q_scale: float
 ) -> None:
     torch.manual_seed(heads * 100 + dim)
     layers = 3
@@ -46,7 +48,7 @@ def test_decode_matches_torch_reference(
         is_prefill=False, query_lens=[1] * len(lens), context_lens=lens, block_tables=tables,
         block_size=block,
     )
-    q = torch.randn(len(lens), heads, dim)
+    q = torch.randn(len(lens), heads, dim) * q_scale
     k = torch.randn(len(lens), kv_heads, dim)
     v = torch.randn(len(lens), kv_heads, dim)
     expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)

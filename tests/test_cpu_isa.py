@@ -33,7 +33,7 @@ from services.engine.kernels.native_build import (
 from services.engine.quant.quantized_weight import QuantizedWeight, quantize_q8_0
 from tests.conftest import native_kernel_or_skip
 
-ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; > ROW_BLOCK takes the scratch tile
+ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; more than 8 take the scratch tile
 OUT, IN = 70, 288  # 70 outputs: a partial last tile for every width; 288 inputs: a partial K block
 
 

@@ -25,6 +25,44 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+/* exp of LANES floats (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], within
+ * 2 ulp of expf); inputs below -87.3 give 0, as softmax's exp(score - max) needs. libm's scalar
+ * expf was most of a decode step's attention time. */
+static inline vec vexp(vec x) {
+    const vec big = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const vec t = x * splat(1.44269504088896341f) + big;
+    const vec n = t - big;
+    vec r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vec poly = splat(1.9875691500e-4f);
+    poly = poly * r + splat(1.3981999507e-3f);
+    poly = poly * r + splat(8.3334519073e-3f);
+    poly = poly * r + splat(4.1665795894e-2f);
+    poly = poly * r + splat(1.6666665459e-1f);
+    poly = poly * r + splat(5.0000001201e-1f);
+    poly = poly * r * r + r + splat(1.0f);
+    const int_vec exponent = ((int_vec)t - (int_vec)big + 127) << 23; /* 2^n */
+    const int_vec keep = x >= splat(-87.3f); /* all ones where the result is a normal float */
+    vec result;
+    const int_vec bits = (int_vec)(poly * (vec)exponent) & keep;
+    memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+/* acc[0:NV * LANES] = acc * rescale + sum_s p[s] * v[s * v_ss + 0:NV * LANES], the NV vectors of
+ * one head in registers across the block's slots (independent chains, not one per chunk). */
+static inline __attribute__((always_inline)) void weighted_values(
+    float *acc, const float *v, int64_t v_ss, const float *p, int64_t slots, float rescale,
+    const int nv) {
+    vec a[nv];
+    for (int c = 0; c < nv; c++) a[c] = load_vec(acc + c * LANES) * rescale;
+    for (int64_t s = 0; s < slots; s++) {
+        const float ps = p[s];
+        for (int c = 0; c < nv; c++) a[c] += ps * load_vec(v + s * v_ss + c * LANES);
+    }
+    for (int c = 0; c < nv; c++) store_vec(acc + c * LANES, a[c]);
+}
+
 /* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] (strides *_sb, *_ss, *_sh; D
  * contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64, out [B, H, D] contiguous.
  * When new_k is not NULL, each task first writes its sequence's new K and V rows (new_k, new_v
@@ -68,21 +106,33 @@ void tandem_paged_decode_attention(
                 const float new_max = block_max > running_max[g] ? block_max : running_max[g];
                 const float rescale = expf(running_max[g] - new_max);  /* 0 on the first block */
                 running_max[g] = new_max;
-                float block_total = 0.f;
-                for (int64_t s = 0; s < slots; s++) block_total += pg[s] = expf(pg[s] - new_max);
-                total[g] = total[g] * rescale + block_total;
-                /* acc = acc * rescale + sum_s p[s] * V[s], one register chunk of D at a time */
-                float *ag = acc + g * head_dim;
-                int64_t d = 0;
-                for (; d + LANES <= head_dim; d += LANES) {
-                    vec a = load_vec(ag + d) * rescale;
-                    for (int64_t s = 0; s < slots; s++) a += pg[s] * load_vec(vb + s * v_ss + d);
-                    store_vec(ag + d, a);
+                int64_t s = 0;
+                vec totals = {0};
+                for (; s + LANES <= slots; s += LANES) {
+                    const vec e = vexp(load_vec(pg + s) - new_max);
+                    store_vec(pg + s, e);
+                    totals += e;
                 }
-                for (; d < head_dim; d++) {
-                    float a = ag[d] * rescale;
-                    for (int64_t s = 0; s < slots; s++) a += pg[s] * vb[s * v_ss + d];
-                    ag[d] = a;
+                float block_total = hsum(totals);
+                for (; s < slots; s++) block_total += pg[s] = expf(pg[s] - new_max);
+                total[g] = total[g] * rescale + block_total;
+                float *ag = acc + g * head_dim;
+                if (head_dim == 64) {
+                    weighted_values(ag, vb, v_ss, pg, slots, rescale, 64 / LANES);
+                } else if (head_dim == 128) {
+                    weighted_values(ag, vb, v_ss, pg, slots, rescale, 128 / LANES);
+                } else { /* acc = acc * rescale + sum_s p[s] * V[s], one chunk of D at a time */
+                    int64_t d = 0;
+                    for (; d + LANES <= head_dim; d += LANES) {
+                        vec a = load_vec(ag + d) * rescale;
+                        for (int64_t t = 0; t < slots; t++) a += pg[t] * load_vec(vb + t * v_ss + d);
+                        store_vec(ag + d, a);
+                    }
+                    for (; d < head_dim; d++) {
+                        float a = ag[d] * rescale;
+                        for (int64_t t = 0; t < slots; t++) a += pg[t] * vb[t * v_ss + d];
+                        ag[d] = a;
+                    }
                 }
             }
         }

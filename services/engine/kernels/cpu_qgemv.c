@@ -124,19 +124,41 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
     }
 
-#define DEFINE_QROWS_ALL(NAME, BLOCK, R)                                                          \
+#define DEFINE_QROWS_BOTH(NAME, BLOCK, R)                                                         \
     DEFINE_QROWS(NAME, , BLOCK, REGISTER_VALUES(NAME), NAME##_finish, R)                          \
     DEFINE_QROWS(NAME, _scratch, BLOCK, SCRATCH_VALUES, NAME##_finish, R)
 
-DEFINE_QROWS_ALL(q4, Q4_BLOCK, 1)
-DEFINE_QROWS_ALL(q4, Q4_BLOCK, 2)
-DEFINE_QROWS_ALL(q4, Q4_BLOCK, 4)
-DEFINE_QROWS_ALL(q8, Q8_BLOCK, 1)
-DEFINE_QROWS_ALL(q8, Q8_BLOCK, 2)
-DEFINE_QROWS_ALL(q8, Q8_BLOCK, 4)
-#if ROW_BLOCK == 8
-DEFINE_QROWS_ALL(q4, Q4_BLOCK, 8)
-DEFINE_QROWS_ALL(q8, Q8_BLOCK, 8)
+/* Register blocks of 8, 4, 2 and 1 rows on every instruction set: 8 rows' accumulators exceed
+ * AVX2's 16 registers, but converting each weight vector once for 8 rows measured faster than the
+ * scratch tile there. Scratch-tile blocks of SCRATCH_ROWS, 4, 2 and 1 rows: as many rows as keep
+ * their group sums, the weight vectors and a broadcast input in registers (8 x 2 + 3 of AVX-512's
+ * 32, 6 x 2 + 3 of AVX2's 16). */
+#define REGISTER_ROWS 8
+#if LANES == 16
+#define SCRATCH_ROWS 8
+#elif LANES == 8
+#define SCRATCH_ROWS 6
+#else
+#define SCRATCH_ROWS 4
+#endif
+DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 1)
+DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 2)
+DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 4)
+DEFINE_QROWS_BOTH(q8, Q8_BLOCK, 1)
+DEFINE_QROWS_BOTH(q8, Q8_BLOCK, 2)
+DEFINE_QROWS_BOTH(q8, Q8_BLOCK, 4)
+DEFINE_QROWS(q4, , Q4_BLOCK, q4_values, q4_finish, 8)
+DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 8)
+#if SCRATCH_ROWS == 8
+DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 8)
+DEFINE_QROWS(q8, _scratch, Q8_BLOCK, SCRATCH_VALUES, q8_finish, 8)
+#define SCRATCH_WIDE(NAME) NAME##_scratch_8
+#elif SCRATCH_ROWS == 6
+DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 6)
+DEFINE_QROWS(q8, _scratch, Q8_BLOCK, SCRATCH_VALUES, q8_finish, 6)
+#define SCRATCH_WIDE(NAME) NAME##_scratch_6
+#else
+#define SCRATCH_WIDE(NAME) NULL
 #endif
 
 /* One row over two tiles at once: the same chain per output as NAME##_rows_1, with twice the
@@ -243,25 +265,15 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                  float *y, int64_t rows, int64_t in, int64_t out, int threads) {
     const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
     if (block < 0 || in % GROUP) return -1;
-    const int q4 = format == FORMAT_Q4, scratch = rows > ROW_BLOCK;
-    const qrows_fn reg[4] = {q4 ? q4_rows_1 : q8_rows_1, q4 ? q4_rows_2 : q8_rows_2,
-                             q4 ? q4_rows_4 : q8_rows_4,
-#if ROW_BLOCK == 8
-                             q4 ? q4_rows_8 : q8_rows_8
-#else
-                             NULL
-#endif
-    };
+    const int q4 = format == FORMAT_Q4, scratch = rows > REGISTER_ROWS;
+    const qrows_fn reg[4] = {q4 ? q4_rows_8 : q8_rows_8, q4 ? q4_rows_4 : q8_rows_4,
+                             q4 ? q4_rows_2 : q8_rows_2, q4 ? q4_rows_1 : q8_rows_1};
     const qrows_fn from_scratch[4] = {
-        q4 ? q4_rows_scratch_1 : q8_rows_scratch_1, q4 ? q4_rows_scratch_2 : q8_rows_scratch_2,
-        q4 ? q4_rows_scratch_4 : q8_rows_scratch_4,
-#if ROW_BLOCK == 8
-        q4 ? q4_rows_scratch_8 : q8_rows_scratch_8
-#else
-        NULL
-#endif
-    };
+        q4 ? SCRATCH_WIDE(q4_rows) : SCRATCH_WIDE(q8_rows), q4 ? q4_rows_scratch_4 : q8_rows_scratch_4,
+        q4 ? q4_rows_scratch_2 : q8_rows_scratch_2, q4 ? q4_rows_scratch_1 : q8_rows_scratch_1};
+    const int64_t reg_sizes[4] = {8, 4, 2, 1}, scratch_sizes[4] = {SCRATCH_ROWS, 4, 2, 1};
     const qrows_fn *fns = scratch ? from_scratch : reg;
+    const int64_t *sizes = scratch ? scratch_sizes : reg_sizes;
     const int64_t groups = in / GROUP;
     float small[8 * 64];
     float *sums = rows * groups <= (int64_t)(sizeof small / sizeof *small)
@@ -295,8 +307,8 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                 values_tile(format, wt, in, tile);
             }
             int64_t r = 0;
-            for (int k = 3; k >= 0; k--)
-                for (const int64_t n = 1 << k; fns[k] && r + n <= rows; r += n)
+            for (int k = 0; k < 4; k++)
+                for (const int64_t n = sizes[k]; fns[k] && r + n <= rows; r += n)
                     fns[k](x + r * ldx, ldx, sums + r * groups, wt, tile, in, bt, yt + r * out,
                            out, cols);
         }
