@@ -7,7 +7,7 @@ Matmuls: for each float32 projection of SmolLM2-135M and a few row counts (1 = b
 
   * ``F.linear``  the PyTorch reference (what transformers runs);
   * ``split bmm`` the weight split in one slice per thread and one ``bmm`` (Tandem's fallback);
-  * ``kernel``    ``services/engine/kernels/cpu_gemv.c`` over its tiled weight.
+  * ``kernel``    ``services/engine/core/kernels/cpu_gemv.c`` over its tiled weight.
 
 Weights rotate through enough copies (>= 256 MiB) that every call reads them from memory, not
 cache, as decode does.
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.engine.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
-from services.engine.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
-from services.engine.kernels.cpu_paged_attention import (  # noqa: E402
+from services.engine.core.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from services.engine.core.kernels.cpu_gemv import load_cpu_gemv  # noqa: E402
+from services.engine.core.kernels.cpu_paged_attention import (  # noqa: E402
     cpu_paged_decode_attention,
     load_cpu_attention,
 )

@@ -67,16 +67,16 @@ from bench.llama_cpp_baseline import (  # noqa: E402
 )
 from services.common.model_source import ModelSource, resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from services.engine.kernels.loaded import forget_loaded_kernels  # noqa: E402
-from services.engine.kernels.native_build import (  # noqa: E402
+from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from services.engine.core.kernels.loaded import forget_loaded_kernels  # noqa: E402
+from services.engine.core.kernels.native_build import (  # noqa: E402
     ISAS,
     NativeBuildError,
     selected_isa,
     supported_isas,
 )
-from services.engine.linear import Linear  # noqa: E402
-from services.engine.loaders import LoadedModel, load_model, resolve_dtype  # noqa: E402
+from services.engine.core.linear import Linear  # noqa: E402
+from services.engine.core.loaders import LoadedModel, load_model, resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("bench")
 

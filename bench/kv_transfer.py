@@ -1,5 +1,5 @@
 """KV hand-off benchmark: gRPC transfer throughput next to a plain memory copy, and the
-transfer's share of time to first token (SPEC §4, §9).
+transfer's share of time to first token (docs/kv-handoff.md).
 
 What runs: a prefill and a decode worker as real gRPC servers on 127.0.0.1 (in this process,
 sharing one set of weights; or already running workers given by address), the SmolLM2-135M
@@ -128,8 +128,8 @@ async def run(args: argparse.Namespace) -> list[Row]:
     if args.prefill_address and args.decode_address:
         return await measure(args, args.prefill_address, args.decode_address)
     from services.decode.server import start_decode_worker
-    from services.engine.loaders import load_model, parse_dtype
-    from services.engine.worker_options import WorkerOptions
+    from services.engine.core.loaders import load_model, parse_dtype
+    from services.engine.runtime.worker_options import WorkerOptions
     from services.prefill.server import start_prefill_worker
 
     loaded = load_model(args.model, parse_dtype(args.dtype))

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 # subcommand -> module with add_arguments(parser) and run(args)
 COMMANDS = {
-    "generate": ("services.engine.generate_cli", "run prompts through the engine offline"),
+    "generate": ("services.engine.runtime.generate_cli", "run prompts through the engine offline"),
     "up": ("services.launcher", "start tokenizer, prefill, decode and gateway as local processes"),
 }
 SERVICES = {

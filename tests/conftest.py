@@ -56,7 +56,7 @@ def smollm2_gguf() -> Path:
 
 def native_kernel_or_skip():  # type: ignore[no-untyped-def]
     """The native CPU matmul kernel; skips without one (fails instead on CI, which must have it)."""
-    from services.engine.kernels.cpu_gemv import load_cpu_gemv
+    from services.engine.core.kernels.cpu_gemv import load_cpu_gemv
 
     kernel = load_cpu_gemv()
     if kernel is None:

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.kernels import autotune, cpu_gemv, cpu_qgemv
-from services.engine.kernels.autotune import REGIME_ROWS, KernelRegimes, choose_regimes
-from services.engine.kernels.cpu_gemv import CpuGemv
-from services.engine.kernels.cpu_qgemv import CpuQGemv
-from services.engine.kernels.native_build import cache_dir, load_library
-from services.engine.linear import Linear, PackPlan, pack_linears
-from services.engine.quant.quantized_weight import QuantizedWeight, quantize_q8_0
+from services.engine.core.kernels import autotune, cpu_gemv, cpu_qgemv
+from services.engine.core.kernels.autotune import REGIME_ROWS, KernelRegimes, choose_regimes
+from services.engine.core.kernels.cpu_gemv import CpuGemv
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.native_build import cache_dir, load_library
+from services.engine.core.linear import Linear, PackPlan, pack_linears
+from services.engine.core.quant.quantized_weight import QuantizedWeight, quantize_q8_0
 from tests.conftest import native_kernel_or_skip
 
 SLEEP_S = 0.003

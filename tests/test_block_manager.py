@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
-from services.engine.block_manager import (
+from services.engine.core.block_manager import (
     BlockManager,
     BlockManagerStats,
     DoubleFreeError,
@@ -34,7 +34,7 @@ def run_prompt(bm: BlockManager, prompt: list[int], extra: int = 0) -> PrefixAll
 
 
 def test_no_torch_import() -> None:
-    code = "import sys, services.engine.block_manager; print('torch' in sys.modules)"
+    code = "import sys, services.engine.core.block_manager; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

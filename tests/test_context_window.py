@@ -1,4 +1,4 @@
-"""Context window fitting (SPEC §2.3): exact drop counts with a counting encoder, then the same
+"""Context window fitting (docs/request-lifecycle.md, step 3): exact drop counts with a counting encoder, then the same
 policy on SmolLM2's real chat template."""
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgumentError
-from services.engine.attention import AttentionMetadata, TorchPagedAttention
-from services.engine.attention_backends import make_attention_backend
-from services.engine.kernels import cpu_paged_attention
-from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
+from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.core.attention_backends import make_attention_backend
+from services.engine.core.kernels import cpu_paged_attention
+from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from tests.conftest import native_kernel_or_skip
 
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.kernels import autotune
-from services.engine.kernels.autotune import KernelRegimes
-from services.engine.kernels.cpu_decode_layers import DecodeLayersCall, load_cpu_decode_layers
-from services.engine.kernels.loaded import forget_loaded_kernels
-from services.engine.kernels.native_build import supported_isas
-from services.engine.linear import Linear
-from services.engine.loaders import LoadedModel, load_model
+from services.engine.core.attention import AttentionMetadata
+from services.engine.core.engine import EngineConfig, LLMEngine
+from services.engine.core.kernels import autotune
+from services.engine.core.kernels.autotune import KernelRegimes
+from services.engine.core.kernels.cpu_decode_layers import DecodeLayersCall, load_cpu_decode_layers
+from services.engine.core.kernels.loaded import forget_loaded_kernels
+from services.engine.core.kernels.native_build import supported_isas
+from services.engine.core.linear import Linear
+from services.engine.core.loaders import LoadedModel, load_model
 from tests.conftest import native_kernel_or_skip
 
 CONTEXTS = [5, 17, 33, 2, 40, 16, 9, 64]  # one per sequence: partial and whole blocks

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.kernels.cpu_fused import MAX_ROWS, CpuFused, load_cpu_fused
-from services.engine.model import RMSNorm
-from services.engine.rope import RotaryEmbedding, apply_rotary
+from services.engine.core.kernels.cpu_fused import MAX_ROWS, CpuFused, load_cpu_fused
+from services.engine.core.model import RMSNorm
+from services.engine.core.rope import RotaryEmbedding, apply_rotary
 from tests.conftest import native_kernel_or_skip
 
 
@@ -67,8 +67,8 @@ def test_applies_only_to_a_few_float32_rows(fused: CpuFused) -> None:
 
 def test_model_tokens_equal_with_and_without_fused_ops(fused: CpuFused, tiny_llama_dir) -> None:  # type: ignore[no-untyped-def]
     from services.common.sampling_params import SamplingParams
-    from services.engine.engine import EngineConfig, LLMEngine
-    from services.engine.loaders import load_model
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.loaders import load_model
 
     loaded = load_model(str(tiny_llama_dir), torch.float32)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=64))

@@ -16,13 +16,13 @@ import platform
 import pytest
 import torch
 
-from services.engine.attention import AttentionMetadata, TorchPagedAttention
-from services.engine.kernels import cpu_gemv, cpu_paged_attention, cpu_qgemv
-from services.engine.kernels import native_build
-from services.engine.kernels.cpu_gemv import CpuGemv
-from services.engine.kernels.cpu_paged_attention import CpuPagedAttention
-from services.engine.kernels.cpu_qgemv import CpuQGemv
-from services.engine.kernels.native_build import (
+from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.core.kernels import cpu_gemv, cpu_paged_attention, cpu_qgemv
+from services.engine.core.kernels import native_build
+from services.engine.core.kernels.cpu_gemv import CpuGemv
+from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.native_build import (
     ISAS,
     NativeBuildError,
     build_library,
@@ -30,7 +30,7 @@ from services.engine.kernels.native_build import (
     selected_isa,
     supported_isas,
 )
-from services.engine.quant.quantized_weight import QuantizedWeight, quantize_q8_0
+from services.engine.core.quant.quantized_weight import QuantizedWeight, quantize_q8_0
 from tests.conftest import native_kernel_or_skip
 
 ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; more than 8 take the scratch tile

@@ -62,8 +62,8 @@ def processes() -> Iterator[dict[str, object]]:
 
 
 async def test_workers_as_separate_processes(processes: dict[str, object]) -> None:
-    from services.engine.engine import EngineConfig, LLMEngine
-    from services.engine.loaders import load_model
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.loaders import load_model
 
     ports: dict[str, int] = processes["ports"]  # type: ignore[assignment]
     procs: dict[str, subprocess.Popen[bytes]] = processes["procs"]  # type: ignore[assignment]
@@ -114,10 +114,11 @@ def _fetch(url: str) -> str:
 @pytest.mark.slow
 async def test_smollm2_text_and_stop_strings_through_the_handoff() -> None:
     from services.decode.server import start_decode_worker
-    from services.engine.engine import EngineConfig, LLMEngine
-    from services.engine.loaders import load_model
-    from services.engine.worker_options import WorkerOptions
-    from services.engine.worker_runtime import load_tokenizer
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.loaders import load_model
+    from services.engine.runtime.worker_options import WorkerOptions
+    from services.engine.runtime.output_text import OutputText
+    from services.engine.runtime.worker_runtime import load_tokenizer
     from services.prefill.server import start_prefill_worker
 
     loaded = load_model("default")
@@ -129,8 +130,10 @@ async def test_smollm2_text_and_stop_strings_through_the_handoff() -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=24)
     stop_params = SamplingParams(temperature=0.0, max_tokens=24, stop=("Paris",))
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64), tokenizer=tokenizer)
-    expected, expected_stop = engine.generate([prompt, prompt], [params, stop_params])
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=64), eos_token_ids=tokenizer.eos_token_ids)
+    expected, expected_stop = engine.generate(
+        [prompt, prompt], [params, stop_params], output_filter=OutputText(tokenizer)
+    )
 
     options = WorkerOptions(host="127.0.0.1", port=0, num_blocks=64)
     decode = await start_decode_worker(options, loaded=loaded, tokenizer=tokenizer)

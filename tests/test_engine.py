@@ -14,8 +14,8 @@ import torch
 
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
-from services.engine.engine import EngineConfig, LLMEngine, RequestOutput
-from services.engine.loaders import LoadedModel, load_model
+from services.engine.core.engine import EngineConfig, LLMEngine, RequestOutput
+from services.engine.core.loaders import LoadedModel, load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

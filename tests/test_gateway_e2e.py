@@ -186,20 +186,22 @@ def engine() -> Any:
     import torch
 
     from services.common.model_source import resolve_model
-    from services.engine.engine import EngineConfig, LLMEngine
-    from services.engine.loaders import load_model, parse_dtype
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.loaders import load_model, parse_dtype
+    from services.engine.runtime.output_text import OutputText
     from services.tokenizer.tokenizer import Tokenizer
 
     source = resolve_model("default")
     tokenizer = Tokenizer.load(source)
     loaded = load_model(source, parse_dtype("float32"))
-    eng = LLMEngine(loaded, EngineConfig(num_blocks=256), tokenizer=tokenizer)
+    eng = LLMEngine(loaded, EngineConfig(num_blocks=256), eos_token_ids=tokenizer.eos_token_ids)
 
     def generate(ids: list[int], max_tokens: int) -> str:
         from services.common.sampling_params import SamplingParams
 
         with torch.inference_mode():
-            out = eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            out = eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                               output_filter=OutputText(tokenizer))
         return out[0].text
 
     generate.tokenizer = tokenizer  # type: ignore[attr-defined]

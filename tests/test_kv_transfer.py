@@ -27,9 +27,9 @@ from services.common.wire import (
     token_logprobs_from_proto,
     token_logprobs_to_proto,
 )
-from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.engine_loop import EngineLoop
-from services.engine.kv_cache import KVLayout, KVPool
+from services.engine.core.engine import EngineConfig, LLMEngine
+from services.engine.runtime.engine_loop import EngineLoop
+from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.kv_transfer import (
     InProcessTransport,
     KVReceiver,
@@ -38,8 +38,8 @@ from services.engine.kv_transfer import (
     ReceiveState,
 )
 from services.engine.kv_transfer.payload import plan_chunks, read_payload, write_payload
-from services.engine.loaders import LoadedModel, load_model
-from services.engine.sampler import TokenLogprobs
+from services.engine.core.loaders import LoadedModel, load_model
+from services.engine.core.sampler import TokenLogprobs
 
 Accept = Callable[[], Awaitable[None]] | None
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.linear import Linear, PackPlan, pack_linears
+from services.engine.core.linear import Linear, PackPlan, pack_linears
 from tests.conftest import native_kernel_or_skip
 
 
@@ -78,7 +78,7 @@ def test_native_kernel_strided_input_and_thread_counts() -> None:
 
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_free_dense_keeps_shared_weights(tiny_llama_dir, use_kernel: bool) -> None:  # type: ignore[no-untyped-def]
-    from services.engine.loaders import load_model
+    from services.engine.core.loaders import load_model
 
     plan = kernel_plan() if use_kernel else PackPlan(splits=2)
     loaded = load_model(str(tiny_llama_dir))

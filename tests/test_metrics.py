@@ -17,7 +17,7 @@ from services.common.logging_setup import configure_logging
 from services.common.metrics import TandemMetrics, serve_metrics_http
 
 SPEC_METRICS = {
-    # SPEC §7, exposed names (counters end in _total)
+    # docs/metrics.md, exposed names (counters end in _total)
     "tandem:time_to_first_token_seconds": "histogram",
     "tandem:time_per_output_token_seconds": "histogram",
     "tandem:inter_token_latency_seconds": "histogram",
@@ -35,7 +35,7 @@ SPEC_METRICS = {
     "tandem:generation_tokens_total": "counter",
     "tandem:request_success_total": "counter",
     "tandem:safety_blocks_total": "counter",
-    # SPEC §4
+    # docs/kv-handoff.md
     "tandem:kv_transfer_leases_expired_total": "counter",
 }
 

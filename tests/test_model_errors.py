@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import ModelLoadError
-from services.engine.loaders import load_model
+from services.engine.core.loaders import load_model
 
 
 def _generate(model: str) -> subprocess.CompletedProcess[str]:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.attention import AttentionMetadata
-from services.engine.kv_cache import KVLayout, KVPool
-from services.engine.linear import PackPlan, pack_linears
-from services.engine.loaders import LoadedModel, load_model
+from services.engine.core.attention import AttentionMetadata
+from services.engine.core.kv_cache import KVLayout, KVPool
+from services.engine.core.linear import PackPlan, pack_linears
+from services.engine.core.loaders import LoadedModel, load_model
 from tests.conftest import native_kernel_or_skip
 
 ATOL = 2e-5

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.kernels import cpu_gemv
-from services.engine.kernels.native_build import (
+from services.engine.core.kernels import cpu_gemv
+from services.engine.core.kernels.native_build import (
     NativeBuildError,
     build_library,
     find_compiler,

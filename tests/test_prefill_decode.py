@@ -23,12 +23,12 @@ from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.decode.server import start_decode_worker
-from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.kv_transfer.grpc_transport import ACCEPTED_METADATA
 from services.engine.kv_transfer.layout import engine_layout
-from services.engine.loaders import LoadedModel, load_model
-from services.engine.worker_options import WorkerOptions
-from services.engine.worker_runtime import WorkerHandle
+from services.engine.core.loaders import LoadedModel, load_model
+from services.engine.runtime.worker_options import WorkerOptions
+from services.engine.runtime.worker_runtime import WorkerHandle
 from services.prefill.server import start_prefill_worker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

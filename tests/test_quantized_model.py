@@ -21,14 +21,14 @@ import torch
 from services.common.errors import ModelLoadError
 from services.common.model_source import resolve_model
 from services.common.sampling_params import SamplingParams
-from services.engine.attention import AttentionMetadata
-from services.engine.embedding import Embedding
-from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.kernels.cpu_qgemv import load_cpu_qgemv
-from services.engine.kv_cache import KVLayout, KVPool
-from services.engine.linear import Linear
-from services.engine.loaders import DTYPE_CHOICES, LoadedModel, load_model, parse_dtype, resolve_dtype
-from services.engine.quant.quantized_weight import quantize_q8_0
+from services.engine.core.attention import AttentionMetadata
+from services.engine.core.embedding import Embedding
+from services.engine.core.engine import EngineConfig, LLMEngine
+from services.engine.core.kernels.cpu_qgemv import load_cpu_qgemv
+from services.engine.core.kv_cache import KVLayout, KVPool
+from services.engine.core.linear import Linear
+from services.engine.core.loaders import DTYPE_CHOICES, LoadedModel, load_model, parse_dtype, resolve_dtype
+from services.engine.core.quant.quantized_weight import quantize_q8_0
 
 # SmolLM2's chat template around one user message (token ids from its tokenizer)
 SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,

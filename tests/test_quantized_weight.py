@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from services.engine.quant.quantized_weight import (
+from services.engine.core.quant.quantized_weight import (
     GROUP,
     SUPPORTED_GGML_TYPES,
     QuantizedWeight,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.loaders import load_model
+from services.engine.core.engine import EngineConfig, LLMEngine
+from services.engine.core.loaders import load_model
 from services.common.sampling_params import SamplingParams
 
 

@@ -7,7 +7,7 @@ import torch
 
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
-from services.engine.sampler import (
+from services.engine.core.sampler import (
     Sampler,
     SamplerOutput,
     SamplingState,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from services.common.sampling_params import SamplingParams
-from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.loaders import LoadedModel, load_model
+from services.engine.core.engine import EngineConfig, LLMEngine
+from services.engine.core.loaders import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 

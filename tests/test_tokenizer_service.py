@@ -315,7 +315,7 @@ async def test_health_and_reflection(server: GrpcServerHandle) -> None:
 
 
 def test_fingerprint_matches_the_engine() -> None:
-    from services.engine.loaders.gguf_file import gguf_config, open_gguf
+    from services.engine.core.loaders.gguf_file import gguf_config, open_gguf
 
     source = resolve_model("default")
     expected = gguf_config(open_gguf(Path(source.path))).fingerprint()

@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 _SCRIPT = textwrap.dedent(
     """
     import torch
-    from services.engine.attention import AttentionMetadata, TorchPagedAttention
-    from services.engine.kernels.paged_decode_attention import TritonPagedAttention
+    from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
+    from services.engine.core.kernels.paged_decode_attention import TritonPagedAttention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

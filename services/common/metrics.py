@@ -1,4 +1,4 @@
-"""Tandem's Prometheus metrics (SPEC §7, §4), named like vLLM's so dashboards adapt easily.
+"""Tandem's Prometheus metrics (docs/metrics.md), named like vLLM's so dashboards adapt easily.
 
 Each process builds one :class:`TandemMetrics` at start-up, on its own ``CollectorRegistry``
 (nothing is registered at import time, so tests and several in-process servers never collide),
@@ -163,7 +163,7 @@ class TandemMetrics:
             registry=r,
         )
 
-        # KV hand-off (SPEC §4).
+        # KV hand-off (docs/kv-handoff.md).
         self.kv_transfer_bytes = Counter(
             "tandem:kv_transfer_bytes_total", "KV bytes moved between workers.", registry=r
         )

@@ -1,6 +1,6 @@
 """Per-request sampling parameters, shared by the gateway, the services and the engine.
 
-One frozen dataclass with the knobs of vLLM/OpenAI (SPEC §5). ``validate`` raises an
+One frozen dataclass with the knobs of vLLM/OpenAI (docs/engine.md). ``validate`` raises an
 :class:`InvalidArgumentError` naming the offending field, so the gateway can answer 400 with
 ``param`` and the gRPC services INVALID_ARGUMENT, before any compute.
 """

@@ -9,7 +9,7 @@ Torch-free, so the gateway can use it as well as the workers. Two value kinds cr
   ``seed`` and ``logprobs`` carry presence. Seeds at or above 2**63 travel as their
   two's-complement int64 and come back negative, which seeds a generator identically.
 - token logprobs <-> ``TokenLogprob``: the engine's ``TokenLogprobs`` lives in the torch side
-  (``services.engine.sampler``), so the reverse conversion takes the class to build as an
+  (``services.engine.core.sampler``), so the reverse conversion takes the class to build as an
   argument instead of importing it.
 """
 

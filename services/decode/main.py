@@ -18,11 +18,10 @@ import logging
 import os
 
 from services.common import ports
-from services.engine.worker_options import WorkerOptions, add_worker_arguments, options_from_args
+from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
+from services.engine.runtime.worker_options import WorkerOptions, add_worker_arguments, options_from_args
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_WAIT_FOR_KV_SECONDS = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(options: WorkerOptions, wait_for_kv_seconds: float) -> None:
-    from services.engine.worker_runtime import serve_until_signal
+    from services.engine.runtime.worker_runtime import serve_until_signal
     from services.decode.server import start_decode_worker
 
     handle = await start_decode_worker(options, wait_for_kv_seconds=wait_for_kv_seconds)

@@ -1,7 +1,7 @@
 """Start a decode worker in this process: engine thread, KV receiver, gRPC server, metrics.
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
-call directly; it returns a :class:`~services.engine.worker_runtime.WorkerHandle`
+call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
 (``handle.address``, ``handle.engine_loop.stats``, ``await handle.stop()``).
 """
 
@@ -11,14 +11,15 @@ import logging
 
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2_grpc
+from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
-from services.engine.engine_loop import EngineLoop
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVReceiver
-from services.engine.loaders import LoadedModel
-from services.engine.worker_options import WorkerOptions
-from services.engine.worker_runtime import WorkerHandle, build_engine, start_serving
-from services.decode.main import DEFAULT_WAIT_FOR_KV_SECONDS
+from services.engine.core.loaders import LoadedModel
+from services.engine.runtime.worker_options import WorkerOptions
+from services.tokenizer.tokenizer import Tokenizer
+from services.engine.runtime.worker_runtime import WorkerHandle, build_engine, start_serving
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ async def start_decode_worker(
     wait_for_kv_seconds: float = DEFAULT_WAIT_FOR_KV_SECONDS,
     park_seconds: float | None = None,
     loaded: LoadedModel | None = None,
-    tokenizer: object | None = None,
+    tokenizer: Tokenizer | None = None,
     metrics: TandemMetrics | None = None,
 ) -> WorkerHandle:
     """Build and start a decode worker; see the module docstring.
@@ -43,8 +44,9 @@ async def start_decode_worker(
         metrics: the registry to record into (default: a fresh one).
     """
     metrics = metrics or TandemMetrics()
-    engine = build_engine(options, loaded=loaded, tokenizer=tokenizer)
-    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'decode'}")
+    engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
+    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'decode'}",
+                             output_filter=text)
     engine_loop.start()
     metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
     receiver = KVReceiver(

@@ -18,9 +18,9 @@ from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.wire import token_logprobs_to_proto
 from services.decode.worker import DecodeWorker
-from services.engine.engine import RequestOutput
+from services.engine.core.engine import RequestOutput
 from services.engine.kv_transfer.grpc_transport import ACCEPTED_METADATA
-from services.engine.worker_runtime import worker_stats
+from services.engine.runtime.worker_runtime import worker_stats
 
 logger = logging.getLogger(__name__)
 

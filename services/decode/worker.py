@@ -1,6 +1,6 @@
 """The decode worker: receive prompts' KV from prefill workers and generate in one running batch.
 
-One request (SPEC §2.6-2.7, §4):
+One request (docs/request-lifecycle.md steps 6-7, docs/kv-handoff.md):
   1. ``TransferKV`` (``receiver.receive``) checks the header, allocates the destination blocks,
      writes the checked chunks and parks the committed KV (see ``kv_transfer/receiver.py``).
   2. ``Generate`` (``generate``) waits for that commit (or its failure), then hands the blocks
@@ -19,8 +19,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from services.common.errors import AbortedError, NotFoundError
-from services.engine.engine import RequestOutput
-from services.engine.engine_loop import EngineLoop
+from services.engine.core.engine import RequestOutput
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVReceiver
 
 logger = logging.getLogger(__name__)

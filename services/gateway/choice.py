@@ -1,4 +1,4 @@
-"""One generated choice, end to end across a prefill and a decode worker (SPEC §2.4-§2.12).
+"""One generated choice, end to end across a prefill and a decode worker (docs/request-lifecycle.md, steps 4-12).
 
 Lifecycle of a :class:`ChoiceRun`:
 

@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: one request flow for both.
 
-Per request (SPEC §2), in order, each step refusing before any compute when it fails:
+Per request (docs/request-lifecycle.md), in order, each step refusing before any compute when it fails:
 
 1. authenticate the API key (401) and count it against its rate limit (429 + Retry-After);
 2. read and validate the body (400 naming ``param``; 413 above the size limit; 404 for an

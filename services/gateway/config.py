@@ -58,7 +58,7 @@ class GatewayConfig:
         max_in_flight: requests admitted at once; more get 429 (no queue).
         max_body_bytes: request bodies above this get 413.
         stats_interval_s: how often worker load is polled for routing and readiness.
-        truncate_chats: fit long conversations by dropping the oldest turns (SPEC §2.3) instead
+        truncate_chats: fit long conversations by dropping the oldest turns (docs/request-lifecycle.md, step 3) instead
             of answering 400.
         vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
             logprob tokens as text; ``None`` renders them as ``token_id:<id>`` (vLLM's style).

@@ -1,5 +1,5 @@
 """Every gateway failure becomes an OpenAI-shaped JSON error: ``{"error": {message, type, param,
-code}}`` with the status OpenAI uses (SPEC §6, §8).
+code}}`` with the status OpenAI uses (docs/errors.md).
 
 1. :func:`read_json_body` turns a request body into JSON or a 400/413 TandemError
    (invalid UTF-8, malformed JSON, NaN/Infinity literals, a body over ``client_max_size``).

@@ -5,7 +5,7 @@ values and a :class:`SamplingParams`; anything malformed raises :class:`InvalidA
 (HTTP 400) with OpenAI's message style, ``param`` naming the field and an OpenAI ``code``
 (``missing_required_parameter``, ``invalid_type``, ``invalid_value``, ...). An unknown model raises
 :class:`NotFoundError` (404, code ``model_not_found``). Nothing here talks to a backend, so the
-parsing is checked in isolation and nothing is computed for a bad request (SPEC §8). Reading
+parsing is checked in isolation and nothing is computed for a bad request (docs/errors.md). Reading
 and type-checking single fields is ``openai_fields.py``; the outbound half is
 ``openai_responses.py``.
 

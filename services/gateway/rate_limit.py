@@ -1,4 +1,4 @@
-"""Per-key rate limiting and global admission control for the gateway (SPEC §2.1, §8).
+"""Per-key rate limiting and global admission control for the gateway (docs/request-lifecycle.md step 1, docs/errors.md).
 
 Both refuse instead of queueing: an over-limit request gets HTTP 429 with ``Retry-After`` before
 any work is started.

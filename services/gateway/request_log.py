@@ -7,7 +7,7 @@ a 4xx before any compute, a worker failure, a client disconnect). Closing:
 1. logs one line ``request finished`` with the request id, endpoint, model, HTTP status, outcome,
    token counts and the phase timings (queue, tokenize, prefill, transfer, ttft, e2e) as
    ``extra`` fields (see ``services.common.logging_setup``);
-2. records the gateway's SPEC §7 metrics for requests that reached the workers: TTFT, TPOT,
+2. records the gateway's metrics (docs/metrics.md) for requests that reached the workers: TTFT, TPOT,
    inter-token latency, end-to-end latency, queue / tokenize / prefill time, prompt and generation
    tokens, one ``request_success_total`` sample per choice by finish reason (``error`` for a
    failed request, ``abort`` for a client that went away), and one output-stage

@@ -12,7 +12,7 @@ Lifecycle of one streamed response:
 
 If the client has gone away, every send raises :class:`ClientDisconnected` (a
 ``ConnectionResetError``, which aiohttp treats as a quiet premature disconnect); the caller
-catches it to cancel the request's work everywhere (SPEC §2.12). aiohttp's runners do not cancel
+catches it to cancel the request's work everywhere (docs/request-lifecycle.md, step 12). aiohttp's runners do not cancel
 handlers on disconnect by default (``handler_cancellation=False``), so a caller waiting on a
 backend between sends races it against :meth:`SSEWriter.wait_disconnected`. With handler
 cancellation turned on, the handler sees ``CancelledError`` instead: put cleanup in ``finally``.

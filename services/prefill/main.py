@@ -17,11 +17,10 @@ import logging
 import os
 
 from services.common import ports
-from services.engine.worker_options import WorkerOptions, add_worker_arguments, options_from_args
+from services.prefill.options import DEFAULT_LEASE_SECONDS
+from services.engine.runtime.worker_options import WorkerOptions, add_worker_arguments, options_from_args
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_LEASE_SECONDS = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(options: WorkerOptions, lease_seconds: float) -> None:
-    from services.engine.worker_runtime import serve_until_signal
+    from services.engine.runtime.worker_runtime import serve_until_signal
     from services.prefill.server import start_prefill_worker
 
     handle = await start_prefill_worker(options, lease_seconds=lease_seconds)

@@ -1,7 +1,7 @@
 """Start a prefill worker in this process: engine thread, KV sender, gRPC server, metrics.
 
 :func:`start_prefill_worker` is what ``tandem serve prefill`` runs (``main.py``) and what tests
-call directly; it returns a :class:`~services.engine.worker_runtime.WorkerHandle`
+call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
 (``handle.address``, ``handle.engine_loop.stats``, ``await handle.stop()``).
 """
 
@@ -12,13 +12,13 @@ import logging
 from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.metrics import TandemMetrics
 from services.common.pb import prefill_pb2_grpc
-from services.engine.engine_loop import EngineLoop
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import GrpcKVTransport, KVSender, KVTransport
 from services.engine.kv_transfer.sender import CorruptChunk
-from services.engine.loaders import LoadedModel
-from services.engine.worker_options import WorkerOptions
-from services.engine.worker_runtime import WorkerHandle, build_engine, start_serving
-from services.prefill.main import DEFAULT_LEASE_SECONDS
+from services.engine.core.loaders import LoadedModel
+from services.engine.runtime.worker_options import WorkerOptions
+from services.engine.runtime.worker_runtime import WorkerHandle, build_engine, start_serving
+from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.prefill.worker import PrefillWorker
 
@@ -48,7 +48,7 @@ async def start_prefill_worker(
         corrupt_chunk: test-only fault hook, see ``KVSender``.
     """
     metrics = metrics or TandemMetrics()
-    engine = build_engine(options, loaded=loaded)
+    engine, _ = build_engine(options, loaded=loaded)  # prefill-only requests have no text
     engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'prefill'}")
     engine_loop.start()
     metrics.kv_blocks_total.set(engine.block_manager.num_blocks)

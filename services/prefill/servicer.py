@@ -18,7 +18,7 @@ import grpc.aio
 from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
-from services.engine.worker_runtime import worker_stats
+from services.engine.runtime.worker_runtime import worker_stats
 from services.prefill.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)

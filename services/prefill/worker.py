@@ -1,6 +1,6 @@
 """The prefill worker: run prompts through the engine, then ship their KV to a decode worker.
 
-One request (SPEC §2.5-2.6):
+One request (docs/request-lifecycle.md, steps 5-6):
   1. The prompt joins the engine as a prefill-only request; the engine loop batches it with
      every other queued prompt into the same forward passes, chunks it when it is longer than
      the step's token budget, and reuses cached prefix blocks.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from services.common.errors import AbortedError, ResourceExhaustedError
 from services.common.sampling_params import SamplingParams
-from services.engine.engine import RequestOutput
-from services.engine.engine_loop import EngineLoop
+from services.engine.core.engine import RequestOutput
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVSender, PrefilledRequest
-from services.engine.sampler import TokenLogprobs
+from services.engine.core.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

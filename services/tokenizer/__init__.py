@@ -5,5 +5,5 @@
 - ``gguf_vocab.py``: rebuilds a ``tokenizers.Tokenizer`` from GGUF metadata.
 - ``chat_template.py``: sandboxed Jinja rendering with transformers' semantics.
 - ``detokenizer.py``: incremental, UTF-8-safe detokenization with stop strings.
-- ``context_window.py``: the context-window policy of SPEC §2.3.
+- ``context_window.py``: the context-window policy of docs/request-lifecycle.md, step 3.
 """

@@ -1,4 +1,4 @@
-"""Fit a prompt into the model's context window (SPEC §2.3).
+"""Fit a prompt into the model's context window (docs/request-lifecycle.md, step 3).
 
 A request needs ``len(prompt) + max_tokens <= context_length`` tokens. Plain completions are
 never changed: :func:`fit_prompt` accepts or rejects them. Chats get a sliding window,

@@ -17,7 +17,7 @@ Lifecycle:
   4. Wait for a signal; then report NOT_SERVING, give in-flight RPCs ``--grace`` seconds, stop.
 
 The model fingerprint is ``ModelConfig.fingerprint()`` of the engine (``KVLayout.model_fingerprint``
-on the KV path), computed here without torch: ``services/engine/model_config.py`` is plain Python,
+on the KV path), computed here without torch: ``services/common/model_config.py`` is plain Python,
 and the GGUF / ``config.json`` shape fields are read the way the engine's loaders read them
 (:func:`model_fingerprint` mirrors ``loaders/gguf_file.gguf_config``, whose module imports torch;
 a test checks both agree). Reading it costs one memory-mapped open of the GGUF header. When the
@@ -145,7 +145,7 @@ async def serve(config: TokenizerServiceConfig) -> int:
 
 def model_fingerprint(source: ModelSource) -> str:
     """``ModelConfig.fingerprint()`` of ``source`` without torch, or "" when it cannot be read."""
-    from services.engine.config_reader import read_model_config  # plain Python + gguf, no torch
+    from services.common.config_reader import read_model_config  # plain Python + gguf, no torch
 
     try:
         return read_model_config(source).fingerprint()

@@ -6,7 +6,7 @@ The servicer is a thin adapter: the policies live in the library (``chat_templat
 :class:`~services.common.errors.TandemError` s, which the server's error interceptor turns into
 gRPC status codes (INVALID_ARGUMENT for everything a caller can get wrong here).
 
-Tokenize (SPEC §2.3):
+Tokenize (docs/request-lifecycle.md, step 3):
   1. Take the raw ``text`` (encoded with ``add_special_tokens`` as asked) or render the ``chat``
      messages with the model's chat template (``add_generation_prompt`` as asked; the template
      writes its own special tokens, so none are added on encoding).

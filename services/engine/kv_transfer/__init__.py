@@ -1,4 +1,4 @@
-"""KV hand-off between a prefill and a decode worker (SPEC §4).
+"""KV hand-off between a prefill and a decode worker (docs/kv-handoff.md).
 
 One block (all layers' K and V for ``block_size`` token slots) is the unit of transfer. The roles,
 one small module each:

@@ -17,7 +17,7 @@ from services.common.pb import common_pb2, decode_pb2
 from services.common.wire import sampling_params_from_proto, token_logprobs_from_proto
 from services.engine.kv_transfer.layout import check_layout
 from services.engine.kv_transfer.payload import PrefilledRequest, blocks_touched
-from services.engine.sampler import TokenLogprobs
+from services.engine.core.sampler import TokenLogprobs
 
 
 def check_header(

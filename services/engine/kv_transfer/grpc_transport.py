@@ -1,4 +1,4 @@
-"""The default KV transport: a ``Decode.TransferKV`` client stream over gRPC (SPEC §4).
+"""The default KV transport: a ``Decode.TransferKV`` client stream over gRPC (docs/kv-handoff.md).
 
 Works everywhere (CPU included). Each chunk carries at most ``MAX_KV_CHUNK_BYTES`` (4 MiB) of
 data, far below the 64 MiB message limit both ends configure, and its own crc32, checked by the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from services.common.errors import FailedPreconditionError
 from services.common.pb import common_pb2
-from services.engine.engine import LLMEngine
+from services.engine.core.engine import LLMEngine
 
 _FIELDS = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 

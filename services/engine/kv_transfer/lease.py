@@ -1,4 +1,4 @@
-"""Leases on a prefill worker's KV blocks while they are shipped to a decode worker (SPEC §4).
+"""Leases on a prefill worker's KV blocks while they are shipped to a decode worker (docs/kv-handoff.md).
 
 After prefill, a request's blocks stay allocated (held by the engine loop) so they can be read
 and sent. A lease bounds how long: it ends when decode acknowledges, when the transfer fails or
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from services.common.errors import FailedPreconditionError, InvalidArgumentError
 from services.common.metrics import TandemMetrics
-from services.engine.engine_loop import EngineLoop
+from services.engine.runtime.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 

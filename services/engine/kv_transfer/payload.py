@@ -23,8 +23,8 @@ import torch
 
 from services.common.errors import DataLossError, InvalidArgumentError
 from services.common.sampling_params import SamplingParams
-from services.engine.kv_cache import KVPool
-from services.engine.sampler import TokenLogprobs
+from services.engine.core.kv_cache import KVPool
+from services.engine.core.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from services.common.errors import (
 )
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
-from services.engine.engine_loop import EngineLoop
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer.checks import check_chunk, check_commit, check_header
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout

@@ -38,7 +38,7 @@ from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
 from services.common.wire import sampling_params_to_proto, token_logprobs_to_proto
-from services.engine.engine_loop import EngineLoop
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
 from services.engine.kv_transfer.lease import LeaseTable

@@ -1,0 +1,223 @@
+"""Attention over the paged KV cache, behind one interface with a plain-torch reference.
+
+The model runner builds one :class:`AttentionMetadata` per step; every layer's attention call
+receives it together with that layer's K/V views of the :class:`~services.engine.core.kv_cache.KVPool`.
+A step is either a *prefill* step (one or more sequences, each with a run of new tokens after an
+optional already-cached prefix) or a *decode* step (one new token for each of B sequences of
+different lengths). A faster backend (e.g. a Triton kernel) implements :class:`PagedAttention`
+with the same signature and is compared to :class:`TorchPagedAttention` in tests.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's new tokens go and what each sequence attends to.
+
+    Attributes:
+        is_prefill: prefill step (variable new tokens per sequence) or decode step (one each).
+        slot_blocks / slot_offsets: ``[T]`` block id and in-block offset for each new token.
+        query_lens: new tokens per sequence (prefill), in order of the flattened batch.
+        context_lens: total tokens per sequence after this step (cached prefix + new).
+        block_tables: ``[B, max_blocks]`` block ids per sequence, padded with 0.
+        decode_mask: ``[B, 1, 1, L]`` bool, True where a decode query may attend (decode steps
+            of more than one sequence only).
+        context_lens_tensor: ``context_lens`` as an int64 device tensor (decode only), for kernels.
+        token_seqs / token_rows: ``[T]`` each new token's sequence and its row among that
+            sequence's new tokens (prefill only): where it sits in a padded ``[B, max_q]`` batch.
+    """
+
+    is_prefill: bool
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor
+    decode_mask: torch.Tensor | None = None
+    context_lens_tensor: torch.Tensor | None = None
+    token_seqs: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None
+
+    @staticmethod
+    def build(
+        *,
+        is_prefill: bool,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Slot mappings, the padded block table and the decode mask, with tensor ops (no
+        Python loop over tokens: a step of T new tokens costs O(B) Python, not O(T))."""
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
+                              dtype=torch.long, device=device)  # fmt: skip
+        lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+        qlens = torch.tensor(query_lens, dtype=torch.long, device=device)
+        batch = len(query_lens)
+        # token t belongs to sequence token_seqs[t] and is its token_rows[t]-th new token
+        token_seqs = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
+        starts = torch.cumsum(qlens, 0) - qlens  # first flat index of each sequence's tokens
+        token_rows = torch.arange(token_seqs.numel(), device=device) - starts[token_seqs]
+        positions = (lens - qlens)[token_seqs] + token_rows
+        slot_blocks = tables[token_seqs, positions // block_size]
+        mask = None
+        if not is_prefill and batch > 1:  # one sequence attends to exactly its context, unmasked
+            span = torch.arange(width * block_size, device=device)
+            mask = (span[None, :] < lens[:, None])[:, None, None, :]
+        return AttentionMetadata(
+            is_prefill=is_prefill,
+            slot_blocks=slot_blocks,
+            slot_offsets=positions % block_size,
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            block_tables=tables,
+            decode_mask=mask,
+            context_lens_tensor=None if is_prefill else lens,
+            token_seqs=token_seqs if is_prefill else None,
+            token_rows=token_rows if is_prefill else None,
+        )
+
+    def decode_context_lens(self) -> torch.Tensor:
+        """``context_lens`` as an int64 tensor on the block tables' device (built once)."""
+        if self.context_lens_tensor is None:
+            self.context_lens_tensor = torch.tensor(
+                self.context_lens, dtype=torch.long, device=self.block_tables.device
+            )
+        return self.context_lens_tensor
+
+
+class PagedAttention(ABC):
+    """Stores this step's K/V into the cache, then attends over each sequence's context."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Args: q ``[T, H, D]``, k/v ``[T, KVH, D]``, caches ``[NB, BS, KVH, D]``.
+
+        Returns: ``[T, H, D]`` attention output for the new tokens.
+        """
+
+    def native_decode(self, batch: int) -> bool:
+        """Whether a float32 decode step of ``batch`` sequences runs the native C kernel (which a
+        whole-layer C step can then call directly); False for backends without one."""
+        return False
+
+
+class TorchPagedAttention(PagedAttention):
+    """Reference path: gather each sequence's blocks and call ``scaled_dot_product_attention``.
+
+    Decode kernels subclass it and override :meth:`decode` only: storing K/V and prefill stay
+    here, shared.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self.store_kv(k, v, k_cache, v_cache, meta)
+        if meta.is_prefill:
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return self.decode(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def store_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Write this step's K/V into their slots (shared by every backend)."""
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """All of the step's prompts in one attention call. One prompt with nothing cached is
+        plain causal attention over its new tokens; otherwise (several prompts, or a cached
+        prefix) every sequence's queries are padded into ``[B, max_q]``, its keys and values read
+        from the cache through its block table (this step's were just stored), and a mask lets
+        query row j of sequence b see exactly positions ``0 .. cached_b + j``."""
+        if len(meta.query_lens) == 1 and meta.context_lens[0] == meta.query_lens[0]:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )  # fmt: skip
+            return out.transpose(0, 1)
+        assert meta.token_seqs is not None and meta.token_rows is not None
+        batch, max_q, block_size = len(meta.query_lens), max(meta.query_lens), k_cache.shape[1]
+        blocks = -(-max(meta.context_lens) // block_size)
+        table = meta.block_tables[:, :blocks]
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+        values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        queries = q.new_zeros(batch, max_q, *q.shape[1:])
+        queries[meta.token_seqs, meta.token_rows] = q
+        device = q.device
+        qlens = torch.tensor(meta.query_lens, device=device)
+        cached = torch.tensor(meta.context_lens, device=device) - qlens
+        rows = torch.arange(max_q, device=device)
+        last = cached[:, None] + rows[None, :]  # [B, max_q]: the last position each row may see
+        last = torch.where(rows[None, :] < qlens[:, None], last, 0)  # padding rows: position 0
+        mask = torch.arange(keys.shape[2], device=device)[None, None, :] <= last[:, :, None]
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
+            enable_gqa=True,
+        )  # [B, H, max_q, D]
+        return out.transpose(1, 2)[meta.token_seqs, meta.token_rows]
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per sequence: q ``[B, H, D]`` over its context in the cache → ``[B, H, D]``."""
+        batch = q.shape[0]
+        keys = k_cache[meta.block_tables].flatten(1, 2)  # [B, L, KVH, D]
+        values = v_cache[meta.block_tables].flatten(1, 2)
+        mask = meta.decode_mask
+        if batch == 1:  # no padding: attend to exactly the context, no mask
+            ctx = meta.context_lens[0]
+            keys, values, mask = keys[:, :ctx], values[:, :ctx], None
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, H, 1, D]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)

@@ -1,0 +1,326 @@
+"""The engine loop: ``step()`` = schedule, run the model, post-process.
+
+Requests enter with token ids and :class:`SamplingParams`; each step returns per-request deltas
+(new token ids, logprobs, finish reason). The engine knows no text: EOS, stop token ids and
+length limits end a request here; detokenization and stop strings are an :class:`OutputFilter`
+the worker runtime applies to outputs as they leave (``services.engine.runtime.output_text``).
+Three entry points cover the disaggregated pipeline:
+
+  1. :meth:`LLMEngine.add_request` — normal request; the engine prefills and decodes it.
+  2. ``add_request(..., prefill_only=True)`` — a prefill worker: the sequence finishes right
+     after its first token with reason ``"prefilled"`` and its blocks are *kept*; the caller
+     ships them and later calls :meth:`LLMEngine.release_blocks`.
+  3. :meth:`LLMEngine.add_prefilled` — a decode worker: KV already sits in blocks the caller
+     allocated (see :attr:`LLMEngine.block_manager`); the sequence joins the running batch.
+
+The engine is single-threaded; services drive it from one thread and post work through queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.common.errors import InvalidArgumentError
+from services.common.sampling_params import SamplingParams
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.kv_cache import KVLayout, KVPool
+from services.engine.core.loaders import LoadedModel
+from services.engine.core.model_runner import ModelRunner
+from services.engine.core.sampler import (
+    Sampler,
+    SamplingState,
+    TokenLogprobs,
+    make_generator,
+    skip_draws,
+)
+from services.engine.core.scheduler import Scheduler
+from services.engine.core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Cache and batching limits. ``num_blocks`` wins over ``kv_cache_bytes`` when set."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    text: str = ""  # filled by an OutputFilter (the runtime's detokenizer), never by the engine
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+class OutputFilter(Protocol):
+    """Post-processing of outputs outside the engine step: the worker runtime's text
+    (``services.engine.runtime.output_text.OutputText``). ``start`` sees each request that will
+    produce tokens; ``apply`` sees each of its outputs and may end it with :meth:`LLMEngine.finish`."""
+
+    def start(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None: ...
+    def apply(self, out: RequestOutput, engine: LLMEngine) -> None: ...
+
+
+class LLMEngine:
+    """Owns the model runner, the KV pool, the block manager and the scheduler."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Seq[int] | None = None,
+    ) -> None:
+        """``eos_token_ids`` (default: the model config's) end a request unless ``ignore_eos``;
+        workers pass the tokenizer's, which may list more (e.g. a chat end-of-turn token)."""
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        model_cfg = loaded.config
+        self.layout = KVLayout(
+            num_layers=model_cfg.num_layers,
+            block_size=self.config.block_size,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+        )
+        num_blocks = self.config.num_blocks or max(2, self.config.kv_cache_bytes // self.layout.block_bytes)
+        device = next(loaded.model.parameters()).device
+        self.kv = KVPool(num_blocks, self.layout, device=device)
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
+        self.eos_token_ids = frozenset(eos_token_ids or model_cfg.eos_token_ids)
+        self.sampler = Sampler(model_cfg.vocab_size, tuple(self.eos_token_ids))
+        self.runner = ModelRunner(loaded, self.kv, self.sampler)
+        self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        self._finished: list[RequestOutput] = []
+
+    # ---- entry points -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request (validated: non-empty prompt that leaves room for one token)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        self.scheduler.add(seq)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        block_ids: list[int],
+        first_token_id: int,
+        first_logprob: TokenLogprobs | None = None,
+        num_cached_tokens: int = 0,
+    ) -> list[RequestOutput]:
+        """Queue a sequence whose prompt KV already fills ``block_ids`` (the engine takes them
+        over); it decodes once a seat is free (``max_num_seqs``).
+
+        Returns the output for the first token (it may already finish the request).
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False)
+        if seq.sampling.generator is not None:  # prefill drew the first token from this seed
+            skip_draws(seq.sampling.generator, self.loaded.config.vocab_size, 1)
+        seq.block_ids = list(block_ids)
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.num_cached_tokens = num_cached_tokens
+        self.scheduler.add_prefilled(seq)
+        out = RequestOutput(
+            request_id,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+        self._append_token(seq, first_token_id, first_logprob, out)
+        return [out]
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request at once and free its blocks; False if it is unknown or done."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._finished.append(
+            RequestOutput(request_id, finished=True, finish_reason="abort",
+                          num_prompt_tokens=len(seq.prompt_token_ids))
+        )
+        return True
+
+    def finish(self, request_id: str, reason: str) -> bool:
+        """End a running request now with ``reason`` and free its blocks, without an output of
+        its own (the caller is finishing the output it holds: a stop string matched in the
+        runtime's text). False if it is unknown or done."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, reason)
+        return True
+
+    def release_blocks(self, block_ids: Seq[int]) -> None:
+        """Give back blocks a prefill-only request kept for its KV hand-off."""
+        self.block_manager.free(list(block_ids))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, post-process. Returns outputs of requests that moved."""
+        outputs, self._finished = self._finished, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            outputs.extend(self._fail_unschedulable())
+            return outputs
+        sampled = self.runner.execute(batch)
+        row = 0
+        for item in batch.items:
+            seq = item.seq
+            before = seq.num_computed_tokens // self.config.block_size
+            seq.num_computed_tokens += item.num_new_tokens
+            if self.config.enable_prefix_caching and seq.num_computed_tokens // self.config.block_size > before:
+                self.block_manager.cache_full_blocks(
+                    seq.block_ids, seq.all_token_ids()[: seq.num_computed_tokens]
+                )
+            if not item.sample or sampled is None:
+                continue
+            out = RequestOutput(
+                seq.request_id,
+                num_prompt_tokens=len(seq.prompt_token_ids),
+                num_cached_tokens=seq.num_cached_tokens,
+            )
+            self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
+            row += 1
+            outputs.append(out)
+        return outputs
+
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams],
+        *,
+        output_filter: OutputFilter | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts as one batch to completion; one aggregated output per prompt, in order.
+        ``output_filter`` (e.g. the runtime's text) sees every output, as a worker's would."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        results = {rid: RequestOutput(rid, num_prompt_tokens=len(p)) for rid, p in zip(ids, prompts)}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+            if output_filter is not None:
+                output_filter.start(rid, prompt, p)
+        while self.has_unfinished():
+            for out in self.step():
+                if output_filter is not None:
+                    output_filter.apply(out, self)
+                agg = results[out.request_id]
+                agg.new_token_ids.extend(out.new_token_ids)
+                agg.new_logprobs.extend(out.new_logprobs)
+                agg.text += out.text
+                agg.num_cached_tokens = max(agg.num_cached_tokens, out.num_cached_tokens)
+                if out.finished:
+                    agg.finished, agg.finish_reason = True, out.finish_reason
+        return [results[rid] for rid in ids]
+
+    # ---- internals ----------------------------------------------------------------------
+    def _new_sequence(
+        self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool
+    ) -> Sequence:
+        params.validate()
+        prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise InvalidArgumentError("the prompt is empty", param="prompt")
+        vocab = self.loaded.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab})", param="prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidArgumentError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens",
+                param="prompt",
+            )
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidArgumentError(f"request id {request_id!r} is already running", param="request_id")
+        state = SamplingState(
+            params=params,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=[],
+            generator=make_generator(params.seed) if not params.greedy else None,
+        )
+        return Sequence(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            sampling=state,
+            prefill_only=prefill_only,
+            arrival_time=time.monotonic(),
+        )
+
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: TokenLogprobs | None, out: RequestOutput
+    ) -> None:
+        seq.output_token_ids.append(token)
+        seq.logprobs.append(logprob)
+        out.new_token_ids.append(token)
+        out.new_logprobs.append(logprob)
+        if seq.prefill_only:
+            self.scheduler.finish(seq, "prefilled", keep_blocks=True)
+            out.finished, out.finish_reason, out.block_ids = True, "prefilled", list(seq.block_ids)
+            return
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            out.finished, out.finish_reason = True, reason
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        produced = len(seq.output_token_ids)
+        if produced >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop"
+            if token in params.stop_token_ids:
+                return "stop"
+        if produced >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could run: a waiting sequence larger than the whole pool can never fit."""
+        outputs = []
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        for seq in list(self.scheduler.waiting):
+            if not self.scheduler.running and seq.num_tokens + 1 > capacity:
+                logger.warning("request %s needs more KV than the pool holds", seq.request_id)
+                self.scheduler.finish(seq, "length")
+                outputs.append(RequestOutput(seq.request_id, finished=True, finish_reason="length",
+                                             num_prompt_tokens=len(seq.prompt_token_ids)))
+        return outputs

@@ -1,0 +1,193 @@
+"""Measure a native kernel against the PyTorch path on the model's own layers; keep the faster.
+
+A kernel tuned on one CPU can lose on another (vector width, cache sizes, how good the local BLAS
+is), so a fast path has to prove itself on the machine it runs on. The first time a kernel build
+meets a model's layer shapes, :func:`choose_regimes`:
+
+1. runs the model's layers (their real shapes, weights read from memory) once per path to warm
+   up, for each row regime: decode of 1, 8 and 32 rows and a prefill chunk of 256 rows;
+2. times each path as the best of a few alternating runs;
+3. picks, per regime, the faster path (the kernel only when it wins by more than
+   :data:`MARGIN`: a near tie is noise, and goes to PyTorch); a row count uses the regime of the
+   smallest measured count at or above it (2-8 rows → the 8-row choice, 33+ rows → prefill);
+4. caches the decision as JSON next to the kernel build (keyed by the build, the format, the
+   shapes, the thread count, the torch version and any limit on PyTorch's BLAS instruction set),
+   so later starts reuse it, and logs it once
+   in one line: format, instruction set, measured speed ratio per regime.
+
+Workers that start together (``tandem up``) would time each other's load; a lock file beside the
+cache makes them measure one at a time, and the later ones find the decision already cached. A
+measurement taken while something else keeps the cores busy (load average above the core count)
+is used but not cached, so a busy moment does not decide for every later start.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.core.kernels.native_build import cache_dir
+
+logger = logging.getLogger(__name__)
+
+REGIME_ROWS = (1, 8, 32, 256)
+# PyTorch's BLAS instruction-set limits: they change how fast the PyTorch path is
+BLAS_LIMIT_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+REPEATS = 5
+# the kernel must beat PyTorch by this fraction: within it the two are a tie that run-to-run noise
+# decides, and a tie goes to the reference path
+MARGIN = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRegimes:
+    """Per measured row count, whether the kernel (True) or the PyTorch path runs."""
+
+    rows: tuple[int, ...] = REGIME_ROWS
+    use_kernel: tuple[bool, ...] = (True,) * len(REGIME_ROWS)
+    speedup: tuple[float, ...] = ()  # PyTorch time / kernel time per regime, when measured
+
+    def kernel_for(self, rows: int) -> bool:
+        """Whether ``rows`` rows go through the kernel."""
+        index = min(bisect.bisect_left(self.rows, rows), len(self.rows) - 1)
+        return self.use_kernel[index]
+
+    @property
+    def measured(self) -> bool:
+        """False for the default (kernel everywhere, nothing timed yet)."""
+        return bool(self.speedup)
+
+    def any_torch(self) -> bool:
+        return not all(self.use_kernel)
+
+    def describe(self) -> str:
+        ratios = ", ".join(
+            f"{rows} row{'s' if rows > 1 else ''} {ratio:.2f}x"  # rows: batch size for attention
+            for rows, ratio in zip(self.rows, self.speedup, strict=True)
+        )
+        torch_rows = [str(r) for r, k in zip(self.rows, self.use_kernel, strict=True) if not k]
+        verdict = f"PyTorch for {', '.join(torch_rows)} rows" if torch_rows else "kernel everywhere"
+        return f"kernel/PyTorch speed {ratios} -> {verdict}"
+
+
+def choose_regimes(
+    fmt: str,
+    *,
+    isa: str,
+    build: str,
+    shapes: Sequence[tuple[int, ...]],
+    run_kernel: Callable[[int], object],
+    run_torch: Callable[[int], object],
+    rows: Sequence[int] = REGIME_ROWS,
+) -> KernelRegimes:
+    """Time ``run_kernel(n)`` against ``run_torch(n)`` for each ``n`` in ``rows`` (or reuse the
+    cached decision for this build, format and set of shapes) and return the per-regime choice."""
+    key = _cache_key(fmt, build, shapes, rows)
+    path = cache_dir() / f"autotune-{key}.json"
+    with _measuring_lock():
+        cached = _read(path)
+        if cached is not None:
+            logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
+            return cached
+        regimes = _measure(rows, run_kernel, run_torch)
+        busy = _machine_busy()
+        if not busy:
+            _write(path, regimes)
+    logger.info(
+        "CPU %s kernel [%s, %s]: %s (measured%s)", fmt, isa, build, regimes.describe(),
+        "; machine busy, not cached" if busy else "",
+    )  # fmt: skip
+    return regimes
+
+
+def _machine_busy() -> bool:
+    """Whether other work was competing for the cores (1-minute load average above the cores)."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _measuring_lock() -> Iterator[None]:
+    """One measuring process per machine at a time (a no-op when the cache is not writable)."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        handle = open(cache_dir() / "autotune.lock", "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _measure(
+    rows: Sequence[int], run_kernel: Callable[[int], object], run_torch: Callable[[int], object]
+) -> KernelRegimes:
+    kernel_s, torch_s = [], []
+    for n in rows:
+        run_kernel(n), run_torch(n)  # warm-up: allocators, first-touch, caches
+        best_kernel = best_torch = float("inf")
+        for _ in range(REPEATS):
+            best_kernel = min(best_kernel, _timed(run_kernel, n))
+            best_torch = min(best_torch, _timed(run_torch, n))
+        kernel_s.append(best_kernel)
+        torch_s.append(best_torch)
+    return KernelRegimes(
+        rows=tuple(rows),
+        use_kernel=tuple(k * (1 + MARGIN) <= t for k, t in zip(kernel_s, torch_s, strict=True)),
+        speedup=tuple(t / k for k, t in zip(kernel_s, torch_s, strict=True)),
+    )
+
+
+def _timed(fn: Callable[[int], object], rows: int) -> float:
+    start = time.perf_counter()
+    fn(rows)
+    return time.perf_counter() - start
+
+
+def _cache_key(
+    fmt: str, build: str, shapes: Sequence[tuple[int, ...]], rows: Sequence[int]
+) -> str:
+    blas_limits = [os.environ.get(name, "") for name in BLAS_LIMIT_VARIABLES]
+    parts = [fmt, build, repr(sorted(shapes)), repr(list(rows)), str(torch.get_num_threads()),
+             torch.__version__, *blas_limits]  # fmt: skip
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _read(path: Path) -> KernelRegimes | None:
+    try:
+        data = json.loads(path.read_text())
+        return KernelRegimes(
+            rows=tuple(int(r) for r in data["rows"]),
+            use_kernel=tuple(bool(k) for k in data["use_kernel"]),
+            speedup=tuple(float(s) for s in data["speedup"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: Path, regimes: KernelRegimes) -> None:
+    data = {"rows": regimes.rows, "use_kernel": regimes.use_kernel, "speedup": regimes.speedup}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers starting together never collide
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as exc:  # an unwritable cache only costs a re-measure next start
+        logger.debug("autotune decision not cached: %s", exc)

@@ -1,0 +1,198 @@
+"""Python side of ``cpu_decode_layers.c``: all decoder layers of a float32 decode step in one call.
+
+The model hands :meth:`CpuDecodeLayers.bind` its layers' weights once (the kernels' tiles, the
+norm weights) as plain descriptors — this module knows tensors, not ``nn.Module`` — and gets back a
+:class:`DecodeLayersCall` whose pointer arrays are built once; per step it passes only the
+residual stream, the rotary tables and the step's attention metadata. The result is the same bits
+as the per-op kernel path (the C file is a unity build of those kernels, chained in the same
+order); the model still decides per batch size whether to use it (see
+:meth:`~services.engine.core.model.LlamaForCausalLM.use_decode_layers`).
+
+:func:`load_cpu_decode_layers` builds it once per process for the selected instruction set, or
+returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES
+from services.engine.core.kernels.native_build import load_kernel
+
+SOURCE = Path(__file__).with_name("cpu_decode_layers.c")
+FLOAT32_CODE = -1  # FORMAT_FLOAT32 in the C file: cpu_gemv.c's float32 tiles
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("format", _I64), ("weight", _PTR), ("bias", _PTR), ("in_", _I64), ("out", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _PTR), ("post_norm", _PTR),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("k_cache", _PTR), ("v_cache", _PTR),
+    ]  # fmt: skip
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                     "block_size", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LinearTiles:
+    """One projection as a kernel reads it: ``format`` is ``"float32"`` (cpu_gemv tiles) or a
+    quantized format (cpu_qgemv tiles); ``bias`` is padded to whole tiles, or ``None``."""
+
+    format: str
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearTiles
+    o: LinearTiles
+    gate_up: LinearTiles
+    down: LinearTiles
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+class CpuDecodeLayers:
+    """The loaded library; :meth:`bind` prepares one model's layers."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.tandem_decode_layers
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [
+            ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _I64, _PTR, _I64, _PTR, _PTR,
+            _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
+        ]  # fmt: skip
+        isa = library.tandem_qgemv_isa  # the unity build carries cpu_qgemv.c's entry points
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()
+        self.build = Path(str(library._name)).name  # the cached library's file name
+
+    def bind(self, shape: DecodeShape, layers: list[LayerWeights]) -> DecodeLayersCall:
+        for weights in layers:
+            for tiles in (weights.qkv, weights.o, weights.gate_up, weights.down):
+                if tiles.format != "float32" and tiles.format not in FORMAT_CODES:
+                    raise ValueError(f"no decode-layers kernel for {tiles.format} weights")
+            for norm in (weights.input_norm, weights.post_norm):
+                if norm.dtype != torch.float32 or not norm.is_contiguous():
+                    raise ValueError("RMSNorm weights must be contiguous float32")
+        return DecodeLayersCall(self._fn, shape, layers, self.isa, self.build)
+
+
+def _linear(tiles: LinearTiles) -> _Linear:
+    code = FLOAT32_CODE if tiles.format == "float32" else FORMAT_CODES[tiles.format]
+    bias = None if tiles.bias is None else tiles.bias.data_ptr()
+    return _Linear(code, tiles.packed.data_ptr(), bias, tiles.in_features, tiles.out_features)
+
+
+class DecodeLayersCall:
+    """Every layer of one model for decode batches, its weight pointers prepared once; the KV
+    pool's per-layer views are set with :meth:`set_caches` (once per pool)."""
+
+    def __init__(
+        self,
+        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        shape: DecodeShape,
+        layers: list[LayerWeights],
+        isa: str,
+        build: str,
+    ) -> None:
+        self._fn, self._decode_shape = fn, shape
+        self.isa, self.build = isa, build
+        self._layers_py = layers  # kept alive: the array holds their pointers
+        self._layers = (_Layer * len(layers))()
+        for entry, weights in zip(self._layers, layers, strict=True):
+            entry.input_norm = weights.input_norm.data_ptr()
+            entry.post_norm = weights.post_norm.data_ptr()
+            entry.qkv, entry.o = _linear(weights.qkv), _linear(weights.o)
+            entry.gate_up, entry.down = _linear(weights.gate_up), _linear(weights.down)
+        self._shape: _Shape | None = None
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.caches_of: object = None  # the pool the caches were taken from (the caller's key)
+
+    def tiles(self) -> list[LinearTiles]:
+        """Every projection of every layer, in order."""
+        return [t for w in self._layers_py for t in (w.qkv, w.o, w.gate_up, w.down)]
+
+    def set_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]], owner: object) -> None:
+        """Each layer's ``(k_cache, v_cache)`` ``[blocks, block_size, kv_heads, head_dim]`` float32
+        views (strides shared by every layer, head dimension contiguous), taken from ``owner``."""
+        if len(caches) != len(self._layers):
+            raise ValueError(f"{len(caches)} cache pairs for {len(self._layers)} layers")
+        k0, v0 = caches[0]
+        for k, v in caches:
+            if (
+                k.dtype != torch.float32 or v.dtype != torch.float32
+                or k.stride() != k0.stride() or v.stride() != v0.stride()
+                or k.shape != k0.shape or v.shape != k0.shape or k.stride(-1) != 1 or v.stride(-1) != 1
+            ):  # fmt: skip
+                raise ValueError("KV caches must be float32 views of one shape and layout")
+        s = self._decode_shape
+        self._shape = _Shape(
+            s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, k0.shape[1],
+            *k0.stride()[:3], *v0.stride()[:3], s.eps, s.scale,
+        )  # fmt: skip
+        for entry, (k, v) in zip(self._layers, caches, strict=True):
+            entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+        self._caches, self.caches_of = caches, owner
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run every layer over ``x`` ``[rows, hidden]`` (contiguous float32, overwritten: returned
+        as the stream leaving the last layer). ``cos``/``sin``: contiguous ``[rows, head_dim]``;
+        the metadata tensors: int64, contiguous, one entry (tables: one row) per sequence."""
+        if self._shape is None:
+            raise RuntimeError("set_caches() before the first decode step")
+        rows = x.shape[0]
+        status = self._fn(
+            self._shape, self._layers, len(self._layers), x.data_ptr(), rows, cos.data_ptr(),
+            sin.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            context_lens.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the CPU decode-layers kernel could not allocate its buffers")
+        return x
+
+
+@functools.cache
+def load_cpu_decode_layers() -> CpuDecodeLayers | None:
+    """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
+    return load_kernel(SOURCE, CpuDecodeLayers, "CPU decode-layers kernel")

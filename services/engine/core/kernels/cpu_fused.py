@@ -1,0 +1,95 @@
+"""Python side of the fused element-wise CPU ops (``cpu_fused.c``) that the model uses in decode.
+
+:class:`CpuFused` replaces, for decode-sized float32 batches (at most :data:`MAX_ROWS` rows), the
+residual add + RMSNorm, SwiGLU's ``silu(gate) * up`` and the rotary embedding with one C call each
+(3-6 PyTorch ops each otherwise). :func:`load_cpu_fused` builds it once per process for the
+selected instruction set or returns ``None`` (``TANDEM_CPU_KERNELS=0``, no compiler); the model
+then keeps its PyTorch ops, which stay the reference the fused ones are tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from services.engine.core.kernels.native_build import load_kernel
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+# single-threaded, scalar expf: measured even with PyTorch's vectorised, threaded ops at 8 rows of
+# SmolLM2 decode, ahead at 1 row, behind from 32 rows
+MAX_ROWS = 8
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class CpuFused:
+    """Fused float32 ops over contiguous rows."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._add_rmsnorm = library.tandem_add_rmsnorm
+        self._add_rmsnorm.restype = None
+        self._add_rmsnorm.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
+        self._silu_mul = library.tandem_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
+        self._rope = library.tandem_rope
+        self._rope.restype = None
+        self._rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        """Whether ``x`` (``[rows, n]``) is a batch these ops take: float32, CPU, contiguous, few rows."""
+        return (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[0] <= MAX_ROWS
+            and x.is_contiguous()
+        )
+
+    def add_rmsnorm(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out_sum: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``RMSNorm(x + h) * weight`` (``h`` may be None); with ``h``, ``x + h`` is written to
+        ``out_sum`` (the next residual stream; a new contiguous tensor the caller owns)."""
+        rows, n = x.shape
+        if h is not None:
+            if out_sum is None or out_sum.shape != x.shape or not out_sum.is_contiguous():
+                raise ValueError("add_rmsnorm with h needs a contiguous out_sum of x's shape")
+            if h.shape != x.shape or not h.is_contiguous():
+                h = h.reshape(rows, n).contiguous()
+        y = torch.empty_like(x)
+        self._add_rmsnorm(
+            x.data_ptr(), None if h is None else h.data_ptr(),
+            None if out_sum is None else out_sum.data_ptr(), weight.data_ptr(), y.data_ptr(),
+            rows, n, eps,
+        )  # fmt: skip
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate_up[:, :n]) * gate_up[:, n:]`` for contiguous ``[rows, 2n]``."""
+        rows, width = gate_up.shape
+        y = torch.empty(rows, width // 2, dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, width // 2)
+        return y
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate ``x`` ``[rows, heads, d]`` (rows may be strided, heads contiguous) in place with
+        ``cos``/``sin`` tables of ``rows × d`` contiguous floats (``RotaryEmbedding.lookup``)."""
+        rows, heads, d = x.shape
+        if x.stride(2) != 1 or x.stride(1) != d or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope_ needs contiguous heads and contiguous cos/sin tables")
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, d)
+
+
+@functools.cache
+def load_cpu_fused() -> CpuFused | None:
+    """The fused ops, built for this machine, or ``None`` when off or not buildable here."""
+    return load_kernel(SOURCE, CpuFused, "fused CPU ops")

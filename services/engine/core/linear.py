@@ -1,0 +1,296 @@
+"""A linear layer with CPU fast paths for decode and prefill, over float32 or quantized weights.
+
+Batch-1 decode on CPU is weight streaming, and PyTorch's float32 ``F.linear`` for a handful of
+rows runs a GEMV that reads the weight well below the socket's bandwidth. :meth:`Linear.pack`
+lays the weight out once, after loading:
+
+* With a native kernel (:mod:`services.engine.core.kernels.cpu_gemv` for float32,
+  :mod:`services.engine.core.kernels.cpu_qgemv` for ``q8_0`` / ``q4`` weights) the weight becomes the
+  kernel's tiles and the kernel computes the product; a row's result then does not depend on the
+  other rows of the batch.
+* Without one (no C compiler, not Linux, ``TANDEM_CPU_KERNELS=0``) a float32 weight becomes
+  ``[S, in, W]``: ``S`` = thread count slices, one ``bmm`` giving each intra-op thread one slice.
+
+Which path runs is decided per row count: :class:`~services.engine.core.kernels.autotune.KernelRegimes`
+(measured at load by :func:`pack_linears`) says, for decode of 1, 8, 32 rows and a prefill chunk,
+whether the kernel or the PyTorch path was faster on this machine. The PyTorch path of a packed
+layer is the split ``bmm`` for float32, and for quantized weights PyTorch's GEMM over a transient
+float32 copy that the C kernel dequantizes per call (llama.cpp hands large batches to BLAS the
+same way), so there is never a second resident copy of the weight.
+
+A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
+kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
+from services.engine.core.kernels.cpu_decode_layers import LinearTiles
+from services.engine.core.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
+from services.engine.core.quant.quantized_weight import QuantizedWeight
+
+@dataclass(frozen=True, slots=True)
+class PackPlan:
+    """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
+    (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
+    kernels against PyTorch on the model's shapes and keeps the faster path per row count."""
+
+    splits: int = 0
+    kernel: CpuGemv | None = None
+    qkernel: CpuQGemv | None = None
+    autotune: bool = False
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` plus optional packed layouts for CPU decode and quantized weights."""
+
+    packed: torch.Tensor | None
+    packed_bias: torch.Tensor | None
+    kernel: CpuGemv | CpuQGemv | None
+    quant: QuantizedWeight | None
+    split: torch.Tensor | None
+    regimes: KernelRegimes
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed = self.packed_bias = self.kernel = self.quant = self.split = None
+        self.regimes = KernelRegimes()  # kernel everywhere until pack_linears measures
+        self._packed_format = ""
+        self._qcall: QGemvCall | None = None
+
+    @property
+    def weight_format(self) -> str:
+        """``"q8_0"`` / ``"q4"`` for quantized weights, else the float dtype's name."""
+        if self.quant is not None:
+            return self.quant.format
+        return self._packed_format or str(self.weight.dtype).removeprefix("torch.")
+
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Hold ``weight`` quantized; the float32 ``weight`` parameter is emptied."""
+        weight.require_shape((self.out_features, self.in_features), "a linear layer")
+        self.quant = weight
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def pack(self, plan: PackPlan, *, free_dense: bool = False) -> None:
+        """Build the kernel layout for this layer's weight, if ``plan`` has a kernel for it.
+
+        Float32 weights with no kernel get the split-``bmm`` layout instead (``plan.splits``).
+        With ``free_dense`` the ``[out, in]`` float weight is released afterwards (unless it is
+        shared, e.g. a head tied to the embedding), so packing costs no extra memory.
+        """
+        if self.packed is not None or self.split is not None:
+            return
+        if self.quant is not None:
+            if plan.qkernel is None:
+                return  # the reference path: dequantize per call
+            self.kernel, self._packed_format = plan.qkernel, self.quant.format
+            self.packed = plan.qkernel.tile_weight(self.quant)
+            self.quant = None  # the tiles hold every bit of it (see CpuQGemv.untile)
+            if self.bias is not None:
+                self.packed_bias = plan.qkernel.tile_bias(self.bias.detach())
+            self._qcall = plan.qkernel.bind(
+                self.packed, self._packed_format, self.packed_bias, self.out_features
+            )
+            return
+        if self.weight.dtype != torch.float32:
+            return
+        if plan.kernel is not None:
+            self.kernel, self._packed_format = plan.kernel, "float32"
+            self.packed = plan.kernel.tile_weight(self.weight.detach())
+            if self.bias is not None:
+                self.packed_bias = plan.kernel.tile_bias(self.bias.detach())
+        elif plan.splits >= 2:
+            self.split = split_layout(self.weight.detach(), plan.splits)
+        else:
+            return
+        if free_dense:
+            self.free_dense()
+
+    def add_split_layout(self, splits: int) -> None:
+        """Also keep the split-``bmm`` layout (the float32 PyTorch path next to the kernel)."""
+        if self.split is None and self.weight.numel() and splits >= 2:
+            self.split = split_layout(self.weight.detach(), splits)
+
+    def free_dense(self) -> None:
+        """Release the ``[out, in]`` float weight when packed layouts serve every row count."""
+        serves_all = self.split is not None or (
+            self.packed is not None and not self.regimes.any_torch()
+        )
+        if serves_all and not getattr(self.weight, "_tandem_shared", False):
+            self.weight.data = self.weight.data.new_empty(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self.torch_forward(x)
+        if self.packed is not None and self.regimes.kernel_for(x.shape[0]):
+            return self.kernel_forward(x)
+        return self.torch_forward(x)
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The native kernel over the packed tiles (``pack`` must have built them)."""
+        if self._qcall is not None:
+            return self._qcall(x)
+        if self.kernel is None or self.packed is None:
+            raise RuntimeError("kernel_forward on a layer that pack() gave no kernel")
+        return self.kernel(x, self.packed, self.packed_bias, self.out_features)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path: split ``bmm``, ``F.linear``, or dequantize-then-``F.linear``."""
+        if self.split is not None and x.dim() == 2:
+            return split_matmul(x, self.split, self.out_features, self.bias)
+        if self.weight.numel():
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dequantized_weight(), self.bias)
+
+    def kernel_tiles(self, rows: int) -> LinearTiles | None:
+        """This layer's kernel tiles, when ``rows`` rows run its native kernel (else ``None``)."""
+        if self.packed is None or self.kernel is None or not self.regimes.kernel_for(rows):
+            return None
+        return LinearTiles(self._packed_format, self.packed, self.packed_bias, self.in_features,
+                           self.out_features)  # fmt: skip
+
+    @property
+    def has_quantized_tiles(self) -> bool:
+        return isinstance(self.kernel, CpuQGemv) and self.packed is not None
+
+    def gather_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the weight read from the quantized kernel tiles (a tied embedding's
+        lookup); needs :attr:`has_quantized_tiles`."""
+        if not isinstance(self.kernel, CpuQGemv) or self.packed is None:
+            raise RuntimeError("gather_rows on a layer without quantized kernel tiles")
+        return self.kernel.gather_rows(self.packed, self._packed_format, index)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight of a quantized or packed layer (built per call, not
+        kept; for quantized tiles the C kernel dequantizes, transposed, for PyTorch's GEMM)."""
+        if self.quant is not None:
+            return self.quant.dequantize()
+        if isinstance(self.kernel, CpuQGemv) and self.packed is not None:
+            return self.kernel.dequantize_t(self.packed, self._packed_format, self.out_features).T
+        if self.packed is not None and isinstance(self.kernel, CpuGemv):
+            tiles, in_features, tile = self.packed.shape
+            dense = self.packed.transpose(1, 2).reshape(tiles * tile, in_features)
+            return dense[: self.out_features]
+        if self.split is not None:
+            splits, in_features, width = self.split.shape
+            dense = self.split.transpose(1, 2).reshape(splits * width, in_features)
+            return dense[: self.out_features]
+        raise RuntimeError("this linear layer holds no weight")
+
+
+def split_layout(weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """``[out, in]`` → ``[S, in, W]`` (``W`` = ceil(out / S)), the last slice padded with zeros."""
+    out_features, in_features = weight.shape
+    width = -(-out_features // splits)
+    pad = width * splits - out_features
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, in_features)])
+    return weight.view(splits, width, in_features).transpose(1, 2).contiguous()
+
+
+def split_matmul(
+    x: torch.Tensor, split: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` over the split layout: one ``bmm`` slice per intra-op thread."""
+    rows = x.shape[0]
+    splits, _, width = split.shape
+    out = torch.matmul(x, split)  # broadcasts x over the S slices: [S, rows, W]
+    if rows == 1:
+        out = out.view(1, splits * width)  # slice-major order is already the output order
+    else:
+        out = out.transpose(0, 1).reshape(rows, splits * width)
+    if splits * width != out_features:
+        out = out[:, :out_features]
+    return out + bias if bias is not None else out
+
+
+def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) -> int:
+    """Pack every :class:`Linear` in ``model``; returns how many there are.
+
+    With ``plan.autotune``, each kernel is then timed against its PyTorch path on the model's own
+    layers (:func:`~services.engine.core.kernels.autotune.choose_regimes`) and every layer runs, per
+    row count, whichever was faster; float32 layers keep the split layout for the row counts
+    where PyTorch won.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.pack(plan)
+    if plan.autotune:
+        by_format: dict[str, list[Linear]] = {}
+        for layer in layers:
+            if layer.packed is not None and not layer.regimes.measured:
+                by_format.setdefault(layer.weight_format, []).append(layer)
+        for fmt, group in by_format.items():
+            _tune(fmt, group, plan)
+    if free_dense:
+        for layer in layers:
+            layer.free_dense()
+    return len(layers)
+
+
+TUNE_BYTES = 64 << 20  # weight bytes the timing runs walk through, at most (one of each shape always)
+
+
+def _tune(fmt: str, layers: list[Linear], plan: PackPlan) -> None:
+    kernel = layers[0].kernel
+    if fmt == "float32":
+        for layer in layers:  # the float32 PyTorch path is the split bmm (or F.linear)
+            layer.add_split_layout(plan.splits)
+    timed, seen, total = [], set(), 0
+    for layer in layers:
+        shape = (layer.out_features, layer.in_features)
+        size = layer.packed.numel() * layer.packed.element_size() if layer.packed is not None else 0
+        if shape not in seen or total + size <= TUNE_BYTES:
+            timed.append(layer)
+            seen.add(shape)
+            total += size
+    regimes = choose_regimes(
+        fmt,
+        isa=getattr(kernel, "isa", "?"),
+        build=getattr(kernel, "build", "?"),
+        shapes=[(layer.out_features, layer.in_features) for layer in layers],
+        run_kernel=_runner(timed, Linear.kernel_forward),
+        run_torch=_runner(timed, Linear.torch_forward),
+    )
+    for layer in layers:
+        layer.regimes = regimes
+        if fmt == "float32" and not regimes.any_torch():
+            layer.split = None  # the kernel won everywhere: no second layout to keep
+
+
+def _runner(
+    layers: list[Linear], path: Callable[[Linear, torch.Tensor], torch.Tensor]
+) -> Callable[[int], None]:
+    """Run every layer once on ``rows`` random rows (each reads its weight from memory)."""
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def run(rows: int) -> None:
+        with torch.inference_mode():
+            for layer in layers:
+                key = (rows, layer.in_features)
+                if key not in inputs:
+                    inputs[key] = torch.randn(rows, layer.in_features)
+                path(layer, inputs[key])
+
+    return run
+
+
+def pack_plan(device: torch.device, dtype: torch.dtype, *, autotune: bool = True) -> PackPlan | None:
+    """The CPU fast paths for this device and activation dtype, or ``None`` to keep ``F.linear``."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    threads = torch.get_num_threads()
+    return PackPlan(
+        splits=threads if threads >= 2 else 0,
+        kernel=load_cpu_gemv(),
+        qkernel=load_cpu_qgemv(),
+        autotune=autotune,
+    )

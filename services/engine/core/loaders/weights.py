@@ -1,0 +1,186 @@
+"""Build a :class:`LlamaForCausalLM` and fill it from ``(hf_name, tensor)`` pairs.
+
+Every loader (HF safetensors, GGUF, dummy) yields weights under Hugging Face names; this module
+maps them onto Tandem's fused parameters (``q/k/v_proj`` → ``qkv_proj``, ``gate/up_proj`` →
+``gate_up_proj``) and checks nothing is missing. The model is built on the ``meta`` device first,
+so no memory is spent initialising weights that are about to be overwritten.
+
+Quantized models (``quantize="q8_0"`` or ``"q4"``): linear and embedding weights arrive as
+:class:`QuantizedWeight` (a GGUF's blocks) or as float tensors, which are quantized to Q8_0 here;
+their float parameters are never allocated. Fused parts in different formats (e.g. a Q4_K ``q``
+next to a Q6_K-requantized ``v``) are re-quantized together to Q8_0, the format that holds both.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from services.common.errors import ModelLoadError
+from services.engine.core.attention import PagedAttention
+from services.engine.core.embedding import Embedding
+from services.engine.core.linear import Linear
+from services.engine.core.model import LlamaForCausalLM
+from services.common.model_config import ModelConfig
+from services.engine.core.quant.quantized_weight import GROUP, QuantizedWeight, quantize_q8_0
+
+Weight = torch.Tensor | QuantizedWeight
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_FUSED = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
+    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
+    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+}
+_PARTS = {"self_attn.qkv_proj.weight": 3, "self_attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2}
+
+
+def empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: PagedAttention | None = None,
+    *,
+    quantized: bool = False,
+) -> LlamaForCausalLM:
+    """An uninitialised model of ``dtype`` on ``device`` (rope tables computed).
+
+    With ``quantized`` the linear and embedding weights are left empty (they arrive quantized).
+    """
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, backend)
+            if quantized:
+                for module in model.modules():
+                    if isinstance(module, Linear | Embedding):
+                        module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    model.rope.reset_tables()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        model.embed_tokens.weight._tandem_shared = True  # type: ignore[attr-defined]
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(
+    model: LlamaForCausalLM,
+    weights: Iterable[tuple[str, Weight]],
+    quantize: str | None = None,
+) -> None:
+    """Copy Hugging Face-named weights into ``model``; raise ModelLoadError on gaps or misfits.
+
+    ``quantize`` (``"q8_0"`` / ``"q4"``) keeps linear and embedding weights quantized.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    pending: dict[str, dict[int, Weight]] = {}
+    for name, tensor in weights:
+        target = _target_name(name)
+        if target is None:
+            continue
+        dest_name, part = target
+        if part is None:
+            _place(model, params, dest_name, tensor, quantize)
+            loaded.add(dest_name)
+            continue
+        parts = pending.setdefault(dest_name, {})
+        parts[part] = tensor
+        if len(parts) == _PARTS[dest_name.split(".", 2)[2]]:
+            _place(model, params, dest_name, _fuse([parts[i] for i in range(len(parts))]), quantize)
+            loaded.add(dest_name)
+            del pending[dest_name]
+    if model.config.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+        if model.embed_tokens.quant is not None:
+            model.lm_head.set_quantized(model.embed_tokens.quant)
+        else:
+            model.lm_head.weight = model.embed_tokens.weight
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+
+def _target_name(name: str) -> tuple[str, int | None] | None:
+    if name == "lm_head.weight":
+        return "lm_head.weight", None
+    if name.startswith("model.") and not name.startswith("model.layers."):
+        return name.removeprefix("model."), None
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    if rest in _FUSED:
+        dest, part = _FUSED[rest]
+        return f"layers.{layer}.{dest}", part
+    if rest.endswith("rotary_emb.inv_freq"):
+        return None
+    return f"layers.{layer}.{rest}", None
+
+
+def _fuse(parts: list[Weight]) -> Weight:
+    """Concatenate fused parts along rows; mixed formats meet in Q8_0."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0)  # type: ignore[arg-type]
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        formats = {p.format for p in parts}  # type: ignore[union-attr]
+        if len(formats) == 1:
+            return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+    dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts]
+    return quantize_q8_0(torch.cat(dense, dim=0))
+
+
+def _place(
+    model: nn.Module,
+    params: dict[str, torch.nn.Parameter],
+    name: str,
+    value: Weight,
+    quantize: str | None,
+) -> None:
+    """Put one (possibly quantized) weight where ``name`` says."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if quantize and attr == "weight" and isinstance(module, Linear | Embedding):
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] % GROUP == 0:
+            value = quantize_q8_0(value)
+        if isinstance(value, QuantizedWeight):
+            try:
+                module.set_quantized(value)
+            except ValueError as exc:
+                raise ModelLoadError(f"weight {name}: {exc}") from exc
+            return
+        expected = tuple(
+            (module.out_features, module.in_features) if isinstance(module, Linear)
+            else (module.num_embeddings, module.embedding_dim)
+        )
+        if tuple(value.shape) != expected:
+            raise ModelLoadError(f"weight {name} has shape {tuple(value.shape)}, expected {expected}")
+        module.weight = nn.Parameter(value.to(torch.float32).contiguous(), requires_grad=False)
+        return
+    if isinstance(value, QuantizedWeight):
+        value = value.dequantize()
+    _copy(params, name, value)
+
+
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    param = params.get(name)
+    if param is None:
+        raise ModelLoadError(f"unexpected weight {name} in checkpoint")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)

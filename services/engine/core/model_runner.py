@@ -1,0 +1,160 @@
+"""Owns the device side of a step: builds the flattened batch, runs the model over the paged KV
+pool, and samples the sequences that reached their end.
+
+The scheduler decides *what* runs; this file decides *how*: token ids and positions for every
+scheduled slice, one :class:`AttentionMetadata` shared by all layers, logits only for the last
+token of each sampled sequence. On CPU it first lays the weights out for the native kernels and
+has each kernel prove itself against PyTorch on this model's shapes (``linear.pack_linears``,
+``CpuPagedAttention.tune``), then times decode steps with every layer in one C call against the
+per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.core.attention import AttentionMetadata
+from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
+from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
+from services.engine.core.kernels.cpu_fused import MAX_ROWS, load_cpu_fused
+from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
+from services.engine.core.kv_cache import KVPool
+from services.engine.core.linear import pack_linears, pack_plan
+from services.engine.core.loaders import LoadedModel
+from services.engine.core.model import LlamaForCausalLM
+from services.engine.core.sampler import Sampler, SamplerOutput
+from services.engine.core.scheduler import ScheduledBatch
+from services.engine.core.sequence import Sequence
+
+
+class ModelRunner:
+    """Runs scheduled batches of a loaded model against a KV pool."""
+
+    def __init__(self, loaded: LoadedModel, kv: KVPool, sampler: Sampler) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.kv = kv
+        self.sampler = sampler
+        self.block_size = kv.layout.block_size
+        self.device = next(self.model.parameters()).device
+        plan = pack_plan(self.device, loaded.dtype)
+        if plan is not None:
+            pack_linears(self.model, plan, free_dense=True)
+            self.model.use_fused(load_cpu_fused())
+            _share_tied_table(self.model)
+            backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+            if isinstance(backend, CpuPagedAttention) and plan.autotune:
+                backend.tune(
+                    self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
+                    self.block_size,
+                )  # fmt: skip
+            rows = self.model.use_decode_layers(load_cpu_decode_layers())
+            if rows and plan.autotune:
+                self._tune_decode_layers(rows)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """Compute every scheduled slice; sample rows whose sequence reached its end."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for item in batch.items:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(token_slice(seq, start, start + n))
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(seq.block_ids)
+            if item.sample:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(
+            is_prefill=not batch.is_decode,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv, meta)
+        if not sample_rows:
+            return None
+        if len(sample_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        states = [item.seq.sampling for item in batch.items if item.sample]
+        return self.sampler(logits, states)
+
+    TUNE_CONTEXT = 128  # tokens each timed sequence attends to
+
+    def _tune_decode_layers(self, max_rows: int) -> None:
+        """Time decode steps of 1 and ``max_rows`` sequences with all layers in one C call against
+        the per-op path (same kernels, same bits) and keep, per batch size, the faster; cached per
+        build and model shape like every kernel decision. The timed steps write K/V into free
+        blocks of the still-empty pool, which are zeroed again afterwards."""
+        model, call = self.model, self.model.decode_layers
+        batches = sorted({1, max_rows})
+        # a small pool gets shorter timed contexts (block 0 is left alone)
+        per_seq = min(-(-self.TUNE_CONTEXT // self.block_size), (self.kv.num_blocks - 1) // max_rows)
+        context, used = min(self.TUNE_CONTEXT, per_seq * self.block_size), per_seq * max_rows
+        if call is None or per_seq < 1:
+            return  # no room to measure: keep the default (one call everywhere)
+        metas = {
+            b: AttentionMetadata.build(
+                is_prefill=False, query_lens=[1] * b, context_lens=[context] * b,
+                block_tables=[[1 + i * per_seq + j for j in range(per_seq)] for i in range(b)],
+                block_size=self.block_size, device=self.device,
+            )  # fmt: skip
+            for b in batches
+        }
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(self.config.vocab_size, (max_rows,), generator=generator)
+        positions = torch.full((max_rows,), context - 1, dtype=torch.long)
+        on = KernelRegimes(rows=(1, MAX_ROWS), use_kernel=(True, True))
+        off = KernelRegimes(rows=(1, MAX_ROWS), use_kernel=(False, False))
+
+        def runner(native: bool):  # type: ignore[no-untyped-def]
+            def run(batch: int) -> None:
+                model.decode_layers_regimes = on if native else off
+                with torch.inference_mode():
+                    model(ids[:batch], positions[:batch], self.kv, metas[batch])
+
+            return run
+
+        config = self.config
+        formats = "/".join(sorted({t.format for t in call.tiles()}))
+        try:
+            regimes = choose_regimes(
+                f"decode-layers ({formats})", isa=call.isa, build=call.build,
+                shapes=[(config.num_layers, config.hidden_size, config.num_heads,
+                         config.num_kv_heads, config.head_dim, config.intermediate_size)],
+                run_kernel=runner(True), run_torch=runner(False), rows=batches,
+            )  # fmt: skip
+        finally:
+            with torch.inference_mode():
+                self.kv.data[1 : used + 1].zero_()
+        model.decode_layers_regimes = regimes
+
+
+def _share_tied_table(model: LlamaForCausalLM) -> None:
+    """A tied quantized table is held once: the embedding reads the head's kernel tiles."""
+    embed, head = model.embed_tokens, model.lm_head
+    if not model.config.tie_word_embeddings or embed.quant is None:
+        return
+    if head.has_quantized_tiles:
+        embed.read_from(head.gather_rows)
+
+
+def token_slice(seq: Sequence, start: int, end: int) -> list[int]:
+    """``seq.all_token_ids()[start:end]`` without concatenating the whole history."""
+    prompt = seq.prompt_token_ids
+    if end <= len(prompt):
+        return prompt[start:end]
+    output = seq.output_token_ids
+    if start >= len(prompt):
+        return output[start - len(prompt) : end - len(prompt)]
+    return prompt[start:] + output[: end - len(prompt)]

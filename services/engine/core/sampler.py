@@ -1,0 +1,393 @@
+"""Turns a batch of next-token logits into one token per sequence, each with its own parameters.
+
+Every row of the batch belongs to one sequence and follows its :class:`SamplingParams` (docs/engine.md).
+For each row, in this order:
+
+1. ``min_tokens``: while fewer than ``min_tokens`` tokens were generated, the EOS ids and the
+   request's ``stop_token_ids`` are masked to -inf (whatever ``ignore_eos`` says).
+2. Repetition penalty (Hugging Face semantics) over prompt + output tokens: a positive logit is
+   divided by the penalty, a negative one multiplied.
+3. Presence / frequency penalties (OpenAI semantics) over output tokens only:
+   ``logit -= presence * (count > 0) + frequency * count``.
+4. Greedy rows (temperature 0) take the argmax. Other rows: divide by temperature, then the
+   top-k, top-p and min-p filters (each masks to -inf), softmax, and a draw by the exponential
+   race ``argmax(probs / q)`` with ``q ~ Exp(1)`` from the row's own generator.
+
+Logprobs, when asked for, are ``log_softmax`` of the *raw* model logits (vLLM v1's default), not
+of the penalised or filtered ones.
+
+Why a generator per row: the draw for a row depends only on its own generator and its own
+probabilities, so a seeded request yields the same tokens whatever else shares the batch and at
+whatever row index it sits. Unseeded sampling rows get a generator seeded from ``os.urandom``.
+
+Speed: when every row is greedy with no penalties, no active ``min_tokens`` and no logprobs, the
+whole call is one batched argmax. Otherwise the masks, penalties and filters run batched over the
+rows that need them; the only per-row Python loop is the random draw filling ``q``. The general
+path is also the reference for the fast one (the tests compare them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.common.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(
+    seed: int | None, *, greedy: bool = False, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """A private random generator for one sequence.
+
+    Args:
+        seed: the request's seed; None seeds from ``os.urandom`` (still one generator per row).
+        greedy: greedy rows draw nothing and get None.
+        device: where the random draws happen; use the logits' device to avoid a copy per step.
+    """
+    if greedy:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+    return generator
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler needs to know about one sequence; the engine keeps one per request.
+
+    Attributes:
+        params: the request's sampling parameters.
+        prompt_token_ids: the prompt (for the repetition penalty).
+        output_token_ids: tokens generated so far; the engine appends each sampled token.
+        generator: from :func:`make_generator`; None for greedy rows. A sampling row left at
+            None gets one (on the logits' device) on its first draw.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingState:
+        """A fresh state with no output and a generator matching ``params``."""
+        generator = make_generator(params.seed, greedy=params.greedy, device=device)
+        return cls(params, list(prompt_token_ids), [], generator)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob and the ``k`` most likely tokens, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """One token per row; ``logprobs[i]`` is None where the row did not ask for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+# --------------------------------------------------------------------------------- filters
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask all but each row's ``k`` largest logits (ties at the k-th value survive).
+
+    Args:
+        logits: ``[B, V]`` float.
+        top_k: ``[B]`` integers; ``k <= 0`` or ``k >= V`` leaves the row as is. Keep it on the
+            CPU so finding the largest k needs no device sync.
+
+    Returns:
+        A new ``[B, V]`` tensor with masked entries at -inf.
+    """
+    vocab = logits.shape[-1]
+    k = top_k.to(torch.long)
+    enabled = (k > 0) & (k < vocab)
+    if not bool(enabled.any()):
+        return logits
+    k_max = int(k[enabled].max())
+    top_values = logits.topk(k_max, dim=-1).values
+    index = (k.clamp(1, k_max) - 1).to(logits.device).unsqueeze(1)
+    threshold = top_values.gather(1, index)
+    threshold = threshold.masked_fill(~enabled.to(logits.device).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose probability reaches ``p``.
+
+    A token survives when the probability mass of the tokens ranked above it is below ``p``, so
+    the most likely token always survives.
+
+    Args:
+        logits: ``[B, V]`` float.
+        top_p: ``[B]`` floats in (0, 1]; 1 leaves the row as is.
+    """
+    p = top_p.to(device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    mass_above = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+    remove_sorted = (mass_above >= p) & (p < 1.0)
+    remove = torch.zeros_like(remove_sorted).scatter(1, sorted_index, remove_sorted)
+    return logits.masked_fill(remove, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability.
+
+    Args:
+        logits: ``[B, V]`` float.
+        min_p: ``[B]`` floats in [0, 1]; 0 leaves the row as is.
+    """
+    probs = logits.softmax(dim=-1)
+    scale = min_p.to(device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    threshold = probs.amax(dim=-1, keepdim=True) * scale
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition (HF, prompt + output) then presence / frequency (OpenAI, output) penalties.
+
+    Args:
+        logits: ``[B, V]`` float.
+        prompt_token_ids / output_token_ids: per row, the tokens seen so far.
+        repetition_penalty: ``[B]``; 1 leaves the row as is.
+        presence_penalty / frequency_penalty: ``[B]``; 0 leaves the row as is.
+
+    Returns:
+        A new ``[B, V]`` tensor.
+    """
+    rows, vocab = logits.shape
+    device, dtype = logits.device, logits.dtype
+    output_counts = _token_counts(output_token_ids, rows, vocab, device).to(dtype)
+    out = logits
+    if bool((repetition_penalty != 1.0).any()):
+        seen = (_token_counts(prompt_token_ids, rows, vocab, device) > 0) | (output_counts > 0)
+        penalty = repetition_penalty.to(device=device, dtype=dtype).unsqueeze(1)
+        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
+    presence = presence_penalty.to(device=device, dtype=dtype).unsqueeze(1)
+    frequency = frequency_penalty.to(device=device, dtype=dtype).unsqueeze(1)
+    return out - (presence * (output_counts > 0).to(dtype) + frequency * output_counts)
+
+
+def sample_from_probs(
+    probs: torch.Tensor, generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """Draw one token per row by the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``.
+
+    Row i's noise comes only from ``generators[i]``, so its draw is independent of the batch.
+    A generator on another device than ``probs`` draws there and the noise is copied over.
+
+    Returns:
+        ``[B]`` int64 token ids on ``probs``' device.
+    """
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        if generator.device == probs.device:
+            noise[row].exponential_(generator=generator)
+        else:
+            draw = torch.empty(probs.shape[-1], dtype=probs.dtype, device=generator.device)
+            noise[row].copy_(draw.exponential_(generator=generator))
+    return probs.div(noise).argmax(dim=-1)
+
+
+def skip_draws(generator: torch.Generator, vocab_size: int, tokens: int) -> None:
+    """Advance ``generator`` past ``tokens`` draws of :func:`sample_from_probs` (one float32
+    ``Exp(1)`` per vocabulary entry each), so that a sequence continued on another worker (the KV
+    hand-off) draws what it would have drawn had it never moved."""
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(tokens):
+        scratch.exponential_(generator=generator)
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], rows: int, vocab: int, device: torch.device
+) -> torch.Tensor:
+    """``[rows, vocab]`` int64 occurrence counts; ids outside the vocabulary are ignored."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(rows), lengths)
+    keep = (flat >= 0) & (flat < vocab)
+    linear = (row_of[keep] * vocab + flat[keep]).to(device)
+    return torch.bincount(linear, minlength=rows * vocab).view(rows, vocab)
+
+
+# --------------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Samples one token per row from ``[B, V]`` logits, row i following ``states[i]``."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        if vocab_size < 1:
+            raise InvalidArgumentError("vocab_size must be positive", param="vocab_size")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """Pick the next token of every row.
+
+        Args:
+            logits: ``[B, V']`` of any float dtype with ``V' >= vocab_size``; columns beyond
+                ``vocab_size`` (padding) are never chosen. Not modified.
+            states: ``B`` states; only a missing generator of a sampling row is filled in.
+
+        Returns:
+            The tokens (and logprobs where asked). The caller appends them to the outputs.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise InvalidArgumentError(
+                f"logits of shape {tuple(logits.shape)} do not match {len(states)} states"
+            )
+        if logits.shape[1] < self.vocab_size:
+            raise InvalidArgumentError(
+                f"logits have {logits.shape[1]} columns, vocabulary is {self.vocab_size}"
+            )
+        if not states:
+            return SamplerOutput([], [])
+        logits = logits[:, : self.vocab_size]
+        if all(self._plain_greedy(state) for state in states):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+        return self.sample_general(logits, states)
+
+    def sample_general(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> SamplerOutput:
+        """The full pipeline for any mix of rows; ``__call__``'s fast path must agree with it."""
+        raw = logits[:, : self.vocab_size].float()
+        work = self._apply_min_tokens(raw, states)
+        work = self._apply_penalties(work, states)
+        token_ids: list[int] = self._choose(work, states).tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw, token_ids, states))
+
+    # ----------------------------------------------------------------------------- stages
+
+    def _plain_greedy(self, state: SamplingState) -> bool:
+        params = state.params
+        return (
+            params.greedy
+            and params.logprobs is None
+            and not _has_penalties(params)
+            and len(state.output_token_ids) >= params.min_tokens
+        )
+
+    def _apply_min_tokens(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        rows: list[int] = []
+        columns: list[int] = []
+        for row, state in enumerate(states):
+            if len(state.output_token_ids) < state.params.min_tokens:
+                banned = set(self.eos_token_ids)
+                banned.update(t for t in state.params.stop_token_ids if t < self.vocab_size)
+                rows.extend([row] * len(banned))
+                columns.extend(banned)
+        if not rows:
+            return logits
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
+        return logits.index_put(index, torch.tensor(_NEG_INF, device=device))
+
+    def _apply_penalties(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        rows = [row for row, state in enumerate(states) if _has_penalties(state.params)]
+        if not rows:
+            return logits
+        chosen = [states[row] for row in rows]
+        index = torch.tensor(rows, device=logits.device)
+        penalized = apply_penalties(
+            logits.index_select(0, index),
+            [s.prompt_token_ids for s in chosen],
+            [s.output_token_ids for s in chosen],
+            torch.tensor([s.params.repetition_penalty for s in chosen]),
+            torch.tensor([s.params.presence_penalty for s in chosen]),
+            torch.tensor([s.params.frequency_penalty for s in chosen]),
+        )
+        return logits.index_copy(0, index, penalized)
+
+    def _choose(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """Argmax for greedy rows, filtered sampling for the others; ``[B]`` int64."""
+        rows = [row for row, state in enumerate(states) if not state.params.greedy]
+        if not rows:
+            return logits.argmax(dim=-1)
+        chosen = [states[row] for row in rows]
+        all_sampling = len(rows) == len(states)
+        index = torch.tensor(rows, device=logits.device)
+        sub = logits if all_sampling else logits.index_select(0, index)
+        temperature = torch.tensor([s.params.temperature for s in chosen], device=logits.device)
+        sub = sub / temperature.unsqueeze(1)
+        top_k = torch.tensor([s.params.top_k for s in chosen])
+        sub = apply_top_k(sub, top_k)
+        if any(s.params.top_p < 1.0 for s in chosen):
+            sub = apply_top_p(sub, torch.tensor([s.params.top_p for s in chosen]))
+        if any(s.params.min_p > 0.0 for s in chosen):
+            sub = apply_min_p(sub, torch.tensor([s.params.min_p for s in chosen]))
+        generators: list[torch.Generator] = []
+        for state in chosen:
+            if state.generator is None:
+                state.generator = make_generator(state.params.seed, device=logits.device)
+            generators.append(state.generator)
+        sampled = sample_from_probs(sub.softmax(dim=-1), generators)
+        if all_sampling:
+            return sampled
+        return logits.argmax(dim=-1).index_copy(0, index, sampled)
+
+    def _logprobs(
+        self, raw: torch.Tensor, token_ids: list[int], states: Sequence[SamplingState]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(states)
+        rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
+        if not rows:
+            return out
+        device = raw.device
+        logprobs = torch.log_softmax(raw.index_select(0, torch.tensor(rows, device=device)), -1)
+        chosen_ids = torch.tensor([token_ids[row] for row in rows], device=device)
+        chosen: list[float] = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+        k_max = max(states[row].params.logprobs or 0 for row in rows)
+        top_values: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if k_max:
+            values, ids = logprobs.topk(k_max, dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
+        for i, row in enumerate(rows):
+            k = states[row].params.logprobs or 0
+            top = tuple(zip(top_ids[i][:k], top_values[i][:k]))
+            out[row] = TokenLogprobs(token_ids[row], chosen[i], top)
+        return out
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )

@@ -1,0 +1,361 @@
+"""Runs an :class:`LLMEngine` on its own thread and gives asyncio code a safe way to drive it.
+
+Why a thread: a model step runs for milliseconds to seconds, and the engine, its block manager
+and its KV pool are single-threaded; the gRPC servicers live on an asyncio loop that must never
+block. So exactly one thread touches the engine, and everything else sends it commands.
+
+The thread, one iteration at a time:
+  1. Sleep on a condition until a command is queued or the engine has unfinished work.
+  2. Apply every queued command in FIFO order (add a request, admit a prefilled one, abort,
+     allocate / release held blocks, read or write KV bytes, any ``call(fn)``); each one
+     resolves its future.
+  3. If the engine has work, run one ``engine.step()`` (every schedulable sequence in one
+     batch). A step that ran nothing (a prompt waits for blocks that leases hold) sleeps until
+     the next command instead of spinning.
+  4. Publish an :class:`EngineStats` snapshot (and the Prometheus gauges), then resolve the
+     commands' futures and deliver the outputs to their requests' asyncio queues with
+     ``loop.call_soon_threadsafe`` — so whoever sees a result also sees stats that new.
+
+Each output passes the loop's ``output_filter`` (the worker's text: ``output_text.OutputText``)
+on the engine thread before it is delivered, so a stop string ends its request before the next
+step.
+
+Blocks owned by a request id but by no sequence (a prefill-only request's after its first token,
+a decode worker's for an incoming transfer) live in :class:`HeldBlocks`, freed exactly once.
+
+A request seen from asyncio:
+  1. ``generate(...)`` / ``generate_prefilled(...)`` registers the request's queue and adds it to
+     the engine in one command.
+  2. The async generator yields outputs until one is finished (or re-raises an engine failure).
+  3. If the consumer leaves first (its task cancelled, or the generator closed: use
+     ``contextlib.aclosing``), the request is cancelled on the engine thread: aborted, its
+     held blocks released, its queue dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
+
+from services.common.errors import FailedPreconditionError, TandemError, UnavailableError
+from services.common.metrics import TandemMetrics
+from services.common.sampling_params import SamplingParams
+from services.engine.core.engine import LLMEngine, OutputFilter, RequestOutput
+from services.engine.core.sampler import TokenLogprobs
+from services.engine.runtime.engine_stats import EngineStats, StatsPublisher
+from services.engine.runtime.held_blocks import HeldBlocks
+from services.engine.runtime.request_sink import RequestSink
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+IDLE_POLL_SECONDS = 0.05
+"""Longest sleep of a thread whose engine has work it cannot schedule yet."""
+
+
+class EngineLoop:
+    """Owns the engine thread; every public coroutine is safe to call from any event loop."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        metrics: TandemMetrics | None = None,
+        name: str = "engine",
+        output_filter: OutputFilter | None = None,
+    ) -> None:
+        self.engine = engine
+        self.output_filter = output_filter
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # Engine-thread state.
+        self._sinks: dict[str, RequestSink] = {}
+        self._held = HeldBlocks(engine)
+        self._outbox: list[tuple[str, RequestSink, RequestOutput | BaseException]] = []
+        self._num_steps = 0
+        self._max_batch = 0
+        self._publisher = StatsPublisher(engine, metrics)
+        self._stats = self._publisher.publish(num_held_requests=0, num_steps=0, max_batch_size=0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        self._thread.start()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Abort every request (consumers see finish reason "abort"), free every held block,
+        and join the thread. Idempotent."""
+        if self._thread.is_alive():
+            try:
+                await self.call(lambda engine: self._shutdown())
+            except UnavailableError:
+                pass
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot (updated by the engine thread after every iteration)."""
+        return self._stats
+
+    # ------------------------------------------------------------------ commands
+    def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Queue ``fn(engine)`` to run on the engine thread; its future carries the result."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping or not self._thread.is_alive():
+                raise UnavailableError("the engine is not running")
+            self._commands.append((lambda: fn(self.engine), future))
+            self._cond.notify()
+        return future
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread and return its result (or raise its error).
+
+        Cancelling the caller before the command started means it never runs; after, its
+        result is dropped (so commands that take ownership key it by request id).
+        """
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Blocks held for ``request_id``. Engine thread only (inside ``call``)."""
+        if threading.get_ident() != self._thread.ident:
+            raise RuntimeError("EngineLoop.held_blocks is for the engine thread only")
+        return self._held.blocks(request_id)
+
+    async def allocate_blocks(self, request_id: str, num_blocks: int) -> list[int]:
+        """Allocate blocks held for ``request_id`` (ResourceExhaustedError when no room; then
+        nothing is allocated)."""
+
+        def allocate(engine: LLMEngine) -> list[int]:
+            self._check_free_id(request_id)
+            blocks = engine.block_manager.allocate(num_blocks)
+            self._held.hold(request_id, blocks)
+            return list(blocks)
+
+        return await self.call(allocate)
+
+    async def release(self, request_id: str) -> bool:
+        """Free the blocks held for ``request_id``; False when none were held."""
+        return await self.call(lambda engine: self._held.release(request_id))
+
+    def release_nowait(self, request_id: str) -> None:
+        """Queue :meth:`release` without waiting (safe in ``finally`` of a cancelled task)."""
+        self._submit_quietly(lambda engine: self._held.release(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort the engine's request (its consumer sees finish reason "abort") and free its
+        held blocks. True when anything was found."""
+
+        def abort(engine: LLMEngine) -> bool:
+            return engine.abort(request_id) | self._held.release(request_id)
+
+        return await self.call(abort)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs. With ``prefill_only`` the last output has
+        finish reason "prefilled" and its blocks stay held until :meth:`release`."""
+        prompt = list(prompt_token_ids)
+        sink = RequestSink.create("prefill" if prefill_only else "full")
+
+        def start(engine: LLMEngine) -> None:
+            self._check_free_id(request_id)
+            engine.add_request(request_id, prompt, params, prefill_only=prefill_only)
+            if self.output_filter is not None and not prefill_only:
+                self.output_filter.start(request_id, prompt, params)
+            self._sinks[request_id] = sink
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(prompt))
+
+        async for out in self._stream(request_id, sink, start):
+            yield out
+
+    async def generate_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        first_token_id: int,
+        first_logprob: TokenLogprobs | None = None,
+        num_cached_tokens: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Hand the blocks held for ``request_id`` (KV already written) to the engine as a
+        running sequence and yield its outputs; the first carries ``first_token_id``."""
+        prompt = list(prompt_token_ids)
+        sink = RequestSink.create("decode")
+
+        def start(engine: LLMEngine) -> None:
+            if request_id in self._sinks or engine.scheduler.find(request_id) is not None:
+                raise FailedPreconditionError(f"request {request_id!r} is already running")
+            blocks = self._held.take(request_id)
+            self._sinks[request_id] = sink
+            try:
+                outputs = engine.add_prefilled(
+                    request_id, prompt, params, block_ids=blocks, first_token_id=first_token_id,
+                    first_logprob=first_logprob, num_cached_tokens=num_cached_tokens,
+                )
+            except BaseException:
+                del self._sinks[request_id]
+                if engine.scheduler.find(request_id) is not None:
+                    engine.abort(request_id)
+                else:
+                    engine.release_blocks(blocks)
+                raise
+            if self.output_filter is not None:
+                self.output_filter.start(request_id, prompt, params)
+            for out in outputs:
+                self._deliver(out, sampled_here=False)
+
+        async for out in self._stream(request_id, sink, start):
+            yield out
+
+    async def _stream(
+        self, request_id: str, sink: RequestSink, start: Callable[[LLMEngine], None]
+    ) -> AsyncIterator[RequestOutput]:
+        sink.loop = asyncio.get_running_loop()
+        done = False
+        try:
+            await self.call(start)
+            while not done:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                self._submit_quietly(lambda engine: self._cancel(request_id, sink))
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping and not engine.has_unfinished():
+                    self._cond.wait()
+                commands, self._commands = self._commands, deque()
+                if self._stopping and not commands:
+                    break
+            results: list[tuple[concurrent.futures.Future, bool, object]] = []
+            for fn, future in commands:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        results.append((future, True, fn()))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        results.append((future, False, exc))
+            ran = self._step() if engine.has_unfinished() else True
+            # Publish first, then answer: whoever sees a result or an output sees stats at
+            # least as new as the state that produced it.
+            self._publish()
+            for future, ok, value in results:
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)  # type: ignore[arg-type]
+            self._flush()
+            if not ran:
+                with self._cond:
+                    if not self._commands and not self._stopping:
+                        self._cond.wait(IDLE_POLL_SECONDS)
+        logger.info("engine thread stopped")
+
+    def _step(self) -> bool:
+        """One engine step; False when nothing could run."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step must not kill the thread
+            logger.exception("engine step failed; aborting %d requests", len(self._sinks))
+            self._fail_all(TandemError(f"engine step failed: {exc}"))
+            return True
+        self._num_steps += 1
+        sampled = sum(1 for out in outputs if out.new_token_ids)
+        self._max_batch = max(self._max_batch, sampled)
+        for out in outputs:
+            self._deliver(out, sampled_here=True)
+        return bool(outputs) or bool(self.engine.scheduler.running)
+
+    def _deliver(self, out: RequestOutput, *, sampled_here: bool) -> None:
+        rid = out.request_id
+        if self.output_filter is not None:
+            self.output_filter.apply(out, self.engine)
+        sink = self._sinks.get(rid)
+        if out.finished and out.finish_reason == "prefilled":
+            self._held.hold(rid, out.block_ids, sink)
+            if sink is None:  # nobody will ever take them
+                self._held.release(rid)
+        if sink is None:
+            return
+        if out.finished:
+            del self._sinks[rid]
+        if self.metrics is not None:
+            sink.record(self.metrics, out, sampled_here=sampled_here)
+        self._outbox.append((rid, sink, out))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for rid, sink, item in outbox:
+            try:
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed
+                self._cancel(rid, sink)
+
+    def _cancel(self, request_id: str, sink: RequestSink) -> None:
+        """The consumer of ``sink`` left: abort its request and free what it still holds."""
+        if self._sinks.get(request_id) is sink:
+            del self._sinks[request_id]
+            self.engine.abort(request_id)
+        self._held.release_if_owned(request_id, sink)
+
+    def _fail_all(self, error: TandemError) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for rid, sink in sinks.items():
+            self.engine.abort(rid)
+            self._outbox.append((rid, sink, error))
+
+    def _shutdown(self) -> None:
+        scheduler = self.engine.scheduler
+        for seq in [*scheduler.running, *scheduler.waiting]:
+            self.engine.abort(seq.request_id)
+        for out in self.engine.step():
+            self._deliver(out, sampled_here=False)
+        self._held.release_all()
+        with self._cond:
+            self._stopping = True
+
+    def _check_free_id(self, request_id: str) -> None:
+        if (
+            request_id in self._sinks
+            or request_id in self._held
+            or self.engine.scheduler.find(request_id) is not None
+        ):
+            raise FailedPreconditionError(f"request id {request_id!r} is already in use")
+
+    def _submit_quietly(self, fn: Callable[[LLMEngine], object]) -> None:
+        try:
+            self.submit(fn)
+        except UnavailableError:
+            pass  # stopping: shutdown frees everything
+
+    def _publish(self) -> None:
+        self._stats = self._publisher.publish(
+            num_held_requests=len(self._held), num_steps=self._num_steps,
+            max_batch_size=self._max_batch,
+        )

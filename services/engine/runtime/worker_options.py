@@ -1,0 +1,120 @@
+"""The flags and options every engine worker (prefill, decode) shares. Torch-free: ``tandem``
+builds every subcommand's parser, so importing this must stay cheap.
+
+Environment variables supply defaults (``TANDEM_MODEL``, ``TANDEM_DTYPE``, ``TANDEM_DEVICE``),
+read in :func:`add_worker_arguments` when the parser is built, never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.common.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from services.engine.core.engine import EngineConfig
+
+GIB = 1 << 30
+# the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """Flags shared by prefill and decode workers.
+
+    Attributes:
+        model: ``default``, a GGUF file, a Hugging Face folder or ``dummy:<shape>``.
+        dtype: weight dtype: ``auto`` (the fastest the device supports: a GGUF's own quantized
+            format on CPU), ``float32``, ``bfloat16``, ``float16``, ``q8_0``, ``q4`` (see
+            ``services.engine.core.loaders``).
+        device: ``cpu``, ``cuda``, ``cuda:N``; ``auto`` picks CUDA when available.
+        host / port: where the gRPC server binds (port 0 picks a free one).
+        metrics_port: Prometheus endpoint port; None serves no endpoint (tests).
+        worker_id: stable id reported in stats and logs.
+        advertise_address: ``host:port`` others should use; default the bound address.
+        kv_cache_gib / num_blocks: KV pool size (``num_blocks`` wins when set).
+        block_size / max_num_seqs / max_batched_tokens / enable_prefix_caching: engine limits.
+    """
+
+    model: str = "default"
+    dtype: str = "auto"
+    device: str = "cpu"
+    host: str = "0.0.0.0"
+    port: int = 0
+    metrics_port: int | None = None
+    worker_id: str = ""
+    advertise_address: str | None = None
+    kv_cache_gib: float = 1.0
+    num_blocks: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+
+    def engine_config(self) -> EngineConfig:
+        """The engine limits these options describe (imports the engine, i.e. torch)."""
+        from services.engine.core.engine import EngineConfig
+
+        if self.kv_cache_gib <= 0:
+            raise InvalidArgumentError("--kv-cache-gib must be positive", param="kv_cache_gib")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise InvalidArgumentError("--num-blocks must be at least 2", param="num_blocks")
+        return EngineConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            kv_cache_bytes=int(self.kv_cache_gib * GIB),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_port: int) -> None:
+    """Add the shared flags; ``port`` / ``metrics_port`` are the role's defaults."""
+    env = os.environ.get
+    parser.add_argument("--model", default=env("TANDEM_MODEL", "default"),
+                        help="default | PATH to a .gguf file or HF folder | dummy:<shape> "
+                             "(env TANDEM_MODEL)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=env("TANDEM_DTYPE", "auto"),
+                        help="auto (default: a GGUF's own quantized format on CPU, bfloat16 on "
+                             "CUDA) | float32 | bfloat16 | float16 | q8_0 | q4 (env TANDEM_DTYPE)")
+    parser.add_argument("--device", default=env("TANDEM_DEVICE", "auto"),
+                        help="cpu | cuda | cuda:N | auto (default)")
+    parser.add_argument("--host", default="0.0.0.0", help="gRPC bind host (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port})")
+    parser.add_argument("--metrics-port", type=int, default=metrics_port,
+                        help=f"Prometheus /metrics port (default {metrics_port}; -1 disables)")
+    parser.add_argument("--worker-id", default="", help="id reported in stats (default role-port)")
+    parser.add_argument("--advertise-address", default=None,
+                        help="host:port other services should use to reach this worker")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV pool size in blocks (overrides --kv-cache-gib)")
+    parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch")
+    parser.add_argument("--max-batched-tokens", type=int, default=1024,
+                        help="token budget per step (longer prompts are chunked)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="disable the prefix cache")
+
+
+def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
+    """Options from parsed flags (``--device auto`` is resolved here, importing torch)."""
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return WorkerOptions(
+        model=args.model, dtype=args.dtype, device=device, host=args.host, port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        worker_id=args.worker_id or f"{role}-{args.port}",
+        advertise_address=args.advertise_address, kv_cache_gib=args.kv_cache_gib,
+        num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
