@@ -19,7 +19,7 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.metrics import TandemMetrics
-from services.common.pb import decode_pb2
+from services.common.pb import common_pb2, decode_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.wire import (
     sampling_params_from_proto,
@@ -147,13 +147,15 @@ class Pair:
         await self.prefill.stop()
         await self.decode.stop()
 
-    async def prefill_and_send(self, rid: str, prompt: list[int]) -> object:
+    async def prefill_and_send(
+        self, rid: str, prompt: list[int], wire_params: common_pb2.SamplingParams | None = None
+    ) -> object:
         final = None
         async for out in self.prefill.generate(rid, prompt, GREEDY, prefill_only=True):
             final = out
         assert final is not None and final.finish_reason == "prefilled"
         request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
-                                   len(final.block_ids))
+                                   len(final.block_ids), wire_params=wire_params)
         return await self.sender.send(request, DECODE)
 
     async def idle(self) -> None:
@@ -181,6 +183,20 @@ async def test_transfer_then_generate_matches_engine(tiny: LoadedModel) -> None:
         assert tokens == reference.new_token_ids
         await pair.idle()
         assert pair.metrics.kv_transfer_bytes._value.get() == result.num_bytes  # type: ignore[attr-defined]
+
+
+async def test_the_header_forwards_the_params_as_they_arrived(tiny: LoadedModel) -> None:
+    """Parameters travel once: prefill forwards the gateway's message, it does not rebuild it
+    from its own copy (here they differ on purpose, which never happens in service)."""
+    wire = sampling_params_to_proto(GREEDY)
+    wire.max_tokens, wire.stop[:] = 5, ["end"]
+    async with Pair(tiny) as pair:
+        await pair.prefill_and_send("w1", prompt_of(20), wire_params=wire)
+        ready = await pair.receiver.claim("w1", 1.0)
+        assert ready.params.max_tokens == 5 and ready.params.stop == ("end",)
+        assert ready.params == sampling_params_from_proto(wire)
+        assert await pair.decode.release("w1")  # the claimed blocks, held for Generate
+        await pair.idle()
 
 
 async def test_claim_waits_for_a_late_transfer(tiny: LoadedModel) -> None:

@@ -13,13 +13,12 @@ itself is started by :func:`services.decode.server.start_decode_worker` (tests c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 from services.common import ports
 from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
-from services.engine.runtime.worker_options import WorkerOptions, add_worker_arguments, options_from_args
+from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = options_from_args(args, "decode")
-    asyncio.run(_serve(options, args.wait_for_kv_seconds))
-    return 0
-
-
-async def _serve(options: WorkerOptions, wait_for_kv_seconds: float) -> None:
-    from services.engine.runtime.worker_runtime import serve_until_signal
+    from services.engine.runtime.worker_runtime import run_worker  # torch: only when serving
     from services.decode.server import start_decode_worker
 
-    handle = await start_decode_worker(options, wait_for_kv_seconds=wait_for_kv_seconds)
-    await serve_until_signal(handle.stop)
+    options = options_from_args(args, "decode")
+    return run_worker(lambda: start_decode_worker(options, wait_for_kv_seconds=args.wait_for_kv_seconds))

@@ -1,4 +1,5 @@
-"""Start a decode worker in this process: engine thread, KV receiver, gRPC server, metrics.
+"""Start a decode worker in this process: the shared worker runtime (with the output text) plus
+the decode role (the KV receiver with its park reaper, the ``Decode`` servicer).
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -7,21 +8,17 @@ call directly; it returns a :class:`~services.engine.runtime.worker_runtime.Work
 
 from __future__ import annotations
 
-import logging
-
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2_grpc
 from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
-from services.engine.runtime.engine_loop import EngineLoop
-from services.engine.kv_transfer import KVReceiver
 from services.engine.core.loaders import LoadedModel
+from services.engine.kv_transfer import KVReceiver
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.worker_options import WorkerOptions
+from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
 from services.tokenizer.tokenizer import Tokenizer
-from services.engine.runtime.worker_runtime import WorkerHandle, build_engine, start_serving
-
-logger = logging.getLogger(__name__)
 
 
 async def start_decode_worker(
@@ -43,21 +40,14 @@ async def start_decode_worker(
         loaded / tokenizer: already loaded model and tokenizer (tests share them).
         metrics: the registry to record into (default: a fresh one).
     """
-    metrics = metrics or TandemMetrics()
-    engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
-    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'decode'}",
-                             output_filter=text)
-    engine_loop.start()
-    metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
-    receiver = KVReceiver(
-        engine_loop, park_seconds=park_seconds or wait_for_kv_seconds, metrics=metrics
-    )
-    worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds)
-    worker.start()
-    servicer = DecodeServicer(worker, worker_id=options.worker_id or "decode", address="")
-    handle = await start_serving(
-        "decode", options, engine_loop=engine_loop, worker=worker, metrics=metrics,
-        servicers=[(decode_pb2_grpc.add_DecodeServicer_to_server, servicer, SERVICE_NAME)],
-    )
-    servicer.address = handle.address
-    return handle
+
+    def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
+        receiver = KVReceiver(
+            engine_loop, park_seconds=park_seconds or wait_for_kv_seconds, metrics=metrics
+        )
+        worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds)
+        servicer = DecodeServicer(worker, worker_id=options.worker_id)
+        return worker, servicer, decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME
+
+    return await start_worker("decode", options, decode_role, loaded=loaded, tokenizer=tokenizer,
+                              metrics=metrics, with_text=True)  # fmt: skip

@@ -15,25 +15,23 @@ from collections.abc import AsyncIterator
 import grpc.aio
 
 from services.common.errors import InvalidArgumentError
-from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.common.wire import token_logprobs_to_proto
 from services.decode.worker import DecodeWorker
 from services.engine.core.engine import RequestOutput
 from services.engine.kv_transfer.grpc_transport import ACCEPTED_METADATA
-from services.engine.runtime.worker_runtime import worker_stats
+from services.engine.runtime.worker_servicer import WorkerServicer, require_request_id
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
 
-class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """TransferKV, Generate, Abort and GetStats for one worker."""
+class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
+    """TransferKV and Generate, plus the shared Abort and GetStats, for one worker."""
 
-    def __init__(self, worker: DecodeWorker, *, worker_id: str, address: str) -> None:
-        self.worker = worker
-        self.worker_id = worker_id
-        self.address = address
+    role = "decode"
+    worker: DecodeWorker
 
     async def TransferKV(
         self,
@@ -48,8 +46,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
-        if not request.request_id:
-            raise InvalidArgumentError("request_id is required", param="request_id")
+        require_request_id(request.request_id)
         if request.wait_for_kv_seconds < 0:
             raise InvalidArgumentError("wait_for_kv_seconds must not be negative",
                                        param="wait_for_kv_seconds")
@@ -60,21 +57,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 completion_tokens += len(out.new_token_ids)
                 yield _response(out, completion_tokens)
 
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        if not request.request_id:
-            raise InvalidArgumentError("request_id is required", param="request_id")
-        found = await self.worker.abort(request.request_id, request.reason or "aborted")
-        return common_pb2.AbortResponse(found=found)
-
-    async def GetStats(
-        self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.WorkerStats:
-        return worker_stats(
-            self.worker.engine_loop.stats, role="decode", worker_id=self.worker_id,
-            address=self.address, extra_waiting=self.worker.receiver.num_pending,
-        )
+    def waiting_outside_the_engine(self) -> int:
+        return self.worker.receiver.num_pending
 
 
 def _response(out: RequestOutput, completion_tokens: int) -> decode_pb2.GenerateResponse:

@@ -12,13 +12,12 @@ itself is started by :func:`services.prefill.server.start_prefill_worker` (tests
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 from services.common import ports
 from services.prefill.options import DEFAULT_LEASE_SECONDS
-from services.engine.runtime.worker_options import WorkerOptions, add_worker_arguments, options_from_args
+from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    options = options_from_args(args, "prefill")
-    asyncio.run(_serve(options, args.lease_seconds))
-    return 0
-
-
-async def _serve(options: WorkerOptions, lease_seconds: float) -> None:
-    from services.engine.runtime.worker_runtime import serve_until_signal
+    from services.engine.runtime.worker_runtime import run_worker  # torch: only when serving
     from services.prefill.server import start_prefill_worker
 
-    handle = await start_prefill_worker(options, lease_seconds=lease_seconds)
-    await serve_until_signal(handle.stop)
+    options = options_from_args(args, "prefill")
+    return run_worker(lambda: start_prefill_worker(options, lease_seconds=args.lease_seconds))

@@ -1,4 +1,5 @@
-"""Start a prefill worker in this process: engine thread, KV sender, gRPC server, metrics.
+"""Start a prefill worker in this process: the shared worker runtime plus the prefill role (the
+KV sender with its lease reaper, the ``Prefill`` servicer).
 
 :func:`start_prefill_worker` is what ``tandem serve prefill`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -7,22 +8,18 @@ call directly; it returns a :class:`~services.engine.runtime.worker_runtime.Work
 
 from __future__ import annotations
 
-import logging
-
 from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.metrics import TandemMetrics
 from services.common.pb import prefill_pb2_grpc
-from services.engine.runtime.engine_loop import EngineLoop
+from services.engine.core.loaders import LoadedModel
 from services.engine.kv_transfer import GrpcKVTransport, KVSender, KVTransport
 from services.engine.kv_transfer.sender import CorruptChunk
-from services.engine.core.loaders import LoadedModel
+from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.worker_options import WorkerOptions
-from services.engine.runtime.worker_runtime import WorkerHandle, build_engine, start_serving
+from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
 from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.prefill.worker import PrefillWorker
-
-logger = logging.getLogger(__name__)
 
 
 async def start_prefill_worker(
@@ -47,22 +44,16 @@ async def start_prefill_worker(
         max_chunk_bytes: KV chunk size budget.
         corrupt_chunk: test-only fault hook, see ``KVSender``.
     """
-    metrics = metrics or TandemMetrics()
-    engine, _ = build_engine(options, loaded=loaded)  # prefill-only requests have no text
-    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or 'prefill'}")
-    engine_loop.start()
-    metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
-    sender = KVSender(
-        engine_loop, transport or GrpcKVTransport(), lease_seconds=lease_seconds,
-        lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,
-        corrupt_chunk=corrupt_chunk,
-    )
-    worker = PrefillWorker(engine_loop, sender)
-    worker.start()
-    servicer = PrefillServicer(worker, worker_id=options.worker_id or "prefill", address="")
-    handle = await start_serving(
-        "prefill", options, engine_loop=engine_loop, worker=worker, metrics=metrics,
-        servicers=[(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer, SERVICE_NAME)],
-    )
-    servicer.address = handle.address
-    return handle
+
+    def prefill_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
+        sender = KVSender(
+            engine_loop, transport or GrpcKVTransport(), lease_seconds=lease_seconds,
+            lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,
+            corrupt_chunk=corrupt_chunk,
+        )  # fmt: skip
+        worker = PrefillWorker(engine_loop, sender)
+        servicer = PrefillServicer(worker, worker_id=options.worker_id)
+        return worker, servicer, prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME
+
+    # prefill-only requests end at their first token: no text to make
+    return await start_worker("prefill", options, prefill_role, loaded=loaded, metrics=metrics)

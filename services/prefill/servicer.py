@@ -16,9 +16,9 @@ import grpc
 import grpc.aio
 
 from services.common.errors import InvalidArgumentError
-from services.common.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
-from services.engine.runtime.worker_runtime import worker_stats
+from services.engine.runtime.worker_servicer import WorkerServicer, require_request_id
 from services.prefill.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -26,19 +26,16 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    """Prefill, Abort and GetStats for one worker."""
+class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServicer):
+    """Prefill, plus the shared Abort and GetStats, for one worker."""
 
-    def __init__(self, worker: PrefillWorker, *, worker_id: str, address: str) -> None:
-        self.worker = worker
-        self.worker_id = worker_id
-        self.address = address
+    role = "prefill"
+    worker: PrefillWorker
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        if not request.request_id:
-            raise InvalidArgumentError("request_id is required", param="request_id")
+        require_request_id(request.request_id)
         if not request.token_ids:
             raise InvalidArgumentError("token_ids must not be empty", param="prompt")
         if not request.decode_address:
@@ -53,7 +50,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             async with asyncio.timeout(timeout):
                 result = await self.worker.prefill(
-                    request.request_id, list(request.token_ids), params, request.decode_address
+                    request.request_id, list(request.token_ids), params, request.decode_address,
+                    wire_params=request.params,  # reaches decode as the gateway sent it
                 )
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -71,17 +69,3 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if result.first_logprob is not None:
             response.first_logprob.CopyFrom(token_logprobs_to_proto(result.first_logprob))
         return response
-
-    async def Abort(
-        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.AbortResponse:
-        if not request.request_id:
-            raise InvalidArgumentError("request_id is required", param="request_id")
-        found = await self.worker.abort(request.request_id, request.reason or "aborted")
-        return common_pb2.AbortResponse(found=found)
-
-    async def GetStats(
-        self, request: common_pb2.StatsRequest, context: grpc.aio.ServicerContext
-    ) -> common_pb2.WorkerStats:
-        return worker_stats(self.worker.engine_loop.stats, role="prefill",
-                            worker_id=self.worker_id, address=self.address)

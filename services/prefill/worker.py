@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import AbortedError, ResourceExhaustedError
+from services.common.pb import common_pb2
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import RequestOutput
 from services.engine.runtime.engine_loop import EngineLoop
@@ -70,8 +71,11 @@ class PrefillWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         decode_address: str,
+        *,
+        wire_params: common_pb2.SamplingParams | None = None,
     ) -> PrefillResult:
         """Prefill the prompt and hand its KV to ``decode_address``; see the module lifecycle.
+        ``wire_params``: ``params`` as the request carried them, forwarded to decode unchanged.
 
         Raises:
             AbortedError: aborted meanwhile (or before it arrived).
@@ -94,6 +98,7 @@ class PrefillWorker:
                 first_logprob=first_logprob,
                 num_blocks=len(final.block_ids),
                 num_cached_tokens=final.num_cached_tokens,
+                wire_params=wire_params,
             )
             result = await self.sender.send(request, decode_address)
         finally:

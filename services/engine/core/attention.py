@@ -61,14 +61,18 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
                               dtype=torch.long, device=device)  # fmt: skip
         lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-        qlens = torch.tensor(query_lens, dtype=torch.long, device=device)
         batch = len(query_lens)
-        # token t belongs to sequence token_seqs[t] and is its token_rows[t]-th new token
-        token_seqs = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
-        starts = torch.cumsum(qlens, 0) - qlens  # first flat index of each sequence's tokens
-        token_rows = torch.arange(token_seqs.numel(), device=device) - starts[token_seqs]
-        positions = (lens - qlens)[token_seqs] + token_rows
-        slot_blocks = tables[token_seqs, positions // block_size]
+        token_seqs = token_rows = None
+        if is_prefill:  # token t is the token_rows[t]-th new token of sequence token_seqs[t]
+            qlens = torch.tensor(query_lens, dtype=torch.long, device=device)
+            token_seqs = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
+            starts = torch.cumsum(qlens, 0) - qlens  # first flat index of each sequence's tokens
+            token_rows = torch.arange(token_seqs.numel(), device=device) - starts[token_seqs]
+            positions = (lens - qlens)[token_seqs] + token_rows
+            slot_blocks = tables[token_seqs, positions // block_size]
+        else:  # one new token per sequence, at its last position
+            positions = lens - 1
+            slot_blocks = tables[torch.arange(batch, device=device), positions // block_size]
         mask = None
         if not is_prefill and batch > 1:  # one sequence attends to exactly its context, unmasked
             span = torch.arange(width * block_size, device=device)
@@ -82,8 +86,8 @@ class AttentionMetadata:
             block_tables=tables,
             decode_mask=mask,
             context_lens_tensor=None if is_prefill else lens,
-            token_seqs=token_seqs if is_prefill else None,
-            token_rows=token_rows if is_prefill else None,
+            token_seqs=token_seqs,
+            token_rows=token_rows,
         )
 
     def decode_context_lens(self) -> torch.Tensor:

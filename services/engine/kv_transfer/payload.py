@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import DataLossError, InvalidArgumentError
+from services.common.pb import common_pb2
 from services.common.sampling_params import SamplingParams
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.sampler import TokenLogprobs
@@ -39,6 +40,9 @@ class PrefilledRequest:
     first_logprob: TokenLogprobs | None
     num_blocks: int
     num_cached_tokens: int = 0
+    # The sampling parameters exactly as they arrived on the wire (the gateway's message), when
+    # they did: the KV header forwards this message to decode instead of rebuilding it.
+    wire_params: common_pb2.SamplingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,7 +193,7 @@ class KVSender:
             total_bytes=total,
             prompt_token_ids=request.prompt_token_ids,
             first_token_id=request.first_token_id,
-            params=sampling_params_to_proto(request.params),
+            params=request.wire_params or sampling_params_to_proto(request.params),
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
         )

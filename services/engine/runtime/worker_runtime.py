@@ -1,13 +1,15 @@
-"""What the prefill and decode workers share at run time: engine construction, the gRPC and
-metrics servers, the stats message, the running-worker handle and the run-until-signal loop.
-(Their flags live in the torch-free ``worker_options``.)
+"""One worker runtime for every role: engine construction, start-up, the gRPC and metrics
+servers, the running-worker handle and the run-until-signal loop. A role (prefill, decode)
+supplies only what is its own: its worker object and servicer (``worker_servicer``), built
+around the shared engine loop. (Flags live in the torch-free ``worker_options``.)
 
-Worker start-up (both roles):
+Worker start-up (:func:`start_worker`, every role):
   1. ``main.py`` parses flags into :class:`WorkerOptions` (``worker_options``).
   2. Load the model (and its tokenizer when it has one) and build the :class:`LLMEngine`.
-  3. The role starts its engine loop, its transfer machinery, the gRPC server and the metrics
-     endpoint, and returns a handle.
-  4. :func:`serve_until_signal` waits for SIGINT / SIGTERM, then stops the handle gracefully.
+  3. Start the engine loop; the role builds its worker (transfer machinery) and servicer; then
+     the gRPC server and the metrics endpoint; return a handle.
+  4. :func:`run_worker` / :func:`serve_until_signal` wait for SIGINT / SIGTERM, then stop the
+     handle gracefully.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.errors import ModelLoadError
-from services.common.grpc_server import GrpcServerHandle, ServicerSpec, start_grpc_server
+from services.common.grpc_server import AddServicerFn, GrpcServerHandle, ServicerSpec, start_grpc_server
 from services.common.metrics import MetricsHttpServer, TandemMetrics, serve_metrics_http
 from services.common.model_source import ModelSource
-from services.common.pb import common_pb2
 from services.engine.core.engine import LLMEngine
 from services.engine.core.loaders import LoadedModel, load_model, parse_dtype
 from services.engine.runtime.engine_loop import EngineLoop
-from services.engine.runtime.engine_stats import EngineStats
 from services.engine.runtime.output_text import OutputText
+from services.engine.runtime.worker_servicer import RoleWorker, WorkerServicer
 from services.engine.runtime.worker_options import WorkerOptions
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -39,6 +40,11 @@ class Closable(Protocol):
     """The role object of a worker (PrefillWorker, DecodeWorker): frees what it holds."""
 
     async def close(self) -> None: ...
+
+
+RoleParts = tuple[RoleWorker, WorkerServicer, AddServicerFn, str]
+"""What a role adds around the shared engine loop: its worker object, its servicer, the
+generated ``add_XServicer_to_server`` and the full gRPC service name."""
 
 
 @dataclass(slots=True)
@@ -95,24 +101,6 @@ def build_engine(
     return engine, OutputText(tokenizer) if tokenizer is not None else None
 
 
-def worker_stats(
-    stats: EngineStats, *, role: str, worker_id: str, address: str, extra_waiting: int = 0
-) -> common_pb2.WorkerStats:
-    """The ``GetStats`` answer for an engine snapshot."""
-    return common_pb2.WorkerStats(
-        worker_id=worker_id,
-        role=role,
-        num_running=stats.num_running,
-        num_waiting=stats.num_waiting + extra_waiting,
-        kv_blocks_total=stats.num_blocks_total,
-        kv_blocks_in_use=stats.num_blocks_in_use,
-        kv_blocks_free=stats.num_blocks_free,
-        kv_cache_usage=stats.kv_cache_usage,
-        block_size=stats.block_size,
-        address=address,
-    )
-
-
 async def start_serving(
     role: str,
     options: WorkerOptions,
@@ -141,6 +129,51 @@ async def start_serving(
             raise
     logger.info("%s worker %s serving on %s", role, options.worker_id, address)
     return handle
+
+
+async def start_worker(
+    role: str,
+    options: WorkerOptions,
+    build_role: Callable[[EngineLoop, TandemMetrics], RoleParts],
+    *,
+    loaded: LoadedModel | None = None,
+    tokenizer: Tokenizer | None = None,
+    metrics: TandemMetrics | None = None,
+    with_text: bool = False,
+) -> WorkerHandle:
+    """Start a worker of ``role`` in this process, the same way for every role: load the model
+    (and tokenizer), start the engine thread (with the output text when ``with_text``), let
+    ``build_role`` make the role's worker and servicer around it, then serve gRPC and metrics."""
+    metrics = metrics or TandemMetrics()
+    engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
+    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or role}",
+                             output_filter=text if with_text else None)  # fmt: skip
+    engine_loop.start()
+    metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
+    try:
+        worker, servicer, add_servicer, service_name = build_role(engine_loop, metrics)
+    except BaseException:
+        await engine_loop.stop()
+        raise
+    worker.start()
+    handle = await start_serving(
+        role, options, engine_loop=engine_loop, worker=worker, metrics=metrics,
+        servicers=[(add_servicer, servicer, service_name)],
+    )  # fmt: skip
+    servicer.address = handle.address
+    return handle
+
+
+def run_worker(start: Callable[[], Awaitable[WorkerHandle]]) -> int:
+    """A worker process's life (``tandem serve prefill|decode``): start, serve until SIGINT /
+    SIGTERM, stop gracefully."""
+
+    async def serve() -> None:
+        handle = await start()
+        await serve_until_signal(handle.stop)
+
+    asyncio.run(serve())
+    return 0
 
 
 async def serve_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
