@@ -46,8 +46,9 @@ REGIME_ROWS = (1, 8, 32, 256)
 BLAS_LIMIT_VARIABLES = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 REPEATS = 5
 # the kernel must beat PyTorch by this fraction: within it the two are a tie that run-to-run noise
-# decides, and a tie goes to the reference path
-MARGIN = 0.05
+# decides, and a tie goes to the reference path. 10%, not less: on a shared 2-core VM a 5% win at
+# the 256-row regime was noise once, and the float32 kernel then ran 512-row prefills at 0.6x MKL.
+MARGIN = 0.10
 
 
 @dataclass(frozen=True, slots=True)
