@@ -13,14 +13,11 @@ itself is started by :func:`services.decode.server.start_decode_worker` (tests c
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from services.common import ports
 from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
-
-logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,6 @@ client that cancels ``Generate`` cancels the handler, which aborts the request i
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 
 import grpc.aio
@@ -22,7 +21,6 @@ from services.engine.core.engine import RequestOutput
 from services.engine.kv_transfer.grpc_transport import ACCEPTED_METADATA
 from services.engine.runtime.worker_servicer import WorkerServicer, require_request_id
 
-logger = logging.getLogger(__name__)
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 

@@ -12,14 +12,11 @@ itself is started by :func:`services.prefill.server.start_prefill_worker` (tests
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from services.common import ports
 from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
-
-logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

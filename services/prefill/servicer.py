@@ -9,7 +9,6 @@ same. A client that cancels the call cancels the work the same way.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import grpc
@@ -21,7 +20,6 @@ from services.common.wire import sampling_params_from_proto, token_logprobs_to_p
 from services.engine.runtime.worker_servicer import WorkerServicer, require_request_id
 from services.prefill.worker import PrefillWorker
 
-logger = logging.getLogger(__name__)
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
 
