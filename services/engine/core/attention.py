@@ -32,6 +32,9 @@ class AttentionMetadata:
         context_lens_tensor: ``context_lens`` as an int64 device tensor (decode only), for kernels.
         token_seqs / token_rows: ``[T]`` each new token's sequence and its row among that
             sequence's new tokens (prefill only): where it sits in a padded ``[B, max_q]`` batch.
+        prefill_mask: ``[B, 1, max_q, L]`` bool, True where padded query row j of sequence b may
+            see key position ``0 .. cached_b + j`` (L: the longest context's whole blocks); built
+            once per step for every layer, for prefill steps other than one uncached prompt.
     """
 
     is_prefill: bool
@@ -44,6 +47,7 @@ class AttentionMetadata:
     context_lens_tensor: torch.Tensor | None = None
     token_seqs: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None
+    prefill_mask: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -62,7 +66,7 @@ class AttentionMetadata:
                               dtype=torch.long, device=device)  # fmt: skip
         lens = torch.tensor(context_lens, dtype=torch.long, device=device)
         batch = len(query_lens)
-        token_seqs = token_rows = None
+        token_seqs = token_rows = prefill_mask = None
         if is_prefill:  # token t is the token_rows[t]-th new token of sequence token_seqs[t]
             qlens = torch.tensor(query_lens, dtype=torch.long, device=device)
             token_seqs = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
@@ -70,6 +74,9 @@ class AttentionMetadata:
             token_rows = torch.arange(token_seqs.numel(), device=device) - starts[token_seqs]
             positions = (lens - qlens)[token_seqs] + token_rows
             slot_blocks = tables[token_seqs, positions // block_size]
+            if batch > 1 or context_lens[0] != query_lens[0]:
+                prefill_mask = _prefill_mask(query_lens, context_lens, lens - qlens, qlens,
+                                             block_size, device)  # fmt: skip
         else:  # one new token per sequence, at its last position
             positions = lens - 1
             slot_blocks = tables[torch.arange(batch, device=device), positions // block_size]
@@ -88,6 +95,7 @@ class AttentionMetadata:
             context_lens_tensor=None if is_prefill else lens,
             token_seqs=token_seqs,
             token_rows=token_rows,
+            prefill_mask=prefill_mask,
         )
 
     def decode_context_lens(self) -> torch.Tensor:
@@ -97,6 +105,24 @@ class AttentionMetadata:
                 self.context_lens, dtype=torch.long, device=self.block_tables.device
             )
         return self.context_lens_tensor
+
+
+def _prefill_mask(
+    query_lens: list[int],
+    context_lens: list[int],
+    cached: torch.Tensor,
+    qlens: torch.Tensor,
+    block_size: int,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """``[B, 1, max_q, L]``: query row j of sequence b sees positions ``0 .. cached_b + j``;
+    padding rows (j >= its query length) see position 0 only, so no row is all masked."""
+    max_q = max(query_lens)
+    keys = -(-max(context_lens) // block_size) * block_size
+    rows = torch.arange(max_q, device=device)
+    last = cached[:, None] + rows[None, :]  # [B, max_q]: the last position each row may see
+    last = torch.where(rows[None, :] < qlens[:, None], last, 0)
+    return (torch.arange(keys, device=device)[None, None, :] <= last[:, :, None])[:, None]
 
 
 class PagedAttention(ABC):
@@ -171,8 +197,8 @@ class TorchPagedAttention(PagedAttention):
         """All of the step's prompts in one attention call. One prompt with nothing cached is
         plain causal attention over its new tokens; otherwise (several prompts, or a cached
         prefix) every sequence's queries are padded into ``[B, max_q]``, its keys and values read
-        from the cache through its block table (this step's were just stored), and a mask lets
-        query row j of sequence b see exactly positions ``0 .. cached_b + j``."""
+        from the cache through its block table (this step's were just stored), under the step's
+        ``prefill_mask`` (built once in :meth:`AttentionMetadata.build` for every layer)."""
         if len(meta.query_lens) == 1 and meta.context_lens[0] == meta.query_lens[0]:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -180,23 +206,16 @@ class TorchPagedAttention(PagedAttention):
             )  # fmt: skip
             return out.transpose(0, 1)
         assert meta.token_seqs is not None and meta.token_rows is not None
-        batch, max_q, block_size = len(meta.query_lens), max(meta.query_lens), k_cache.shape[1]
-        blocks = -(-max(meta.context_lens) // block_size)
-        table = meta.block_tables[:, :blocks]
+        mask = meta.prefill_mask
+        assert mask is not None
+        batch, max_q, keys_len = mask.shape[0], mask.shape[2], mask.shape[3]
+        table = meta.block_tables[:, : keys_len // k_cache.shape[1]]
         keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
         values = v_cache[table].flatten(1, 2).transpose(1, 2)
         queries = q.new_zeros(batch, max_q, *q.shape[1:])
         queries[meta.token_seqs, meta.token_rows] = q
-        device = q.device
-        qlens = torch.tensor(meta.query_lens, device=device)
-        cached = torch.tensor(meta.context_lens, device=device) - qlens
-        rows = torch.arange(max_q, device=device)
-        last = cached[:, None] + rows[None, :]  # [B, max_q]: the last position each row may see
-        last = torch.where(rows[None, :] < qlens[:, None], last, 0)  # padding rows: position 0
-        mask = torch.arange(keys.shape[2], device=device)[None, None, :] <= last[:, :, None]
         out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
-            enable_gqa=True,
+            queries.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [B, H, max_q, D]
         return out.transpose(1, 2)[meta.token_seqs, meta.token_rows]
 

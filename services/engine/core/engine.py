@@ -113,7 +113,9 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
-        self.eos_token_ids = frozenset(eos_token_ids or model_cfg.eos_token_ids)
+        self.eos_token_ids = frozenset(
+            model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
+        )
         self.sampler = Sampler(model_cfg.vocab_size, tuple(self.eos_token_ids))
         self.runner = ModelRunner(loaded, self.kv, self.sampler)
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings

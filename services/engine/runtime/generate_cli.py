@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             prompts.append(tokenizer.encode(text))
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, len(prompts))),
-                       eos_token_ids=tokenizer.eos_token_ids)
+                       eos_token_ids=tokenizer.eos_token_ids or None)
     with torch.inference_mode():
         outputs = engine.generate(prompts, params, output_filter=OutputText(tokenizer))
     for (kind, text), prompt, out in zip(args.inputs, prompts, outputs):

@@ -96,7 +96,7 @@ def build_engine(
         loaded = load_model(options.model, parse_dtype(options.dtype), options.device)
     if tokenizer is None and load_tokenizer_too:
         tokenizer = load_tokenizer(loaded.source)
-    eos = tokenizer.eos_token_ids if tokenizer is not None else None
+    eos = (tokenizer.eos_token_ids or None) if tokenizer is not None else None  # none: the model's
     engine = LLMEngine(loaded, options.engine_config(), eos_token_ids=eos)
     return engine, OutputText(tokenizer) if tokenizer is not None else None
 

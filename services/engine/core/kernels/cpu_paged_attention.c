@@ -43,10 +43,7 @@ static inline vec vexp(vec x) {
     poly = poly * r * r + r + splat(1.0f);
     const int_vec exponent = ((int_vec)t - (int_vec)big + 127) << 23; /* 2^n */
     const int_vec keep = x >= splat(-87.3f); /* all ones where the result is a normal float */
-    vec result;
-    const int_vec bits = (int_vec)(poly * (vec)exponent) & keep;
-    memcpy(&result, &bits, sizeof result);
-    return result;
+    return (vec)((int_vec)(poly * (vec)exponent) & keep);
 }
 
 /* acc[0:NV * LANES] = acc * rescale + sum_s p[s] * v[s * v_ss + 0:NV * LANES], the NV vectors of
