@@ -4,6 +4,7 @@ sender / receiver state machines over the in-process transport (same code paths 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -14,6 +15,7 @@ from services.common.errors import (
     AbortedError,
     DataLossError,
     FailedPreconditionError,
+    ModelLoadError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
@@ -347,6 +349,53 @@ async def test_engine_loop_cancelled_consumer_frees_blocks(tiny: LoadedModel) ->
         await wait_until(lambda: loop.stats.num_blocks_in_use == 0)
     finally:
         await loop.stop()
+
+
+async def test_engine_loop_builds_its_engine_on_its_own_thread(tiny: LoadedModel) -> None:
+    # One thread does all of a worker's torch work: a second OpenMP team (weights loaded on the
+    # main thread, steps on another) made every served decode step ~3x slower.
+    built_on: list[threading.Thread] = []
+
+    def build() -> tuple[LLMEngine, None]:
+        built_on.append(threading.current_thread())
+        return LLMEngine(tiny, EngineConfig(num_blocks=32)), None
+
+    loop = await EngineLoop.build_and_start(build, name="engine-test")
+    try:
+        assert built_on[0] is not threading.current_thread()
+        assert await loop.call(lambda engine: threading.current_thread()) is built_on[0]
+        outs = [out async for out in loop.generate("t", prompt_of(10), GREEDY)]
+        assert sum(len(out.new_token_ids) for out in outs) == GREEDY.max_tokens
+    finally:
+        await loop.stop()
+    assert not built_on[0].is_alive()
+
+
+async def test_engine_loop_build_failure_reaches_the_caller() -> None:
+    def build() -> tuple[LLMEngine, None]:
+        raise ModelLoadError("no weights here")
+
+    with pytest.raises(ModelLoadError, match="no weights here"):
+        await EngineLoop.build_and_start(build)
+
+
+async def test_engine_loop_cancelled_while_building_stops_once_built(tiny: LoadedModel) -> None:
+    release = threading.Event()
+    built_on: list[threading.Thread] = []
+
+    def build() -> tuple[LLMEngine, None]:
+        built_on.append(threading.current_thread())
+        release.wait(10)
+        return LLMEngine(tiny, EngineConfig(num_blocks=32)), None
+
+    task = asyncio.create_task(EngineLoop.build_and_start(build))
+    await wait_until(lambda: bool(built_on))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    await asyncio.to_thread(built_on[0].join, 10)
+    assert not built_on[0].is_alive()
 
 
 async def test_engine_loop_batches_concurrent_requests(tiny: LoadedModel) -> None:

@@ -4,6 +4,13 @@ Why a thread: a model step runs for milliseconds to seconds, and the engine, its
 and its KV pool are single-threaded; the gRPC servicers live on an asyncio loop that must never
 block. So exactly one thread touches the engine, and everything else sends it commands.
 
+Why the model is built on that same thread (:meth:`EngineLoop.build_and_start`): GNU OpenMP
+keeps one worker team per thread that opens a parallel region. Loading weights on the main
+thread and stepping on another leaves two teams in the process, more OpenMP threads than cores,
+and libgomp then stops spinning between regions: every one of a step's hundreds of parallel
+regions wakes its workers through the kernel, which made a served batch-1 decode step ~3x
+slower than the same step offline. One thread doing all of a worker's torch work keeps one team.
+
 The thread, one iteration at a time:
   1. Sleep on a condition until a command is queued or the engine has unfinished work.
   2. Apply every queued command in FIFO order (add a request, admit a prefilled one, abort,
@@ -69,6 +76,7 @@ class EngineLoop:
         metrics: TandemMetrics | None = None,
         name: str = "engine",
         output_filter: OutputFilter | None = None,
+        _own_thread: threading.Thread | None = None,
     ) -> None:
         self.engine = engine
         self.output_filter = output_filter
@@ -76,7 +84,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._commands: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = _own_thread or threading.Thread(target=self._run, name=name, daemon=True)
         # Engine-thread state.
         self._sinks: dict[str, RequestSink] = {}
         self._held = HeldBlocks(engine)
@@ -87,9 +95,44 @@ class EngineLoop:
         self._stats = self._publisher.publish(num_held_requests=0, num_steps=0, max_batch_size=0)
 
     # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    async def build_and_start(
+        cls,
+        build: Callable[[], tuple[LLMEngine, OutputFilter | None]],
+        *,
+        metrics: TandemMetrics | None = None,
+        name: str = "engine",
+    ) -> EngineLoop:
+        """Start a thread that runs ``build()`` (load the model, make the engine and its output
+        filter) and then this loop, so one thread does all of the engine's torch work (see the
+        module docstring); returns the running loop, or raises what ``build`` raised.
+
+        If the caller is cancelled while the model loads, the loop is stopped once built.
+        """
+        built: concurrent.futures.Future[EngineLoop] = concurrent.futures.Future()
+
+        def main() -> None:
+            try:
+                engine, output_filter = build()
+                loop = cls(engine, metrics=metrics, name=name, output_filter=output_filter,
+                           _own_thread=threading.current_thread())  # fmt: skip
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                built.set_exception(exc)
+                return
+            built.set_result(loop)
+            loop._run()
+
+        threading.Thread(target=main, name=name, daemon=True).start()
+        try:
+            return await asyncio.shield(asyncio.wrap_future(built))
+        except asyncio.CancelledError:
+            built.add_done_callback(_stop_when_built)
+            raise
+
     def start(self) -> None:
-        """Start the engine thread (once)."""
-        self._thread.start()
+        """Start the engine thread (once; a loop from :meth:`build_and_start` already runs)."""
+        if not self._thread.is_alive():
+            self._thread.start()
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Abort every request (consumers see finish reason "abort"), free every held block,
@@ -348,6 +391,10 @@ class EngineLoop:
         ):
             raise FailedPreconditionError(f"request id {request_id!r} is already in use")
 
+    def _stop_nowait(self) -> None:
+        """Ask the thread to shut down without waiting for it (any thread)."""
+        self._submit_quietly(lambda engine: self._shutdown())
+
     def _submit_quietly(self, fn: Callable[[LLMEngine], object]) -> None:
         try:
             self.submit(fn)
@@ -359,3 +406,8 @@ class EngineLoop:
             num_held_requests=len(self._held), num_steps=self._num_steps,
             max_batch_size=self._max_batch,
         )
+
+
+def _stop_when_built(built: concurrent.futures.Future[EngineLoop]) -> None:
+    if not built.cancelled() and built.exception() is None:
+        built.result()._stop_nowait()

@@ -5,8 +5,9 @@ around the shared engine loop. (Flags live in the torch-free ``worker_options``.
 
 Worker start-up (:func:`start_worker`, every role):
   1. ``main.py`` parses flags into :class:`WorkerOptions` (``worker_options``).
-  2. Load the model (and its tokenizer when it has one) and build the :class:`LLMEngine`.
-  3. Start the engine loop; the role builds its worker (transfer machinery) and servicer; then
+  2. On the engine thread (``EngineLoop.build_and_start``, which says why): load the model (and
+     its tokenizer when it has one), build the :class:`LLMEngine`, then run the engine loop.
+  3. The role builds its worker (transfer machinery) and servicer; then
      the gRPC server and the metrics endpoint; return a handle.
   4. :func:`run_worker` / :func:`serve_until_signal` wait for SIGINT / SIGTERM, then stop the
      handle gracefully.
@@ -145,11 +146,15 @@ async def start_worker(
     (and tokenizer), start the engine thread (with the output text when ``with_text``), let
     ``build_role`` make the role's worker and servicer around it, then serve gRPC and metrics."""
     metrics = metrics or TandemMetrics()
-    engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
-    engine_loop = EngineLoop(engine, metrics=metrics, name=f"engine-{options.worker_id or role}",
-                             output_filter=text if with_text else None)  # fmt: skip
-    engine_loop.start()
-    metrics.kv_blocks_total.set(engine.block_manager.num_blocks)
+
+    def build() -> tuple[LLMEngine, OutputText | None]:
+        engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
+        return engine, text if with_text else None
+
+    engine_loop = await EngineLoop.build_and_start(
+        build, metrics=metrics, name=f"engine-{options.worker_id or role}"
+    )
+    metrics.kv_blocks_total.set(engine_loop.engine.block_manager.num_blocks)
     try:
         worker, servicer, add_servicer, service_name = build_role(engine_loop, metrics)
     except BaseException:
