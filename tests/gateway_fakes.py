@@ -42,6 +42,7 @@ from services.common.wire import sampling_params_from_proto
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.config import GatewayConfig
+from services.gateway.prefill_policy import PrefillPolicy
 from services.gateway.safety import RuleBasedPolicy
 
 MODEL = "fake-model"
@@ -109,6 +110,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.handoffs: dict[str, Handoff] = {}
         self.blocks_in_use = 0
         self.generate_ids: list[str] = []
+        self.local_prefills: list[str] = []
         self.aborted: list[str] = []
         self.cancelled: list[str] = []
         self.token_delay = 0.001
@@ -132,6 +134,10 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         rid = request.request_id
         self.generate_ids.append(rid)
+        if request.prompt_token_ids:  # local prefill: no hand-off to wait for
+            self.local_prefills.append(rid)
+            prompt = "".join(chr(i) for i in request.prompt_token_ids)
+            self.receive(rid, prompt, sampling_params_from_proto(request.params))
         handoff = self.handoffs.setdefault(rid, Handoff("", None, 0))
         try:
             try:
@@ -297,7 +303,10 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             )  # fmt: skip
             prefill_addrs.append(h.address)
             servers[h.address] = h
-        settings: dict[str, Any] = {"stats_interval_s": 0.2}
+        # Every prompt goes to the prefill pool unless a test asks for conditional disaggregation.
+        settings: dict[str, Any] = {"stats_interval_s": 0.2,
+                                    "prefill_policy": PrefillPolicy(remote_min_tokens=0,
+                                                                    max_prefill_queue=10**6)}
         settings.update(overrides)
         config = GatewayConfig(
             tokenizer_address=tok.address,

@@ -161,6 +161,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--tokenizer", addrs["tandem.v1.Tokenizer"], "--prefill", addrs["tandem.v1.Prefill"],
             "--decode", addrs["tandem.v1.Decode"], "--model", "default",
             "--safety-policy", str(policy), "--stats-interval", "0.25",
+            "--remote-prefill-min-tokens", "0",  # every prompt crosses the KV hand-off here
         ], logs / "gateway.log"))  # fmt: skip
         url = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 60
@@ -344,9 +345,10 @@ async def _limited_gateway(stack: Stack, **overrides: Any) -> tuple[web.AppRunne
     from services.gateway.config import GatewayConfig
     from services.gateway.safety import AllowAllPolicy
 
+    settings: dict[str, Any] = {"prefill_addresses": (stack.prefill,), **overrides}
     config = GatewayConfig(
-        tokenizer_address=stack.tokenizer, prefill_addresses=(stack.prefill,),
-        decode_addresses=(stack.decode,), host="127.0.0.1", port=0, **overrides,
+        tokenizer_address=stack.tokenizer, decode_addresses=(stack.decode,), host="127.0.0.1",
+        port=0, **settings,
     )  # fmt: skip
     app = build_app(config, auth=ApiKeyAuth(["sk-e2e-key-0001"]), policy=AllowAllPolicy())
     runner = web.AppRunner(app, access_log=None)
@@ -395,3 +397,32 @@ async def test_auth_limits_and_malformed_bodies(stack: Stack) -> None:
                 assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["conditional", "colocated"])
+async def test_local_prefill_matches_the_engine(stack: Stack, engine: Any, mode: str) -> None:
+    # Conditional disaggregation (the default policy: these short prompts stay on the decode
+    # worker) and colocated mode (no prefill pool) give the hand-off path's greedy tokens.
+    overrides: dict[str, Any] = {"prefill_addresses": ()} if mode == "colocated" else {}
+    runner, url = await _limited_gateway(stack, **overrides)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="sk-e2e-key-0001", max_retries=0)
+    chat_ids = engine.tokenizer.encode_chat(OCEAN, add_generation_prompt=True)
+    fox_ids = engine.tokenizer.encode(FOX)
+    try:
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=OCEAN, temperature=0, max_tokens=40
+        )
+        assert chat.choices[0].message.content == engine(chat_ids, 40)
+        assert chat.usage.prompt_tokens == len(chat_ids)
+        stream = await client.completions.create(
+            model=MODEL, prompt=FOX, temperature=0, max_tokens=24, stream=True
+        )
+        assert "".join([c.choices[0].text async for c in stream]) == engine(fox_ids, 24)
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            text = await r.text()
+        assert 'tandem:prefill_path_total{path="local"} 2.0' in text
+        assert 'tandem:prefill_path_total{path="remote"} 0.0' in text
+    finally:
+        await client.close()
+        await runner.cleanup()
+    await asyncio.to_thread(stack.wait_kv_idle)

@@ -62,6 +62,7 @@ TRANSFER_BUCKETS = (
 # Label values used across services, kept here so recorders and dashboards agree.
 FINISHED_REASONS = ("stop", "length", "abort", "content_filter", "error")
 SAFETY_STAGES = ("input", "output")
+PREFILL_PATHS = ("remote", "local")
 KV_TRANSFER_FAILURE_REASONS = ("checksum", "layout", "timeout", "connection", "refused", "other")
 
 
@@ -197,6 +198,13 @@ class TandemMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.prefill_path = Counter(
+            "tandem:prefill_path_total",
+            "Prompts by where they were prefilled: remote (a prefill worker, KV handed off) or "
+            "local (the decode worker itself; conditional disaggregation, colocated mode).",
+            ["path"],
+            registry=r,
+        )
         self.safety_blocks = Counter(
             "tandem:safety_blocks_total",
             "Requests or streams stopped by the safety filter, by stage (input, output).",
@@ -209,6 +217,8 @@ class TandemMetrics:
             self.request_success.labels(finished_reason=reason)
         for stage in SAFETY_STAGES:
             self.safety_blocks.labels(stage=stage)
+        for path in PREFILL_PATHS:
+            self.prefill_path.labels(path=path)
         for reason in KV_TRANSFER_FAILURE_REASONS:
             self.kv_transfer_failures.labels(reason=reason)
 

@@ -2,7 +2,8 @@
 
 ``TransferKV`` is the receiving end of the default KV transport; ``Generate`` streams one
 ``GenerateResponse`` per engine output (the first starts with prefill's token; the last carries
-the finish reason). Typed errors become status codes through the server's ErrorInterceptor; a
+the finish reason). A ``Generate`` that carries the prompt (``prompt_token_ids``) is prefilled
+here instead (local prefill: no transfer). Typed errors become status codes through the server's ErrorInterceptor; a
 client that cancels ``Generate`` cancels the handler, which aborts the request in the engine.
 """
 
@@ -15,7 +16,7 @@ import grpc.aio
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import decode_pb2, decode_pb2_grpc
-from services.common.wire import token_logprobs_to_proto
+from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
 from services.decode.worker import DecodeWorker
 from services.engine.core.engine import RequestOutput
 from services.engine.kv_transfer.grpc_transport import ACCEPTED_METADATA
@@ -49,7 +50,16 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
             raise InvalidArgumentError("wait_for_kv_seconds must not be negative",
                                        param="wait_for_kv_seconds")
         completion_tokens = 0
-        stream = self.worker.generate(request.request_id, request.wait_for_kv_seconds or None)
+        if request.prompt_token_ids:
+            if not request.HasField("params"):
+                raise InvalidArgumentError("params is required with prompt_token_ids",
+                                           param="params")
+            stream = self.worker.generate_local(
+                request.request_id, list(request.prompt_token_ids),
+                sampling_params_from_proto(request.params),
+            )  # fmt: skip
+        else:
+            stream = self.worker.generate(request.request_id, request.wait_for_kv_seconds or None)
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
                 completion_tokens += len(out.new_token_ids)

@@ -10,15 +10,22 @@ One request (docs/request-lifecycle.md steps 6-7, docs/kv-handoff.md):
   4. ``abort`` frees the request wherever it is: mid-transfer, parked, or generating (the
      stream then ends with finish reason "abort"). A client that cancels ``Generate`` aborts
      the request in the engine the same way.
+
+A request may also skip steps 1-2 (``generate_local``): the gateway sends the prompt itself when
+it is short enough to prefill here (conditional disaggregation) or when no prefill pool exists
+(``tandem up --mode colocated``). The engine then chunks that prompt into its running batch
+under the step's token budget, next to the other sequences' decode tokens (vLLM v1's rule; see
+``services/engine/core/scheduler.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from services.common.errors import AbortedError, NotFoundError
+from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import RequestOutput
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVReceiver
@@ -69,6 +76,16 @@ class DecodeWorker:
             # Claimed blocks the engine never took (cancelled before admission) are freed here;
             # once the engine owns them this is a no-op.
             self.engine_loop.release_nowait(request_id)
+
+    async def generate_local(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Prefill ``prompt_token_ids`` here and yield every output (the first has the first
+        token). Cancelling the consumer aborts the request and frees its blocks."""
+        stream = self.engine_loop.generate(request_id, prompt_token_ids, params)
+        async with contextlib.aclosing(stream) as outputs:
+            async for out in outputs:
+                yield out
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Free ``request_id`` on this worker wherever it is; True when it was found."""

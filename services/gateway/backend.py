@@ -27,6 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.errors import UnavailableError
 from services.common.grpc_channel import open_channel
 from services.common.grpc_errors import status_to_error
+from services.common.sampling_params import SamplingParams
+from services.common.wire import sampling_params_to_proto
 from services.common.pb import (
     common_pb2,
     decode_pb2,
@@ -180,12 +182,26 @@ class WorkerClient:
         except grpc.aio.AioRpcError as err:
             raise status_to_error(err) from err
 
-    def generate(self, request_id: str) -> GenerateStream:
-        """Start ``Generate`` now (the RPC begins before the first read)."""
+    def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        params: SamplingParams | None = None,
+    ) -> GenerateStream:
+        """Start ``Generate`` now (the RPC begins before the first read). With
+        ``prompt_token_ids`` (and ``params``) the decode worker prefills the prompt itself;
+        without, it waits for the KV a prefill worker sends."""
         if self._decode is None:
             raise TypeError(f"{self!r} is not a decode worker")
         wait = self._timeouts.wait_for_kv_s
         request = decode_pb2.GenerateRequest(request_id=request_id, wait_for_kv_seconds=wait)
+        if prompt_token_ids:
+            if params is None:
+                raise TypeError("a local prefill needs its sampling params")  # a programming error
+            request.prompt_token_ids.extend(prompt_token_ids)
+            request.params.CopyFrom(sampling_params_to_proto(params))
+            wait = self._timeouts.prefill_s  # the first message comes after the prefill
         call = self._decode.Generate(request)
         first = wait + self._timeouts.control_s
         return GenerateStream(

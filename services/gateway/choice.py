@@ -2,20 +2,25 @@
 
 Lifecycle of a :class:`ChoiceRun`:
 
-1. Pick the least-loaded decode and prefill workers (router leases count it as in flight).
-2. Start ``Decode.Generate`` (it waits for the KV) and, concurrently, ``Prefill.Prefill`` with the
-   decode worker's address: prefill ships the KV straight to decode; the gateway never sees it.
+1. Pick the least-loaded decode worker, and decide where the prompt is prefilled
+   (``prefill_policy.py``): on the least-loaded prefill worker (remote) or by the decode worker
+   itself (local). Router leases count the choice as in flight: on its decode worker until it
+   ends, on its prefill worker while the prefill runs.
+2. Remote: start ``Decode.Generate`` (it waits for the KV) and, concurrently, ``Prefill.Prefill``
+   with the decode worker's address: prefill ships the KV straight to decode; the gateway never
+   sees it. Local: one ``Decode.Generate`` carrying the prompt.
 3. Relay Generate's messages through the output safety filter: only text the filter released is
    emitted, and each logprob entry is emitted with the text its token produced (held back with
    it), so nothing of a blocked phrase ever leaves.
 4. Finish: on the message carrying ``finish_reason``, flush the filter and emit the last event; a
    block ends the choice early with ``content_filter`` and aborts the request on both workers.
 5. Any other exit (an error, a failed prefill, the client going away = task cancellation) cancels
-   the Generate call and the Prefill call and sends ``Abort`` to both workers concurrently, in a
+   the Generate call and the Prefill call and sends ``Abort`` to the workers concurrently, in a
    task that outlives the cancellation, so every KV block is freed.
 
 A worker that is down (UNAVAILABLE) before anything was emitted is marked down in the router and
-the choice is retried once per remaining worker, under a new backend request id.
+the choice is retried once per remaining worker, under a new backend request id; with every
+prefill worker down, the decode worker prefills the prompt itself.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.gateway.backend import GenerateStream
 from services.gateway.openai_responses import TokenLogprob
+from services.gateway.prefill_policy import PrefillPolicy
 from services.gateway.router import Router, WorkerState
 from services.gateway.safety import OutputFilter
 from services.gateway.token_texts import TokenTexts, to_openai_logprob
@@ -61,7 +67,7 @@ class ChoiceStats:
 
     index: int
     request_id: str
-    prefill_worker: str = ""
+    prefill_worker: str = ""  # "" when the decode worker prefilled the prompt itself
     decode_worker: str = ""
     dispatched_at: float = 0.0
     first_token_at: float | None = None
@@ -86,6 +92,8 @@ class ChoiceDeps:
     token_texts: TokenTexts
     prefill_timeout_s: float
     spawn: Callable[[Coroutine[object, object, object]], None]
+    prefill_policy: PrefillPolicy = PrefillPolicy()
+    count_prefill_path: Callable[[str], None] = lambda path: None
 
 
 class ChoiceRun:
@@ -111,13 +119,15 @@ class ChoiceRun:
     async def run(self) -> ChoiceStats:
         """Generate the choice; raise a TandemError on failure (after cleaning up)."""
         router = self._deps.router
-        max_attempts = max(len(router.workers("prefill")), len(router.workers("decode")))
+        # Each prefill worker, then the decode worker prefilling itself; or each decode worker.
+        max_attempts = max(len(router.workers("prefill")) + 1, len(router.workers("decode")))
         while True:
             self.stats.attempts += 1
             suffix = "" if self.stats.attempts == 1 else f"-r{self.stats.attempts - 1}"
-            decode, prefill = router.pick("decode"), router.pick("prefill")
+            decode, prefill = router.pick("decode"), self._remote_prefill_worker()
+            self._deps.count_prefill_path("local" if prefill is None else "remote")
             try:
-                with router.lease(decode), router.lease(prefill):
+                with router.lease(decode):
                     await self._attempt(self.stats.request_id + suffix, prefill, decode)
                 return self.stats
             except WorkerDown as down:
@@ -129,24 +139,44 @@ class ChoiceRun:
                     extra={"request_id": self.stats.request_id, "failed": down.worker.address},
                 )
 
-    async def _attempt(self, rid: str, prefill: WorkerState, decode: WorkerState) -> None:
+    def _remote_prefill_worker(self) -> WorkerState | None:
+        """The prefill worker for this prompt, or None when the decode worker prefills it."""
+        worker = self._deps.router.least_loaded("prefill")
+        load = None if worker is None else worker.load()[0]
+        if self._deps.prefill_policy.prefill_remotely(len(self._prompt_ids), load):
+            return worker
+        return None
+
+    async def _attempt(
+        self, rid: str, prefill: WorkerState | None, decode: WorkerState
+    ) -> None:
         s = self.stats
-        s.prefill_worker, s.decode_worker = prefill.address, decode.address
+        s.prefill_worker = prefill.address if prefill is not None else ""
+        s.decode_worker = decode.address
         s.dispatched_at = time.monotonic()
-        stream = decode.client.generate(rid)
-        prefill_task = asyncio.ensure_future(self._prefill(rid, prefill, decode))
+        prefill_task: asyncio.Future[prefill_pb2.PrefillResponse] | None = None
+        if prefill is None:
+            stream = decode.client.generate(
+                rid, prompt_token_ids=self._prompt_ids, params=self._params
+            )
+        else:
+            stream = decode.client.generate(rid)
+            prefill_task = asyncio.ensure_future(self._prefill(rid, prefill, decode))
+            self._deps.router.lease_until_done(prefill, prefill_task)
         clean = False
         try:
             await self._relay(rid, stream, prefill_task, prefill, decode)
-            await self._await_prefill_stats(prefill_task)
+            if prefill_task is not None:
+                await self._await_prefill_stats(prefill_task)
             clean = True
         finally:
             if not clean:
                 stream.cancel()
-                prefill_task.cancel()
-                prefill_task.add_done_callback(_retrieve)
+                if prefill_task is not None:
+                    prefill_task.cancel()
+                    prefill_task.add_done_callback(_retrieve)
                 reason = "gateway: request ended early"
-                self._deps.spawn(_abort_both(rid, prefill, decode, reason))
+                self._deps.spawn(_abort_all(rid, prefill, decode, reason))
 
     async def _prefill(
         self, rid: str, prefill: WorkerState, decode: WorkerState
@@ -167,9 +197,14 @@ class ChoiceRun:
             raise mapped from err
 
     async def _next(
-        self, stream: GenerateStream, prefill_task: asyncio.Future[object], decode: WorkerState
+        self,
+        stream: GenerateStream,
+        prefill_task: asyncio.Future[prefill_pb2.PrefillResponse] | None,
+        decode: WorkerState,
     ) -> decode_pb2.GenerateResponse | None:
         """The next Generate message; a failed prefill wins over the stream it starves."""
+        if prefill_task is None:
+            return await self._read(stream, decode)
         if prefill_task.done():
             prefill_task.result()  # raises the prefill's error, if any
             return await self._read(stream, decode)
@@ -200,8 +235,8 @@ class ChoiceRun:
         self,
         rid: str,
         stream: GenerateStream,
-        prefill_task: asyncio.Future[object],
-        prefill: WorkerState,
+        prefill_task: asyncio.Future[prefill_pb2.PrefillResponse] | None,
+        prefill: WorkerState | None,
         decode: WorkerState,
     ) -> None:
         s = self.stats
@@ -247,7 +282,7 @@ class ChoiceRun:
                     ChoiceEvent(s.index, result.text_to_send, tuple(released), "content_filter")
                 )
                 stream.cancel()
-                self._deps.spawn(_abort_both(rid, prefill, decode, "gateway: output safety filter"))
+                self._deps.spawn(_abort_all(rid, prefill, decode, "gateway: output safety filter"))
                 return
             if finish is not None:
                 s.finish_reason = finish
@@ -257,7 +292,9 @@ class ChoiceRun:
             if result.text_to_send or released:
                 self._send(ChoiceEvent(s.index, result.text_to_send, tuple(released)))
 
-    async def _await_prefill_stats(self, prefill_task: asyncio.Future[object]) -> None:
+    async def _await_prefill_stats(
+        self, prefill_task: asyncio.Future[prefill_pb2.PrefillResponse]
+    ) -> None:
         """Take cached tokens and timings from the PrefillResponse (it arrives with the KV ack)."""
         s = self.stats
         try:
@@ -289,6 +326,9 @@ def _retrieve(task: asyncio.Future[object]) -> None:
         task.exception()
 
 
-async def _abort_both(rid: str, prefill: WorkerState, decode: WorkerState, reason: str) -> None:
-    """Abort ``rid`` on both workers at once (each call never raises)."""
-    await asyncio.gather(prefill.client.abort(rid, reason), decode.client.abort(rid, reason))
+async def _abort_all(
+    rid: str, prefill: WorkerState | None, decode: WorkerState, reason: str
+) -> None:
+    """Abort ``rid`` on its workers at once (each call never raises)."""
+    workers = [decode] if prefill is None else [prefill, decode]
+    await asyncio.gather(*(w.client.abort(rid, reason) for w in workers))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgumentError
+from services.gateway.prefill_policy import PrefillPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT = 256
@@ -49,7 +50,8 @@ class GatewayConfig:
 
     Attributes:
         tokenizer_address: ``host:port`` of the tokenizer service.
-        prefill_addresses / decode_addresses: the worker pools (at least one each).
+        prefill_addresses / decode_addresses: the worker pools (at least one decode worker; no
+            prefill worker means every prompt is prefilled by its decode worker).
         host / port: where the HTTP server listens.
         served_model_names: names accepted in ``model`` and listed by ``/v1/models``; empty means
             the name the tokenizer service reports (ModelInfo.name).
@@ -62,6 +64,7 @@ class GatewayConfig:
             of answering 400.
         vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
             logprob tokens as text; ``None`` renders them as ``token_id:<id>`` (vLLM's style).
+        prefill_policy: which prompts go to the prefill pool (conditional disaggregation).
         timeouts: gRPC deadlines.
     """
 
@@ -79,14 +82,13 @@ class GatewayConfig:
     stats_interval_s: float = 1.0
     truncate_chats: bool = True
     vocab_model: str | None = None
+    prefill_policy: PrefillPolicy = field(default_factory=PrefillPolicy)
     timeouts: BackendTimeouts = field(default_factory=BackendTimeouts)
 
     def validate(self) -> GatewayConfig:
         """Raise InvalidArgumentError (naming the flag) on an unusable value; return self."""
         if not self.tokenizer_address:
             raise InvalidArgumentError("a tokenizer address is required", param="tokenizer")
-        if not self.prefill_addresses:
-            raise InvalidArgumentError("at least one prefill address is required", param="prefill")
         if not self.decode_addresses:
             raise InvalidArgumentError("at least one decode address is required", param="decode")
         if not 0 <= self.port <= 65535:
@@ -101,5 +103,6 @@ class GatewayConfig:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
         if not self.stats_interval_s > 0:
             raise InvalidArgumentError("stats interval must be positive", param="stats_interval")
+        self.prefill_policy.validate()
         self.timeouts.validate()
         return self

@@ -1,7 +1,8 @@
 """``tandem serve gateway``: the OpenAI-compatible HTTP front door (torch-free).
 
 Flags say where the backend services are (``--tokenizer``, ``--prefill`` and ``--decode``, the
-last two repeatable or comma-separated) and how requests are limited; API keys come from
+last two repeatable or comma-separated; ``--no-prefill`` for none), which prompts go to the
+prefill pool (``prefill_policy.py``) and how requests are limited; API keys come from
 ``--api-keys-file`` and/or the ``TANDEM_API_KEYS`` environment variable (comma-separated), read
 here in :func:`run`, never at import time.
 
@@ -25,6 +26,11 @@ from aiohttp import web
 from services.common import ports
 from services.common.errors import UnavailableError
 from services.gateway.auth import ApiKeyAuth
+from services.gateway.prefill_policy import (
+    DEFAULT_MAX_PREFILL_QUEUE,
+    DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+    PrefillPolicy,
+)
 from services.gateway.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
@@ -57,6 +63,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help=f"prefill worker host:port; repeat or comma-separate for a pool "
         f"(default {DEFAULT_PREFILL})",
+    )
+    parser.add_argument(
+        "--no-prefill",
+        action="store_true",
+        help="no prefill pool: decode workers prefill every prompt (tandem up --mode colocated)",
+    )
+    parser.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
+        help="prompts this long or longer go to a prefill worker, shorter ones are prefilled by "
+        "their decode worker; 0 sends every prompt to the prefill pool (default %(default)s; "
+        "see services/gateway/prefill_policy.py)",
+    )
+    parser.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=DEFAULT_MAX_PREFILL_QUEUE,
+        help="a prompt is prefilled locally when the least-loaded prefill worker already has "
+        "this many requests (default %(default)s)",
     )
     parser.add_argument(
         "--decode",
@@ -161,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The :class:`GatewayConfig` for parsed flags (validated)."""
     return GatewayConfig(
         tokenizer_address=args.tokenizer,
-        prefill_addresses=_addresses(args.prefill, DEFAULT_PREFILL),
+        prefill_addresses=() if args.no_prefill else _addresses(args.prefill, DEFAULT_PREFILL),
         decode_addresses=_addresses(args.decode, DEFAULT_DECODE),
         host=args.host,
         port=args.port,
@@ -174,6 +200,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         stats_interval_s=args.stats_interval,
         truncate_chats=not args.no_truncate,
         vocab_model=args.model,
+        prefill_policy=PrefillPolicy(
+            remote_min_tokens=args.remote_prefill_min_tokens,
+            max_prefill_queue=args.max_prefill_queue,
+        ),
         timeouts=BackendTimeouts(
             prefill_s=args.prefill_timeout,
             wait_for_kv_s=args.kv_wait_timeout,

@@ -105,14 +105,20 @@ class Router:
         Raises:
             UnavailableError: no worker of that role is healthy (HTTP 503).
         """
-        pool = self._pools[role]
-        candidates = [w for w in pool if w.healthy]
-        if not candidates:
+        worker = self.least_loaded(role)
+        if worker is None:
             raise UnavailableError(
-                f"no healthy {role} worker is available (of {len(pool)} configured); "
-                "please retry shortly",
+                f"no healthy {role} worker is available (of {len(self._pools[role])} "
+                "configured); please retry shortly",
                 code="no_healthy_workers",
             )
+        return worker
+
+    def least_loaded(self, role: Role) -> WorkerState | None:
+        """The least-loaded healthy worker of ``role`` (ties rotate), or None when none is."""
+        candidates = [w for w in self._pools[role] if w.healthy]
+        if not candidates:
+            return None
         start = next(self._turns[role]) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=WorkerState.load)
@@ -125,6 +131,16 @@ class Router:
             yield worker
         finally:
             worker.in_flight -= 1
+
+    def lease_until_done(self, worker: WorkerState, task: asyncio.Future[object]) -> None:
+        """Count ``task`` as one of the gateway's requests on ``worker`` from now until it is
+        done (counted at once, so the next pick in the same burst already sees it)."""
+        worker.in_flight += 1
+
+        def done(_: asyncio.Future[object]) -> None:
+            worker.in_flight -= 1
+
+        task.add_done_callback(done)
 
     def mark_down(self, worker: WorkerState, error: TandemError) -> None:
         """Stop routing to ``worker`` until its next successful poll (after an UNAVAILABLE)."""

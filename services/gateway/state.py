@@ -121,7 +121,12 @@ class GatewayState:
             token_texts=self.token_texts,
             prefill_timeout_s=self.config.timeouts.prefill_s,
             spawn=self.spawn,
+            prefill_policy=self.config.prefill_policy,
+            count_prefill_path=self._count_prefill_path,
         )
+
+    def _count_prefill_path(self, path: str) -> None:
+        self.metrics.prefill_path.labels(path=path).inc()
 
 
 STATE_KEY = web.AppKey("tandem_gateway_state", GatewayState)

@@ -3,8 +3,8 @@
 - ``/health`` is liveness: 200 while the process serves HTTP, whatever the backend does, so an
   orchestrator never restarts a healthy gateway because a worker is down.
 - ``/ready`` is readiness: 200 only when the tokenizer service answers SERVING, the model's facts
-  are known, and at least one prefill and one decode worker are healthy (from the router's
-  polls); otherwise 503. Both answers carry the per-dependency details as JSON.
+  are known, and at least one decode worker and (when a prefill pool is configured) one prefill
+  worker are healthy (from the router's polls); otherwise 503. Both answers carry the per-dependency details as JSON.
 - ``/v1/models`` lists the served model names and ``/v1/models/{model}`` shows one
   (authenticated like every ``/v1`` route).
 """
@@ -73,7 +73,7 @@ async def ready(request: web.Request) -> web.Response:
         problems.append(f"tokenizer: {tokenizer_status}")
     elif state.model_info is None:
         problems.append("tokenizer: model info not available")
-    roles: tuple[Role, ...] = ("prefill", "decode")
+    roles: tuple[Role, ...] = ("prefill", "decode") if router.workers("prefill") else ("decode",)
     for role in roles:
         if router.healthy_count(role) == 0:
             problems.append(f"{role}: no healthy worker")

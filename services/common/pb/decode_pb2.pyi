@@ -80,12 +80,16 @@ class KVTransferAck(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., error: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "wait_for_kv_seconds")
+    __slots__ = ("request_id", "wait_for_kv_seconds", "prompt_token_ids", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_for_kv_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., wait_for_kv_seconds: _Optional[float] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., wait_for_kv_seconds: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "completion_tokens")

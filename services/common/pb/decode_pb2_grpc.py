@@ -70,7 +70,8 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Generate the rest of the completion for a request whose KV was (or is being) transferred.
+        """Generate the rest of the completion for a request whose KV was (or is being) transferred,
+        or, with prompt_token_ids set, the whole completion of a prompt prefilled here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
