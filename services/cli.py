@@ -1,5 +1,6 @@
 """The ``tandem`` command: ``generate`` (offline batch demo), ``serve <service>`` (one service),
-``up`` (the whole system as local processes).
+``up`` (the whole system as local processes), ``bench serve`` (load-test any OpenAI-compatible
+server).
 
 Each subcommand lives in the module that owns it and exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing lazily so that ``tandem serve
@@ -29,6 +30,9 @@ SERVICES = {
     "decode": "services.decode.main",
     "gateway": "services.gateway.main",
 }
+BENCHES = {
+    "serve": ("services.loadgen.cli", "load-test any OpenAI-compatible server (Tandem or other)"),
+}
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
@@ -56,6 +60,13 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         p = serve_sub.add_parser(name, help=f"the {name} service")
         p.set_defaults(module=module)
         if words[:2] == ["serve", name]:
+            importlib.import_module(module).add_arguments(p)
+    bench = sub.add_parser("bench", help="benchmarks", description="Tandem's benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(module=module)
+        if words[:2] == ["bench", name]:
             importlib.import_module(module).add_arguments(p)
     return parser
 

@@ -18,11 +18,13 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common import ports
+from services.common.cpu_list import format_cpus
 from services.common.errors import InvalidArgumentError, UnavailableError
+from services.cpu_plan import Placement, plan_cpus, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +39,23 @@ SERVICE_MODULES = {
     "decode": "services.decode.main",
     "gateway": "services.gateway.main",
 }
+MODES = ("disaggregated", "colocated")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    """What ``tandem up`` starts; built from the flags by :func:`services.launcher.run`."""
+    """What ``tandem up`` starts; built from the flags by :func:`services.launcher.run`.
+
+    ``mode``: ``disaggregated`` (prefill and decode pools; the gateway's conditional
+    disaggregation decides per prompt) or ``colocated`` (decode workers only, each prefilling
+    its own prompts; no prefill pool). ``threads``: per-role overrides of the CPU plan
+    (``services/cpu_plan.py``); ``cpus``: the cores to plan over (default: this process's).
+    """
 
     model: str = "default"
+    mode: str = "disaggregated"
     num_prefill: int = 1
     num_decode: int = 1
     gateway: bool = True
@@ -63,6 +73,8 @@ class LaunchConfig:
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "INFO"
+    threads: tuple[tuple[str, int], ...] = ()
+    cpus: tuple[int, ...] | None = None
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
     stop_timeout: float = DEFAULT_STOP_TIMEOUT_S
 
@@ -78,6 +90,8 @@ class ChildSpec:
         address: where clients reach it (``host:port``; an ``http://`` URL for the gateway).
         metrics_url: its Prometheus endpoint.
         ports: every port it binds, with what for (for the free-port check).
+        placement: a worker's threads and cores (None for the tokenizer and the gateway).
+        env: extra environment variables of its process.
     """
 
     name: str
@@ -86,6 +100,8 @@ class ChildSpec:
     address: str
     metrics_url: str
     ports: tuple[tuple[int, str], ...] = field(default=())
+    placement: Placement | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def grpc_service(self) -> str | None:
@@ -97,14 +113,20 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     """Every child to start, in start order; InvalidArgumentError on a config that cannot work."""
     if config.num_prefill < 0 or config.num_decode < 0:
         raise InvalidArgumentError("--prefill and --decode must be >= 0", param="prefill")
+    if config.mode not in MODES:
+        raise InvalidArgumentError(f"--mode must be one of {', '.join(MODES)}", param="mode")
+    colocated = config.mode == "colocated"
+    if colocated and config.num_prefill:
+        raise InvalidArgumentError("--mode colocated runs no prefill workers (drop --prefill)",
+                                   param="prefill")  # fmt: skip
     gateway = config.gateway
     if gateway and importlib.util.find_spec(SERVICE_MODULES["gateway"]) is None:
         logger.warning("services/gateway/main.py is not installed; starting without the gateway")
         gateway = False
-    if gateway and (config.num_prefill < 1 or config.num_decode < 1):
+    if gateway and (config.num_decode < 1 or (config.num_prefill < 1 and not colocated)):
         raise InvalidArgumentError(
             "the gateway needs at least one prefill and one decode worker "
-            "(or pass --no-gateway)",
+            "(or --mode colocated, or --no-gateway)",
             param="prefill",
         )
     for service, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
@@ -118,10 +140,19 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     client_host = _client_host(host)
     base = [sys.executable, "-m", "services", f"--log-level={config.log_level}", "serve"]
     specs: list[ChildSpec] = []
+    placements = plan_cpus(config.num_prefill, config.num_decode,
+                           config.cpus if config.cpus is not None else usable_cpus(),
+                           dict(config.threads))  # fmt: skip
 
     def grpc_child(name: str, service: str, port: int, metrics_port: int, extra: list[str]) -> None:
+        placement = placements.get(name)
+        placed: list[str] = []  # before ``extra``: --worker-args may override them
+        if placement is not None:
+            placed += ["--threads", str(placement.threads)]
+            if placement.cpus is not None:
+                placed += ["--cpus", format_cpus(placement.cpus)]
         argv = [*base, service, "--model", config.model, "--host", host,
-                "--port", str(port), "--metrics-port", str(metrics_port), *extra]  # fmt: skip
+                "--port", str(port), "--metrics-port", str(metrics_port), *placed, *extra]  # fmt: skip
         specs.append(
             ChildSpec(
                 name=name,
@@ -130,6 +161,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 address=_join(client_host, port),
                 metrics_url=f"http://{_join(client_host, metrics_port)}/metrics",
                 ports=((port, f"{name} gRPC"), (metrics_port, f"{name} metrics")),
+                placement=placement,
+                env=placement.env if placement is not None else {},
             )
         )
 
@@ -154,6 +187,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 "--model", config.model, "--tokenizer", specs[0].address]  # fmt: skip
         for spec in specs[1:]:
             argv += [f"--{spec.service}", spec.address]
+        if colocated:
+            argv.append("--no-prefill")
         url = f"http://{_join(client_host, config.gateway_port)}"
         specs.append(
             ChildSpec(

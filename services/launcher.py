@@ -53,9 +53,11 @@ from dataclasses import dataclass
 
 from services.common import ports
 from services.common.errors import UnavailableError
+from services.cpu_plan import parse_threads, usable_cpus
 from services.launch_plan import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STOP_TIMEOUT_S,
+    MODES,
     ChildSpec,
     LaunchConfig,
     check_ports_free,
@@ -77,8 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=None,
         help=f"default | PATH to a .gguf file or HF folder | dummy:<shape> (env {MODEL_ENV})")
-    add("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    add("--mode", choices=MODES, default="disaggregated",
+        help="disaggregated (default): prefill and decode pools, the gateway sending long "
+             "prompts to prefill workers and prefilling short ones on their decode worker | "
+             "colocated: decode workers only, each prefilling its own prompts")
+    add("--prefill", type=int, default=None, metavar="N",
+        help="prefill workers (default 1; 0 with --mode colocated)")
     add("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    add("--threads", action="append", default=[], metavar="ROLE=N",
+        help="intra-op threads per prefill / decode worker, e.g. --threads decode=2 "
+             "(default: planned from the cores, see services/cpu_plan.py)")
     add("--gateway", action=argparse.BooleanOptionalAction, default=True,
         help="also start the HTTP gateway (default: yes, when it is installed)")
     add("--host", default="127.0.0.1",
@@ -108,9 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``tandem up``."""
+    colocated = args.mode == "colocated"
     config = LaunchConfig(
         model=args.model or os.environ.get(MODEL_ENV) or "default",
-        num_prefill=args.prefill,
+        mode=args.mode,
+        num_prefill=args.prefill if args.prefill is not None else 0 if colocated else 1,
         num_decode=args.decode,
         gateway=args.gateway,
         host=args.host,
@@ -127,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         worker_args=tuple(shlex.split(args.worker_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         log_level=getattr(args, "log_level", "INFO"),
+        threads=tuple(parse_threads(args.threads).items()),
         startup_timeout=args.startup_timeout,
         stop_timeout=args.stop_timeout,
     )
@@ -189,6 +202,7 @@ def start_child(spec: ChildSpec, preexec: Callable[[], None] | None) -> Child:
     """Start one child in its own session; its stdout goes to our stderr."""
     process = subprocess.Popen(
         spec.argv,
+        env={**os.environ, **spec.env} if spec.env else None,
         stdin=subprocess.DEVNULL,
         stdout=_stderr_fd(),
         start_new_session=True,
@@ -333,7 +347,11 @@ class Launcher:
             "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
             for row in rows
         ]
-        sys.stdout.write(f"tandem up: model {self.config.model}\n" + "\n".join(lines) + "\nready\n")
+        placed = [f"  {c.spec.name}: {c.spec.placement.describe()}"
+                  for c in self.children if c.spec.placement is not None]  # fmt: skip
+        head = [f"tandem up: model {self.config.model}, mode {self.config.mode}",
+                f"cpu plan ({len(self.config.cpus or usable_cpus())} cores):", *placed]  # fmt: skip
+        sys.stdout.write("\n".join([*head, *lines, "ready"]) + "\n")
         sys.stdout.flush()
 
     async def _stop_all(self) -> None:

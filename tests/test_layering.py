@@ -19,6 +19,7 @@ SERVICES = ROOT / "services"
 COMMON, TOKENIZER, CORE = "services.common", "services.tokenizer", "services.engine.core"
 RUNTIME, TRANSFER = "services.engine.runtime", "services.engine.kv_transfer"
 PREFILL, DECODE, GATEWAY, TOP = "services.prefill", "services.decode", "services.gateway", "services"
+LOADGEN = "services.loadgen"
 
 # layer → the layers it may import (itself included)
 ALLOWED: dict[str, set[str]] = {
@@ -30,8 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     PREFILL: {COMMON, TOKENIZER, CORE, RUNTIME, TRANSFER, PREFILL},
     DECODE: {COMMON, TOKENIZER, CORE, RUNTIME, TRANSFER, DECODE},
     GATEWAY: {COMMON, TOKENIZER, GATEWAY},
+    LOADGEN: {COMMON, TOKENIZER, LOADGEN},
 }
-ORDER = [COMMON, TOKENIZER, CORE, RUNTIME, TRANSFER, PREFILL, DECODE, GATEWAY]
+ORDER = [COMMON, TOKENIZER, CORE, RUNTIME, TRANSFER, PREFILL, DECODE, GATEWAY, LOADGEN]
 
 
 def layer_of(module: str) -> str:

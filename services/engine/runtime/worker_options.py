@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.common.cpu_list import parse_cpus
 from services.common.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ class WorkerOptions:
         advertise_address: ``host:port`` others should use; default the bound address.
         kv_cache_gib / num_blocks: KV pool size (``num_blocks`` wins when set).
         block_size / max_num_seqs / max_batched_tokens / enable_prefix_caching: engine limits.
+        threads: intra-op threads of the engine (PyTorch and the native kernels); None keeps
+            PyTorch's default (one per core it may run on).
+        cpus: cores to pin the engine to; None runs anywhere.
     """
 
     model: str = "default"
@@ -54,6 +58,8 @@ class WorkerOptions:
     max_num_seqs: int = 64
     max_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
+    threads: int | None = None
+    cpus: tuple[int, ...] | None = None
 
     def engine_config(self) -> EngineConfig:
         """The engine limits these options describe (imports the engine, i.e. torch)."""
@@ -100,6 +106,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                         help="token budget per step (longer prompts are chunked)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="disable the prefix cache")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of the engine (default: one per usable core; "
+                             "tandem up plans it per worker)")
+    parser.add_argument("--cpus", type=parse_cpus, default=None, metavar="LIST",
+                        help="pin the engine to these cores, e.g. 0-3,6 (default: anywhere)")
 
 
 def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
@@ -117,4 +128,5 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        threads=args.threads, cpus=args.cpus,
     )

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.errors import ModelLoadError
+import torch
+
+from services.common.cpu_list import format_cpus
+from services.common.errors import InvalidArgumentError, ModelLoadError
 from services.common.grpc_server import AddServicerFn, GrpcServerHandle, ServicerSpec, start_grpc_server
 from services.common.metrics import MetricsHttpServer, TandemMetrics, serve_metrics_http
 from services.common.model_source import ModelSource
@@ -93,6 +97,10 @@ def build_engine(
 ) -> tuple[LLMEngine, OutputText | None]:
     """Load the model (unless ``loaded`` is given) and build an engine from ``options``, with
     the tokenizer's EOS ids, and the text of its outputs (None without a tokenizer: ids only)."""
+    if options.threads is not None:
+        if options.threads < 1:
+            raise InvalidArgumentError("--threads must be >= 1", param="threads")
+        torch.set_num_threads(options.threads)  # before this thread opens a parallel region
     if loaded is None:
         loaded = load_model(options.model, parse_dtype(options.dtype), options.device)
     if tokenizer is None and load_tokenizer_too:
@@ -146,6 +154,8 @@ async def start_worker(
     (and tokenizer), start the engine thread (with the output text when ``with_text``), let
     ``build_role`` make the role's worker and servicer around it, then serve gRPC and metrics."""
     metrics = metrics or TandemMetrics()
+    if options.cpus is not None:
+        pin_this_thread(options.cpus)  # the engine thread, started below, inherits it
 
     def build() -> tuple[LLMEngine, OutputText | None]:
         engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
@@ -155,6 +165,9 @@ async def start_worker(
         build, metrics=metrics, name=f"engine-{options.worker_id or role}"
     )
     metrics.kv_blocks_total.set(engine_loop.engine.block_manager.num_blocks)
+    threads = await engine_loop.call(lambda engine: torch.get_num_threads())
+    where = format_cpus(options.cpus) if options.cpus is not None else "any core"
+    logger.info("engine: %d intra-op threads on %s", threads, where)
     try:
         worker, servicer, add_servicer, service_name = build_role(engine_loop, metrics)
     except BaseException:
@@ -167,6 +180,15 @@ async def start_worker(
     )  # fmt: skip
     servicer.address = handle.address
     return handle
+
+
+def pin_this_thread(cpus: tuple[int, ...]) -> None:
+    """Restrict the calling thread (and the threads it starts later) to ``cpus``."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (AttributeError, OSError, ValueError) as err:
+        raise InvalidArgumentError(f"cannot pin to cpus {format_cpus(cpus)}: {err}",
+                                   param="cpus") from err
 
 
 def run_worker(start: Callable[[], Awaitable[WorkerHandle]]) -> int:
