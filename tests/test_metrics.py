@@ -35,6 +35,7 @@ SPEC_METRICS = {
     "tandem:generation_tokens_total": "counter",
     "tandem:request_success_total": "counter",
     "tandem:safety_blocks_total": "counter",
+    "tandem:prefill_path_total": "counter",
     # docs/kv-handoff.md
     "tandem:kv_transfer_leases_expired_total": "counter",
 }
