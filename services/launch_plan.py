@@ -52,6 +52,7 @@ class LaunchConfig:
     disaggregation decides per prompt) or ``colocated`` (decode workers only, each prefilling
     its own prompts; no prefill pool). ``threads``: per-role overrides of the CPU plan
     (``services/cpu_plan.py``); ``cpus``: the cores to plan over (default: this process's).
+    ``restart``: start a child that dies after start-up again, with backoff (``launcher.py``).
     """
 
     model: str = "default"
@@ -77,6 +78,7 @@ class LaunchConfig:
     cpus: tuple[int, ...] | None = None
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
     stop_timeout: float = DEFAULT_STOP_TIMEOUT_S
+    restart: bool = True
 
 
 @dataclass(frozen=True, slots=True)

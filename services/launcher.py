@@ -29,11 +29,15 @@ Lifecycle:
      answers ``GET /ready`` with 200 (its tokenizer and at least one worker of each pool are
      reachable from it; ``/health`` alone is mere liveness). A child exiting meanwhile, or
      ``--startup-timeout`` passing, stops everything with a one-line error (exit 2).
-  4. Write the address table and ``ready`` to stdout, then supervise.
-  5. SIGINT / SIGTERM: SIGTERM every child at once (in reverse start order), give them
-     ``--stop-timeout`` seconds, SIGKILL what is left (the whole process group of each child),
-     exit 0. A second signal skips the wait. A child that dies on its own is reported by name,
-     the others are stopped the same way, and the exit code is 1.
+  4. Write the CPU plan, the address table and ``ready`` to stdout, then supervise.
+  5. A child that dies after start-up is logged by name and started again with the same command
+     line after a backoff (1 s, doubling per crash up to 30 s; back to 1 s once it has run for a
+     minute), like a container restart policy. The gateway routes to a restarted worker again
+     once its health check reports SERVING. ``--no-restart`` instead stops everything and exits
+     1 on the first death.
+  6. SIGINT / SIGTERM (also during a backoff): SIGTERM every child at once (in reverse start
+     order), give them ``--stop-timeout`` seconds, SIGKILL what is left (the whole process group
+     of each child), exit 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ logger = logging.getLogger(__name__)
 
 MODEL_ENV = "TANDEM_MODEL"
 _POLL_S = 0.1
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, longest delay
+RESTART_RESET_S = 60.0  # a child that ran this long restarts after the first delay again
 _PR_SET_PDEATHSIG = 1
 
 
@@ -112,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="more flags for the gateway, one shell-quoted string")
     add("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
         help=f"seconds to wait for every service (default {DEFAULT_STARTUP_TIMEOUT_S:g})")
+    add("--restart", action=argparse.BooleanOptionalAction, default=True,
+        help="restart a child that dies after start-up, with backoff (default); --no-restart "
+             "stops everything on the first death")
     add("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
         help=f"seconds children get to stop before SIGKILL (default {DEFAULT_STOP_TIMEOUT_S:g})")
 
@@ -142,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         threads=tuple(parse_threads(args.threads).items()),
         startup_timeout=args.startup_timeout,
         stop_timeout=args.stop_timeout,
+        restart=args.restart,
     )
     return asyncio.run(Launcher(config).run())
 
@@ -181,6 +191,8 @@ class Child:
 
     spec: ChildSpec
     process: subprocess.Popen[bytes]
+    started: float = 0.0  # time.monotonic() at start
+    crashes: int = 0  # deaths in a row that came before RESTART_RESET_S of running
 
     @property
     def pid(self) -> int:
@@ -209,7 +221,7 @@ def start_child(spec: ChildSpec, preexec: Callable[[], None] | None) -> Child:
         preexec_fn=preexec,
     )
     logger.info("started %s (pid %d): %s", spec.name, process.pid, shlex.join(spec.argv[2:]))
-    return Child(spec, process)
+    return Child(spec, process, started=time.monotonic())
 
 
 def _stderr_fd() -> int | None:
@@ -240,6 +252,7 @@ class Launcher:
         self._stop_requested = asyncio.Event()  # SIGINT / SIGTERM
         self._kill_now = asyncio.Event()  # a second signal: skip the grace period
         self._not_ready: set[str] = set()
+        self._preexec: Callable[[], None] | None = None
 
     async def run(self) -> int:
         """The whole lifecycle; returns the exit code or raises a one-line TandemError."""
@@ -249,9 +262,9 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            preexec = _die_with_parent()
+            self._preexec = _die_with_parent()
             for spec in specs:
-                self.children.append(start_child(spec, preexec))
+                self.children.append(start_child(spec, self._preexec))
             return await self._supervise()
         finally:
             await self._stop_all()
@@ -292,21 +305,48 @@ class Launcher:
                 )
             ready_task.result()
             self._print_table()
-            done, _ = await asyncio.wait(
-                {stop_task, death_task}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if stop_task in done:
-                return 0
-            child = death_task.result()
-            logger.error(
-                "%s (pid %d) %s unexpectedly; stopping the other services",
-                child.spec.name, child.pid, child.describe_exit(),
-            )  # fmt: skip
-            return 1
+            while True:
+                done, _ = await asyncio.wait(
+                    {stop_task, death_task}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if stop_task in done:
+                    return 0
+                child = death_task.result()
+                if not self.config.restart:
+                    logger.error(
+                        "%s (pid %d) %s unexpectedly; stopping the other services",
+                        child.spec.name, child.pid, child.describe_exit(),
+                    )  # fmt: skip
+                    return 1
+                if not await self._restart(child):
+                    return 0  # a stop signal came during the backoff
+                death_task = asyncio.create_task(self._first_death())
         finally:
             for task in (stop_task, death_task, ready_task):
                 task.cancel()
             await asyncio.gather(stop_task, death_task, ready_task, return_exceptions=True)
+
+    async def _restart(self, child: Child) -> bool:
+        """Start ``child``'s command again after its backoff; False when a stop signal came
+        first (then nothing is started)."""
+        ran = time.monotonic() - child.started
+        crashes = 1 if ran >= RESTART_RESET_S else child.crashes + 1
+        first, longest = RESTART_BACKOFF_S
+        delay = min(longest, first * 2 ** (crashes - 1))
+        logger.error(
+            "%s (pid %d) %s unexpectedly after %.0fs; restarting it in %gs (crash %d in a row)",
+            child.spec.name, child.pid, child.describe_exit(), ran, delay, crashes,
+        )  # fmt: skip
+        try:
+            await asyncio.wait_for(self._stop_requested.wait(), delay)
+            return False
+        except TimeoutError:
+            pass
+        new = start_child(child.spec, self._preexec)
+        new.crashes = crashes
+        self.children[self.children.index(child)] = new
+        logger.info("restarted %s (pid %d)", new.spec.name, new.pid)
+        return True
 
     async def _first_death(self) -> Child:
         """The first child that exits (polling: Popen objects have no awaitable exit)."""

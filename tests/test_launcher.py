@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -311,10 +313,12 @@ def test_up_tokenizer_only_then_sigterm(start_up: StartUp) -> None:
     "workers",
     [pytest.param((1, 1), marks=needs_workers, id="full"), pytest.param((0, 0), id="tok")],
 )
-def test_a_crashed_child_stops_everything(start_up: StartUp, workers: tuple[int, int]) -> None:
+def test_without_restart_a_crashed_child_stops_everything(
+    start_up: StartUp, workers: tuple[int, int]
+) -> None:
     num_prefill, num_decode = workers
     up = start_up(
-        "--prefill", str(num_prefill), "--decode", str(num_decode),
+        "--no-restart", "--prefill", str(num_prefill), "--decode", str(num_decode),
         *_port_flags(num_prefill, num_decode),
     )  # fmt: skip
     up.wait_ready()
@@ -324,6 +328,47 @@ def test_a_crashed_child_stops_everything(start_up: StartUp, workers: tuple[int,
     assert code == 1
     assert f"{victim} (pid {up.rows[victim][1]}) was killed by SIGKILL unexpectedly" in up.stderr()
     _assert_all_gone(up, timeout=1.0)
+
+
+@needs_workers
+@pytest.mark.skipif(
+    importlib.util.find_spec("services.gateway.main") is None,
+    reason="services.gateway.main not written yet",
+)
+def test_a_crashed_worker_is_restarted_and_served_again(start_up: StartUp) -> None:
+    port = _free_ports(1)[0]
+    up = start_up("--prefill", "1", "--decode", "1", *_port_flags(1, 1), "--gateway-port",
+                  str(port), gateway=True)  # fmt: skip
+    up.wait_ready()
+    url = up.rows["gateway"][0]
+    victim = up.rows["decode-0"][1]
+    os.kill(victim, signal.SIGKILL)
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 3,
+                       "temperature": 0}).encode()  # fmt: skip
+    deadline = time.monotonic() + 180
+    answered = None
+    while answered is None and time.monotonic() < deadline:
+        request = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                answered = json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)  # 503 while decode-0 restarts and reports SERVING again
+    assert answered is not None, up.stderr()[-4000:]
+    assert answered["usage"]["completion_tokens"] == 3
+    assert up.process.poll() is None  # the launcher kept everything else running
+    stderr = up.stderr()
+    assert f"decode-0 (pid {victim}) was killed by SIGKILL unexpectedly" in stderr
+    assert "restarting it in 1s" in stderr and "restarted decode-0 (pid " in stderr
+    children = _children_of(up.process.pid)
+    assert victim not in children and len(children) == len(up.rows)
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(timeout=40) == 0, up.stderr()[-3000:]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]
 
 
 def test_a_killed_launcher_takes_its_children_along(start_up: StartUp) -> None:
