@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import grpc
 import openai
 import pytest
 from aiohttp import web
@@ -115,6 +116,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.cancelled: list[str] = []
         self.token_delay = 0.001
         self.fail_after: int | None = None  # raise UNAVAILABLE after this many tokens
+        self.die_after: int | None = None  # "crash" after this many (not on a migrated stream)
         self.streaming = asyncio.Event()
 
     def receive(self, rid: str, prompt: str, params: Any) -> None:
@@ -134,6 +136,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         rid = request.request_id
         self.generate_ids.append(rid)
+        resume = len(request.output_token_ids)  # a migrated stream: skip what was streamed
         if request.prompt_token_ids:  # local prefill: no hand-off to wait for
             self.local_prefills.append(rid)
             prompt = "".join(chr(i) for i in request.prompt_token_ids)
@@ -153,6 +156,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 text, finish = text[: params.max_tokens], "length"
             self.streaming.set()
             for i, ch in enumerate(text):
+                if i < resume:
+                    continue
+                if self.die_after is not None and i >= self.die_after and not resume:
+                    # what a killed process looks like: UNAVAILABLE with no Tandem error class
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
                 if self.fail_after is not None and i >= self.fail_after:
                     raise UnavailableError("decode worker lost its GPU")
                 lps = []

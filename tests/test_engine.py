@@ -148,6 +148,30 @@ def test_seeded_sampling_survives_the_hand_off(tiny: LoadedModel) -> None:
     assert tokens == alone
 
 
+@pytest.mark.parametrize("params", [
+    GREEDY,
+    SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=12, ignore_eos=True,
+                   repetition_penalty=1.3),
+], ids=["greedy", "seeded-with-penalty"])  # fmt: skip
+def test_a_resumed_request_continues_as_if_it_never_moved(
+    tiny: LoadedModel, params: SamplingParams
+) -> None:
+    """A stream migrated after 5 tokens (another engine recomputes prompt + those 5) goes on with
+    the tokens the original would have produced: same greedy picks, same seeded draws."""
+    prompt = _prompts(1, seed=21)[0]
+    alone = _alone(tiny, prompt, params)
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, num_blocks=64))
+    engine.add_request("m", prompt, params, resume_output_ids=alone[:5])
+    tokens = list(alone[:5])
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == alone
+    assert engine.block_manager.num_blocks_in_use == 0
+    with pytest.raises(InvalidArgumentError):
+        engine.add_request("full", prompt, params, resume_output_ids=alone)  # nothing left to do
+
+
 def test_prefilled_requests_wait_for_a_seat(tiny: LoadedModel) -> None:
     """A decode engine never runs more than ``max_num_seqs``: hand-offs beyond it queue, holding
     their KV blocks, and decode the same tokens once seated."""

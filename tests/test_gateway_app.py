@@ -584,3 +584,43 @@ async def test_client_leaving_a_local_prefill_frees_it(make_stack: StackFactory)
             break
         await asyncio.sleep(0.02)
     assert rid in decode.aborted and rid in decode.cancelled
+
+
+# ---- migration: a decode worker that dies mid-stream ----------------------------------------
+
+
+async def test_a_stream_migrates_when_its_decode_worker_dies(make_stack: StackFactory) -> None:
+    stack = await make_stack(decode=2)
+    first, second = stack.decodes
+    first.die_after = second.die_after = 10  # whichever serves it dies at token 10
+    stream = await stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "France?"}], max_tokens=40,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == FRANCE_REPLY[:40]  # one uninterrupted stream
+    assert chunks[-1].usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len(first.generate_ids) == len(second.generate_ids) == 1
+    resumed = (second if first.local_prefills == [] else first).local_prefills
+    assert resumed and resumed[0].endswith("-r1")
+    assert await stack.metric("tandem:migrations_total") == 1
+    await stack.settled()
+
+
+async def test_without_migrations_a_dead_decode_worker_ends_the_stream(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(decode=2, max_migrations=0)
+    for decode in stack.decodes:
+        decode.die_after = 5
+    body = {"model": MODEL, "stream": True, "max_tokens": 30,
+            "messages": [{"role": "user", "content": "France?"}]}  # fmt: skip
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions",
+                                                    json=body) as r:  # fmt: skip
+        assert r.status == 200
+        raw = (await r.read()).decode()
+    assert '"error"' in raw and "Socket closed" in raw
+    assert await stack.metric("tandem:migrations_total") == 0
+    await stack.settled()

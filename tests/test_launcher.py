@@ -135,10 +135,33 @@ def _port_flags(num_prefill: int, num_decode: int) -> list[str]:
     free = iter(_free_ports(count + 8))
     flags = ["--tokenizer-port", str(next(free)), "--tokenizer-metrics-port", str(next(free))]
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
-        if n:
-            assert n == 1, "consecutive free ports are only guaranteed for one worker per role"
+        if n == 1:
             flags += [f"--{role}-port", str(next(free)), f"--{role}-metrics-port", str(next(free))]
+        elif n > 1:
+            flags += [f"--{role}-port", str(_free_run_of(n)),
+                      f"--{role}-metrics-port", str(_free_run_of(n))]  # fmt: skip
     return flags
+
+
+def _free_run_of(n: int) -> int:
+    """A port such that it and the next ``n - 1`` are free now (worker i gets base + i)."""
+    for _ in range(200):
+        base = _free_ports(1)[0]
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {n} free ports found")
 
 
 def _alive(pid: int) -> bool:
@@ -330,37 +353,80 @@ def test_without_restart_a_crashed_child_stops_everything(
     _assert_all_gone(up, timeout=1.0)
 
 
+def _stream_completion(url: str, on_token: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """Greedy streamed chat completion through the gateway: (text, usage completion tokens)."""
+    body = json.dumps({
+        "model": "SmolLM2-135M-Instruct", "stream": True, "temperature": 0, "max_tokens": 120,
+        "ignore_eos": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+    }).encode()  # fmt: skip
+    request = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    text, chunks, completion = "", 0, -1
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event.get("usage"):
+                completion = event["usage"]["completion_tokens"]
+            if event["choices"]:
+                text += event["choices"][0]["delta"].get("content") or ""
+                chunks += 1
+                if on_token is not None:
+                    on_token(chunks)
+    return text, completion
+
+
+def _serving_decode_addresses(gateway_url: str) -> list[str]:
+    """Decode workers the gateway has a request in flight on (its exact lease counts)."""
+    try:
+        with urllib.request.urlopen(gateway_url + "/ready", timeout=10) as response:
+            body = json.loads(response.read())
+    except urllib.error.HTTPError as err:  # 503 still carries the JSON
+        body = json.loads(err.read())
+    return [w["address"] for w in body["decode"] if w["in_flight"]]
+
+
 @needs_workers
 @pytest.mark.skipif(
     importlib.util.find_spec("services.gateway.main") is None,
     reason="services.gateway.main not written yet",
 )
-def test_a_crashed_worker_is_restarted_and_served_again(start_up: StartUp) -> None:
+def test_a_decode_worker_killed_mid_stream_migrates_and_is_restarted(start_up: StartUp) -> None:
     port = _free_ports(1)[0]
-    up = start_up("--prefill", "1", "--decode", "1", *_port_flags(1, 1), "--gateway-port",
+    up = start_up("--prefill", "1", "--decode", "2", *_port_flags(1, 2), "--gateway-port",
                   str(port), gateway=True)  # fmt: skip
     up.wait_ready()
     url = up.rows["gateway"][0]
-    victim = up.rows["decode-0"][1]
-    os.kill(victim, signal.SIGKILL)
-    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 3,
-                       "temperature": 0}).encode()  # fmt: skip
-    deadline = time.monotonic() + 180
-    answered = None
-    while answered is None and time.monotonic() < deadline:
-        request = urllib.request.Request(url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                answered = json.loads(response.read())
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)  # 503 while decode-0 restarts and reports SERVING again
-    assert answered is not None, up.stderr()[-4000:]
-    assert answered["usage"]["completion_tokens"] == 3
-    assert up.process.poll() is None  # the launcher kept everything else running
+    expected, tokens = _stream_completion(url)
+    assert tokens == 120
+    killed: list[tuple[str, int]] = []
+
+    def kill_the_serving_worker(chunks: int) -> None:
+        if chunks != 30 or killed:
+            return
+        for name in ("decode-0", "decode-1"):
+            if up.rows[name][0] in _serving_decode_addresses(url):
+                killed.append((name, up.rows[name][1]))
+                os.kill(up.rows[name][1], signal.SIGKILL)
+
+    text, tokens = _stream_completion(url, kill_the_serving_worker)
+    assert killed, "no decode worker was serving the stream"
+    assert text == expected and tokens == 120  # one uninterrupted stream, the same greedy text
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        assert "tandem:migrations_total 1.0" in response.read().decode()
+    name, victim = killed[0]
+    deadline = time.monotonic() + 120
     stderr = up.stderr()
-    assert f"decode-0 (pid {victim}) was killed by SIGKILL unexpectedly" in stderr
-    assert "restarting it in 1s" in stderr and "restarted decode-0 (pid " in stderr
+    while f"restarted {name} (pid " not in stderr and time.monotonic() < deadline:
+        time.sleep(0.5)
+        stderr = up.stderr()
+    assert f"{name} (pid {victim}) was killed by SIGKILL unexpectedly" in stderr
+    assert "restarting it in 1s" in stderr and f"restarted {name} (pid " in stderr
+    assert up.process.poll() is None  # the launcher kept everything else running
     children = _children_of(up.process.pid)
     assert victim not in children and len(children) == len(up.rows)
     up.process.send_signal(signal.SIGTERM)

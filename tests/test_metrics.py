@@ -36,6 +36,7 @@ SPEC_METRICS = {
     "tandem:request_success_total": "counter",
     "tandem:safety_blocks_total": "counter",
     "tandem:prefill_path_total": "counter",
+    "tandem:migrations_total": "counter",
     # docs/kv-handoff.md
     "tandem:kv_transfer_leases_expired_total": "counter",
 }

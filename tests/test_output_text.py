@@ -70,6 +70,34 @@ def test_a_stop_string_ends_the_request_in_the_engine(tiny: LoadedModel, tokeniz
     assert engine.block_manager.num_free_blocks == 32 and not engine.has_unfinished()
 
 
+def _stepwise(tiny: LoadedModel, tokenizer: Tokenizer, resume: list[int]) -> list[tuple[int, str]]:
+    """(token, text delta) per output of one request, resumed after ``resume`` when given."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine, texts = _engine(tiny), OutputText(tokenizer)
+    deltas: list[tuple[int, str]] = []
+    with torch.inference_mode():
+        engine.add_request("r", PROMPT, params, resume_output_ids=resume)
+        texts.start("r", PROMPT, params, resume)
+        while engine.has_unfinished():
+            for out in engine.step():
+                texts.apply(out, engine)
+                assert len(out.new_token_ids) == 1
+                deltas.append((out.new_token_ids[0], out.text))
+    return deltas
+
+
+def test_a_resumed_request_continues_the_text(tiny: LoadedModel, tokenizer: Tokenizer) -> None:
+    """A stream migrated after k tokens: the text the first worker sent for them plus the text
+    the second sends after them is exactly the unmoved stream's text."""
+    whole = _stepwise(tiny, tokenizer, [])
+    ids, text = [t for t, _ in whole], "".join(d for _, d in whole)
+    for k in (1, 7, 15):
+        sent = "".join(d for _, d in whole[:k])
+        rest = _stepwise(tiny, tokenizer, ids[:k])
+        assert [t for t, _ in rest] == ids[k:]
+        assert sent + "".join(d for _, d in rest) == text
+
+
 async def test_the_engine_loop_applies_text_on_its_thread(tiny: LoadedModel, tokenizer: Tokenizer) -> None:
     ids, text = _free_run(tiny, tokenizer)
     stop = text[len(text) // 2 : len(text) // 2 + 2]

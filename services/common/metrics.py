@@ -205,6 +205,11 @@ class TandemMetrics:
             ["path"],
             registry=r,
         )
+        self.migrations = Counter(
+            "tandem:migrations_total",
+            "Streams moved to another decode worker after theirs died mid-stream.",
+            registry=r,
+        )
         self.safety_blocks = Counter(
             "tandem:safety_blocks_total",
             "Requests or streams stopped by the safety filter, by stage (input, output).",

@@ -54,10 +54,14 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
             if not request.HasField("params"):
                 raise InvalidArgumentError("params is required with prompt_token_ids",
                                            param="params")
+            completion_tokens = len(request.output_token_ids)
             stream = self.worker.generate_local(
                 request.request_id, list(request.prompt_token_ids),
-                sampling_params_from_proto(request.params),
+                sampling_params_from_proto(request.params), list(request.output_token_ids),
             )  # fmt: skip
+        elif request.output_token_ids:
+            raise InvalidArgumentError("output_token_ids needs prompt_token_ids",
+                                       param="output_token_ids")
         else:
             stream = self.worker.generate(request.request_id, request.wait_for_kv_seconds or None)
         async with contextlib.aclosing(stream) as outputs:

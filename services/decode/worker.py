@@ -78,11 +78,17 @@ class DecodeWorker:
             self.engine_loop.release_nowait(request_id)
 
     async def generate_local(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        resume_output_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Prefill ``prompt_token_ids`` here and yield every output (the first has the first
-        token). Cancelling the consumer aborts the request and frees its blocks."""
-        stream = self.engine_loop.generate(request_id, prompt_token_ids, params)
+        """Prefill ``prompt_token_ids`` here (with ``resume_output_ids``, the outputs of a stream
+        migrated from a dead worker) and yield every new output. Cancelling the consumer aborts
+        the request and frees its blocks."""
+        stream = self.engine_loop.generate(request_id, prompt_token_ids, params,
+                                           resume_output_ids=resume_output_ids)  # fmt: skip
         async with contextlib.aclosing(stream) as outputs:
             async for out in outputs:
                 yield out

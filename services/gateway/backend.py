@@ -188,6 +188,7 @@ class WorkerClient:
         *,
         prompt_token_ids: Sequence[int] = (),
         params: SamplingParams | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> GenerateStream:
         """Start ``Generate`` now (the RPC begins before the first read). With
         ``prompt_token_ids`` (and ``params``) the decode worker prefills the prompt itself;
@@ -200,6 +201,7 @@ class WorkerClient:
             if params is None:
                 raise TypeError("a local prefill needs its sampling params")  # a programming error
             request.prompt_token_ids.extend(prompt_token_ids)
+            request.output_token_ids.extend(output_token_ids)  # a migrated stream resumes
             request.params.CopyFrom(sampling_params_to_proto(params))
             wait = self._timeouts.prefill_s  # the first message comes after the prefill
         call = self._decode.Generate(request)

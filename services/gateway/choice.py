@@ -20,7 +20,11 @@ Lifecycle of a :class:`ChoiceRun`:
 
 A worker that is down (UNAVAILABLE) before anything was emitted is marked down in the router and
 the choice is retried once per remaining worker, under a new backend request id; with every
-prefill worker down, the decode worker prefills the prompt itself.
+prefill worker down, the decode worker prefills the prompt itself. A decode worker that dies
+mid-stream is *migrated* from (up to ``--max-migrations`` times): another decode worker gets the
+prompt plus every token already streamed, recomputes their KV and continues (a seeded choice
+continues its random stream), and the relay's state (text, safety filter, logprobs) carries on,
+so the client sees one uninterrupted stream. With no migration left the error ends the stream.
 """
 
 from __future__ import annotations
@@ -83,6 +87,21 @@ class ChoiceStats:
     token_gaps: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class RelayState:
+    """What the relay has seen and sent; it outlives a decode worker, so a migrated stream
+    continues the same text, safety filter and logprob bookkeeping."""
+
+    out_filter: OutputFilter
+    pending: collections.deque[tuple[int, list[TokenLogprob]]] = field(
+        default_factory=collections.deque
+    )
+    token_ids: list[int] = field(default_factory=list)  # every token id received so far
+    produced: int = 0  # characters of text received
+    sent: int = 0  # characters the safety filter released
+    last: float = 0.0  # when the last message arrived
+
+
 @dataclass(frozen=True, slots=True)
 class ChoiceDeps:
     """What a choice needs from the gateway."""
@@ -94,6 +113,8 @@ class ChoiceDeps:
     spawn: Callable[[Coroutine[object, object, object]], None]
     prefill_policy: PrefillPolicy = PrefillPolicy()
     count_prefill_path: Callable[[str], None] = lambda path: None
+    max_migrations: int = 0
+    count_migration: Callable[[], None] = lambda: None
 
 
 class ChoiceRun:
@@ -114,6 +135,8 @@ class ChoiceRun:
         self._params = params
         self._emit = emit
         self._emitted = False
+        self._migrations = 0
+        self._relay_state = RelayState(deps.new_filter())
         self.stats = ChoiceStats(index=index, request_id=request_id)
 
     async def run(self) -> ChoiceStats:
@@ -124,7 +147,9 @@ class ChoiceRun:
         while True:
             self.stats.attempts += 1
             suffix = "" if self.stats.attempts == 1 else f"-r{self.stats.attempts - 1}"
-            decode, prefill = router.pick("decode"), self._remote_prefill_worker()
+            decode = router.pick("decode")
+            # A migrated stream is prefilled (prompt + what it streamed) by its new decode worker.
+            prefill = None if self._migrations else self._remote_prefill_worker()
             self._deps.count_prefill_path("local" if prefill is None else "remote")
             try:
                 with router.lease(decode):
@@ -132,7 +157,19 @@ class ChoiceRun:
                 return self.stats
             except WorkerDown as down:
                 router.mark_down(down.worker, down.error)
-                if self._emitted or self.stats.attempts >= max_attempts:
+                if self._emitted:
+                    if (down.worker.client.role != "decode"
+                            or self._migrations >= self._deps.max_migrations):  # fmt: skip
+                        raise down.error from down
+                    self._migrations += 1
+                    self._deps.count_migration()
+                    logger.warning(
+                        "decode worker died mid-stream; migrating the choice",
+                        extra={"request_id": self.stats.request_id, "failed": down.worker.address,
+                               "tokens_streamed": len(self._relay_state.token_ids)},
+                    )  # fmt: skip
+                    continue
+                if self.stats.attempts >= max_attempts:
                     raise down.error from down
                 logger.warning(
                     "retrying choice on another worker",
@@ -157,8 +194,9 @@ class ChoiceRun:
         prefill_task: asyncio.Future[prefill_pb2.PrefillResponse] | None = None
         if prefill is None:
             stream = decode.client.generate(
-                rid, prompt_token_ids=self._prompt_ids, params=self._params
-            )
+                rid, prompt_token_ids=self._prompt_ids, params=self._params,
+                output_token_ids=self._relay_state.token_ids,
+            )  # fmt: skip
         else:
             stream = decode.client.generate(rid)
             prefill_task = asyncio.ensure_future(self._prefill(rid, prefill, decode))
@@ -240,10 +278,10 @@ class ChoiceRun:
         decode: WorkerState,
     ) -> None:
         s = self.stats
-        out_filter = self._deps.new_filter()
-        pending: collections.deque[tuple[int, list[TokenLogprob]]] = collections.deque()
-        produced = sent = 0
-        last = s.dispatched_at
+        relay = self._relay_state
+        out_filter, pending = relay.out_filter, relay.pending
+        produced, sent = relay.produced, relay.sent
+        last = s.dispatched_at if s.first_token_at is None else relay.last
         want_logprobs = self._params.logprobs is not None
         while True:
             msg = await self._next(stream, prefill_task, decode)
@@ -252,6 +290,7 @@ class ChoiceRun:
                     f"decode worker {decode.address} ended the stream without a finish reason"
                 )
             now = time.monotonic()
+            relay.token_ids.extend(msg.token_ids)
             if s.first_token_at is None:
                 s.first_token_at = now
                 self._send(ChoiceEvent(s.index))  # opens the stream even while text is held
@@ -272,6 +311,7 @@ class ChoiceRun:
                     tail, text_to_send=result.text_to_send + tail.text_to_send
                 )
             sent += len(result.text_to_send)
+            relay.produced, relay.sent, relay.last = produced, sent, now
             released: list[TokenLogprob] = []
             while pending and (pending[0][0] <= sent or (finish and not result.blocked)):
                 released.extend(pending.popleft()[1])

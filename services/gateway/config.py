@@ -15,6 +15,7 @@ from services.gateway.prefill_policy import PrefillPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_MAX_MIGRATIONS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,8 @@ class GatewayConfig:
         vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
             logprob tokens as text; ``None`` renders them as ``token_id:<id>`` (vLLM's style).
         prefill_policy: which prompts go to the prefill pool (conditional disaggregation).
+        max_migrations: how many times one choice's stream may move to another decode worker
+            after its worker died mid-stream (0: the stream ends with an error event).
         timeouts: gRPC deadlines.
     """
 
@@ -83,6 +86,7 @@ class GatewayConfig:
     truncate_chats: bool = True
     vocab_model: str | None = None
     prefill_policy: PrefillPolicy = field(default_factory=PrefillPolicy)
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
     timeouts: BackendTimeouts = field(default_factory=BackendTimeouts)
 
     def validate(self) -> GatewayConfig:
@@ -103,6 +107,8 @@ class GatewayConfig:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
         if not self.stats_interval_s > 0:
             raise InvalidArgumentError("stats interval must be positive", param="stats_interval")
+        if self.max_migrations < 0:
+            raise InvalidArgumentError("max migrations must be >= 0", param="max_migrations")
         self.prefill_policy.validate()
         self.timeouts.validate()
         return self

@@ -34,6 +34,7 @@ from services.gateway.prefill_policy import (
 from services.gateway.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_MIGRATIONS,
     BackendTimeouts,
     GatewayConfig,
 )
@@ -83,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_PREFILL_QUEUE,
         help="a prompt is prefilled locally when the least-loaded prefill worker already has "
         "this many requests (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=DEFAULT_MAX_MIGRATIONS,
+        help="times a stream may move to another decode worker when its worker dies mid-stream "
+        "(0: end the stream with an error event; default %(default)s)",
     )
     parser.add_argument(
         "--decode",
@@ -200,6 +208,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         stats_interval_s=args.stats_interval,
         truncate_chats=not args.no_truncate,
         vocab_model=args.model,
+        max_migrations=args.max_migrations,
         prefill_policy=PrefillPolicy(
             remote_min_tokens=args.remote_prefill_min_tokens,
             max_prefill_queue=args.max_prefill_queue,

@@ -123,6 +123,8 @@ class GatewayState:
             spawn=self.spawn,
             prefill_policy=self.config.prefill_policy,
             count_prefill_path=self._count_prefill_path,
+            max_migrations=self.config.max_migrations,
+            count_migration=self.metrics.migrations.inc,
         )
 
     def _count_prefill_path(self, path: str) -> None:

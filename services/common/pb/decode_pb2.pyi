@@ -80,16 +80,18 @@ class KVTransferAck(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[bool] = ..., error: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "wait_for_kv_seconds", "prompt_token_ids", "params")
+    __slots__ = ("request_id", "wait_for_kv_seconds", "prompt_token_ids", "params", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     wait_for_kv_seconds: float
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., wait_for_kv_seconds: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., wait_for_kv_seconds: _Optional[float] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "completion_tokens")

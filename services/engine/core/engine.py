@@ -74,9 +74,16 @@ class RequestOutput:
 class OutputFilter(Protocol):
     """Post-processing of outputs outside the engine step: the worker runtime's text
     (``services.engine.runtime.output_text.OutputText``). ``start`` sees each request that will
-    produce tokens; ``apply`` sees each of its outputs and may end it with :meth:`LLMEngine.finish`."""
+    produce tokens (with the outputs it resumes after, for a migrated request); ``apply`` sees each
+    of its outputs and may end it with :meth:`LLMEngine.finish`."""
 
-    def start(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None: ...
+    def start(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        resume_output_ids: Seq[int] = (),
+    ) -> None: ...
     def apply(self, out: RequestOutput, engine: LLMEngine) -> None: ...
 
 
@@ -129,9 +136,33 @@ class LLMEngine:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
+        resume_output_ids: Seq[int] = (),
     ) -> None:
-        """Queue a request (validated: non-empty prompt that leaves room for one token)."""
+        """Queue a request (validated: non-empty prompt that leaves room for one token).
+
+        ``resume_output_ids``: tokens this request already generated elsewhere (a stream migrated
+        from a decode worker that died). They count as its output (``max_tokens``, penalties,
+        stop conditions); their KV is recomputed with the prompt's, as after a preemption, and
+        a seeded request's generator skips their draws, so it goes on drawing what it would have
+        drawn had it never moved.
+        """
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        if resume_output_ids:
+            outputs = [int(t) for t in resume_output_ids]
+            vocab = self.loaded.config.vocab_size
+            if any(t < 0 or t >= vocab for t in outputs):
+                raise InvalidArgumentError(f"token ids must be in [0, {vocab})",
+                                           param="output_token_ids")  # fmt: skip
+            if len(outputs) >= params.max_tokens:
+                raise InvalidArgumentError("the resumed output already has max_tokens tokens",
+                                           param="output_token_ids")  # fmt: skip
+            if seq.num_tokens + len(outputs) >= self.max_model_len:
+                raise InvalidArgumentError("the prompt and the resumed output fill the context",
+                                           param="output_token_ids")  # fmt: skip
+            seq.output_token_ids.extend(outputs)
+            seq.logprobs.extend([None] * len(outputs))
+            if seq.sampling.generator is not None:
+                skip_draws(seq.sampling.generator, self.loaded.config.vocab_size, len(outputs))
         self.scheduler.add(seq)
 
     def add_prefilled(

@@ -211,17 +211,21 @@ class EngineLoop:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
+        resume_output_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs. With ``prefill_only`` the last output has
-        finish reason "prefilled" and its blocks stay held until :meth:`release`."""
+        finish reason "prefilled" and its blocks stay held until :meth:`release`. With
+        ``resume_output_ids`` it continues after outputs generated elsewhere (``add_request``)."""
         prompt = list(prompt_token_ids)
+        resumed = list(resume_output_ids)
         sink = RequestSink.create("prefill" if prefill_only else "full")
 
         def start(engine: LLMEngine) -> None:
             self._check_free_id(request_id)
-            engine.add_request(request_id, prompt, params, prefill_only=prefill_only)
+            engine.add_request(request_id, prompt, params, prefill_only=prefill_only,
+                               resume_output_ids=resumed)  # fmt: skip
             if self.output_filter is not None and not prefill_only:
-                self.output_filter.start(request_id, prompt, params)
+                self.output_filter.start(request_id, prompt, params, resumed)
             self._sinks[request_id] = sink
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt))

@@ -27,14 +27,26 @@ class OutputText:
         self.tokenizer = tokenizer
         self._streams: dict[str, IncrementalDetokenizer] = {}
 
-    def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Begin a request's text (its prompt ids are the decoding context)."""
-        self._streams[request_id] = IncrementalDetokenizer(
+    def start(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        resume_output_ids: Sequence[int] = (),
+    ) -> None:
+        """Begin a request's text (its prompt ids are the decoding context). A migrated request's
+        earlier outputs are pushed through first and their text dropped: the detokenizer is
+        deterministic, so it ends in the state the first worker's had, text held back for a
+        possible stop string included, and what comes next continues the client's text."""
+        stream = IncrementalDetokenizer(
             self.tokenizer,
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             prompt_token_ids=list(prompt_token_ids),
         )
+        for token in resume_output_ids:
+            stream.push([token])
+        self._streams[request_id] = stream
 
     def apply(self, out: RequestOutput, engine: LLMEngine) -> None:
         """Fill ``out.text``; a completed stop string finishes the request (reason "stop")."""
