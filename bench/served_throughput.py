@@ -7,7 +7,8 @@ then for each concurrency level keeps that many streaming ``/v1/chat/completions
 flight (greedy, ``ignore_eos``, ``--max-tokens`` each) until ``--requests`` have finished, and
 prints one markdown row: output tokens/s over the level's wall time, and TTFT / inter-token
 latency medians seen by the client. A warm-up request runs first. Errors are counted, never
-dropped. This is a small fixed-load probe, not the load generator issue 10 asks for.
+dropped. A small fixed-load probe per dtype; ``tandem bench serve`` (docs/loadgen.md) is the
+load generator, and ``bench/serve_compare.py`` compares servers with it.
 
     python bench/served_throughput.py [--dtype float32 auto] [--concurrency 1 4] [--requests 8]
         [--max-tokens 64]

@@ -32,6 +32,7 @@ from services.gateway.completions import chat_completions, completions
 from services.gateway.config import GatewayConfig
 from services.gateway.http_errors import error_middleware
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
+from services.gateway.membership import Membership
 from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy, load_policy
 from services.gateway.state import STATE_KEY, GatewayState
@@ -58,10 +59,17 @@ def build_state(
         if burst is None:
             burst = max(1.0, config.rate_limit_rpm / 60.0)
         rate_limiter = RateLimiter(config.rate_limit_rpm, burst)
+    router = Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s)
+    membership = Membership(
+        backend, router,
+        {"prefill": config.prefill_addresses, "decode": config.decode_addresses},
+        interval_s=config.resolve_interval_s,
+    )  # fmt: skip
     return GatewayState(
         config=config,
         backend=backend,
-        router=Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s),
+        router=router,
+        membership=membership,
         policy=policy if policy is not None else load_policy(config.safety_policy),
         auth=auth if auth is not None else ApiKeyAuth(()),
         rate_limiter=rate_limiter,
@@ -100,6 +108,7 @@ def build_app(
 
 async def _start(app: web.Application) -> None:
     state = app[STATE_KEY]
+    await state.membership.start()
     await state.router.start()
     app[_WATCH_KEY] = asyncio.create_task(state.watch_model_info(), name="tandem-model-info")
     logger.info(
@@ -117,6 +126,7 @@ async def _shutdown(app: web.Application) -> None:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watch
+    await state.membership.stop()
     await state.router.stop()
 
 

@@ -247,12 +247,17 @@ class Backend:
         self.tokenizer = TokenizerClient(
             config.tokenizer_address, self._channel(config.tokenizer_address), t
         )
-        self.prefill = tuple(
-            WorkerClient("prefill", a, self._channel(a), t) for a in config.prefill_addresses
-        )
-        self.decode = tuple(
-            WorkerClient("decode", a, self._channel(a), t) for a in config.decode_addresses
-        )
+        self._timeouts = t
+        self._workers: dict[tuple[Role, str], WorkerClient] = {}
+        self.prefill = tuple(self.worker("prefill", a) for a in config.prefill_addresses)
+        self.decode = tuple(self.worker("decode", a) for a in config.decode_addresses)
+
+    def worker(self, role: Role, address: str) -> WorkerClient:
+        """The client of the ``role`` worker at ``address`` (made once, then reused)."""
+        key = (role, address)
+        if key not in self._workers:
+            self._workers[key] = WorkerClient(role, address, self._channel(address), self._timeouts)
+        return self._workers[key]
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

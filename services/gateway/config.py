@@ -61,6 +61,8 @@ class GatewayConfig:
         max_in_flight: requests admitted at once; more get 429 (no queue).
         max_body_bytes: request bodies above this get 413.
         stats_interval_s: how often worker load is polled for routing and readiness.
+        resolve_interval_s: how often worker entries given by DNS name are re-resolved
+            (``membership.py``).
         truncate_chats: fit long conversations by dropping the oldest turns (docs/request-lifecycle.md, step 3) instead
             of answering 400.
         vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
@@ -83,6 +85,7 @@ class GatewayConfig:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     stats_interval_s: float = 1.0
+    resolve_interval_s: float = 5.0
     truncate_chats: bool = True
     vocab_model: str | None = None
     prefill_policy: PrefillPolicy = field(default_factory=PrefillPolicy)
@@ -105,6 +108,8 @@ class GatewayConfig:
             raise InvalidArgumentError("max in-flight must be >= 1", param="max_in_flight")
         if self.max_body_bytes < 1024:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
+        if not self.resolve_interval_s > 0:
+            raise InvalidArgumentError("resolve interval must be positive", param="resolve_interval")
         if not self.stats_interval_s > 0:
             raise InvalidArgumentError("stats interval must be positive", param="stats_interval")
         if self.max_migrations < 0:

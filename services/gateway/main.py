@@ -161,6 +161,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between worker load polls (default %(default)s)",
     )
     parser.add_argument(
+        "--resolve-interval",
+        type=float,
+        default=5.0,
+        help="seconds between re-resolutions of workers given by DNS name; every address a "
+        "name has is a worker (default %(default)s)",
+    )
+    parser.add_argument(
         "--prefill-timeout",
         type=float,
         default=_TIMEOUTS.prefill_s,
@@ -206,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_in_flight=args.max_in_flight,
         max_body_bytes=args.max_body_bytes,
         stats_interval_s=args.stats_interval,
+        resolve_interval_s=args.resolve_interval,
         truncate_chats=not args.no_truncate,
         vocab_model=args.model,
         max_migrations=args.max_migrations,

@@ -92,6 +92,19 @@ class Router:
         }
         self._task: asyncio.Task[None] | None = None
 
+    def set_members(self, role: Role, clients: Sequence[WorkerClient]) -> None:
+        """Make ``clients`` the pool of ``role`` (membership changes: DNS names re-resolved).
+        Known workers keep their state; new ones start unhealthy until their first poll; a
+        dropped worker takes no new requests (those in flight on it carry on)."""
+        known = {w.address: w for w in self._pools[role]}
+        pool = [known.get(c.address) or WorkerState(c) for c in clients]
+        added = [w.address for w in pool if w.address not in known]
+        dropped = sorted(set(known) - {w.address for w in pool})
+        if added or dropped:
+            logger.info("%s pool changed: added %s, dropped %s", role, added or "none",
+                        dropped or "none")  # fmt: skip
+        self._pools[role] = pool
+
     def workers(self, role: Role) -> tuple[WorkerState, ...]:
         return tuple(self._pools[role])
 

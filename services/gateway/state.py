@@ -27,6 +27,7 @@ from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.choice import ChoiceDeps
 from services.gateway.config import GatewayConfig
+from services.gateway.membership import Membership
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy
@@ -50,6 +51,7 @@ class GatewayState:
     rate_limiter: RateLimiter | None
     admission: AdmissionLimiter
     metrics: TandemMetrics
+    membership: Membership
     model_info: tokenizer_pb2.ModelInfo | None = None
     token_texts: TokenTexts = field(default_factory=TokenIdTexts)
     created: int = field(default_factory=lambda: int(time.time()))
