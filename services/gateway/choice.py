@@ -52,6 +52,8 @@ from services.gateway.worker_errors import WorkerDown, worker_error
 logger = logging.getLogger(__name__)
 
 PREFILL_REPLY_GRACE_S = 5.0
+DECODE_DEATH_GRACE_S = 1.0
+"""How long a failed prefill waits for its decode stream to say whether the decode worker died."""
 """How long a finished choice waits for its PrefillResponse (usage's cached tokens, timings)."""
 
 
@@ -240,7 +242,9 @@ class ChoiceRun:
         prefill_task: asyncio.Future[prefill_pb2.PrefillResponse] | None,
         decode: WorkerState,
     ) -> decode_pb2.GenerateResponse | None:
-        """The next Generate message; a failed prefill wins over the stream it starves."""
+        """The next Generate message; a failed prefill wins over the stream it starves, unless
+        the decode worker died (a prefill that fails because its KV hand-off lost the decode
+        worker must not hide that: the choice is retried elsewhere)."""
         if prefill_task is None:
             return await self._read(stream, decode)
         if prefill_task.done():
@@ -249,12 +253,19 @@ class ChoiceRun:
         read = asyncio.ensure_future(self._read(stream, decode))
         try:
             await asyncio.wait({read, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill_task.done():
+            if prefill_task.done() and prefill_task.exception() is not None:
+                if isinstance(prefill_task.exception(), UnavailableError) and not read.done():
+                    # Its decode worker may have just died: the stream's error says so.
+                    await asyncio.wait({read}, timeout=DECODE_DEATH_GRACE_S)
+                if read.done() and not read.cancelled() and isinstance(read.exception(),
+                                                                        WorkerDown):  # fmt: skip
+                    return await read  # raises WorkerDown(decode)
                 prefill_task.result()
             return await read
         finally:
             if not read.done():
                 read.cancel()
+                read.add_done_callback(_retrieve)  # it may still end with an error, unread
             elif not read.cancelled():
                 read.exception()  # mark retrieved: a prefill failure was raised instead
 
