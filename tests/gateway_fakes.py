@@ -354,6 +354,22 @@ async def make_stack() -> AsyncIterator[StackFactory]:
 PHRASE_POLICY = {"categories": {"geo": {"terms": ["Paris"]}, "bad": {"terms": ["forbidden topic"]}}}
 
 
+async def leave_mid_stream(stack: Stack) -> None:
+    """Start a slow streaming chat request, read its first event (generation is under way and
+    holds KV), then close the connection."""
+    for decode in stack.decodes:
+        decode.token_delay = 0.2
+    body = {"model": MODEL, "stream": True, "max_tokens": 50,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(stack.url + "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        await r.content.readline()
+        assert sum(d.blocks_in_use for d in stack.decodes) > 0
+
+
 async def post_raw(
     url: str, body: Any, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes, Any]:

@@ -32,6 +32,7 @@ from services.common import ports
 from services.common.errors import InvalidArgumentError
 from services.common.grpc_channel import open_channel
 from services.launch_plan import LaunchConfig, plan
+from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
@@ -118,21 +119,10 @@ def test_plan_refuses_overlapping_worker_ports() -> None:
 # --- the process -------------------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def _port_flags(num_prefill: int, num_decode: int) -> list[str]:
     # Worker ports are bases (worker i gets base + i): give every role its own free block.
     count = 2 + 2 * num_prefill + 2 * num_decode
-    free = iter(_free_ports(count + 8))
+    free = iter(free_ports(count + 8))
     flags = ["--tokenizer-port", str(next(free)), "--tokenizer-metrics-port", str(next(free))]
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
         if n == 1:
@@ -146,7 +136,7 @@ def _port_flags(num_prefill: int, num_decode: int) -> list[str]:
 def _free_run_of(n: int) -> int:
     """A port such that it and the next ``n - 1`` are free now (worker i gets base + i)."""
     for _ in range(200):
-        base = _free_ports(1)[0]
+        base = free_ports(1)[0]
         if base + n > 65535:
             continue
         socks = []
@@ -287,7 +277,7 @@ def _sigterm_run(
 ) -> None:
     flags = _port_flags(num_prefill, num_decode)
     if gateway:
-        flags += ["--gateway-port", str(_free_ports(1)[0])]
+        flags += ["--gateway-port", str(free_ports(1)[0])]
     up = start_up("--prefill", str(num_prefill), "--decode", str(num_decode), *flags,
                   gateway=gateway)  # fmt: skip
     up.wait_ready()
@@ -396,7 +386,7 @@ def _serving_decode_addresses(gateway_url: str) -> list[str]:
     reason="services.gateway.main not written yet",
 )
 def test_a_decode_worker_killed_mid_stream_migrates_and_is_restarted(start_up: StartUp) -> None:
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     up = start_up("--prefill", "1", "--decode", "2", *_port_flags(1, 2), "--gateway-port",
                   str(port), gateway=True)  # fmt: skip
     up.wait_ready()

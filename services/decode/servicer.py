@@ -3,8 +3,9 @@
 ``TransferKV`` is the receiving end of the default KV transport; ``Generate`` streams one
 ``GenerateResponse`` per engine output (the first starts with prefill's token; the last carries
 the finish reason). A ``Generate`` that carries the prompt (``prompt_token_ids``) is prefilled
-here instead (local prefill: no transfer). Typed errors become status codes through the server's ErrorInterceptor; a
-client that cancels ``Generate`` cancels the handler, which aborts the request in the engine.
+here instead (local prefill: no transfer). Typed errors become status codes through the
+server's ErrorInterceptor; a client that cancels ``Generate`` cancels the handler, which aborts
+the request in the engine.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ from services.gateway.worker_errors import WorkerDown, worker_error
 logger = logging.getLogger(__name__)
 
 PREFILL_REPLY_GRACE_S = 5.0
+"""How long a finished choice waits for its PrefillResponse (usage's cached tokens, timings)."""
 DECODE_DEATH_GRACE_S = 1.0
 """How long a failed prefill waits for its decode stream to say whether the decode worker died."""
-"""How long a finished choice waits for its PrefillResponse (usage's cached tokens, timings)."""
 
 
 @dataclass(frozen=True, slots=True)

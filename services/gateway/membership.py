@@ -17,12 +17,12 @@ when a name has both (a worker bound to ``0.0.0.0`` is not reachable on ``::1``)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 
+from services.common.periodic import Periodic
 from services.gateway.backend import Backend, Role
 from services.gateway.router import Router
 
@@ -71,10 +71,9 @@ class Membership:
         self._backend = backend
         self._router = router
         self._entries = {role: list(values) for role, values in entries.items()}
-        self._interval_s = interval_s
         self._resolver = resolver
         self._resolved: dict[str, list[str]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Periodic(self.refresh, interval_s, "worker membership refresh")
 
     @property
     def dynamic(self) -> bool:
@@ -115,19 +114,7 @@ class Membership:
         if not self.dynamic:
             return
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="tandem-membership")
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            try:
-                await self.refresh()
-            except Exception:
-                logger.exception("worker membership refresh failed")
+        self._refresher.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._refresher.stop()

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import TandemError, UnavailableError
+from services.common.periodic import Periodic
 from services.common.pb import common_pb2
 from services.gateway.backend import Role, WorkerClient
 
@@ -85,12 +86,11 @@ class Router:
             "prefill": [WorkerState(c) for c in prefill],
             "decode": [WorkerState(c) for c in decode],
         }
-        self._interval_s = interval_s
         self._turns: dict[Role, itertools.count[int]] = {
             "prefill": itertools.count(),
             "decode": itertools.count(),
         }
-        self._task: asyncio.Task[None] | None = None
+        self._poller = Periodic(self.poll_once, interval_s, "worker stats poll")
 
     def set_members(self, role: Role, clients: Sequence[WorkerClient]) -> None:
         """Make ``clients`` the pool of ``role`` (membership changes: DNS names re-resolved).
@@ -201,19 +201,7 @@ class Router:
     async def start(self) -> None:
         """Poll once now, then every ``interval_s`` in a background task."""
         await self.poll_once()
-        self._task = asyncio.create_task(self._loop(), name="tandem-router-poll")
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            try:
-                await self.poll_once()
-            except Exception:
-                logger.exception("worker stats poll failed")
+        self._poller.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._poller.stop()

@@ -148,11 +148,7 @@ class LLMEngine:
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
         if resume_output_ids:
-            outputs = [int(t) for t in resume_output_ids]
-            vocab = self.loaded.config.vocab_size
-            if any(t < 0 or t >= vocab for t in outputs):
-                raise InvalidArgumentError(f"token ids must be in [0, {vocab})",
-                                           param="output_token_ids")  # fmt: skip
+            outputs = self._token_ids(resume_output_ids, "output_token_ids")
             if len(outputs) >= params.max_tokens:
                 raise InvalidArgumentError("the resumed output already has max_tokens tokens",
                                            param="output_token_ids")  # fmt: skip
@@ -285,16 +281,22 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # ---- internals ----------------------------------------------------------------------
+    def _token_ids(self, ids: Seq[int], param: str) -> list[int]:
+        """``ids`` as ints, each checked to be in the vocabulary (InvalidArgumentError naming
+        ``param`` otherwise)."""
+        out = [int(t) for t in ids]
+        vocab = self.loaded.config.vocab_size
+        if any(t < 0 or t >= vocab for t in out):
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab})", param=param)
+        return out
+
     def _new_sequence(
         self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool
     ) -> Sequence:
         params.validate()
-        prompt_ids = [int(t) for t in prompt]
+        prompt_ids = self._token_ids(prompt, "prompt")
         if not prompt_ids:
             raise InvalidArgumentError("the prompt is empty", param="prompt")
-        vocab = self.loaded.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise InvalidArgumentError(f"token ids must be in [0, {vocab})", param="prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidArgumentError(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is "
