@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import TandemError, UnavailableError
@@ -129,12 +129,20 @@ class Router:
 
     def least_loaded(self, role: Role) -> WorkerState | None:
         """The least-loaded healthy worker of ``role`` (ties rotate), or None when none is."""
-        candidates = [w for w in self._pools[role] if w.healthy]
+        ranked = self.ranked(role)
+        return ranked[0] if ranked else None
+
+    def ranked(
+        self, role: Role, *, exclude: Collection[str] = ()
+    ) -> list[WorkerState]:
+        """Every healthy worker of ``role`` not in ``exclude`` (addresses), best first (ties
+        rotate between calls)."""
+        candidates = [w for w in self._pools[role] if w.healthy and w.address not in exclude]
         if not candidates:
-            return None
+            return []
         start = next(self._turns[role]) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=WorkerState.load)
+        return sorted(rotated, key=WorkerState.load)
 
     @contextlib.contextmanager
     def lease(self, worker: WorkerState) -> Iterator[WorkerState]:
