@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # fixtures: make_stack (fake services behind the real gateway), tokenizer/server/channel
-# (a real grpc.aio server with small fake servicers)
-pytest_plugins = ["tests.gateway_fakes", "tests.grpc_fakes"]
+# (a real grpc.aio server with small fake servicers), start_up (``tandem up`` as a subprocess)
+pytest_plugins = ["tests.gateway_fakes", "tests.grpc_fakes", "tests.up_process"]
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from aiohttp import web
 from services.common.errors import (
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     TandemError,
     UnavailableError,
 )
@@ -118,12 +119,33 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.fail_after: int | None = None  # raise UNAVAILABLE after this many tokens
         self.die_after: int | None = None  # "crash" after this many (not on a migrated stream)
         self.streaming = asyncio.Event()
+        # Decode.Reserve: a reservation holds its blocks until the KV (or an Abort) arrives.
+        self.capacity: int | None = None  # KV blocks; None: room for everything
+        self.reserve_supported = True  # False: an older worker (UNIMPLEMENTED)
+        self.reserve_delay = 0.0  # seconds a grant takes to answer (granted before the wait)
+        self.reserve_ids: list[str] = []  # every Reserve call
+        self.refused: list[str] = []
+
+    async def Reserve(self, request: Any, context: Any) -> Any:
+        if not self.reserve_supported:
+            return super().Reserve(request, context)  # raises NotImplementedError
+        rid = request.request_id
+        self.reserve_ids.append(rid)
+        blocks = -(-request.num_tokens // BLOCKS_PER)
+        if self.capacity is not None and self.blocks_in_use + blocks > self.capacity:
+            self.refused.append(rid)
+            raise ResourceExhaustedError(f"need {blocks} KV blocks, no room")
+        self.handoffs[rid] = Handoff("", None, blocks)
+        self.blocks_in_use += blocks
+        await asyncio.sleep(self.reserve_delay)  # a client that leaves now never sees the grant
+        return decode_pb2.ReserveResponse(request_id=rid, num_blocks=blocks, lease_seconds=30.0)
 
     def receive(self, rid: str, prompt: str, params: Any) -> None:
         handoff = self.handoffs.setdefault(rid, Handoff(prompt, params, 0))
         handoff.prompt, handoff.params = prompt, params
-        handoff.blocks = -(-len(prompt) // BLOCKS_PER)
-        self.blocks_in_use += handoff.blocks
+        blocks = -(-len(prompt) // BLOCKS_PER)
+        self.blocks_in_use += blocks - handoff.blocks  # a reservation's blocks are taken over
+        handoff.blocks = blocks
         handoff.ready.set()
 
     def _free(self, rid: str) -> bool:

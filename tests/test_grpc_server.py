@@ -172,7 +172,7 @@ async def test_reflection_lists_services_and_serves_descriptors(
     services, (file_name, *methods) = await asyncio.to_thread(describe)
     assert TOKENIZER in services
     assert file_name == "tandem/v1/decode.proto"
-    assert methods == ["TransferKV", "Generate", "Abort", "GetStats"]
+    assert methods == ["Reserve", "TransferKV", "Generate", "Abort", "GetStats"]
 
 
 async def test_stop_reports_not_serving_then_cancels_in_flight(tokenizer: FakeTokenizer) -> None:

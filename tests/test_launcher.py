@@ -11,17 +11,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO
+from collections.abc import Callable
 
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,9 +27,8 @@ from services.common.errors import InvalidArgumentError
 from services.common.grpc_channel import open_channel
 from services.launch_plan import LaunchConfig, plan
 from tests.ports import free_ports
+from tests.up_process import StartUp, alive, assert_all_gone, children_of, port_flags
 
-REPO = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = 180.0
 WORKERS_MISSING = [
     module
     for module in ("services.prefill.main", "services.decode.main")
@@ -119,134 +112,6 @@ def test_plan_refuses_overlapping_worker_ports() -> None:
 # --- the process -------------------------------------------------------------------------------
 
 
-def _port_flags(num_prefill: int, num_decode: int) -> list[str]:
-    # Worker ports are bases (worker i gets base + i): give every role its own free block.
-    count = 2 + 2 * num_prefill + 2 * num_decode
-    free = iter(free_ports(count + 8))
-    flags = ["--tokenizer-port", str(next(free)), "--tokenizer-metrics-port", str(next(free))]
-    for role, n in (("prefill", num_prefill), ("decode", num_decode)):
-        if n == 1:
-            flags += [f"--{role}-port", str(next(free)), f"--{role}-metrics-port", str(next(free))]
-        elif n > 1:
-            flags += [f"--{role}-port", str(_free_run_of(n)),
-                      f"--{role}-metrics-port", str(_free_run_of(n))]  # fmt: skip
-    return flags
-
-
-def _free_run_of(n: int) -> int:
-    """A port such that it and the next ``n - 1`` are free now (worker i gets base + i)."""
-    for _ in range(200):
-        base = free_ports(1)[0]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no run of {n} free ports found")
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children_of(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry.name))
-    return found
-
-
-@dataclass
-class Up:
-    """A running ``tandem up`` subprocess and what its stdout table said."""
-
-    process: subprocess.Popen[str]
-    log: IO[str]
-    rows: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (address, pid)
-    stdout_lines: list[str] = field(default_factory=list)
-
-    @property
-    def child_pids(self) -> list[int]:
-        return [pid for _, pid in self.rows.values()]
-
-    def stderr(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        done = threading.Event()
-
-        def read() -> None:
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                self.stdout_lines.append(line.rstrip("\n"))
-                if line.strip() == "ready":
-                    break
-            done.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not done.wait(timeout) or self.stdout_lines[-1:] != ["ready"]:
-            pytest.fail(f"tandem up not ready in {timeout:g}s; stderr:\n{self.stderr()[-4000:]}")
-        header = next(i for i, line in enumerate(self.stdout_lines) if line.startswith("service "))
-        for line in self.stdout_lines[header + 1 : -1]:
-            name, address, _metrics, pid = line.split()
-            self.rows[name] = (address, int(pid))
-
-
-StartUp = Callable[..., Up]
-
-
-@pytest.fixture
-def start_up() -> Iterator[StartUp]:
-    """Start ``tandem up`` with free ports; everything it started is killed at teardown."""
-    started: list[Up] = []
-
-    def start(*args: str, env: dict[str, str] | None = None, gateway: bool = False) -> Up:
-        log = tempfile.TemporaryFile("w+")
-        gateway_flag = "--gateway" if gateway else "--no-gateway"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services", "up", gateway_flag, "--stop-timeout", "20", *args],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-        )  # fmt: skip
-        up = Up(process, log)
-        started.append(up)
-        return up
-
-    yield start
-    for up in started:
-        leftovers = set(up.child_pids)
-        if _alive(up.process.pid):
-            leftovers |= _children_of(up.process.pid)
-        if up.process.poll() is None:
-            up.process.kill()
-            up.process.wait()
-        for pid in leftovers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        up.log.close()
-
-
 async def _check_services(rows: dict[str, tuple[str, int]]) -> None:
     expected = {"tokenizer": "tandem.v1.Tokenizer", "prefill": "tandem.v1.Prefill",
                 "decode": "tandem.v1.Decode"}  # fmt: skip
@@ -265,17 +130,10 @@ async def _check_services(rows: dict[str, tuple[str, int]]) -> None:
             await channel.close()
 
 
-def _assert_all_gone(up: Up, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(pid) for pid in up.child_pids):
-        time.sleep(0.1)
-    assert not [pid for pid in up.child_pids if _alive(pid)], up.stderr()[-3000:]
-
-
 def _sigterm_run(
     start_up: StartUp, num_prefill: int, num_decode: int, gateway: bool = False
 ) -> None:
-    flags = _port_flags(num_prefill, num_decode)
+    flags = port_flags(num_prefill, num_decode)
     if gateway:
         flags += ["--gateway-port", str(free_ports(1)[0])]
     up = start_up("--prefill", str(num_prefill), "--decode", str(num_decode), *flags,
@@ -284,8 +142,8 @@ def _sigterm_run(
     names = ["tokenizer"] + [f"prefill-{i}" for i in range(num_prefill)]
     names += [f"decode-{i}" for i in range(num_decode)] + (["gateway"] if gateway else [])
     assert sorted(up.rows) == sorted(names)
-    assert set(up.child_pids) == _children_of(up.process.pid)  # the table lists every child
-    assert all(_alive(pid) for pid in up.child_pids)
+    assert set(up.child_pids) == children_of(up.process.pid)  # the table lists every child
+    assert all(alive(pid) for pid in up.child_pids)
     grpc_rows = {name: row for name, row in up.rows.items() if name != "gateway"}
     asyncio.run(_check_services(grpc_rows))
     if gateway:
@@ -300,7 +158,7 @@ def _sigterm_run(
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(timeout=40) == 0, up.stderr()[-3000:]
     assert time.monotonic() - started < 30
-    _assert_all_gone(up, timeout=1.0)
+    assert_all_gone(up, timeout=1.0)
     assert "every service stopped" in up.stderr()
 
 
@@ -332,7 +190,7 @@ def test_without_restart_a_crashed_child_stops_everything(
     num_prefill, num_decode = workers
     up = start_up(
         "--no-restart", "--prefill", str(num_prefill), "--decode", str(num_decode),
-        *_port_flags(num_prefill, num_decode),
+        *port_flags(num_prefill, num_decode),
     )  # fmt: skip
     up.wait_ready()
     victim = "decode-0" if "decode-0" in up.rows else "tokenizer"
@@ -340,7 +198,7 @@ def test_without_restart_a_crashed_child_stops_everything(
     code = up.process.wait(timeout=40)
     assert code == 1
     assert f"{victim} (pid {up.rows[victim][1]}) was killed by SIGKILL unexpectedly" in up.stderr()
-    _assert_all_gone(up, timeout=1.0)
+    assert_all_gone(up, timeout=1.0)
 
 
 def _stream_completion(url: str, on_token: Callable[[int], None] | None = None) -> tuple[str, int]:
@@ -387,7 +245,7 @@ def _serving_decode_addresses(gateway_url: str) -> list[str]:
 )
 def test_a_decode_worker_killed_mid_stream_migrates_and_is_restarted(start_up: StartUp) -> None:
     port = free_ports(1)[0]
-    up = start_up("--prefill", "1", "--decode", "2", *_port_flags(1, 2), "--gateway-port",
+    up = start_up("--prefill", "1", "--decode", "2", *port_flags(1, 2), "--gateway-port",
                   str(port), gateway=True)  # fmt: skip
     up.wait_ready()
     url = up.rows["gateway"][0]
@@ -417,22 +275,22 @@ def test_a_decode_worker_killed_mid_stream_migrates_and_is_restarted(start_up: S
     assert f"{name} (pid {victim}) was killed by SIGKILL unexpectedly" in stderr
     assert "restarting it in 1s" in stderr and f"restarted {name} (pid " in stderr
     assert up.process.poll() is None  # the launcher kept everything else running
-    children = _children_of(up.process.pid)
+    children = children_of(up.process.pid)
     assert victim not in children and len(children) == len(up.rows)
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(timeout=40) == 0, up.stderr()[-3000:]
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+    while time.monotonic() < deadline and any(alive(pid) for pid in children):
         time.sleep(0.1)
-    assert not [pid for pid in children if _alive(pid)]
+    assert not [pid for pid in children if alive(pid)]
 
 
 def test_a_killed_launcher_takes_its_children_along(start_up: StartUp) -> None:
-    up = start_up("--prefill", "0", "--decode", "0", *_port_flags(0, 0))
+    up = start_up("--prefill", "0", "--decode", "0", *port_flags(0, 0))
     up.wait_ready()
     up.process.kill()  # SIGKILL: no chance to clean up; PR_SET_PDEATHSIG does it
     up.process.wait()
-    _assert_all_gone(up, timeout=10.0)
+    assert_all_gone(up, timeout=10.0)
 
 
 def test_busy_port_is_a_one_line_error(start_up: StartUp) -> None:
@@ -440,7 +298,7 @@ def test_busy_port_is_a_one_line_error(start_up: StartUp) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        flags = _port_flags(0, 0)
+        flags = port_flags(0, 0)
         flags[1] = str(port)
         up = start_up("--prefill", "0", "--decode", "0", *flags)
         assert up.process.wait(timeout=60) == 2
@@ -449,12 +307,12 @@ def test_busy_port_is_a_one_line_error(start_up: StartUp) -> None:
         f"tandem: error: port {port} (tokenizer gRPC) on 127.0.0.1 is not available: "
         "Address already in use"
     ]
-    assert not _children_of(up.process.pid)
+    assert not children_of(up.process.pid)
 
 
 def test_a_child_failing_to_start_is_a_one_line_error(start_up: StartUp) -> None:
     env = dict(os.environ, TANDEM_MODEL="/nonexistent/model.gguf")
-    up = start_up("--prefill", "0", "--decode", "0", *_port_flags(0, 0), env=env)
+    up = start_up("--prefill", "0", "--decode", "0", *port_flags(0, 0), env=env)
     assert up.process.wait(timeout=60) == 2
     stderr = up.stderr()
     assert "tandem: error: model path does not exist" in stderr  # the child's own line

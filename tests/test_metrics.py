@@ -39,6 +39,9 @@ SPEC_METRICS = {
     "tandem:migrations_total": "counter",
     # docs/kv-handoff.md
     "tandem:kv_transfer_leases_expired_total": "counter",
+    "tandem:kv_reservations_total": "counter",
+    "tandem:decode_admission_waits_total": "counter",
+    "tandem:decode_admission_timeouts_total": "counter",
 }
 
 

@@ -95,7 +95,11 @@ def _methods(module: object, service: str) -> dict[str, tuple[str, str, bool, bo
 
 
 def test_services_and_rpcs() -> None:
-    from services.common.pb import decode_pb2, prefill_pb2, tokenizer_pb2
+    from services.common.pb import decode_pb2, prefill_pb2, prefix_cache_pb2, tokenizer_pb2
+
+    assert _methods(prefix_cache_pb2, "PrefixCache") == {
+        "Watch": ("WatchPrefixCacheRequest", "PrefixCacheUpdate", False, True),
+    }
 
     assert _methods(tokenizer_pb2, "Tokenizer") == {
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False, False),
@@ -108,6 +112,7 @@ def test_services_and_rpcs() -> None:
         "GetStats": ("StatsRequest", "WorkerStats", False, False),
     }
     assert _methods(decode_pb2, "Decode") == {
+        "Reserve": ("ReserveRequest", "ReserveResponse", False, False),
         "TransferKV": ("KVTransferMessage", "KVTransferAck", True, False),
         "Generate": ("GenerateRequest", "GenerateResponse", False, True),
         "Abort": ("AbortRequest", "AbortResponse", False, False),

@@ -4,15 +4,17 @@ Each process builds one :class:`TandemMetrics` at start-up, on its own ``Collect
 (nothing is registered at import time, so tests and several in-process servers never collide),
 and exposes it on ``GET /metrics``: the gateway mounts :func:`metrics_handler` in its own HTTP
 app, workers call :func:`serve_metrics_http`. Each process has its own registry and port, so
-there is no ``role`` label; Prometheus' ``job`` / ``instance`` labels tell processes apart.
+its own metrics carry no ``role`` label; Prometheus' ``job`` / ``instance`` labels tell processes apart.
 
 Who records what:
   1. gateway: end-to-end latency, TTFT, TPOT, inter-token latency, queue time, tokenize time,
-     prompt / generation tokens, finished requests by reason, safety blocks by stage;
+     prompt / generation tokens, finished requests by reason, safety blocks by stage, and per
+     worker (``role`` / ``worker`` labels, from its polls and prefix feed) the prefix-cache hit
+     rate and the cached blocks the router knows of;
   2. prefill: prefill time, prefix-cache hits/queries, KV transfers (bytes, seconds, failures,
      expired leases), running/waiting, KV blocks;
   3. decode: decode time, preemptions, running/waiting, KV blocks, KV transfer failures seen on
-     the receiving side.
+     the receiving side, KV reservations by outcome (the gateway: requests that waited for one).
 
 Units follow Prometheus conventions: seconds, bytes, ``_total`` for counters. Prefix-cache hits
 and queries count tokens (as vLLM v1 does), so ``hits / queries`` is the token hit rate.
@@ -64,6 +66,7 @@ FINISHED_REASONS = ("stop", "length", "abort", "content_filter", "error")
 SAFETY_STAGES = ("input", "output")
 PREFILL_PATHS = ("remote", "local")
 KV_TRANSFER_FAILURE_REASONS = ("checksum", "layout", "timeout", "connection", "refused", "other")
+KV_RESERVATION_OUTCOMES = ("granted", "refused", "expired")
 
 
 class TandemMetrics:
@@ -185,6 +188,28 @@ class TandemMetrics:
             registry=r,
         )
 
+        # Reserve before compute (docs/kv-handoff.md): decode room is reserved before prefill.
+        self.kv_reservations = Counter(
+            "tandem:kv_reservations_total",
+            "Decode KV reservations by outcome (granted; refused: no room, nothing allocated; "
+            "expired: no KV header arrived within the lease, blocks freed).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in KV_RESERVATION_OUTCOMES:
+            self.kv_reservations.labels(outcome=outcome)
+        self.decode_admission_waits = Counter(
+            "tandem:decode_admission_waits_total",
+            "Requests the gateway held back because every decode worker refused to reserve room.",
+            registry=r,
+        )
+        self.decode_admission_timeouts = Counter(
+            "tandem:decode_admission_timeouts_total",
+            "Requests answered 503 decode_capacity: no decode room within "
+            "--decode-admission-timeout.",
+            registry=r,
+        )
+
         # Tokens and outcomes (gateway).
         self.prompt_tokens = Counter(
             "tandem:prompt_tokens_total", "Prompt tokens processed.", registry=r
@@ -208,6 +233,20 @@ class TandemMetrics:
         self.migrations = Counter(
             "tandem:migrations_total",
             "Streams moved to another decode worker after theirs died mid-stream.",
+            registry=r,
+        )
+        self.worker_prefix_cache_hit_rate = Gauge(
+            "tandem:worker_prefix_cache_hit_rate",
+            "Per worker, as the gateway polls it: prompt tokens served from its prefix cache / "
+            "prompt tokens looked up, since the worker started.",
+            ["role", "worker"],
+            registry=r,
+        )
+        self.worker_prefix_cache_blocks = Gauge(
+            "tandem:worker_prefix_cache_blocks",
+            "Per worker: cached prefix blocks the gateway's KV-aware router knows of (its "
+            "PrefixCache feed).",
+            ["role", "worker"],
             registry=r,
         )
         self.safety_blocks = Counter(

@@ -1,7 +1,8 @@
 """``tandem serve decode``: the decode worker process.
 
 Start-up: load the model and its tokenizer (for stop strings and text deltas; token ids only
-when the model has none), start the engine thread, the KV receiver with its park reaper, the
+when the model has none), start the engine thread, the KV receiver with its reaper (parked KV,
+reservation leases), the
 gRPC server (Decode + health + reflection) and the Prometheus endpoint; then serve until
 SIGINT / SIGTERM and stop gracefully (in-flight streams get a grace period, then every parked
 transfer and running request is freed and the engine thread stops).
@@ -16,7 +17,11 @@ import argparse
 import os
 
 from services.common import ports
-from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
+from services.decode.options import (
+    DEFAULT_RESERVATION_LEASE_SECONDS,
+    DEFAULT_WAIT_FOR_KV_SECONDS,
+    check_reservation_lease,
+)
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 
 
@@ -30,11 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long Generate waits for a request's KV, and how long committed KV waits for "
              "its Generate before it is freed (default 30)",
     )
+    parser.add_argument(
+        "--reservation-lease-seconds", type=float,
+        default=float(os.environ.get("TANDEM_RESERVATION_LEASE_SECONDS",
+                                     DEFAULT_RESERVATION_LEASE_SECONDS)),
+        help="how long blocks reserved for a request (Decode.Reserve, before its prefill) wait "
+             "for its KV before they are freed, when the caller asks for no lease (default 30)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from services.engine.runtime.worker_runtime import run_worker  # torch: only when serving
     from services.decode.server import start_decode_worker
 
+    lease = check_reservation_lease(args.reservation_lease_seconds)
     options = options_from_args(args, "decode")
-    return run_worker(lambda: start_decode_worker(options, wait_for_kv_seconds=args.wait_for_kv_seconds))
+    return run_worker(lambda: start_decode_worker(
+        options, wait_for_kv_seconds=args.wait_for_kv_seconds, reservation_lease_seconds=lease
+    ))

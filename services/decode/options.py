@@ -3,4 +3,19 @@ start-up (``server.py``), so neither imports the other."""
 
 from __future__ import annotations
 
+import math
+
+from services.common.errors import InvalidArgumentError
+
 DEFAULT_WAIT_FOR_KV_SECONDS = 30.0  # how long Generate waits for its KV (and KV waits for Generate)
+DEFAULT_RESERVATION_LEASE_SECONDS = 30.0  # how long reserved blocks wait for their KV header
+
+
+def check_reservation_lease(seconds: float) -> float:
+    """``--reservation-lease-seconds`` must be a positive number of seconds; returns it."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidArgumentError(
+            f"--reservation-lease-seconds must be positive, got {seconds}",
+            param="reservation_lease_seconds",
+        )
+    return seconds

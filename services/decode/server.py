@@ -1,5 +1,6 @@
 """Start a decode worker in this process: the shared worker runtime (with the output text) plus
-the decode role (the KV receiver with its park reaper, the ``Decode`` servicer).
+the decode role (the KV receiver with its reaper for parked KV and reservation leases, the
+``Decode`` servicer).
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2_grpc
-from services.decode.options import DEFAULT_WAIT_FOR_KV_SECONDS
+from services.decode.options import (
+    DEFAULT_RESERVATION_LEASE_SECONDS,
+    DEFAULT_WAIT_FOR_KV_SECONDS,
+    check_reservation_lease,
+)
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
 from services.engine.core.loaders import LoadedModel
@@ -26,6 +31,8 @@ async def start_decode_worker(
     *,
     wait_for_kv_seconds: float = DEFAULT_WAIT_FOR_KV_SECONDS,
     park_seconds: float | None = None,
+    reservation_lease_seconds: float = DEFAULT_RESERVATION_LEASE_SECONDS,
+    reap_interval: float | None = None,
     loaded: LoadedModel | None = None,
     tokenizer: Tokenizer | None = None,
     metrics: TandemMetrics | None = None,
@@ -37,14 +44,22 @@ async def start_decode_worker(
         wait_for_kv_seconds: default wait of ``Generate`` for its KV.
         park_seconds: how long committed KV waits for ``Generate`` (and stalled transfers may
             idle) before being freed; default ``wait_for_kv_seconds``.
+        reservation_lease_seconds: how long reserved blocks wait for their header when the
+            ``Reserve`` call asks for no lease.
+        reap_interval: how often parked KV and reservation leases are checked (default: a
+            quarter of the shorter wait, at most 1 s).
         loaded / tokenizer: already loaded model and tokenizer (tests share them).
         metrics: the registry to record into (default: a fresh one).
     """
 
+    check_reservation_lease(reservation_lease_seconds)
+
     def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
         receiver = KVReceiver(
-            engine_loop, park_seconds=park_seconds or wait_for_kv_seconds, metrics=metrics
-        )
+            engine_loop, park_seconds=park_seconds or wait_for_kv_seconds,
+            reservation_lease_seconds=reservation_lease_seconds, reap_interval=reap_interval,
+            metrics=metrics,
+        )  # fmt: skip
         worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds)
         servicer = DecodeServicer(worker, worker_id=options.worker_id)
         return worker, servicer, decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME

@@ -1,6 +1,8 @@
 """The ``tandem.v1.Decode`` gRPC servicer: protos in and out around :class:`DecodeWorker`.
 
-``TransferKV`` is the receiving end of the default KV transport; ``Generate`` streams one
+``Reserve`` holds a request's destination blocks before its prefill starts (RESOURCE_EXHAUSTED at
+once when there is no room); ``TransferKV`` is the receiving end of the default KV transport
+(it takes the reserved blocks, if any); ``Generate`` streams one
 ``GenerateResponse`` per engine output (the first starts with prefill's token; the last carries
 the finish reason). A ``Generate`` that carries the prompt (``prompt_token_ids``) is prefilled
 here instead (local prefill: no transfer). Typed errors become status codes through the
@@ -28,10 +30,22 @@ SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 
 
 class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
-    """TransferKV and Generate, plus the shared Abort and GetStats, for one worker."""
+    """Reserve, TransferKV and Generate, plus the shared Abort and GetStats, for one worker."""
 
     role = "decode"
     worker: DecodeWorker
+
+    async def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.ReserveResponse:
+        require_request_id(request.request_id)
+        grant = await self.worker.receiver.reserve(
+            request.request_id, request.num_tokens, request.lease_seconds
+        )
+        return decode_pb2.ReserveResponse(
+            request_id=grant.request_id, num_blocks=grant.num_blocks,
+            lease_seconds=grant.lease_seconds, kv_blocks_free=grant.kv_blocks_free,
+        )  # fmt: skip
 
     async def TransferKV(
         self,

@@ -1,13 +1,16 @@
 """The decode worker: receive prompts' KV from prefill workers and generate in one running batch.
 
-One request (docs/request-lifecycle.md steps 6-7, docs/kv-handoff.md):
-  1. ``TransferKV`` (``receiver.receive``) checks the header, allocates the destination blocks,
-     writes the checked chunks and parks the committed KV (see ``kv_transfer/receiver.py``).
+One request (docs/request-lifecycle.md steps 4-7, docs/kv-handoff.md):
+  0. ``Reserve`` (``receiver.reserve``), before the prefill starts: allocate the destination
+     blocks under a lease, or refuse at once when there is no room (optional; see
+     ``kv_transfer/receiver.py``).
+  1. ``TransferKV`` (``receiver.receive``) checks the header, takes the reserved blocks (or
+     allocates them), writes the checked chunks and parks the committed KV.
   2. ``Generate`` (``generate``) waits for that commit (or its failure), then hands the blocks
      to the engine as a running sequence: it joins the continuous batch at the next step, and
      every step appends one token to every running sequence.
   3. Outputs stream back until a stop condition; the sequence's blocks are then freed.
-  4. ``abort`` frees the request wherever it is: mid-transfer, parked, or generating (the
+  4. ``abort`` frees the request wherever it is: reserved, mid-transfer, parked, or generating (the
      stream then ends with finish reason "abort"). A client that cancels ``Generate`` aborts
      the request in the engine the same way.
 

@@ -59,7 +59,9 @@ def build_state(
         if burst is None:
             burst = max(1.0, config.rate_limit_rpm / 60.0)
         rate_limiter = RateLimiter(config.rate_limit_rpm, burst)
-    router = Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s)
+    metrics = metrics if metrics is not None else TandemMetrics()
+    router = Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s,
+                    weights=config.routing, metrics=metrics)
     membership = Membership(
         backend, router,
         {"prefill": config.prefill_addresses, "decode": config.decode_addresses},
@@ -74,7 +76,7 @@ def build_state(
         auth=auth if auth is not None else ApiKeyAuth(()),
         rate_limiter=rate_limiter,
         admission=AdmissionLimiter(config.max_in_flight),
-        metrics=metrics if metrics is not None else TandemMetrics(),
+        metrics=metrics,
     )
 
 

@@ -7,9 +7,9 @@ an UNAVAILABLE worker becomes a 503, a bad prompt a 400 naming its ``param``.
 
 - :class:`TokenizerClient`: Tokenize, Detokenize (whole id lists, for checking token-id prompts),
   GetModelInfo, health.
-- :class:`WorkerClient`: one prefill or decode worker: Prefill, Generate (as a
-  :class:`GenerateStream` that can be cancelled), Abort (never raises: cleanup must not fail),
-  GetStats, health.
+- :class:`WorkerClient`: one prefill or decode worker: Prefill, Reserve (decode room before a
+  prefill starts), Generate (as a :class:`GenerateStream` that can be cancelled), Abort (never
+  raises: cleanup must not fail), GetStats, the prefix-cache feed (``PrefixCache.Watch``), health.
 - :class:`Backend`: all of them over one channel per address; ``await close()`` closes them.
 """
 
@@ -24,7 +24,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import UnavailableError
+from services.common.errors import FailedPreconditionError, UnavailableError
 from services.common.grpc_channel import open_channel
 from services.common.grpc_errors import status_to_error
 from services.common.sampling_params import SamplingParams
@@ -35,6 +35,8 @@ from services.common.pb import (
     decode_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
+    prefix_cache_pb2,
+    prefix_cache_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
@@ -43,6 +45,8 @@ from services.gateway.config import BackendTimeouts, GatewayConfig
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
+UNSUPPORTED_CODE = "unsupported"
+"""``TandemError.code`` of a call the worker does not implement (an older worker)."""
 SERVICE_NAMES: dict[str, str] = {
     "tokenizer": "tandem.v1.Tokenizer",
     "prefill": "tandem.v1.Prefill",
@@ -182,6 +186,29 @@ class WorkerClient:
         except grpc.aio.AioRpcError as err:
             raise status_to_error(err) from err
 
+    async def reserve(
+        self, request_id: str, num_tokens: int, lease_seconds: float = 0.0
+    ) -> decode_pb2.ReserveResponse | None:
+        """Reserve room for ``num_tokens`` prompt tokens' KV on this decode worker before their
+        prefill starts (``lease_seconds`` 0: the worker's default lease). None when the worker
+        predates ``Reserve`` (UNIMPLEMENTED): its KV is then placed when it arrives, as before.
+
+        Raises:
+            ResourceExhaustedError: no room now (nothing was reserved).
+            TandemError: any other failure (typed; deadline ``control_s``).
+        """
+        if self._decode is None:
+            raise TypeError(f"{self!r} is not a decode worker")
+        request = decode_pb2.ReserveRequest(
+            request_id=request_id, num_tokens=num_tokens, lease_seconds=lease_seconds
+        )
+        try:
+            return await self._decode.Reserve(request, timeout=self._timeouts.control_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise status_to_error(err) from err
+
     def generate(
         self,
         request_id: str,
@@ -225,6 +252,29 @@ class WorkerClient:
             logger.warning("abort failed", extra={"request_id": request_id}, exc_info=True)
             return False
         return bool(reply.found)
+
+    async def watch_prefix_cache(self) -> AsyncIterator[prefix_cache_pb2.PrefixCacheUpdate]:
+        """The worker's ``PrefixCache.Watch`` stream: a snapshot, then changes (no deadline: it
+        lasts as long as the worker). Cancel by closing the iterator or its task.
+
+        Raises:
+            TandemError: the stream failed; ``code == UNSUPPORTED_CODE`` when the worker does not
+                serve it.
+        """
+        call = prefix_cache_pb2_grpc.PrefixCacheStub(self._channel).Watch(
+            prefix_cache_pb2.WatchPrefixCacheRequest()
+        )
+        try:
+            async for update in call:
+                yield update
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise FailedPreconditionError(
+                    f"{self.address} serves no prefix-cache feed", code=UNSUPPORTED_CODE
+                ) from err
+            raise status_to_error(err) from err
+        finally:
+            call.cancel()
 
     async def stats(self) -> common_pb2.WorkerStats:
         try:

@@ -2,13 +2,19 @@
 
 Lifecycle of a :class:`ChoiceRun`:
 
-1. Pick the least-loaded decode worker, and decide where the prompt is prefilled
-   (``prefill_policy.py``): on the least-loaded prefill worker (remote) or by the decode worker
-   itself (local). Router leases count the choice as in flight: on its decode worker until it
-   ends, on its prefill worker while the prefill runs.
-2. Remote: start ``Decode.Generate`` (it waits for the KV) and, concurrently, ``Prefill.Prefill``
-   with the decode worker's address: prefill ships the KV straight to decode; the gateway never
-   sees it. Local: one ``Decode.Generate`` carrying the prompt.
+1. Pick the decode worker by prefix overlap and load (``router.py``), and decide where the
+   prompt is prefilled (``prefill_policy.py``, on the part that worker has not cached): on the
+   best-ranked prefill worker (remote) or by the decode worker itself (local). Router leases
+   count the choice as in flight: on its decode worker until it ends, on its prefill worker
+   while the prefill runs.
+2. Remote: first reserve room for the KV on the decode worker (``decode_admission.py``,
+   ``Decode.Reserve``): a full worker refuses at once and the next one is asked, best first; when
+   all are full the choice waits (``--decode-admission-timeout``, then 503 ``decode_capacity``).
+   The worker that granted is the choice's decode worker, so no prefill is ever computed for a
+   worker without room. Then start ``Decode.Generate`` (it waits for the KV) and, concurrently,
+   ``Prefill.Prefill`` with that worker's address: prefill ships the KV straight into the
+   reserved blocks; the gateway never sees it. Local: one ``Decode.Generate`` carrying the prompt
+   (no reservation: the decode worker's own scheduler waits for blocks, wasting nothing).
 3. Relay Generate's messages through the output safety filter: only text the filter released is
    emitted, and each logprob entry is emitted with the text its token produced (held back with
    it), so nothing of a blocked phrase ever leaves.
@@ -16,7 +22,7 @@ Lifecycle of a :class:`ChoiceRun`:
    block ends the choice early with ``content_filter`` and aborts the request on both workers.
 5. Any other exit (an error, a failed prefill, the client going away = task cancellation) cancels
    the Generate call and the Prefill call and sends ``Abort`` to the workers concurrently, in a
-   task that outlives the cancellation, so every KV block is freed.
+   task that outlives the cancellation, so every KV block (a reservation included) is freed.
 
 A worker that is down (UNAVAILABLE) before anything was emitted is marked down in the router and
 the choice is retried once per remaining worker, under a new backend request id; with every
@@ -42,9 +48,10 @@ from services.common.pb import decode_pb2, prefill_pb2
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.gateway.backend import GenerateStream
+from services.gateway.decode_admission import DecodeAdmission
 from services.gateway.openai_responses import TokenLogprob
 from services.gateway.prefill_policy import PrefillPolicy
-from services.gateway.router import Router, WorkerState
+from services.gateway.router import PromptKeys, Router, WorkerState
 from services.gateway.safety import OutputFilter
 from services.gateway.token_texts import TokenTexts, to_openai_logprob
 from services.gateway.worker_errors import WorkerDown, worker_error
@@ -117,6 +124,7 @@ class ChoiceDeps:
     count_prefill_path: Callable[[str], None] = lambda path: None
     max_migrations: int = 0
     count_migration: Callable[[], None] = lambda: None
+    admission: DecodeAdmission | None = None  # None: no reservation, KV placed when it arrives
 
 
 class ChoiceRun:
@@ -149,10 +157,16 @@ class ChoiceRun:
         while True:
             self.stats.attempts += 1
             suffix = "" if self.stats.attempts == 1 else f"-r{self.stats.attempts - 1}"
-            decode = router.pick("decode")
             # A migrated stream is prefilled (prompt + what it streamed) by its new decode worker.
-            prefill = None if self._migrations else self._remote_prefill_worker()
+            prompt = PromptKeys(self._prompt_ids + tuple(self._relay_state.token_ids))
+            decode = router.pick("decode", prompt)
+            prefill = None if self._migrations else self._remote_prefill_worker(decode, prompt)
             self._deps.count_prefill_path("local" if prefill is None else "remote")
+            if prefill is not None and self._deps.admission is not None:  # reserve before compute
+                decode = await self._deps.admission.admit(
+                    self.stats.request_id + suffix, len(self._prompt_ids), decode,
+                    prefill=prefill, prompt=prompt,
+                )  # fmt: skip
             try:
                 with router.lease(decode):
                     await self._attempt(self.stats.request_id + suffix, prefill, decode)
@@ -178,12 +192,16 @@ class ChoiceRun:
                     extra={"request_id": self.stats.request_id, "failed": down.worker.address},
                 )
 
-    def _remote_prefill_worker(self) -> WorkerState | None:
-        """The prefill worker for this prompt, or None when the decode worker prefills it."""
-        worker = self._deps.router.least_loaded("prefill")
-        load = None if worker is None else worker.load()[0]
-        if self._deps.prefill_policy.prefill_remotely(len(self._prompt_ids), load):
-            return worker
+    def _remote_prefill_worker(
+        self, decode: WorkerState, prompt: PromptKeys
+    ) -> WorkerState | None:
+        """The prefill worker for this prompt (the best-ranked one the policy accepts), or None
+        when ``decode`` prefills it: judged on the part of the prompt ``decode`` has not cached."""
+        router, policy = self._deps.router, self._deps.prefill_policy
+        uncached = len(self._prompt_ids) - router.cached_tokens(decode, prompt)
+        for worker in router.ranked("prefill", prompt=prompt):
+            if policy.prefill_remotely(uncached, worker.load()[0]):
+                return worker
         return None
 
     async def _attempt(
@@ -309,6 +327,8 @@ class ChoiceRun:
                 s.token_gaps.append(now - last)
             last = now
             s.prompt_tokens = msg.num_prompt_tokens or len(self._prompt_ids)
+            if prefill is None and not self._migrations:  # prefilled by the decode worker
+                s.cached_tokens = msg.num_cached_tokens
             s.completion_tokens = msg.completion_tokens or s.completion_tokens + len(msg.token_ids)
             produced += len(msg.text)
             if want_logprobs and msg.logprobs:

@@ -16,6 +16,7 @@ from services.gateway.prefill_policy import PrefillPolicy
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT = 256
 DEFAULT_MAX_MIGRATIONS = 3
+DEFAULT_DECODE_ADMISSION_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,30 @@ class BackendTimeouts:
         return self
 
 
+DEFAULT_KV_OVERLAP_WEIGHT = 1.0
+DEFAULT_KV_LOAD_WEIGHT = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingWeights:
+    """The weights of the routing cost (see the module docstring)."""
+
+    overlap_weight: float = DEFAULT_KV_OVERLAP_WEIGHT
+    load_weight: float = DEFAULT_KV_LOAD_WEIGHT
+
+    def validate(self) -> RoutingWeights:
+        if not self.overlap_weight >= 0:
+            raise InvalidArgumentError("--kv-overlap-weight must be >= 0",
+                                       param="kv_overlap_weight")  # fmt: skip
+        if not self.load_weight > 0:
+            raise InvalidArgumentError("--kv-load-weight must be > 0", param="kv_load_weight")
+        return self
+
+    @property
+    def kv_aware(self) -> bool:
+        return self.overlap_weight > 0
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything the gateway needs besides its secrets.
@@ -70,6 +95,10 @@ class GatewayConfig:
         prefill_policy: which prompts go to the prefill pool (conditional disaggregation).
         max_migrations: how many times one choice's stream may move to another decode worker
             after its worker died mid-stream (0: the stream ends with an error event).
+        decode_admission_timeout_s: how long a remote-prefill choice waits for a decode worker
+            to reserve room for its KV before it is answered 503 ``decode_capacity``
+            (``decode_admission.py``; 0: at once).
+        routing: the weights of the KV-aware routing cost (``router.py``).
         timeouts: gRPC deadlines.
     """
 
@@ -90,6 +119,8 @@ class GatewayConfig:
     vocab_model: str | None = None
     prefill_policy: PrefillPolicy = field(default_factory=PrefillPolicy)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    decode_admission_timeout_s: float = DEFAULT_DECODE_ADMISSION_TIMEOUT_S
+    routing: RoutingWeights = field(default_factory=RoutingWeights)
     timeouts: BackendTimeouts = field(default_factory=BackendTimeouts)
 
     def validate(self) -> GatewayConfig:
@@ -114,6 +145,10 @@ class GatewayConfig:
             raise InvalidArgumentError("stats interval must be positive", param="stats_interval")
         if self.max_migrations < 0:
             raise InvalidArgumentError("max migrations must be >= 0", param="max_migrations")
+        if not 0 <= self.decode_admission_timeout_s < float("inf"):
+            raise InvalidArgumentError("decode admission timeout must be >= 0",
+                                       param="decode_admission_timeout")  # fmt: skip
         self.prefill_policy.validate()
+        self.routing.validate()
         self.timeouts.validate()
         return self

@@ -34,9 +34,13 @@ from services.gateway.prefill_policy import (
 from services.gateway.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_KV_LOAD_WEIGHT,
+    DEFAULT_KV_OVERLAP_WEIGHT,
     DEFAULT_MAX_MIGRATIONS,
+    DEFAULT_DECODE_ADMISSION_TIMEOUT_S,
     BackendTimeouts,
     GatewayConfig,
+    RoutingWeights,
 )
 
 logger = logging.getLogger(__name__)
@@ -86,11 +90,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "this many requests (default %(default)s)",
     )
     parser.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=DEFAULT_KV_OVERLAP_WEIGHT,
+        help="KV-aware routing: weight of a prompt block a worker would have to prefill (not in "
+        "its prefix cache); 0 routes by load alone (default %(default)s; see "
+        "services/gateway/router.py)",
+    )
+    parser.add_argument(
+        "--kv-load-weight",
+        type=float,
+        default=DEFAULT_KV_LOAD_WEIGHT,
+        help="KV-aware routing: weight of one request already on a worker, in prompt blocks "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--max-migrations",
         type=int,
         default=DEFAULT_MAX_MIGRATIONS,
         help="times a stream may move to another decode worker when its worker dies mid-stream "
         "(0: end the stream with an error event; default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-admission-timeout",
+        type=float,
+        default=DEFAULT_DECODE_ADMISSION_TIMEOUT_S,
+        help="seconds a request prefilled remotely waits for a decode worker to reserve room for "
+        "its KV (every one full) before it is answered 503 decode_capacity; 0 answers at once "
+        "(default %(default)s; see services/gateway/decode_admission.py)",
     )
     parser.add_argument(
         "--decode",
@@ -217,6 +244,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         truncate_chats=not args.no_truncate,
         vocab_model=args.model,
         max_migrations=args.max_migrations,
+        decode_admission_timeout_s=args.decode_admission_timeout,
+        routing=RoutingWeights(args.kv_overlap_weight, args.kv_load_weight),
         prefill_policy=PrefillPolicy(
             remote_min_tokens=args.remote_prefill_min_tokens,
             max_prefill_queue=args.max_prefill_queue,

@@ -9,12 +9,14 @@ when the uncached prompt is longer than ``max_local_prefill_length`` and the pre
 short), and the rule here:
 
     remote  iff  a prefill worker is healthy
-            and  len(prompt) >= remote_min_tokens
-            and  the least-loaded prefill worker has fewer than max_prefill_queue requests
+            and  uncached(prompt) >= remote_min_tokens
+            and  that prefill worker has fewer than max_prefill_queue requests
 
-otherwise the decode worker prefills it (``Decode.Generate`` carrying the prompt). The prompt's
-whole length stands in for its uncached length: the gateway does not see the workers' prefix
-caches yet. With no prefill pool at all (``tandem up --mode colocated``) every prompt is local.
+otherwise the decode worker prefills it (``Decode.Generate`` carrying the prompt).
+``uncached(prompt)`` is the prompt's length minus the prefix the chosen decode worker already
+holds (the router follows every worker's prefix cache), so a conversation's next turn whose
+history is cached on its decode worker is prefilled there, cheaply. Prefill workers are tried
+in the router's order (overlap, then load). With no prefill pool at all (``tandem up --mode colocated``) every prompt is local.
 Each decision is counted in ``tandem:prefill_path_total{path="remote"|"local"}``.
 
 Knobs (``tandem serve gateway`` flags): ``--remote-prefill-min-tokens`` (0 sends every prompt
@@ -49,8 +51,8 @@ class PrefillPolicy:
         return self
 
     def prefill_remotely(self, prompt_tokens: int, prefill_load: int | None) -> bool:
-        """Whether a prompt of ``prompt_tokens`` goes to the prefill pool, whose least-loaded
-        healthy worker has ``prefill_load`` requests (None: no healthy prefill worker)."""
+        """Whether a prompt with ``prompt_tokens`` uncached tokens goes to a prefill worker that
+        has ``prefill_load`` requests (None: no healthy prefill worker)."""
         return (
             prefill_load is not None
             and prompt_tokens >= self.remote_min_tokens

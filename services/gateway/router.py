@@ -1,17 +1,31 @@
-"""Least-loaded routing over the prefill and decode pools, from polled worker statistics.
+"""KV-aware, load-aware routing over the prefill and decode pools.
 
-The gateway knows two things about each worker:
+The gateway knows three things about each worker:
 
 1. what the worker last said about itself (``GetStats`` polled every ``interval_s``, after a
    gRPC health check: a worker that is not SERVING, e.g. draining for shutdown, takes no new
    work);
 2. how many of the gateway's own requests it is serving right now (``in_flight``), which is
-   exact and current, unlike a stats snapshot up to one interval old.
+   exact and current, unlike a stats snapshot up to one interval old;
+3. which prompt prefixes its KV cache holds (``prefix_index.py``: the worker's
+   ``PrefixCache.Watch`` stream, a snapshot then every key stored or evicted).
 
-A worker's load is ``max(in_flight, num_running + num_waiting)`` (the larger covers requests
-from other gateways), ties broken by KV-cache usage and then round-robin, so equal workers share
-a burst instead of the first one taking all of it. A worker whose call fails with UNAVAILABLE is
-marked down at once (:meth:`Router.mark_down`) and comes back at its next good poll.
+A worker's load is ``load(w) = max(in_flight, num_running + num_waiting)`` (the larger covers
+requests from other gateways). For a prompt of ``B`` full blocks, of which worker ``w`` holds the
+first ``cached(w)``, the router ranks candidates by
+
+    cost(w) = overlap_weight * (B - cached(w)) + load_weight * load(w)
+
+lowest first, ties broken by KV-cache usage and then round-robin (equal workers share a burst
+instead of the first one taking all of it). Both terms count work: blocks the worker would have
+to prefill, and requests ahead of this one; ``load_weight`` is how many blocks of recomputation
+one queued request is worth. So a conversation's next turn, or a prompt sharing a long system
+prompt, goes where its KV already is, until that worker is ``load_weight / overlap_weight``
+requests per cached block busier than another. ``overlap_weight = 0`` turns KV-aware routing off
+(least-loaded, and no feed is watched). Flags: ``--kv-overlap-weight``, ``--kv-load-weight``.
+
+A worker whose call fails with UNAVAILABLE is marked down at once (:meth:`Router.mark_down`) and
+comes back at its next good poll.
 """
 
 from __future__ import annotations
@@ -25,11 +39,18 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import TandemError, UnavailableError
+from services.common.metrics import TandemMetrics
 from services.common.periodic import Periodic
 from services.common.pb import common_pb2
+from services.common.prefix_hash import routing_keys
 from services.gateway.backend import Role, WorkerClient
+from services.gateway.config import RoutingWeights
+from services.gateway.prefix_index import PrefixIndex, PrefixWatcher
 
 logger = logging.getLogger(__name__)
+
+_ASSUMED_BLOCK_SIZE = 16
+"""Block size credited to a worker whose feed has not reported one yet (its overlap is 0)."""
 
 
 @dataclass(slots=True)
@@ -72,8 +93,23 @@ class WorkerState:
         return out
 
 
+class PromptKeys:
+    """A prompt's routing keys, hashed once per block size and only when some worker has a
+    prefix-cache snapshot to compare them with."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._keys: dict[int, list[int]] = {}
+
+    def keys(self, block_size: int) -> list[int]:
+        if block_size not in self._keys:
+            self._keys[block_size] = routing_keys(self.token_ids, block_size)
+        return self._keys[block_size]
+
+
 class Router:
-    """Picks the least-loaded healthy worker of a role; polls worker stats in the background."""
+    """Ranks healthy workers of a role by prefix overlap and load; polls worker stats and
+    follows their prefix caches in the background."""
 
     def __init__(
         self,
@@ -81,7 +117,14 @@ class Router:
         decode: Sequence[WorkerClient],
         *,
         interval_s: float = 1.0,
+        weights: RoutingWeights = RoutingWeights(),
+        metrics: TandemMetrics | None = None,
     ) -> None:
+        self.weights = weights.validate()
+        self.metrics = metrics
+        self.prefix_index = PrefixIndex()
+        self._watcher = PrefixWatcher(self.prefix_index) if weights.kv_aware else None
+        self._started = False
         self._pools: dict[Role, list[WorkerState]] = {
             "prefill": [WorkerState(c) for c in prefill],
             "decode": [WorkerState(c) for c in decode],
@@ -104,6 +147,11 @@ class Router:
             logger.info("%s pool changed: added %s, dropped %s", role, added or "none",
                         dropped or "none")  # fmt: skip
         self._pools[role] = pool
+        self._sync_watcher()
+
+    def _sync_watcher(self) -> None:
+        if self._watcher is not None and self._started:
+            self._watcher.sync(w.client for pool in self._pools.values() for w in pool)
 
     def workers(self, role: Role) -> tuple[WorkerState, ...]:
         return tuple(self._pools[role])
@@ -112,13 +160,14 @@ class Router:
         return sum(1 for w in self._pools[role] if w.healthy)
 
     # ---- choosing -------------------------------------------------------------------------
-    def pick(self, role: Role) -> WorkerState:
-        """The least-loaded healthy worker of ``role``.
+    def pick(self, role: Role, prompt: PromptKeys | None = None) -> WorkerState:
+        """The best healthy worker of ``role`` for ``prompt`` (least cost; see the module).
 
         Raises:
             UnavailableError: no worker of that role is healthy (HTTP 503).
         """
-        worker = self.least_loaded(role)
+        ranked = self.ranked(role, prompt=prompt)
+        worker = ranked[0] if ranked else None
         if worker is None:
             raise UnavailableError(
                 f"no healthy {role} worker is available (of {len(self._pools[role])} "
@@ -133,16 +182,41 @@ class Router:
         return ranked[0] if ranked else None
 
     def ranked(
-        self, role: Role, *, exclude: Collection[str] = ()
+        self,
+        role: Role,
+        *,
+        exclude: Collection[str] = (),
+        prompt: PromptKeys | None = None,
     ) -> list[WorkerState]:
-        """Every healthy worker of ``role`` not in ``exclude`` (addresses), best first (ties
-        rotate between calls)."""
+        """Every healthy worker of ``role`` not in ``exclude`` (addresses), lowest cost first
+        for ``prompt`` (by load alone without one); ties rotate between calls."""
         candidates = [w for w in self._pools[role] if w.healthy and w.address not in exclude]
         if not candidates:
             return []
         start = next(self._turns[role]) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
-        return sorted(rotated, key=WorkerState.load)
+        if prompt is None or not self.weights.kv_aware:
+            return sorted(rotated, key=WorkerState.load)
+        return sorted(rotated, key=lambda w: self._cost(w, prompt))
+
+    def _cost(self, worker: WorkerState, prompt: PromptKeys) -> tuple[float, float]:
+        load, usage = worker.load()
+        cost = self.weights.load_weight * load
+        block_size = self.prefix_index.block_size(worker.address)
+        if block_size is not None:
+            keys = prompt.keys(block_size)
+            uncached = len(keys) - self.prefix_index.overlap_blocks(worker.address, keys)
+            cost += self.weights.overlap_weight * uncached
+        else:  # nothing known: as if nothing were cached
+            cost += self.weights.overlap_weight * (len(prompt.token_ids) // _ASSUMED_BLOCK_SIZE)
+        return cost, usage
+
+    def cached_tokens(self, worker: WorkerState, prompt: PromptKeys) -> int:
+        """Leading prompt tokens ``worker``'s prefix cache holds, as far as the router knows."""
+        block_size = self.prefix_index.block_size(worker.address)
+        if block_size is None:
+            return 0
+        return self.prefix_index.overlap_blocks(worker.address, prompt.keys(block_size)) * block_size
 
     @contextlib.contextmanager
     def lease(self, worker: WorkerState) -> Iterator[WorkerState]:
@@ -198,6 +272,7 @@ class Router:
         worker.last_error = error
         if stats is not None:
             worker.stats = stats
+            self._record(worker, stats)
         if was_healthy != worker.healthy:
             log = logger.info if worker.healthy else logger.warning
             log(
@@ -206,10 +281,37 @@ class Router:
                 extra={"worker": worker.address, "role": worker.client.role, "error": error},
             )
 
+    def _record(self, worker: WorkerState, stats: common_pb2.WorkerStats) -> None:
+        if self.metrics is None:
+            return
+        labels = {"role": worker.client.role, "worker": worker.address}
+        queries = stats.prefix_cache_query_tokens
+        hit_rate = stats.prefix_cache_hit_tokens / queries if queries else 0.0
+        self.metrics.worker_prefix_cache_hit_rate.labels(**labels).set(hit_rate)
+        self.metrics.worker_prefix_cache_blocks.labels(**labels).set(
+            self.prefix_index.num_keys(worker.address)
+        )
+
+    def describe(self, worker: WorkerState) -> dict[str, object]:
+        """``worker.describe()`` plus what the router knows of its prefix cache (``/ready``)."""
+        out = worker.describe()
+        if worker.stats is not None and worker.stats.prefix_cache_query_tokens:
+            out["prefix_cache_hit_rate"] = round(
+                worker.stats.prefix_cache_hit_tokens / worker.stats.prefix_cache_query_tokens, 4
+            )
+        if self._watcher is not None:
+            out["prefix_cache_blocks"] = self.prefix_index.num_keys(worker.address)
+        return out
+
     async def start(self) -> None:
         """Poll once now, then every ``interval_s`` in a background task."""
         await self.poll_once()
         self._poller.start()
+        self._started = True
+        self._sync_watcher()
 
     async def stop(self) -> None:
+        self._started = False
         await self._poller.stop()
+        if self._watcher is not None:
+            await self._watcher.stop()

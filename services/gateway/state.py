@@ -27,6 +27,7 @@ from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.choice import ChoiceDeps
 from services.gateway.config import GatewayConfig
+from services.gateway.decode_admission import DecodeAdmission
 from services.gateway.membership import Membership
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.router import Router
@@ -127,6 +128,11 @@ class GatewayState:
             count_prefill_path=self._count_prefill_path,
             max_migrations=self.config.max_migrations,
             count_migration=self.metrics.migrations.inc,
+            admission=DecodeAdmission(
+                self.router, self.spawn, timeout_s=self.config.decode_admission_timeout_s,
+                count_wait=self.metrics.decode_admission_waits.inc,
+                count_timeout=self.metrics.decode_admission_timeouts.inc,
+            ),
         )
 
     def _count_prefill_path(self, path: str) -> None:

@@ -82,8 +82,8 @@ async def ready(request: web.Request) -> web.Response:
         "problems": problems,
         "model": state.served_names[0] if state.served_names else None,
         "tokenizer": {"address": state.backend.tokenizer.address, "status": tokenizer_status},
-        "prefill": [w.describe() for w in router.workers("prefill")],
-        "decode": [w.describe() for w in router.workers("decode")],
+        "prefill": [router.describe(w) for w in router.workers("prefill")],
+        "decode": [router.describe(w) for w in router.workers("decode")],
         "in_flight": state.admission.in_flight,
     }
     return web.json_response(body, status=200 if not problems else 503)

@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "lease_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    lease_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("request_id", "num_blocks", "lease_seconds", "kv_blocks_free")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_blocks: int
+    lease_seconds: float
+    kv_blocks_free: int
+    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., kv_blocks_free: _Optional[int] = ...) -> None: ...
+
 class KVTransferMessage(_message.Message):
     __slots__ = ("header", "chunk", "commit")
     HEADER_FIELD_NUMBER: _ClassVar[int]

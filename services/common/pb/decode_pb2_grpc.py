@@ -36,6 +36,11 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Reserve = channel.unary_unary(
+                '/tandem.v1.Decode/Reserve',
+                request_serializer=tandem_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.TransferKV = channel.stream_unary(
                 '/tandem.v1.Decode/TransferKV',
                 request_serializer=tandem_dot_v1_dot_decode__pb2.KVTransferMessage.SerializeToString,
@@ -62,6 +67,13 @@ class DecodeServicer:
     """Memory-bound generation over KV received from prefill, with continuous batching.
     """
 
+    def Reserve(self, request, context):
+        """Reserve a request's destination KV blocks before its prefill starts (lifecycle step 0).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TransferKV(self, request_iterator, context):
         """Receive a request's KV blocks from prefill; see the lifecycle above.
         """
@@ -78,7 +90,7 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Cancel a request: leave the batch, free its blocks, drop a pending transfer.
+        """Cancel a request: leave the batch, free its blocks, drop a reservation or pending transfer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +106,11 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
+            ),
             'TransferKV': grpc.stream_unary_rpc_method_handler(
                     servicer.TransferKV,
                     request_deserializer=tandem_dot_v1_dot_decode__pb2.KVTransferMessage.FromString,
@@ -125,6 +142,33 @@ def add_DecodeServicer_to_server(servicer, server):
 class Decode:
     """Memory-bound generation over KV received from prefill, with continuous batching.
     """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/Reserve',
+            tandem_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def TransferKV(request_iterator,

@@ -14,7 +14,9 @@ of ids returned here; token ``t`` lives in ``block_ids[t // block_size]`` at slo
 Prefix caching keys every *full* block by a hash chain, ``key_i = sha256(key_{i-1} || tokens_i)``
 with token ids packed as little-endian int64 and ``key_{-1} = b""``. The key of block i therefore
 names the whole prefix up to the end of block i, and is the same in every process, so a router
-elsewhere can compute it with :func:`block_hashes` and ask who holds a prefix.
+elsewhere can compute it with :func:`block_hashes` (``services/common/prefix_hash.py``) and ask
+who holds a prefix. ``on_event`` (optional) hears every key stored, evicted or cleared, in order:
+the feed a worker publishes to KV-aware routers.
 
 A block is always in exactly one of three states::
 
@@ -43,14 +45,20 @@ short it raises :class:`NoFreeBlocksError` and changes nothing.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError, TandemError
+from services.common.prefix_hash import block_hashes, chain_hash, iter_block_hashes
+
+__all__ = ["BlockManager", "BlockManagerStats", "DoubleFreeError", "NoFreeBlocksError",
+           "PrefixAllocation", "PrefixEvent", "block_hashes"]
+
+PrefixEvent = Callable[[str, Sequence[bytes]], None]
+"""``on_event(kind, digests)``: ``kind`` is ``"stored"`` (keys now cached), ``"removed"``
+(evicted) or ``"cleared"`` (every key dropped; ``digests`` empty). Called on the mutating thread."""
 
 logger = logging.getLogger(__name__)
 
@@ -61,34 +69,6 @@ class NoFreeBlocksError(ResourceExhaustedError):
 
 class DoubleFreeError(TandemError):
     """A block was freed more often than it was referenced: a bug in the caller (gRPC INTERNAL)."""
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Hash-chain keys of the full blocks of ``token_ids`` (a trailing partial block has none).
-
-    Args:
-        token_ids: the token sequence, from its first token.
-        block_size: tokens per block.
-
-    Returns:
-        ``len(token_ids) // block_size`` 32-byte sha256 digests; entry i names the prefix
-        ``token_ids[: (i + 1) * block_size]``.
-    """
-    if block_size < 1:
-        raise InvalidArgumentError("block_size must be positive", param="block_size")
-    return list(_iter_block_hashes(token_ids, block_size))
-
-
-def _iter_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[bytes]:
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _chain_hash(parent, token_ids[start : start + block_size])
-        yield parent
-
-
-def _chain_hash(parent: bytes, block_tokens: Sequence[int]) -> bytes:
-    payload = struct.pack(f"<{len(block_tokens)}q", *block_tokens)
-    return hashlib.sha256(parent + payload).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +116,11 @@ class BlockManager:
     """Hands out KV block ids with reference counts and a hash-chain prefix cache."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_event: PrefixEvent | None = None,
     ) -> None:
         if num_blocks < 1:
             raise InvalidArgumentError("num_blocks must be positive", param="num_blocks")
@@ -152,6 +136,7 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._prefix_hits = 0
         self._prefix_queries = 0
+        self.on_event = on_event
 
     # ----------------------------------------------------------------------------- queries
 
@@ -186,6 +171,11 @@ class BlockManager:
         Read-only (no reference counts, LRU order or statistics change), for routing decisions.
         """
         return len(self._match(token_ids)) * self.block_size
+
+    def cached_digests(self) -> list[bytes]:
+        """Every key the prefix cache holds now (blocks in use or evictable): a snapshot that,
+        with the ``on_event`` calls after it, is the cache's exact contents."""
+        return list(self._hash_to_block)
 
     def stats(self) -> BlockManagerStats:
         """A snapshot of occupancy and prefix-cache counters."""
@@ -271,6 +261,7 @@ class BlockManager:
             return
         num_full = min(len(token_ids) // self.block_size, len(block_ids))
         parent = b""
+        stored: list[bytes] = []
         for i in range(num_full):
             block_id = block_ids[i]
             known = self._block_hash.get(block_id)
@@ -283,10 +274,13 @@ class BlockManager:
                     f"cannot cache block {block_id}: it is not in use", param="block_ids"
                 )
             start = i * self.block_size
-            parent = _chain_hash(parent, token_ids[start : start + self.block_size])
+            parent = chain_hash(parent, token_ids[start : start + self.block_size])
             if parent not in self._hash_to_block:
                 self._hash_to_block[parent] = block_id
                 self._block_hash[block_id] = parent
+                stored.append(parent)
+        if stored and self.on_event is not None:
+            self.on_event("stored", stored)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block, tail first.
@@ -323,6 +317,8 @@ class BlockManager:
         self._evictable.clear()
         self._block_hash.clear()
         self._hash_to_block.clear()
+        if self.on_event is not None:
+            self.on_event("cleared", ())
 
     # ----------------------------------------------------------------------------- internals
 
@@ -332,7 +328,7 @@ class BlockManager:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size if token_ids else 0
         matched: list[int] = []
-        for key in _iter_block_hashes(token_ids[: max_blocks * self.block_size], self.block_size):
+        for key in iter_block_hashes(token_ids[: max_blocks * self.block_size], self.block_size):
             block_id = self._hash_to_block.get(key)
             if block_id is None:
                 break
@@ -347,6 +343,8 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)
             key = self._block_hash.pop(block_id)
             del self._hash_to_block[key]
+            if self.on_event is not None:
+                self.on_event("removed", (key,))
         self._ref[block_id] = 1
         return block_id
 

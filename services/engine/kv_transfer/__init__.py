@@ -6,9 +6,10 @@ one small module each:
 - ``sender.KVSender`` (prefill): reads a prefilled request's held blocks and streams header,
   chunks (each with a crc32) and commit, under a lease (``lease.LeaseTable``) that frees the
   blocks on ack, failure, abort or expiry — exactly once.
-- ``receiver.KVReceiver`` (decode): checks the layout, allocates destination blocks before data
-  moves, writes checked chunks, parks committed KV until ``Generate`` claims it, frees on every
-  failure path.
+- ``receiver.KVReceiver`` (decode): reserves destination blocks under a lease before the
+  prefill starts (``Decode.Reserve``, optional), checks the layout, takes the reserved blocks or
+  allocates them before data moves, writes checked chunks, parks committed KV until ``Generate``
+  claims it, frees on every failure path.
 - ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
   default, ``Decode.TransferKV`` client streams) and ``transport.InProcessTransport`` (a direct
   call into a receiver object, for tests); both run the same sender and receiver state machines.
@@ -22,7 +23,7 @@ from __future__ import annotations
 from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.lease import LeaseTable
 from services.engine.kv_transfer.payload import PrefilledRequest
-from services.engine.kv_transfer.receiver import KVReceiver, ReceiveState
+from services.engine.kv_transfer.receiver import KVReceiver, ReceiveState, Reservation
 from services.engine.kv_transfer.sender import (
     KVSender,
     SendState,
@@ -46,6 +47,7 @@ __all__ = [
     "LeaseTable",
     "PrefilledRequest",
     "ReceiveState",
+    "Reservation",
     "SendState",
     "TransferResult",
 ]

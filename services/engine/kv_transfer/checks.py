@@ -6,10 +6,14 @@
   2. Each chunk: it starts where the previous one ended, stays inside the payload, matches its
      crc32 and names the blocks its bytes touch (DATA_LOSS).
   3. Commit: the byte and chunk totals match what arrived (DATA_LOSS).
+
+A reservation (``Decode.Reserve``, before the header) names its request, a prompt of at least one
+token that fits the context, and a lease that is not negative (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 
 from services.common.errors import DataLossError, InvalidArgumentError
@@ -52,6 +56,23 @@ def check_header(
         first_logprob = token_logprobs_from_proto(header.first_logprob, TokenLogprobs)
     return PrefilledRequest(header.request_id, tokens, params, header.first_token_id, first_logprob,
                             header.num_blocks, min(header.num_cached_tokens, len(tokens)))
+
+
+def check_reservation(
+    request_id: str, num_tokens: int, lease_seconds: float, *, max_model_len: int
+) -> None:
+    """Check a ``Reserve`` call's arguments (the same prompt limits as a header's)."""
+    if not request_id:
+        raise InvalidArgumentError("the reservation has no request id", param="request_id")
+    if num_tokens < 1:
+        raise InvalidArgumentError("a reservation needs at least one token", param="num_tokens")
+    if num_tokens + 1 > max_model_len:
+        raise InvalidArgumentError(
+            f"the prompt does not fit the {max_model_len}-token context", param="num_tokens"
+        )
+    if not (math.isfinite(lease_seconds) and lease_seconds >= 0):
+        raise InvalidArgumentError("lease_seconds must be >= 0 (0: the worker's default)",
+                                   param="lease_seconds")
 
 
 def check_chunk(chunk: decode_pb2.KVChunk, received: int, total_bytes: int, block_bytes: int) -> None:

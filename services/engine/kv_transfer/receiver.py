@@ -1,11 +1,22 @@
-"""Decode side of the KV hand-off: receive a request's KV into freshly allocated blocks.
+"""Decode side of the KV hand-off: reserve a request's blocks, then receive its KV into them.
 
 One transfer's state machine (ReceiveState), keyed by request id:
 
+  0. RESERVED  — (optional) ``reserve`` ran before the prefill started ("reserve before
+                 compute"): the blocks its prompt's KV needs were allocated on the engine thread
+                 and are held under the request id for a lease (``reservation_lease_seconds`` by
+                 default). No room: RESOURCE_EXHAUSTED at once, nothing allocated, no entry, so
+                 the gateway tries another decode worker before any prefill work is done. The
+                 header then takes these blocks (step 1). A lease that ends with no header frees
+                 them and drops the entry (no tombstone: a late header is served like one
+                 without a reservation, and a waiting ``Generate`` keeps waiting); an abort frees
+                 them like any other state. Counted in ``tandem:kv_reservations_total{outcome}``.
   1. ALLOCATED — the header passed its checks (``checks.py``; layout: FAILED_PRECONDITION,
-                 counts and params: INVALID_ARGUMENT) and its blocks were allocated on the engine
-                 thread before any data moved (no room: RESOURCE_EXHAUSTED, nothing allocated);
-                 then the transport's go-ahead lets the sender stream chunks.
+                 counts and params: INVALID_ARGUMENT) and has its blocks before any data moved:
+                 the reserved ones (the excess freed, a shortfall allocated), or, with no
+                 reservation, blocks allocated now on the engine thread (no room:
+                 RESOURCE_EXHAUSTED, nothing allocated); then the transport's go-ahead lets the
+                 sender stream chunks.
   2. RECEIVING — chunks arrive in offset order; each is checked (crc32, contiguity, block
                  indices: DATA_LOSS) and written into the blocks on the engine thread.
   3. COMMITTED — the commit's totals matched; the ack (accepted) goes back to prefill. The KV is
@@ -16,14 +27,15 @@ One transfer's state machine (ReceiveState), keyed by request id:
      FAILED    — any check failed, the stream broke or was cancelled, the request was aborted,
                  or it stalled / stayed parked too long: the blocks are freed at once. The entry
                  stays as a tombstone for ``park_seconds`` so a waiting or late ``Generate``
-                 learns why (and a header for an aborted request is refused).
+                 learns why (and a header or a reservation for an aborted request is refused).
 
 A failure after the go-ahead first drains what the sender still streams (bounded by
 ``DRAIN_SECONDS``), so the sender reads the real status instead of a broken pipe.
 
 ``claim`` may be called before the header arrives: it waits (up to its timeout) for the entry
-to reach COMMITTED or FAILED. Failures seen here count in
-``tandem:kv_transfer_failures_total{reason}``.
+to reach COMMITTED or FAILED. Transfer failures seen here count in
+``tandem:kv_transfer_failures_total{reason}`` (an aborted or expired reservation is no transfer
+failure).
 """
 
 from __future__ import annotations
@@ -40,13 +52,19 @@ from services.common.errors import (
     AbortedError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     TandemError,
     UnavailableError,
 )
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
 from services.engine.runtime.engine_loop import EngineLoop
-from services.engine.kv_transfer.checks import check_chunk, check_commit, check_header
+from services.engine.kv_transfer.checks import (
+    check_chunk,
+    check_commit,
+    check_header,
+    check_reservation,
+)
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
 from services.engine.kv_transfer.payload import PrefilledRequest, write_payload
@@ -56,6 +74,10 @@ logger = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 10.0
 """Longest a failed transfer keeps reading (and discarding) what the sender still streams."""
+DEFAULT_RESERVATION_LEASE_SECONDS = 30.0
+"""How long reserved blocks wait for their header when the caller asks for no lease."""
+MAX_RESERVATION_LEASE_SECONDS = 600.0
+"""Longest lease a caller may ask for (a longer default lease is granted as is)."""
 
 
 async def _drain(messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
@@ -66,6 +88,7 @@ async def _drain(messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
 
 
 class ReceiveState(enum.Enum):
+    RESERVED = "reserved"
     ALLOCATED = "allocated"
     RECEIVING = "receiving"
     COMMITTED = "committed"
@@ -73,7 +96,18 @@ class ReceiveState(enum.Enum):
     FAILED = "failed"
 
 
-_HOLDING = (ReceiveState.ALLOCATED, ReceiveState.RECEIVING, ReceiveState.COMMITTED)
+_HOLDING = (ReceiveState.RESERVED, ReceiveState.ALLOCATED, ReceiveState.RECEIVING,
+            ReceiveState.COMMITTED)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What ``reserve`` granted: blocks held for the request, for ``lease_seconds``."""
+
+    request_id: str
+    num_blocks: int
+    lease_seconds: float
+    kv_blocks_free: int  # allocatable on this worker after the grant
 
 
 @dataclass(slots=True)
@@ -86,6 +120,7 @@ class _Entry:
     aborted: bool = False
     owns_blocks: bool = False
     task: asyncio.Task[object] | None = None
+    expires: float = 0.0  # RESERVED: when the lease ends (time.monotonic)
 
 
 class KVReceiver:
@@ -96,9 +131,13 @@ class KVReceiver:
         engine_loop: EngineLoop,
         *,
         park_seconds: float = 30.0,
+        reservation_lease_seconds: float = DEFAULT_RESERVATION_LEASE_SECONDS,
         reap_interval: float | None = None,
         metrics: TandemMetrics | None = None,
     ) -> None:
+        if not (0 < reservation_lease_seconds < float("inf")):
+            raise InvalidArgumentError("the reservation lease must be positive",
+                                       param="reservation_lease_seconds")
         engine = engine_loop.engine
         self.engine_loop = engine_loop
         self.layout = engine_layout(engine)
@@ -106,7 +145,9 @@ class KVReceiver:
         self.vocab_size = engine.loaded.config.vocab_size
         self.max_model_len = engine.max_model_len
         self.park_seconds = park_seconds
-        self.reap_interval = reap_interval if reap_interval is not None else min(1.0, park_seconds / 4)
+        self.reservation_lease_seconds = reservation_lease_seconds
+        self.reap_interval = (reap_interval if reap_interval is not None
+                              else min(1.0, park_seconds / 4, reservation_lease_seconds / 4))
         self.metrics = metrics
         self._entries: dict[str, _Entry] = {}
         self._changed: asyncio.Future[None] | None = None
@@ -133,8 +174,75 @@ class KVReceiver:
 
     @property
     def num_pending(self) -> int:
-        """Transfers holding blocks but not yet generating (receiving or parked)."""
+        """Requests holding blocks but not yet generating (reserved, receiving or parked)."""
         return sum(1 for entry in self._entries.values() if entry.state in _HOLDING)
+
+    # ------------------------------------------------------------------ reserving
+    async def reserve(
+        self, request_id: str, num_tokens: int, lease_seconds: float = 0.0
+    ) -> Reservation:
+        """Hold the blocks ``num_tokens`` prompt tokens' KV will fill, before the prefill starts
+        (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; capped at
+        ``MAX_RESERVATION_LEASE_SECONDS`` unless the default is longer).
+
+        Raises:
+            InvalidArgumentError: bad arguments (``checks.check_reservation``), or the request
+                id already has a reservation or a transfer here (a duplicate is refused, not
+                merged: two callers must never share an id).
+            ResourceExhaustedError: no room; nothing was allocated and nothing is kept.
+            AbortedError: the request was aborted here (before or during the allocation).
+        """
+        check_reservation(request_id, num_tokens, lease_seconds, max_model_len=self.max_model_len)
+        if lease_seconds == 0:
+            lease = self.reservation_lease_seconds
+        else:
+            lease = min(lease_seconds, max(MAX_RESERVATION_LEASE_SECONDS,
+                                           self.reservation_lease_seconds))
+        num_blocks = -(-num_tokens // self.layout.block_size)
+        old = self._entries.get(request_id)
+        if old is not None and old.aborted:
+            raise AbortedError(f"request {request_id!r} was aborted", code="aborted")
+        if old is not None and old.state is not ReceiveState.FAILED:
+            raise InvalidArgumentError(
+                f"request {request_id!r} already has a reservation or a KV transfer here",
+                param="request_id",
+            )
+        now = time.monotonic()
+        entry = _Entry(request_id, ReceiveState.RESERVED, now, owns_blocks=True,
+                       expires=now + lease)
+        self._entries[request_id] = entry
+        try:
+            await self.engine_loop.allocate_blocks(request_id, num_blocks)
+        except ResourceExhaustedError:
+            self._drop_reservation(entry, release=False)  # nothing was allocated
+            self._count_reservation("refused")
+            logger.info("KV reservation refused: no room for %d blocks", num_blocks,
+                        extra={"request_id": request_id})
+            raise
+        except TandemError:
+            self._drop_reservation(entry, release=False)  # refused: nothing was allocated
+            raise
+        except BaseException:  # cancelled: the allocation may still complete
+            self._drop_reservation(entry, release=True)
+            raise
+        if self._entries.get(request_id) is not entry or entry.state is ReceiveState.FAILED:
+            # Aborted (or expired) during the allocation; its release was queued after it.
+            raise entry.error or AbortedError(f"request {request_id!r} was aborted", code="aborted")
+        self._count_reservation("granted")
+        return Reservation(request_id, num_blocks, lease, self.engine_loop.stats.num_blocks_free)
+
+    def _drop_reservation(self, entry: _Entry, *, release: bool) -> None:
+        """Forget a reservation still waiting for its header (no tombstone); free its blocks
+        when ``release``. A no-op once a header took the entry over or it failed."""
+        if self._entries.get(entry.request_id) is not entry:
+            return
+        if entry.state is not ReceiveState.RESERVED:
+            return
+        del self._entries[entry.request_id]
+        entry.state = ReceiveState.FAILED
+        if release:
+            self.engine_loop.release_nowait(entry.request_id)
+        self._notify()
 
     # ------------------------------------------------------------------ receiving
     async def receive(
@@ -156,7 +264,7 @@ class KVReceiver:
         try:
             ready = check_header(header, self.layout, block_bytes=self.block_bytes,
                                  vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-            entry = self._admit(ready)
+            entry, reserved = self._admit(ready)
         except TandemError as err:
             self._count_failure(err)
             raise
@@ -164,9 +272,12 @@ class KVReceiver:
         try:
             entry.owns_blocks = True  # a cancelled allocation may still complete
             try:
-                await self.engine_loop.allocate_blocks(ready.request_id, header.num_blocks)
+                if reserved:  # take the reserved blocks: free the excess, allocate a shortfall
+                    await self.engine_loop.resize_held(ready.request_id, header.num_blocks)
+                else:
+                    await self.engine_loop.allocate_blocks(ready.request_id, header.num_blocks)
             except TandemError:
-                entry.owns_blocks = False  # refused: nothing was allocated
+                entry.owns_blocks = reserved  # refused: only reserved blocks are held
                 raise
             if entry.state is ReceiveState.FAILED:  # aborted during the allocation
                 return self._ack(entry, header, 0)
@@ -215,10 +326,15 @@ class KVReceiver:
             raise InvalidArgumentError("the KV transfer ended without a commit")
         return received
 
-    def _admit(self, ready: PrefilledRequest) -> _Entry:
+    def _admit(self, ready: PrefilledRequest) -> tuple[_Entry, bool]:
+        """The entry this header's transfer runs in, and whether it was reserved."""
         old = self._entries.get(ready.request_id)
         if old is not None and old.aborted:
             raise AbortedError(f"request {ready.request_id!r} was aborted", code="aborted")
+        if old is not None and old.state is ReceiveState.RESERVED:
+            old.state, old.since, old.ready = ReceiveState.ALLOCATED, time.monotonic(), ready
+            old.task = asyncio.current_task()
+            return old, True
         if old is not None and old.state is not ReceiveState.FAILED:
             raise InvalidArgumentError(
                 f"a KV transfer for request {ready.request_id!r} already exists",
@@ -227,7 +343,7 @@ class KVReceiver:
         entry = _Entry(ready.request_id, ReceiveState.ALLOCATED, time.monotonic(), ready=ready,
                        task=asyncio.current_task())
         self._entries[ready.request_id] = entry
-        return entry
+        return entry, False
 
     async def _write_chunk(
         self, entry: _Entry, header: decode_pb2.KVHeader, chunk: decode_pb2.KVChunk, received: int
@@ -269,7 +385,8 @@ class KVReceiver:
                 await asyncio.wait_for(asyncio.shield(self._change()), remaining)
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        """Fail the request's transfer and free its blocks; a later header is refused."""
+        """Fail the request's reservation or transfer and free its blocks; a later header or
+        reservation is refused."""
         entry = self._entries.get(request_id)
         if entry is None:
             entry = _Entry(request_id, ReceiveState.FAILED, time.monotonic(),
@@ -293,16 +410,25 @@ class KVReceiver:
         if entry.state is ReceiveState.FAILED:
             return
         holding = entry.state in _HOLDING and entry.owns_blocks
+        reservation = entry.state is ReceiveState.RESERVED  # no transfer had started
         entry.error = error
         self._set(entry, ReceiveState.FAILED)
         if holding:
             self.engine_loop.release_nowait(entry.request_id)
+        if reservation:
+            logger.info("KV reservation freed: %s", error.message,
+                        extra={"request_id": entry.request_id})
+            return
         self._count_failure(error)
         logger.info("KV transfer failed: %s", error.message, extra={"request_id": entry.request_id})
 
     def _count_failure(self, error: TandemError) -> None:
         if self.metrics is not None:
             self.metrics.kv_transfer_failures.labels(reason=failure_reason(error)).inc()
+
+    def _count_reservation(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_reservations.labels(outcome=outcome).inc()
 
     def _change(self) -> asyncio.Future[None]:
         if self._changed is None or self._changed.done():
@@ -314,9 +440,17 @@ class KVReceiver:
             self._changed.set_result(None)
 
     def reap(self, now: float | None = None) -> None:
-        """Fail stalled or unclaimed transfers; forget old tombstones."""
+        """Free reservations whose lease ended; fail stalled or unclaimed transfers; forget old
+        tombstones."""
         now = time.monotonic() if now is None else now
         for entry in list(self._entries.values()):
+            if entry.state is ReceiveState.RESERVED:
+                if now >= entry.expires:
+                    self._drop_reservation(entry, release=True)
+                    self._count_reservation("expired")
+                    logger.warning("KV reservation expired: no header within its lease",
+                                   extra={"request_id": entry.request_id})
+                continue
             if now - entry.since < self.park_seconds:
                 continue
             if entry.state is ReceiveState.FAILED:

@@ -186,6 +186,18 @@ class EngineLoop:
 
         return await self.call(allocate)
 
+    async def resize_held(self, request_id: str, num_blocks: int) -> list[int]:
+        """Make the blocks held for ``request_id`` exactly ``num_blocks`` (a reservation meeting
+        its transfer: allocate the shortfall, free the excess); with none held, allocate them
+        like :meth:`allocate_blocks`. ResourceExhaustedError when no room; then nothing changed."""
+
+        def resize(engine: LLMEngine) -> list[int]:
+            if request_id not in self._held:
+                self._check_free_id(request_id)
+            return list(self._held.resize(request_id, num_blocks))
+
+        return await self.call(resize)
+
     async def release(self, request_id: str) -> bool:
         """Free the blocks held for ``request_id``; False when none were held."""
         return await self.call(lambda engine: self._held.release(request_id))

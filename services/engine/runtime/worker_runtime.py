@@ -8,7 +8,8 @@ Worker start-up (:func:`start_worker`, every role):
   2. On the engine thread (``EngineLoop.build_and_start``, which says why): load the model (and
      its tokenizer when it has one), build the :class:`LLMEngine`, then run the engine loop.
   3. The role builds its worker (transfer machinery) and servicer; then
-     the gRPC server and the metrics endpoint; return a handle.
+     the gRPC server (the role's service plus ``PrefixCache``, the prefix-cache feed KV-aware
+     routers watch) and the metrics endpoint; return a handle.
   4. :func:`run_worker` / :func:`serve_until_signal` wait for SIGINT / SIGTERM, then stop the
      handle gracefully.
 """
@@ -30,10 +31,14 @@ from services.common.errors import InvalidArgumentError, ModelLoadError
 from services.common.grpc_server import AddServicerFn, GrpcServerHandle, ServicerSpec, start_grpc_server
 from services.common.metrics import MetricsHttpServer, TandemMetrics, serve_metrics_http
 from services.common.model_source import ModelSource
+from services.common.pb import prefix_cache_pb2_grpc
 from services.engine.core.engine import LLMEngine
 from services.engine.core.loaders import LoadedModel, load_model, parse_dtype
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.output_text import OutputText
+from services.engine.runtime.prefix_cache_feed import PrefixCacheFeed
+from services.engine.runtime.prefix_cache_servicer import SERVICE_NAME as PREFIX_CACHE_SERVICE
+from services.engine.runtime.prefix_cache_servicer import PrefixCacheServicer
 from services.engine.runtime.worker_servicer import RoleWorker, WorkerServicer
 from services.engine.runtime.worker_options import WorkerOptions
 from services.tokenizer.tokenizer import Tokenizer
@@ -63,6 +68,7 @@ class WorkerHandle:
     metrics: TandemMetrics
     metrics_http: MetricsHttpServer | None
     address: str
+    prefix_feed: PrefixCacheFeed | None = None
 
     @property
     def port(self) -> int:
@@ -70,7 +76,10 @@ class WorkerHandle:
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving (in-flight RPCs get ``grace`` seconds, then are cancelled and free what
-        they hold), free every lease / parked transfer, stop the engine thread."""
+        they hold), free every lease / parked transfer, stop the engine thread. Prefix-cache
+        watchers are ended first: their streams never finish on their own."""
+        if self.prefix_feed is not None:
+            self.prefix_feed.close()
         await self.server.stop(grace)
         await self.worker.close()
         await self.engine_loop.stop()
@@ -174,10 +183,19 @@ async def start_worker(
         await engine_loop.stop()
         raise
     worker.start()
+    feed = PrefixCacheFeed(engine_loop)
+    await feed.attach()
+    prefix_servicer = PrefixCacheServicer(
+        feed, worker_id=options.worker_id or role,
+        block_size=engine_loop.engine.block_manager.block_size,
+    )  # fmt: skip
     handle = await start_serving(
         role, options, engine_loop=engine_loop, worker=worker, metrics=metrics,
-        servicers=[(add_servicer, servicer, service_name)],
+        servicers=[(add_servicer, servicer, service_name),
+                   (prefix_cache_pb2_grpc.add_PrefixCacheServicer_to_server, prefix_servicer,
+                    PREFIX_CACHE_SERVICE)],
     )  # fmt: skip
+    handle.prefix_feed = feed
     servicer.address = handle.address
     return handle
 

@@ -31,6 +31,8 @@ def worker_stats(
         kv_cache_usage=stats.kv_cache_usage,
         block_size=stats.block_size,
         address=address,
+        prefix_cache_hit_tokens=stats.prefix_hits,
+        prefix_cache_query_tokens=stats.prefix_queries,
     )
 
 
