@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from services.engine.core.engine import EngineConfig
 
 GIB = 1 << 30
+DEFAULT_GRACE_SECONDS = 5.0
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4")
 
@@ -42,6 +43,8 @@ class WorkerOptions:
         threads: intra-op threads of the engine (PyTorch and the native kernels); None keeps
             PyTorch's default (one per core it may run on).
         cpus: cores to pin the engine to; None runs anywhere.
+        grace: seconds in-flight RPCs get to finish when the worker stops (SIGTERM): it first
+            reports NOT_SERVING, so routers send it nothing new, and drains.
     """
 
     model: str = "default"
@@ -60,6 +63,7 @@ class WorkerOptions:
     enable_prefix_caching: bool = True
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
+    grace: float = DEFAULT_GRACE_SECONDS
 
     def engine_config(self) -> EngineConfig:
         """The engine limits these options describe (imports the engine, i.e. torch)."""
@@ -111,6 +115,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                              "tandem up plans it per worker)")
     parser.add_argument("--cpus", type=parse_cpus, default=None, metavar="LIST",
                         help="pin the engine to these cores, e.g. 0-3,6 (default: anywhere)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
+                        help="on SIGTERM: report NOT_SERVING, then let in-flight requests finish "
+                             f"for this long before cancelling them (default {DEFAULT_GRACE_SECONDS:g})")
 
 
 def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
@@ -128,5 +135,5 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
-        threads=args.threads, cpus=args.cpus,
+        threads=args.threads, cpus=args.cpus, grace=args.grace,
     )

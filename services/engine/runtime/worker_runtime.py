@@ -131,7 +131,10 @@ async def start_serving(
     """Start the gRPC server (health + reflection) and the metrics endpoint for a worker whose
     engine loop already runs; on failure everything started here and before is stopped."""
     try:
-        server = await start_grpc_server(servicers, host=options.host, port=options.port)
+        if not options.grace >= 0:
+            raise InvalidArgumentError("--grace must be >= 0", param="grace")
+        server = await start_grpc_server(servicers, host=options.host, port=options.port,
+                                         grace=options.grace)  # fmt: skip
     except BaseException:
         await worker.close()
         await engine_loop.stop()
