@@ -232,6 +232,21 @@ def test_greedy_chat_matches_engine(stack: Stack, engine: Any) -> None:
     stack.wait_kv_idle()
 
 
+def test_tokenize_and_detokenize_agree_with_the_engines_tokenizer(stack: Stack, engine: Any) -> None:
+    def post(path: str, body: dict[str, Any]) -> Any:
+        request = urllib.request.Request(stack.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    ids = engine.tokenizer.encode_chat(OCEAN, add_generation_prompt=True)
+    tokenized = post("/tokenize", {"model": MODEL, "messages": OCEAN, "return_token_strs": True})
+    assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
+    assert tokenized["max_model_len"] > len(ids) and len(tokenized["token_strs"]) == len(ids)
+    assert post("/tokenize", {"prompt": FOX})["tokens"] == engine.tokenizer.encode(FOX)
+    assert post("/detokenize", {"tokens": engine.tokenizer.encode(FOX)})["prompt"] == FOX
+
+
 def test_greedy_completion_matches_engine(stack: Stack, engine: Any) -> None:
     ids = engine.tokenizer.encode(FOX)
     expected = engine(ids, 24)

@@ -5,7 +5,8 @@ the handlers share.
 :class:`~services.gateway.config.GatewayConfig` into a ``web.Application``:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
-  ``GET /health``, ``GET /ready``, ``GET /metrics``;
+  ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /health``,
+  ``GET /ready``, ``GET /metrics``;
 - the OpenAI error middleware (every failure is ``{"error": {...}}`` with OpenAI's status);
 - ``client_max_size`` = ``max_body_bytes``, so larger bodies are refused with 413.
 
@@ -37,6 +38,7 @@ from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy, load_policy
 from services.gateway.state import STATE_KEY, GatewayState
 from services.gateway.status_routes import health, model, models, ready
+from services.gateway.token_routes import detokenize, tokenize, version_route
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,9 @@ def build_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version_route)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_handler(state.metrics))

@@ -129,7 +129,7 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
     """Validate a chat completions body; raise InvalidArgumentError / NotFoundError."""
     obj = require_object(body)
     model = _parse_model(obj, served_models)
-    messages = _parse_messages(obj)
+    messages = parse_messages(obj)
     _reject_unsupported(obj, ("tools", "functions", "response_format", "logit_bias"))
     stream, include_usage = _parse_stream(obj)
 
@@ -219,7 +219,7 @@ def _parse_model(obj: Mapping[str, object], served_models: Sequence[str]) -> str
     return model
 
 
-def _parse_messages(obj: Mapping[str, object]) -> tuple[ChatMessage, ...]:
+def parse_messages(obj: Mapping[str, object]) -> tuple[ChatMessage, ...]:
     raw = obj.get("messages")
     if raw is None:
         raise missing("messages")
