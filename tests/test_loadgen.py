@@ -308,7 +308,8 @@ class FakeServer:
         if mode == "http500":
             return web.json_response({"error": {"message": "boom: engine crashed"}}, status=500)
         if mode == "http429":
-            return web.json_response({"error": {"message": "slow down"}}, status=429)
+            return web.json_response({"error": {"message": "slow down"}}, status=429,
+                                     headers={"Retry-After": "2"})
         if mode == "slow":
             await asyncio.sleep(2)  # the client gives up after 1 s
             return web.json_response({"error": {"message": "too late"}}, status=500)
@@ -393,7 +394,7 @@ class FakeServer:
 
 MODES = ["ok", "nousage", "http500", "http429", "nodone", "drop", "errorevent", "slow", "empty",
          "notsse", "weird"]  # fmt: skip
-EXPECTED_ERRORS = {"http_5xx": 1, "http_4xx": 1, "incomplete_stream": 2, "stream_error": 1,
+EXPECTED_ERRORS = {"http_5xx": 1, "rejected": 1, "incomplete_stream": 2, "stream_error": 1,
                    "timeout": 1, "empty": 1, "protocol": 1}  # fmt: skip
 
 
@@ -430,6 +431,10 @@ def test_errors_are_counted_not_hidden(tmp_path: Path, capsys: pytest.CaptureFix
         assert records["nousage"]["prompt_tokens_from"] == "workload"
         assert "boom: engine crashed" in records["http500"]["error"]
         assert records["http429"]["error"] == "HTTP 429: slow down"
+        assert records["http429"]["error_kind"] == "rejected"
+        assert records["http429"]["retry_after_s"] == 2.0
+        assert summary["rejected"] == 1 and summary["rejected_without_retry_after"] == 0
+        assert summary["reject_latency"]["count"] == 1
         assert records["errorevent"]["error_kind"] == "stream_error"
         assert "decode worker lost" in records["errorevent"]["error"]
         assert records["nodone"]["content_chunks"] == 3
@@ -438,6 +443,7 @@ def test_errors_are_counted_not_hidden(tmp_path: Path, capsys: pytest.CaptureFix
         assert summary["itl"]["count"] == 15 and summary["ttft"]["count"] == 3
     assert "| c=4 | 3 / 11 | 8 (" in stdout and "http_5xx: 1" in stdout
     assert "HTTP 500: boom: engine crashed" in stdout  # the first messages are printed
+    assert "1 rejected with 429 in" in stdout and "0 without Retry-After" in stdout
     assert "rate=inf: timeout: no complete answer in 1 s" in stdout
     assert {p.name for p in out.glob("*.png")} == {
         "throughput_concurrency.png", "latency_concurrency.png", "throughput_rate.png",

@@ -6,7 +6,9 @@ Lifecycle of :meth:`StreamingClient.send`:
    ``temperature``, and ``ignore_eos: true`` unless turned off (vLLM, llama.cpp's server and
    Tandem honour it, so every request produces exactly ``max_tokens`` tokens). A server that
    rejects one of these optional fields is handled once, at warm-up (:meth:`drop_field`).
-2. POST it and stamp the send. A non-200 status is an error record (``http_4xx``/``http_5xx``)
+2. POST it and stamp the send. A 429 is a ``rejected`` record (admission control: its
+   ``Retry-After`` and the time to the answer are kept, so an overload run can show that refusals
+   are immediate); another non-200 status is an error record (``http_4xx``/``http_5xx``)
    carrying the start of the server's message; a 200 that is not ``text/event-stream`` is a
    ``protocol`` error.
 3. Read the events (``sse_stream``): a content chunk is stamped (TTFT, ITL), a ``usage`` chunk
@@ -63,6 +65,7 @@ class _Stream:
     prompt_tokens: int | None = None
     done: bool = False
     end: float = 0.0
+    retry_after_s: float | None = None
 
 
 class _Failure(Exception):
@@ -161,6 +164,9 @@ class StreamingClient:
         if response.status != 200:
             text = (await response.text(errors="replace")).strip()
             kind = {4: "http_4xx", 5: "http_5xx"}.get(response.status // 100, "protocol")
+            if response.status == 429:
+                kind = "rejected"
+                stream.retry_after_s = _seconds(response.headers.get("Retry-After"))
             raise _Failure(kind, f"HTTP {response.status}: {_server_message(text)}")
         if not response.content_type.startswith("text/event-stream"):
             text = (await response.text(errors="replace")).strip()
@@ -225,7 +231,16 @@ def _failed(
 ) -> RequestRecord:
     return replace(base, error_kind=kind, error=message, e2e_s=elapsed,
                     ttft_s=stream.stamps[0] if stream.stamps else None,
-                    content_chunks=len(stream.stamps))  # fmt: skip
+                    content_chunks=len(stream.stamps),
+                    retry_after_s=stream.retry_after_s)  # fmt: skip
+
+
+def _seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` given in seconds (the HTTP-date form is not used by these servers)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:

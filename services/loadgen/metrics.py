@@ -14,6 +14,8 @@ Definitions (docs/loadgen.md has the full list):
   good requests per second of duration.
 - errors: every failed request counted by kind, with the first two distinct messages of every
   kind. Failed requests count in the totals and the goodput denominator and nowhere else.
+- rejected: the 429s among them (admission control), with the send → 429 latency distribution
+  and how many came without ``Retry-After``: an overload run shows refusals are immediate.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ class LevelSummary:
     shorter_than_max_tokens: int  # successful answers that stopped before max_tokens
     goodput_fraction: float | None = None
     goodput_rate: float | None = None
+    rejected: int = 0  # 429s (also in errors_by_kind["rejected"])
+    reject_latency: Distribution | None = None  # send → the 429
+    rejected_without_retry_after: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -140,6 +145,7 @@ def summarize(
     """The summary of one level's records (see the module docstring)."""
     good = [r for r in records if r.ok]
     bad = [r for r in records if not r.ok]
+    rejected = [r for r in bad if r.error_kind == "rejected"]
     out_tokens = sum(r.output_tokens for r in good)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in good)
     per_s = 1.0 / duration_s if duration_s > 0 else 0.0
@@ -168,6 +174,9 @@ def summarize(
         shorter_than_max_tokens=sum(1 for r in good if r.output_tokens < r.max_tokens),
         goodput_fraction=goodput_fraction,
         goodput_rate=goodput_rate,
+        rejected=len(rejected),
+        reject_latency=Distribution.of(_values(r.e2e_s for r in rejected)),
+        rejected_without_retry_after=sum(1 for r in rejected if r.retry_after_s is None),
     )
 
 

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
 ErrorKind = Literal[
-    "http_4xx",  # the server answered 4xx (bad request, unknown model, rate limited, ...)
+    "rejected",  # the server answered 429 (overload / rate limit): admission control at work
+    "http_4xx",  # the server answered another 4xx (bad request, unknown model, ...)
     "http_5xx",  # the server answered 5xx
     "stream_error",  # an in-stream ``data: {"error": ...}`` event
     "incomplete_stream",  # the stream ended or dropped before ``data: [DONE]``
@@ -44,6 +45,7 @@ class RequestRecord:
         input_tokens: the workload's count of the prompt text (for chat: the message contents).
         max_tokens: the ``max_tokens`` sent.
         content_chunks: stream chunks that carried content.
+        retry_after_s: a 429's ``Retry-After`` (seconds); None without one (or without a 429).
     """
 
     index: int
@@ -62,6 +64,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     prompt_tokens_from: TokenSource = "usage"
     content_chunks: int = 0
+    retry_after_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

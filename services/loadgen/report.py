@@ -56,6 +56,13 @@ def markdown_table(runs: Sequence[ServerRun], with_goodput: bool) -> str:
                     f"- {where}: no usage from the server for {s.output_tokens_from_tokenizer} "
                     "requests; their output tokens are tokenizer counts"
                 )
+            if s.rejected:
+                late = s.reject_latency
+                notes.append(
+                    f"- {where}: {s.rejected} rejected with 429 in "
+                    f"{_dist_cell(late, 1e3)} ms (mean (p50 / p90 / p99)); "
+                    f"{s.rejected_without_retry_after} without Retry-After"
+                )
             if s.shorter_than_max_tokens:
                 notes.append(
                     f"- {where}: {s.shorter_than_max_tokens} answers stopped before max_tokens "
