@@ -53,6 +53,7 @@ class LaunchConfig:
     its own prompts; no prefill pool). ``threads``: per-role overrides of the CPU plan
     (``services/cpu_plan.py``); ``cpus``: the cores to plan over (default: this process's).
     ``restart``: start a child that dies after start-up again, with backoff (``launcher.py``).
+    ``kv_transport``: every prefill and decode worker's ``--kv-transport`` (None: their default).
     """
 
     model: str = "default"
@@ -71,6 +72,7 @@ class LaunchConfig:
     dtype: str | None = None
     kv_cache_gib: float | None = None
     num_blocks: int | None = None
+    kv_transport: str | None = None
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "INFO"
@@ -182,6 +184,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 extra += ["--kv-cache-gib", f"{config.kv_cache_gib:g}"]
             if config.num_blocks is not None:
                 extra += ["--num-blocks", str(config.num_blocks)]
+            if config.kv_transport is not None:
+                extra += ["--kv-transport", config.kv_transport]
             grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])
 
     if gateway:

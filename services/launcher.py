@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from services.common import ports
 from services.common.errors import UnavailableError
 from services.cpu_plan import parse_threads, usable_cpus
+from services.engine.runtime.worker_options import KV_TRANSPORTS
 from services.launch_plan import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STOP_TIMEOUT_S,
@@ -112,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker weight dtype: auto | float32 | bfloat16 | float16 | q8_0 | q4 (default auto)")
     add("--kv-cache-gib", type=float, default=None, help="KV cache size of each worker")
     add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
+    add("--kv-transport", choices=KV_TRANSPORTS, default=None,
+        help="how KV payloads travel from prefill to decode, passed to every worker: grpc | "
+             "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc | auto "
+             "(the workers' default: gRPC on CPU)")
     add("--worker-args", default="", metavar="ARGS",
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",
@@ -145,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib,
         num_blocks=args.num_blocks,
+        kv_transport=args.kv_transport,
         worker_args=tuple(shlex.split(args.worker_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         log_level=getattr(args, "log_level", "INFO"),

@@ -1,7 +1,10 @@
 """compose.yaml, compose.cpu.yaml and the Dockerfile: Compose accepts the file, every service's
 command is one the ``tandem`` CLI parses, the services point at each other consistently, only
 the gateway publishes a port, prefill and decode reserve a GPU (and the CPU override removes
-that), and the container healthcheck helper answers for gRPC and HTTP.
+that), and the container healthcheck helper answers for gRPC and HTTP. The optional
+``monitoring`` profile (Prometheus + Grafana) is only started on request, scrapes every
+service's metrics port, and mounts provisioning files that exist (the dashboard itself:
+tests/test_dashboard.py).
 
 ``docker-compose config`` runs when the binary exists (CI installs Debian's ``docker-compose``
 package, v1.29); the CPU override uses ``!reset`` (Compose >= 2.24), so it is checked by
@@ -22,6 +25,7 @@ from typing import Any
 import pytest
 
 from services.cli import build_parser
+from services.common import ports
 
 yaml = pytest.importorskip("yaml")
 
@@ -29,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 COMPOSE_CPU = REPO / "compose.cpu.yaml"
 SERVICES = ("tokenizer", "prefill", "decode", "gateway")
+MONITORING = ("prometheus", "grafana")
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 _ENV_DEFAULT = re.compile(r"\$\{(\w+):-([^}]*)\}")
 
 
@@ -93,7 +99,16 @@ def test_docker_compose_config_accepts_the_file() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
-    assert set(rendered["services"]) == set(SERVICES)
+    default = {n for n, s in rendered["services"].items() if not s.get("profiles")}
+    assert default == set(SERVICES)
+    assert set(rendered["services"]) - default == set(MONITORING)
+    # The profile is accepted too (Compose >= 1.28), and nothing else hides behind one.
+    out = subprocess.run(
+        [binary, "-f", str(COMPOSE), "--profile", "monitoring", "config", "--services"],
+        cwd=REPO, env=_compose_env(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.split()) == set(SERVICES) | set(MONITORING)
 
 
 def test_docker_compose_v2_accepts_the_cpu_override() -> None:
@@ -175,13 +190,86 @@ def test_one_image_only_gateway_published_gpu_reserved(compose: dict[str, Any]) 
 def test_cpu_override_removes_reservations(compose: dict[str, Any]) -> None:
     merged = merge(compose, load(COMPOSE_CPU))
     services = merged["services"]
-    assert set(services) == set(SERVICES)
+    assert set(services) == set(SERVICES) | set(MONITORING)
+    assert services["prometheus"] == compose["services"]["prometheus"]  # untouched
     for name in SERVICES:
         assert "deploy" not in services[name], name
         assert services[name]["image"] == "tandem:cpu"
         assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
         assert command_of(services[name]) == command_of(compose["services"][name])
         assert services[name]["healthcheck"] == compose["services"][name]["healthcheck"]
+
+
+def test_monitoring_profile_is_optional_and_mounts_what_exists(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name in SERVICES:
+        assert "profiles" not in services[name], name
+    for name in MONITORING:
+        assert services[name]["profiles"] == ["monitoring"], name
+        assert ":" in services[name]["image"] and not services[name]["image"].endswith(":latest")
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), volume
+            else:
+                assert source in compose["volumes"], volume  # a named volume
+    prometheus = services["prometheus"]
+    assert f"./{PROMETHEUS_CONFIG.relative_to(REPO)}:/etc/prometheus/prometheus.yml:ro" in (
+        prometheus["volumes"]
+    )
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    grafana = services["grafana"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
+    provider = yaml.safe_load(
+        (REPO / mounts["/etc/grafana/provisioning"] / "dashboards" / "tandem.yml").read_text()
+    )["providers"][0]
+    dashboards = provider["options"]["path"]
+    assert (REPO / mounts[dashboards] / "tandem.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{dashboards}/tandem.json"
+    datasource = yaml.safe_load(
+        (REPO / mounts["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert interpolate(prometheus["ports"][0]).endswith(":9090")
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port(compose: dict[str, Any]) -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    scraped = {}
+    for job in config["scrape_configs"]:
+        (sd,) = job["dns_sd_configs"]  # every replica of a scaled service, by Docker's DNS
+        assert sd["type"] == "A" and job.get("metrics_path", "/metrics") == "/metrics"
+        (name,) = sd["names"]
+        assert job["job_name"] == f"tandem-{name}"
+        scraped[name] = sd["port"]
+    gateway = command_of(compose["services"]["gateway"])
+    assert scraped == {
+        "gateway": _port_of(gateway),  # the gateway serves /metrics on its HTTP port
+        "tokenizer": ports.TOKENIZER_METRICS_PORT,  # the others on their default metrics port
+        "prefill": ports.prefill_metrics_port(0),
+        "decode": ports.decode_metrics_port(0),
+    }
+    for name in SERVICES:
+        assert "--metrics-port" not in command_of(compose["services"][name]), name
+    promtool = shutil.which("promtool")
+    if promtool is not None:  # Debian's prometheus package ships it (scripts/install_browser.sh)
+        out = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)],
+                             capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_local_prometheus_config_scrapes_tandem_up_defaults() -> None:
+    config = yaml.safe_load((PROMETHEUS_CONFIG.parent / "local.yml").read_text())
+    scraped = {job["job_name"]: job["static_configs"][0]["targets"]
+               for job in config["scrape_configs"]}  # fmt: skip
+    assert scraped == {
+        "tandem-gateway": [f"127.0.0.1:{ports.GATEWAY_HTTP_PORT}"],
+        "tandem-tokenizer": [f"127.0.0.1:{ports.TOKENIZER_METRICS_PORT}"],
+        "tandem-prefill": [f"127.0.0.1:{ports.prefill_metrics_port(0)}"],
+        "tandem-decode": [f"127.0.0.1:{ports.decode_metrics_port(0)}"],
+    }
 
 
 def test_dockerfile_pins_base_torch_and_model() -> None:

@@ -33,6 +33,7 @@ from tests.gateway_fakes import (
     FRANCE_REPLY,
     MODEL,
     PHRASE_POLICY,
+    Stack,
     StackFactory,
     leave_mid_stream,
     post_raw,
@@ -369,6 +370,15 @@ async def test_auth_body_limit_and_rate_limits(make_stack: StackFactory) -> None
     status, raw, headers = await post_raw(url, body, good)
     assert status == 429 and int(headers["Retry-After"]) >= 1
     assert json.loads(raw)["error"]["type"] == "rate_limit_error"
+    assert _throttled(stack, "rate_limit_exceeded") == 1
+    assert _throttled(stack, "server_overloaded") == 0
+
+
+def _throttled(stack: Stack, code: str) -> float | None:
+    """``tandem:requests_throttled_total{code}`` as the gateway's registry holds it."""
+    return stack.metrics.registry.get_sample_value(
+        "tandem:requests_throttled_total", {"code": code}
+    )
 
 
 async def test_max_in_flight_rejects_without_queueing(make_stack: StackFactory) -> None:
@@ -383,6 +393,7 @@ async def test_max_in_flight_rejects_without_queueing(make_stack: StackFactory) 
     )
     assert status == 429 and headers["Retry-After"] == "1"
     assert json.loads(raw)["error"]["code"] == "server_overloaded"
+    assert _throttled(stack, "server_overloaded") == 1
     assert len(stack.prefills[0].requests) == 1  # nothing was queued
     assert (await slow).choices[0].text == DEFAULT_REPLY[:10]
 

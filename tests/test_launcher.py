@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services import launch_plan
+from services.cli import build_parser
 from services.common import ports
 from services.common.errors import InvalidArgumentError
 from services.common.grpc_channel import open_channel
@@ -58,6 +59,7 @@ def _with_gateway(monkeypatch: pytest.MonkeyPatch, present: bool) -> None:
 def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     _with_gateway(monkeypatch, True)
     specs = plan(LaunchConfig(num_prefill=2, num_decode=1, dtype="bfloat16", kv_cache_gib=1.5,
+                              kv_transport="distributed",
                               worker_args=("--foo", "bar")))  # fmt: skip
     assert [s.name for s in specs] == ["tokenizer", "prefill-0", "prefill-1", "decode-0", "gateway"]
     assert [s.address for s in specs] == [
@@ -78,11 +80,18 @@ def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -
         "--advertise-address": f"127.0.0.1:{ports.prefill_grpc_port(1)}",
         "--dtype": "bfloat16",
         "--kv-cache-gib": "1.5",
+        "--kv-transport": "distributed",
         "--model": "default",
     }
     for flag, value in expected.items():
         assert prefill1[prefill1.index(flag) + 1] == value
     assert prefill1[-2:] == ["--foo", "bar"]
+    for worker in specs[1:4]:  # every prefill and decode worker gets it, nobody else
+        assert worker.argv[worker.argv.index("--kv-transport") + 1] == "distributed"
+    assert "--kv-transport" not in specs[0].argv and "--kv-transport" not in specs[-1].argv
+    assert "--kv-transport" not in plan(LaunchConfig(num_prefill=1, num_decode=1))[1].argv
+    argv = ["up", "--kv-transport", "distributed"]
+    assert build_parser(argv).parse_args(argv).kv_transport == "distributed"
     gateway = list(specs[-1].argv)
     assert gateway[gateway.index("--tokenizer") + 1] == specs[0].address
     assert [gateway[i + 1] for i, a in enumerate(gateway) if a == "--prefill"] == [

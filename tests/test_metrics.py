@@ -35,6 +35,7 @@ SPEC_METRICS = {
     "tandem:generation_tokens_total": "counter",
     "tandem:request_success_total": "counter",
     "tandem:safety_blocks_total": "counter",
+    "tandem:requests_throttled_total": "counter",
     "tandem:prefill_path_total": "counter",
     "tandem:migrations_total": "counter",
     # docs/kv-handoff.md
@@ -88,6 +89,9 @@ def test_values_move() -> None:
     metrics.prefix_cache_hits.inc(16)
     metrics.record_kv_state(blocks_in_use=3, blocks_total=12)
     metrics.record_queue_state(running=2, waiting=1)
+    metrics.record_throttled("rate_limit_exceeded")
+    metrics.record_throttled(None)  # a worker's 429 without a known code
+    metrics.record_throttled("made_up")
 
     assert sample("tandem:request_success_total", {"finished_reason": "length"}) == 1
     assert sample("tandem:request_success_total", {"finished_reason": "stop"}) == 0
@@ -103,6 +107,9 @@ def test_values_move() -> None:
     assert sample("tandem:kv_cache_usage_perc") == pytest.approx(0.25)
     assert sample("tandem:num_requests_running") == 2
     assert sample("tandem:num_requests_waiting") == 1
+    assert sample("tandem:requests_throttled_total", {"code": "rate_limit_exceeded"}) == 1
+    assert sample("tandem:requests_throttled_total", {"code": "server_overloaded"}) == 0
+    assert sample("tandem:requests_throttled_total", {"code": "other"}) == 2
 
     metrics.record_kv_state(blocks_in_use=0, blocks_total=0)
     assert sample("tandem:kv_cache_usage_perc") == 0

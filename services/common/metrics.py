@@ -8,9 +8,9 @@ its own metrics carry no ``role`` label; Prometheus' ``job`` / ``instance`` labe
 
 Who records what:
   1. gateway: end-to-end latency, TTFT, TPOT, inter-token latency, queue time, tokenize time,
-     prompt / generation tokens, finished requests by reason, safety blocks by stage, and per
-     worker (``role`` / ``worker`` labels, from its polls and prefix feed) the prefix-cache hit
-     rate and the cached blocks the router knows of;
+     prompt / generation tokens, finished requests by reason, safety blocks by stage, 429s by
+     code, and per worker (``role`` / ``worker`` labels, from its polls and prefix feed) the
+     prefix-cache hit rate and the cached blocks the router knows of;
   2. prefill: prefill time, prefix-cache hits/queries, KV transfers (bytes, seconds, failures,
      expired leases), running/waiting, KV blocks;
   3. decode: decode time, preemptions, running/waiting, KV blocks, KV transfer failures seen on
@@ -67,6 +67,7 @@ SAFETY_STAGES = ("input", "output")
 PREFILL_PATHS = ("remote", "local")
 KV_TRANSFER_FAILURE_REASONS = ("checksum", "layout", "timeout", "connection", "refused", "other")
 KV_RESERVATION_OUTCOMES = ("granted", "refused", "expired")
+THROTTLE_CODES = ("rate_limit_exceeded", "server_overloaded", "other")
 
 
 class TandemMetrics:
@@ -255,16 +256,30 @@ class TandemMetrics:
             ["stage"],
             registry=r,
         )
+        self.requests_throttled = Counter(
+            "tandem:requests_throttled_total",
+            "Requests the gateway answered HTTP 429, by error code (rate_limit_exceeded: the API "
+            "key's rate limit; server_overloaded: --max-in-flight reached; other: a worker out "
+            "of room).",
+            ["code"],
+            registry=r,
+        )
 
         # Known label values start at 0, so rate() and dashboards see them before the first event.
         for reason in FINISHED_REASONS:
             self.request_success.labels(finished_reason=reason)
         for stage in SAFETY_STAGES:
             self.safety_blocks.labels(stage=stage)
+        for code in THROTTLE_CODES:
+            self.requests_throttled.labels(code=code)
         for path in PREFILL_PATHS:
             self.prefill_path.labels(path=path)
         for reason in KV_TRANSFER_FAILURE_REASONS:
             self.kv_transfer_failures.labels(reason=reason)
+
+    def record_throttled(self, code: str | None) -> None:
+        """Count one HTTP 429 answer; codes outside :data:`THROTTLE_CODES` count as ``other``."""
+        self.requests_throttled.labels(code=code if code in THROTTLE_CODES else "other").inc()
 
     def record_kv_state(self, blocks_in_use: int, blocks_total: int) -> None:
         """Set the three KV gauges from one snapshot of the block manager."""

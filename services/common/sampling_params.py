@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from services.common.errors import InvalidArgumentError
 
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+SEED_MIN, SEED_END = -(2**63), 2**64  # a seed is 64 bits, signed or not: [SEED_MIN, SEED_END)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +67,7 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         """Raise InvalidArgumentError (with ``param``) on any out-of-range value; return self."""
         _finite(self.temperature, "temperature")
-        if not 0.0 <= self.temperature <= 100.0:
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise InvalidArgumentError("temperature must be in [0, 100]", param="temperature")
         if self.top_k < -1:
             raise InvalidArgumentError("top_k must be -1, 0 (disabled) or positive", param="top_k")
@@ -72,16 +78,16 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidArgumentError("min_p must be in [0, 1]", param="min_p")
         _finite(self.repetition_penalty, "repetition_penalty")
-        if not 0.0 < self.repetition_penalty <= 10.0:
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidArgumentError(
                 "repetition_penalty must be in (0, 10]", param="repetition_penalty"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _finite(value, name)
-            if not -2.0 <= value <= 2.0:
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise InvalidArgumentError(f"{name} must be in [-2, 2]", param=name)
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+        if self.seed is not None and not SEED_MIN <= self.seed < SEED_END:
             raise InvalidArgumentError("seed must fit in 64 bits", param="seed")
         if self.max_tokens < 1:
             raise InvalidArgumentError("max_tokens must be at least 1", param="max_tokens")
@@ -89,7 +95,7 @@ class SamplingParams:
             raise InvalidArgumentError(
                 "min_tokens must be in [0, max_tokens]", param="min_tokens"
             )
-        if len(self.stop) > 16 or any(not s for s in self.stop):
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise InvalidArgumentError("stop must hold 1 to 16 non-empty strings", param="stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError("stop_token_ids must be non-negative", param="stop_token_ids")
@@ -97,7 +103,7 @@ class SamplingParams:
             raise InvalidArgumentError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
             )
-        if not 1 <= self.n <= 16:
+        if not 1 <= self.n <= MAX_N:
             raise InvalidArgumentError("n must be in [1, 16]", param="n")
         return self
 

@@ -2,7 +2,7 @@
 
 Start-up: load the model and its tokenizer (for stop strings and text deltas; token ids only
 when the model has none), start the engine thread, the KV receiver with its reaper (parked KV,
-reservation leases), the
+reservation leases) and, with ``--kv-transport distributed``, the KV channel's store, the
 gRPC server (Decode + health + reflection) and the Prometheus endpoint; then serve until
 SIGINT / SIGTERM and stop gracefully (in-flight streams get a grace period, then every parked
 transfer and running request is freed and the engine thread stops).
@@ -20,6 +20,7 @@ from services.common import ports
 from services.decode.options import (
     DEFAULT_RESERVATION_LEASE_SECONDS,
     DEFAULT_WAIT_FOR_KV_SECONDS,
+    check_kv_dist_port,
     check_reservation_lease,
 )
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
@@ -42,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long blocks reserved for a request (Decode.Reserve, before its prefill) wait "
              "for its KV before they are freed, when the caller asks for no lease (default 30)",
     )
+    parser.add_argument(
+        "--kv-dist-port", type=int, default=0,
+        help="with --kv-transport distributed: the port of the store prefill workers meet this "
+             "worker's KV channel at (default 0: a free one, advertised in each go-ahead)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from services.decode.server import start_decode_worker
 
     lease = check_reservation_lease(args.reservation_lease_seconds)
+    kv_dist_port = check_kv_dist_port(args.kv_dist_port)
     options = options_from_args(args, "decode")
     return run_worker(lambda: start_decode_worker(
-        options, wait_for_kv_seconds=args.wait_for_kv_seconds, reservation_lease_seconds=lease
+        options, wait_for_kv_seconds=args.wait_for_kv_seconds, reservation_lease_seconds=lease,
+        kv_dist_port=kv_dist_port,
     ))

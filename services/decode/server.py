@@ -1,6 +1,6 @@
 """Start a decode worker in this process: the shared worker runtime (with the output text) plus
-the decode role (the KV receiver with its reaper for parked KV and reservation leases, the
-``Decode`` servicer).
+the decode role (the KV receiver with its reaper for parked KV and reservation leases, the KV
+channel's store with ``--kv-transport distributed``, the ``Decode`` servicer).
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -14,14 +14,15 @@ from services.common.pb import decode_pb2_grpc
 from services.decode.options import (
     DEFAULT_RESERVATION_LEASE_SECONDS,
     DEFAULT_WAIT_FOR_KV_SECONDS,
+    check_kv_dist_port,
     check_reservation_lease,
 )
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
 from services.engine.core.loaders import LoadedModel
-from services.engine.kv_transfer import KVReceiver
+from services.engine.kv_transfer import ChannelHost, DistributedKVEndpoint, KVReceiver
 from services.engine.runtime.engine_loop import EngineLoop
-from services.engine.runtime.worker_options import WorkerOptions
+from services.engine.runtime.worker_options import WorkerOptions, resolve_kv_transport
 from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
 from services.tokenizer.tokenizer import Tokenizer
 
@@ -36,6 +37,7 @@ async def start_decode_worker(
     loaded: LoadedModel | None = None,
     tokenizer: Tokenizer | None = None,
     metrics: TandemMetrics | None = None,
+    kv_dist_port: int = 0,
 ) -> WorkerHandle:
     """Build and start a decode worker; see the module docstring.
 
@@ -50,9 +52,13 @@ async def start_decode_worker(
             quarter of the shorter wait, at most 1 s).
         loaded / tokenizer: already loaded model and tokenizer (tests share them).
         metrics: the registry to record into (default: a fresh one).
+        kv_dist_port: with ``options.kv_transport`` distributed, the port of the KV channel's
+            store (0: a free one).
     """
 
     check_reservation_lease(reservation_lease_seconds)
+    check_kv_dist_port(kv_dist_port)
+    distributed = resolve_kv_transport(options.kv_transport, options.device) == "distributed"
 
     def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
         receiver = KVReceiver(
@@ -60,7 +66,14 @@ async def start_decode_worker(
             reservation_lease_seconds=reservation_lease_seconds, reap_interval=reap_interval,
             metrics=metrics,
         )  # fmt: skip
-        worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds)
+        channel = None
+        if distributed:  # the stall reaper ends a stalled piece first
+            host = ChannelHost(port=kv_dist_port, bind_host=options.host,
+                               host=options.reachable_host(), op_timeout=2 * receiver.park_seconds)
+            host.start()  # listens now: a taken --kv-dist-port fails the start-up
+            channel = DistributedKVEndpoint(receiver, host)
+        worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds,
+                              channel=channel)  # fmt: skip
         servicer = DecodeServicer(worker, worker_id=options.worker_id)
         return worker, servicer, decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME
 

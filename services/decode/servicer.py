@@ -1,8 +1,9 @@
 """The ``tandem.v1.Decode`` gRPC servicer: protos in and out around :class:`DecodeWorker`.
 
 ``Reserve`` holds a request's destination blocks before its prefill starts (RESOURCE_EXHAUSTED at
-once when there is no room); ``TransferKV`` is the receiving end of the default KV transport
-(it takes the reserved blocks, if any); ``Generate`` streams one
+once when there is no room); ``TransferKV`` is the receiving end of the KV transports (it takes
+the reserved blocks, if any; its go-ahead advertises the KV channel when this worker hosts one);
+``Generate`` streams one
 ``GenerateResponse`` per engine output (the first starts with prefill's token; the last carries
 the finish reason). A ``Generate`` that carries the prompt (``prompt_token_ids``) is prefilled
 here instead (local prefill: no transfer). Typed errors become status codes through the
@@ -52,10 +53,10 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
         request_iterator: AsyncIterator[decode_pb2.KVTransferMessage],
         context: grpc.aio.ServicerContext,
     ) -> decode_pb2.KVTransferAck:
-        async def accept() -> None:
-            await context.send_initial_metadata(ACCEPTED_METADATA)
+        async def accept(channel: tuple[tuple[str, str], ...]) -> None:
+            await context.send_initial_metadata((*ACCEPTED_METADATA, *channel))
 
-        return await self.worker.receiver.receive(request_iterator, accept)
+        return await self.worker.receive_kv(request_iterator, accept)
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext

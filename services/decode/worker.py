@@ -4,8 +4,9 @@ One request (docs/request-lifecycle.md steps 4-7, docs/kv-handoff.md):
   0. ``Reserve`` (``receiver.reserve``), before the prefill starts: allocate the destination
      blocks under a lease, or refuse at once when there is no room (optional; see
      ``kv_transfer/receiver.py``).
-  1. ``TransferKV`` (``receiver.receive``) checks the header, takes the reserved blocks (or
-     allocates them), writes the checked chunks and parks the committed KV.
+  1. ``TransferKV`` (``receive_kv``: ``receiver.receive``, behind the distributed endpoint when
+     this worker hosts a KV channel) checks the header, takes the reserved blocks (or allocates
+     them), writes the checked chunks and parks the committed KV.
   2. ``Generate`` (``generate``) waits for that commit (or its failure), then hands the blocks
      to the engine as a running sequence: it joins the continuous batch at the next step, and
      every step appends one token to every running sequence.
@@ -28,10 +29,15 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from services.common.errors import AbortedError, NotFoundError
+from services.common.pb import decode_pb2
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import RequestOutput
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVReceiver
+from services.engine.kv_transfer.distributed_endpoint import (
+    AcceptWithMetadata,
+    DistributedKVEndpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +46,36 @@ class DecodeWorker:
     """KV receiving + generation over one engine loop."""
 
     def __init__(
-        self, engine_loop: EngineLoop, receiver: KVReceiver, *, wait_for_kv_seconds: float = 30.0
+        self,
+        engine_loop: EngineLoop,
+        receiver: KVReceiver,
+        *,
+        wait_for_kv_seconds: float = 30.0,
+        channel: DistributedKVEndpoint | None = None,
     ) -> None:
         self.engine_loop = engine_loop
         self.receiver = receiver
         self.wait_for_kv_seconds = wait_for_kv_seconds
+        self.channel = channel
 
     def start(self) -> None:
         self.receiver.start()
 
     async def close(self) -> None:
         await self.receiver.close()
+        if self.channel is not None:
+            self.channel.host.close()
+
+    async def receive_kv(
+        self,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        accept: AcceptWithMetadata,
+    ) -> decode_pb2.KVTransferAck:
+        """Run one ``TransferKV`` stream; ``accept(metadata)`` sends the go-ahead (with the KV
+        channel's advert when the sender offered one and this worker hosts a channel)."""
+        if self.channel is not None:
+            return await self.channel.receive(messages, accept)
+        return await self.receiver.receive(messages, lambda: accept(()))
 
     async def generate(
         self, request_id: str, wait_for_kv_seconds: float | None = None

@@ -5,8 +5,8 @@ the handlers share.
 :class:`~services.gateway.config.GatewayConfig` into a ``web.Application``:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
-  ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /health``,
-  ``GET /ready``, ``GET /metrics``;
+  ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /openapi.json``
+  (``openapi.py``), ``GET /`` (the playground), ``GET /health``, ``GET /ready``, ``GET /metrics``;
 - the OpenAI error middleware (every failure is ``{"error": {...}}`` with OpenAI's status);
 - ``client_max_size`` = ``max_body_bytes``, so larger bodies are refused with 413.
 
@@ -34,6 +34,8 @@ from services.gateway.config import GatewayConfig
 from services.gateway.http_errors import error_middleware
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.membership import Membership
+from services.gateway.openapi import openapi_route
+from services.gateway.playground import playground
 from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy, load_policy
 from services.gateway.state import STATE_KEY, GatewayState
@@ -107,6 +109,8 @@ def build_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_handler(state.metrics))
+    app.router.add_get("/openapi.json", openapi_route)
+    app.router.add_get("/", playground)
     app.on_startup.append(_start)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)

@@ -3,8 +3,8 @@
 Per request (docs/request-lifecycle.md), in order, each step refusing before any compute when it fails:
 
 1. authenticate the API key (401) and count it against its rate limit (429 + Retry-After);
-2. read and validate the body (400 naming ``param``; 413 above the size limit; 404 for an
-   unknown model);
+2. read and validate the body (400 naming ``param``; 413 above the size limit; 408 when it
+   arrives too slowly; 404 for an unknown model);
 3. check the input against the safety policy (400 ``content_policy_violation``);
 4. take an admission slot (429 + Retry-After when the gateway is full; nothing is queued);
 5. tokenize on the tokenizer service (chat template, context window; chats with no max_tokens
@@ -75,7 +75,7 @@ async def _serve(request: web.Request, record: RequestRecord) -> web.StreamRespo
         if state.rate_limiter is not None:
             state.rate_limiter.acquire(record.api_key)
         info = await state.require_model_info()
-        body = await read_json_body(request)
+        body = await read_json_body(request, timeout_s=state.config.body_read_timeout_s)
         parsed: ChatRequest | CompletionRequest
         if record.endpoint == "chat":
             parsed = parse_chat_request(body, served_models=state.served_names)
@@ -106,6 +106,8 @@ async def _serve(request: web.Request, record: RequestRecord) -> web.StreamRespo
         raise
     except TandemError as err:
         record.fail(err.http_status, err.message, before_compute=not record.dispatched)
+        if err.http_status == 429:
+            state.metrics.record_throttled(err.code)
         raise
     except Exception as exc:
         record.fail(500, f"{type(exc).__name__}: {exc}", before_compute=False)

@@ -17,6 +17,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT = 256
 DEFAULT_MAX_MIGRATIONS = 3
 DEFAULT_DECODE_ADMISSION_TIMEOUT_S = 30.0
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,9 @@ class GatewayConfig:
         rate_limit_rpm / rate_limit_burst: per-API-key token bucket; ``None`` disables it.
         max_in_flight: requests admitted at once; more get 429 (no queue).
         max_body_bytes: request bodies above this get 413.
+        body_read_timeout_s: a request body must arrive whole within this many seconds of its
+            headers, or the client gets 408 and is disconnected (a slow-loris client holds no
+            admission slot or worker meanwhile: bodies are read before either is taken).
         stats_interval_s: how often worker load is polled for routing and readiness.
         resolve_interval_s: how often worker entries given by DNS name are re-resolved
             (``membership.py``).
@@ -113,6 +117,7 @@ class GatewayConfig:
     rate_limit_burst: float | None = None
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     stats_interval_s: float = 1.0
     resolve_interval_s: float = 5.0
     truncate_chats: bool = True
@@ -139,6 +144,9 @@ class GatewayConfig:
             raise InvalidArgumentError("max in-flight must be >= 1", param="max_in_flight")
         if self.max_body_bytes < 1024:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
+        if not 0 < self.body_read_timeout_s < float("inf"):
+            raise InvalidArgumentError("body read timeout must be positive",
+                                       param="body_read_timeout")  # fmt: skip
         if not self.resolve_interval_s > 0:
             raise InvalidArgumentError("resolve interval must be positive", param="resolve_interval")
         if not self.stats_interval_s > 0:

@@ -1,8 +1,11 @@
 """Every gateway failure becomes an OpenAI-shaped JSON error: ``{"error": {message, type, param,
 code}}`` with the status OpenAI uses (docs/errors.md).
 
-1. :func:`read_json_body` turns a request body into JSON or a 400/413 TandemError
-   (invalid UTF-8, malformed JSON, NaN/Infinity literals, a body over ``client_max_size``).
+1. :func:`read_json_body` turns a request body into JSON or a 400/408/413 TandemError
+   (invalid UTF-8 or an escaped unpaired surrogate, malformed JSON, NaN/Infinity literals,
+   nesting too deep to parse, a body over ``client_max_size``, a body that does not arrive
+   within ``--body-read-timeout``: a slow client is answered 408 with ``Connection: close``,
+   having held no admission slot and no worker, since bodies are read before either is taken).
 2. :func:`error_middleware` catches, per request:
 
    - :class:`TandemError` -> its own status and body (``Retry-After`` when it has
@@ -19,9 +22,11 @@ code}}`` with the status OpenAI uses (docs/errors.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
@@ -51,6 +56,14 @@ class RequestTooLargeError(TandemError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeoutError(TandemError):
+    """The body did not arrive in time (HTTP 408); the connection is closed after the answer."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+    http_status = 408
+    error_type = "invalid_request_error"
+
+
 class HTTPStatusError(TandemError):
     """An aiohttp HTTP error (404, 405, ...) re-shaped as an OpenAI error with its status."""
 
@@ -77,15 +90,31 @@ def error_response(err: TandemError) -> web.Response:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     if isinstance(err, HTTPStatusError):
         headers.update(err.headers)
-    return web.json_response(err.to_openai(), status=err.http_status, headers=headers)
+    response = web.json_response(err.to_openai(), status=err.http_status, headers=headers)
+    if isinstance(err, RequestTimeoutError):
+        # "Connection: close"; aiohttp still reads and drops what is left of the body for a
+        # while (lingering close), so the client reads this answer instead of a reset.
+        response.force_close()
+    return response
 
 
-async def read_json_body(request: web.Request) -> object:
-    """The request body as JSON, or InvalidArgumentError (400) / RequestTooLargeError (413)."""
+# A JSON string escape of a UTF-16 surrogate; only a paired one makes a character.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+async def read_json_body(request: web.Request, *, timeout_s: float | None = None) -> object:
+    """The request body as JSON, or InvalidArgumentError (400) / RequestTimeoutError (408, the
+    whole body not read within ``timeout_s``) / RequestTooLargeError (413)."""
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise _too_large(request) from exc
+    except TimeoutError as exc:
+        raise RequestTimeoutError(
+            f"The request body did not arrive within {timeout_s:g} seconds.",
+            code="request_timeout",
+        ) from exc
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -93,9 +122,23 @@ async def read_json_body(request: web.Request) -> object:
             "The request body is not valid UTF-8.", code="invalid_encoding"
         ) from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant)
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot
+    except RecursionError as exc:
+        raise InvalidArgumentError(
+            "We could not parse the JSON body of your request: it is nested too deeply.",
+            code="invalid_json",
+        ) from exc
+    except UnicodeEncodeError as exc:  # would fail later, encoding a gRPC message
+        raise InvalidArgumentError(
+            "The request body is not valid Unicode: it escapes an unpaired UTF-16 surrogate "
+            "(\\ud800-\\udfff).",
+            code="invalid_encoding",
+        ) from exc
     except ValueError as exc:  # json.JSONDecodeError, or a NaN / Infinity literal
         raise InvalidArgumentError(JSON_ERROR_MESSAGE, code="invalid_json") from exc
+    return body
 
 
 @web.middleware

@@ -32,6 +32,7 @@ from services.gateway.prefill_policy import (
     PrefillPolicy,
 )
 from services.gateway.config import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_KV_LOAD_WEIGHT,
@@ -177,6 +178,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body; larger get 413 (default %(default)s)",
     )
     parser.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="seconds a request body may take to arrive after its headers; slower clients get "
+        "408 and are disconnected (default %(default)s)",
+    )
+    parser.add_argument(
         "--no-truncate",
         action="store_true",
         help="answer 400 for chats longer than the context instead of dropping the oldest turns",
@@ -239,6 +247,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         rate_limit_burst=args.rate_limit_burst,
         max_in_flight=args.max_in_flight,
         max_body_bytes=args.max_body_bytes,
+        body_read_timeout_s=args.body_read_timeout,
         stats_interval_s=args.stats_interval,
         resolve_interval_s=args.resolve_interval,
         truncate_chats=not args.no_truncate,

@@ -12,9 +12,11 @@ request semantics (defaults, cross-field rules, unsupported features).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from services.common.errors import InvalidArgumentError
+from services.gateway.api_schema import MAX_UINT32
 
 # --------------------------------------------------------------------------- structured fields
 
@@ -98,6 +100,12 @@ def parse_prompt(obj: Mapping[str, object]) -> str | tuple[int, ...]:
                 param="prompt",
                 code="invalid_value",
             )
+        if x > MAX_UINT32:  # the gateway checks the vocabulary later, when it knows it
+            raise InvalidArgumentError(
+                f"Invalid 'prompt[{i}]': token id {x} is outside the vocabulary.",
+                param="prompt",
+                code="invalid_value",
+            )
         ids.append(x)
     return tuple(ids)
 
@@ -117,8 +125,10 @@ def parse_stop(obj: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def parse_int_list(obj: Mapping[str, object], key: str) -> tuple[int, ...]:
-    """An array of integers, as a tuple (empty when unset)."""
+def parse_int_list(
+    obj: Mapping[str, object], key: str, *, maximum: int | None = None
+) -> tuple[int, ...]:
+    """An array of integers, each at most ``maximum`` when given, as a tuple (empty when unset)."""
     raw = obj.get(key)
     if raw is None:
         return ()
@@ -127,6 +137,8 @@ def parse_int_list(obj: Mapping[str, object], key: str) -> tuple[int, ...]:
     for item in raw:
         if not isinstance(item, int) or isinstance(item, bool):
             raise invalid_type(key, "an array of integers", item)
+        if maximum is not None:
+            check_max(item, key, maximum)
     return tuple(raw)
 
 
@@ -189,9 +201,8 @@ def check_min(value: int, param: str, minimum: int) -> None:
         )
 
 
-def check_range(value: int, param: str, minimum: int, maximum: int) -> None:
-    """400 unless ``minimum <= value <= maximum``."""
-    check_min(value, param, minimum)
+def check_max(value: int, param: str, maximum: int) -> None:
+    """400 unless ``value <= maximum``."""
     if value > maximum:
         raise InvalidArgumentError(
             f"Invalid '{param}': integer above maximum value. Expected a value <= {maximum}, "
@@ -199,6 +210,12 @@ def check_range(value: int, param: str, minimum: int, maximum: int) -> None:
             param=param,
             code="integer_above_max_value",
         )
+
+
+def check_range(value: int, param: str, minimum: int, maximum: int) -> None:
+    """400 unless ``minimum <= value <= maximum``."""
+    check_min(value, param, minimum)
+    check_max(value, param, maximum)
 
 
 def get_str(obj: Mapping[str, object], key: str, *, param: str | None = None) -> str | None:
@@ -238,4 +255,7 @@ def float_or(obj: Mapping[str, object], key: str, default: float) -> float:
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise invalid_type(key, "a decimal", value)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer literal beyond any float: infinite, refused by the caller
+        return math.inf if value > 0 else -math.inf

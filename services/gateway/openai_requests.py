@@ -19,6 +19,10 @@ Conventions shared with vLLM:
    Completions default to 16 tokens, like OpenAI.
 4. Unknown fields are ignored (clients send many); features Tandem does not implement (tools,
    structured output, logit bias, suffix, best_of) are rejected with 400 rather than ignored.
+
+The fields, the refused features and the integer limits checked here are declared once in
+``api_schema.py``, which ``GET /openapi.json`` documents (tests/test_openapi.py checks that the
+keys read here are exactly the declared ones).
 """
 
 from __future__ import annotations
@@ -27,11 +31,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgumentError, NotFoundError
-from services.common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from services.common.sampling_params import SamplingParams
+from services.gateway.api_schema import (
+    CHAT_COMPLETION,
+    CHAT_ROLES,
+    COMPLETION,
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_INT32,
+    MAX_UINT32,
+    SAMPLING_FIELDS,
+    Field,
+)
 from services.gateway.openai_fields import (
     bool_or,
+    check_max,
     check_min,
-    check_range,
     empty_array,
     float_or,
     get_bool,
@@ -46,10 +60,8 @@ from services.gateway.openai_fields import (
     require_object,
 )
 
-CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "developer", "tool")
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-MAX_COMPLETION_LOGPROBS = 5
-UNBOUNDED_MAX_TOKENS = 2**31 - 1
+UNBOUNDED_MAX_TOKENS = MAX_INT32
+_SAMPLING = {f.name: f for f in SAMPLING_FIELDS}
 
 
 # --------------------------------------------------------------------------- request types
@@ -130,7 +142,7 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
     obj = require_object(body)
     model = _parse_model(obj, served_models)
     messages = parse_messages(obj)
-    _reject_unsupported(obj, ("tools", "functions", "response_format", "logit_bias"))
+    _reject_unsupported(obj, CHAT_COMPLETION.unsupported)
     stream, include_usage = _parse_stream(obj)
 
     want_logprobs = get_bool(obj, "logprobs") or False
@@ -143,15 +155,12 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
                 param="top_logprobs",
                 code="invalid_value",
             )
-        check_range(top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        _check_bounds(top_logprobs, CHAT_COMPLETION["top_logprobs"])
     logprobs = (top_logprobs or 0) if want_logprobs else None
 
-    max_tokens = get_int(obj, "max_completion_tokens")
-    max_param = "max_completion_tokens"
+    max_tokens = _bounded_int(obj, CHAT_COMPLETION["max_completion_tokens"])
     if max_tokens is None:
-        max_tokens, max_param = get_int(obj, "max_tokens"), "max_tokens"
-    if max_tokens is not None:
-        check_min(max_tokens, max_param, 1)
+        max_tokens = _bounded_int(obj, CHAT_COMPLETION["max_tokens"])
 
     sampling = _parse_sampling(
         obj,
@@ -175,16 +184,13 @@ def parse_completion_request(body: object, *, served_models: Sequence[str]) -> C
     obj = require_object(body)
     model = _parse_model(obj, served_models)
     prompt = parse_prompt(obj)
-    _reject_unsupported(obj, ("suffix", "logit_bias"))
+    _reject_unsupported(obj, COMPLETION.unsupported)
     stream, include_usage = _parse_stream(obj)
 
-    logprobs = get_int(obj, "logprobs")
-    if logprobs is not None:
-        check_range(logprobs, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    max_tokens = get_int(obj, "max_tokens")
+    logprobs = _bounded_int(obj, COMPLETION["logprobs"])
+    max_tokens = _bounded_int(obj, COMPLETION["max_tokens"])
     if max_tokens is None:
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
-    check_min(max_tokens, "max_tokens", 1)
 
     sampling = _parse_sampling(obj, max_tokens=max_tokens, logprobs=logprobs)
     best_of = get_int(obj, "best_of")
@@ -277,13 +283,17 @@ def _parse_sampling(
     obj: Mapping[str, object], *, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     """The sampling fields shared by chat and completions, validated by SamplingParams."""
+    # SamplingParams.validate checks the other declared bounds (top_k's minimum, n's maximum,
+    # min_tokens <= max_tokens, the floats, seed) with its own messages.
     top_k = get_int(obj, "top_k")
+    if top_k is not None:
+        _check_bounds(top_k, _SAMPLING["top_k"], lower=False)
     n = get_int(obj, "n")
     if n is not None:
-        check_min(n, "n", 1)
+        _check_bounds(n, _SAMPLING["n"], upper=False)
     min_tokens = get_int(obj, "min_tokens")
     if min_tokens is not None:
-        check_min(min_tokens, "min_tokens", 0)
+        _check_bounds(min_tokens, _SAMPLING["min_tokens"], upper=False)
     return SamplingParams(
         temperature=float_or(obj, "temperature", 1.0),
         top_k=0 if top_k is None else top_k,
@@ -296,12 +306,29 @@ def _parse_sampling(
         max_tokens=max_tokens,
         min_tokens=0 if min_tokens is None else min_tokens,
         stop=parse_stop(obj),
-        stop_token_ids=parse_int_list(obj, "stop_token_ids"),
+        stop_token_ids=parse_int_list(obj, "stop_token_ids", maximum=MAX_UINT32),
         ignore_eos=get_bool(obj, "ignore_eos") or False,
         logprobs=logprobs,
         n=1 if n is None else n,
         skip_special_tokens=bool_or(obj, "skip_special_tokens", True),
     ).validate()
+
+
+def _bounded_int(obj: Mapping[str, object], field: Field) -> int | None:
+    """An integer field checked against both of its declared bounds, or None when unset."""
+    value = get_int(obj, field.name)
+    if value is not None:
+        _check_bounds(value, field)
+    return value
+
+
+def _check_bounds(value: int, field: Field, *, lower: bool = True, upper: bool = True) -> None:
+    """400 (OpenAI's wording) outside the field's declared bounds; ``lower`` / ``upper`` False
+    leaves that side to SamplingParams.validate."""
+    if lower and field.minimum is not None:
+        check_min(value, field.name, int(field.minimum))
+    if upper and field.maximum is not None:
+        check_max(value, field.name, int(field.maximum))
 
 
 def _reject_unsupported(obj: Mapping[str, object], keys: Sequence[str]) -> None:

@@ -22,14 +22,14 @@ from aiohttp import web
 
 from services.common.errors import InvalidArgumentError, NotFoundError
 from services.common.pb import common_pb2, tokenizer_pb2
+from services.gateway.api_schema import DETOKENIZE, MAX_UINT32, TOKENIZE
 from services.gateway.http_errors import read_json_body
 from services.gateway.openai_fields import bool_or, get_str, missing, parse_int_list, require_object
 from services.gateway.openai_requests import parse_messages
 from services.gateway.state import STATE_KEY, GatewayState
 
-_TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens",
-                            "add_generation_prompt", "return_token_strs"})  # fmt: skip
-_DETOKENIZE_KEYS = frozenset({"model", "tokens"})
+_TOKENIZE_KEYS = TOKENIZE.names  # declared in api_schema.py, documented by GET /openapi.json
+_DETOKENIZE_KEYS = DETOKENIZE.names
 
 
 async def _body(
@@ -37,7 +37,9 @@ async def _body(
 ) -> tuple[GatewayState, Mapping[str, object]]:
     state = request.app[STATE_KEY]
     state.auth.check(request.headers.get("Authorization"))
-    obj = require_object(await read_json_body(request))
+    obj = require_object(
+        await read_json_body(request, timeout_s=state.config.body_read_timeout_s)
+    )
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise InvalidArgumentError(f"Unrecognized request argument supplied: {unknown[0]}",
@@ -84,9 +86,9 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state, obj = await _body(request, _DETOKENIZE_KEYS)
-    if "tokens" not in obj:
+    if obj.get("tokens") is None:
         raise missing("tokens")
-    ids = parse_int_list(obj, "tokens")
+    ids = parse_int_list(obj, "tokens", maximum=MAX_UINT32)
     vocab = state.model_info.vocab_size if state.model_info is not None else 0
     for i, token in enumerate(ids):
         if token < 0 or (vocab and token >= vocab):

@@ -1,7 +1,8 @@
 """``tandem serve prefill``: the prefill worker process.
 
-Start-up: load the model, start the engine thread, the KV sender (gRPC transport by default)
-with its lease reaper, the gRPC server (Prefill + health + reflection) and the Prometheus
+Start-up: load the model, start the engine thread, the KV sender (gRPC transport by default;
+``--kv-transport distributed`` offers decode workers a torch.distributed pair channel) with its
+lease reaper, the gRPC server (Prefill + health + reflection) and the Prometheus
 endpoint; then serve until SIGINT / SIGTERM and stop gracefully (in-flight requests get a grace
 period, then every lease and block is freed and the engine thread stops).
 

@@ -1,5 +1,5 @@
 """Start a prefill worker in this process: the shared worker runtime plus the prefill role (the
-KV sender with its lease reaper, the ``Prefill`` servicer).
+KV sender with its lease reaper over the ``--kv-transport`` transport, the ``Prefill`` servicer).
 
 :func:`start_prefill_worker` is what ``tandem serve prefill`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -12,10 +12,15 @@ from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.metrics import TandemMetrics
 from services.common.pb import prefill_pb2_grpc
 from services.engine.core.loaders import LoadedModel
-from services.engine.kv_transfer import GrpcKVTransport, KVSender, KVTransport
+from services.engine.kv_transfer import (
+    DistributedKVTransport,
+    GrpcKVTransport,
+    KVSender,
+    KVTransport,
+)
 from services.engine.kv_transfer.sender import CorruptChunk
 from services.engine.runtime.engine_loop import EngineLoop
-from services.engine.runtime.worker_options import WorkerOptions
+from services.engine.runtime.worker_options import WorkerOptions, resolve_kv_transport
 from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
 from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
@@ -39,15 +44,22 @@ async def start_prefill_worker(
         options: the shared worker options.
         lease_seconds / lease_interval: KV lease TTL and reaper period.
         loaded: an already loaded model (tests share one between workers).
-        transport: how KV travels (default: gRPC to the decode worker's address).
+        transport: how KV travels (default: ``options.kv_transport``'s, to the decode worker's
+            address).
         metrics: the registry to record into (default: a fresh one).
         max_chunk_bytes: KV chunk size budget.
         corrupt_chunk: test-only fault hook, see ``KVSender``.
     """
+    kind = resolve_kv_transport(options.kv_transport, options.device)
 
     def prefill_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
+        kv_transport = transport or (
+            DistributedKVTransport(peer_id=options.worker_id, host=options.reachable_host(),
+                                   op_timeout=2 * lease_seconds)  # the lease ends it first
+            if kind == "distributed" else GrpcKVTransport()
+        )  # fmt: skip
         sender = KVSender(
-            engine_loop, transport or GrpcKVTransport(), lease_seconds=lease_seconds,
+            engine_loop, kv_transport, lease_seconds=lease_seconds,
             lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,
             corrupt_chunk=corrupt_chunk,
         )  # fmt: skip

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"O\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"h\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\"\x8e\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\x06\n\x04kind\"\xc3\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x07 \x01(\r\x12.\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0b \x01(\r\"_\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"3\n\x08KVCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"p\n\rKVTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13wait_for_kv_seconds\x18\x02 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x05 \x03(\r\"\xc6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r2\xd2\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x46\n\nTransferKV\x12\x1c.tandem.v1.KVTransferMessage\x1a\x18.tandem.v1.KVTransferAck(\x01\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"O\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"h\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\"\x8e\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\x06\n\x04kind\"\xef\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x07 \x01(\r\x12.\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0b \x01(\r\x12*\n\x07\x63hannel\x18\x0c \x01(\x0b\x32\x19.tandem.v1.KVChannelOffer\"_\n\x0eKVChannelOffer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x15\n\rpeer_instance\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rretired_group\x18\x04 \x01(\t\"v\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x15\n\rchannel_bytes\x18\x06 \x01(\x04\"3\n\x08KVCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"p\n\rKVTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13wait_for_kv_seconds\x18\x02 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x05 \x03(\r\"\xc6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r2\xd2\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x46\n\nTransferKV\x12\x1c.tandem.v1.KVTransferMessage\x1a\x18.tandem.v1.KVTransferAck(\x01\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERMESSAGE']._serialized_start=249
   _globals['_KVTRANSFERMESSAGE']._serialized_end=391
   _globals['_KVHEADER']._serialized_start=394
-  _globals['_KVHEADER']._serialized_end=717
-  _globals['_KVCHUNK']._serialized_start=719
-  _globals['_KVCHUNK']._serialized_end=814
-  _globals['_KVCOMMIT']._serialized_start=816
-  _globals['_KVCOMMIT']._serialized_end=867
-  _globals['_KVTRANSFERACK']._serialized_start=869
-  _globals['_KVTRANSFERACK']._serialized_end=981
-  _globals['_GENERATEREQUEST']._serialized_start=984
-  _globals['_GENERATEREQUEST']._serialized_end=1145
-  _globals['_GENERATERESPONSE']._serialized_start=1148
-  _globals['_GENERATERESPONSE']._serialized_end=1346
-  _globals['_DECODE']._serialized_start=1349
-  _globals['_DECODE']._serialized_end=1687
+  _globals['_KVHEADER']._serialized_end=761
+  _globals['_KVCHANNELOFFER']._serialized_start=763
+  _globals['_KVCHANNELOFFER']._serialized_end=858
+  _globals['_KVCHUNK']._serialized_start=860
+  _globals['_KVCHUNK']._serialized_end=978
+  _globals['_KVCOMMIT']._serialized_start=980
+  _globals['_KVCOMMIT']._serialized_end=1031
+  _globals['_KVTRANSFERACK']._serialized_start=1033
+  _globals['_KVTRANSFERACK']._serialized_end=1145
+  _globals['_GENERATEREQUEST']._serialized_start=1148
+  _globals['_GENERATEREQUEST']._serialized_end=1309
+  _globals['_GENERATERESPONSE']._serialized_start=1312
+  _globals['_GENERATERESPONSE']._serialized_end=1510
+  _globals['_DECODE']._serialized_start=1513
+  _globals['_DECODE']._serialized_end=1851
 # @@protoc_insertion_point(module_scope)

@@ -40,7 +40,7 @@ class KVTransferMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[KVChunk, _Mapping]] = ..., commit: _Optional[_Union[KVCommit, _Mapping]] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "layout", "num_tokens", "num_blocks", "total_bytes", "prompt_token_ids", "first_token_id", "first_logprob", "params", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "layout", "num_tokens", "num_blocks", "total_bytes", "prompt_token_ids", "first_token_id", "first_logprob", "params", "num_prompt_tokens", "num_cached_tokens", "channel")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class KVHeader(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     layout: _common_pb2.KVLayout
     num_tokens: int
@@ -63,21 +64,36 @@ class KVHeader(_message.Message):
     params: _common_pb2.SamplingParams
     num_prompt_tokens: int
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    channel: KVChannelOffer
+    def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., channel: _Optional[_Union[KVChannelOffer, _Mapping]] = ...) -> None: ...
+
+class KVChannelOffer(_message.Message):
+    __slots__ = ("peer_id", "peer_instance", "device", "retired_group")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_GROUP_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    peer_instance: str
+    device: str
+    retired_group: str
+    def __init__(self, peer_id: _Optional[str] = ..., peer_instance: _Optional[str] = ..., device: _Optional[str] = ..., retired_group: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("first_block", "num_blocks", "data", "crc32", "offset")
+    __slots__ = ("first_block", "num_blocks", "data", "crc32", "offset", "channel_bytes")
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     first_block: int
     num_blocks: int
     data: bytes
     crc32: int
     offset: int
-    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    channel_bytes: int
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ..., channel_bytes: _Optional[int] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("num_chunks", "total_bytes")

@@ -11,8 +11,10 @@ one small module each:
   allocates them before data moves, writes checked chunks, parks committed KV until ``Generate``
   claims it, frees on every failure path.
 - ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
-  default, ``Decode.TransferKV`` client streams) and ``transport.InProcessTransport`` (a direct
-  call into a receiver object, for tests); both run the same sender and receiver state machines.
+  default, ``Decode.TransferKV`` client streams), ``distributed_transport.DistributedKVTransport``
+  (the same streams, the payload bytes over a ``torch.distributed`` pair group: ``pair_group``;
+  decode's side is ``distributed_endpoint``) and ``transport.InProcessTransport`` (a direct call
+  into a receiver object, for tests); all run the same sender and receiver state machines.
 - ``checks``: what a well-formed header / chunk / commit is; ``payload``: block table <->
   payload byte ranges; ``layout``: the layout both sides must share; ``failures``: metric
   labels for failures.
@@ -20,6 +22,8 @@ one small module each:
 
 from __future__ import annotations
 
+from services.engine.kv_transfer.distributed_endpoint import ChannelHost, DistributedKVEndpoint
+from services.engine.kv_transfer.distributed_transport import DistributedKVTransport
 from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.lease import LeaseTable
 from services.engine.kv_transfer.payload import PrefilledRequest
@@ -37,6 +41,9 @@ from services.engine.kv_transfer.transport import (
 )
 
 __all__ = [
+    "ChannelHost",
+    "DistributedKVEndpoint",
+    "DistributedKVTransport",
     "GrpcKVTransport",
     "InProcessTransport",
     "KVEndpoint",

@@ -78,6 +78,8 @@ def check_reservation(
 def check_chunk(chunk: decode_pb2.KVChunk, received: int, total_bytes: int, block_bytes: int) -> None:
     """Check one chunk, ``received`` payload bytes into a ``total_bytes`` transfer."""
     data = chunk.data
+    if chunk.channel_bytes:  # the distributed endpoint fills these in before they get here
+        raise DataLossError("a KV chunk came over a channel this transfer did not agree on")
     if chunk.offset != received:
         raise DataLossError(f"KV chunk at offset {chunk.offset}, expected {received}")
     if not data or received + len(data) > total_bytes:

@@ -6,7 +6,9 @@ receiver. One channel per decode address is opened on first use and reused by ev
 (HTTP/2 multiplexes them); :meth:`GrpcKVTransport.close` closes them all.
 
 Go-ahead: after reading the header and allocating the blocks, the decode servicer sends initial
-metadata carrying :data:`ACCEPTED_METADATA`; the sender waits for it before the first chunk. A
+metadata carrying :data:`ACCEPTED_METADATA` (and, when the header offered a collective channel
+and this worker hosts one, its advert: ``distributed_transport.py``); the sender waits for it
+before the first chunk. A
 refusal instead ends the call with a status (trailers only, no marker), which the sender reads
 without ever having raced a chunk write against it (gRPC reports a write into a call the server
 already ended as INTERNAL, hiding the real status).
@@ -41,6 +43,9 @@ class GrpcKVStream(KVStream):
 
     def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
         self._call = stub.TransferKV()
+        self.go_ahead: tuple[tuple[str, str | bytes], ...] = ()
+        """The go-ahead's initial metadata, once ``accepted()`` saw it (the distributed
+        transport reads its channel advert there)."""
 
     async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
         if self._call.done():
@@ -56,7 +61,8 @@ class GrpcKVStream(KVStream):
             metadata = await self._call.initial_metadata()
         except grpc.aio.AioRpcError:
             return False
-        return any(key == ACCEPTED_KEY for key, _ in metadata or ())
+        self.go_ahead = tuple(metadata or ())
+        return any(key == ACCEPTED_KEY for key, _ in self.go_ahead)
 
     async def finish(self) -> decode_pb2.KVTransferAck:
         try:
@@ -82,7 +88,7 @@ class GrpcKVTransport(KVTransport):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
 
-    def open(self, address: str) -> KVStream:
+    def open(self, address: str) -> GrpcKVStream:
         stub = self._stubs.get(address)
         if stub is None:
             channel = open_channel(address)

@@ -1,8 +1,9 @@
 """The flags and options every engine worker (prefill, decode) shares. Torch-free: ``tandem``
 builds every subcommand's parser, so importing this must stay cheap.
 
-Environment variables supply defaults (``TANDEM_MODEL``, ``TANDEM_DTYPE``, ``TANDEM_DEVICE``),
-read in :func:`add_worker_arguments` when the parser is built, never at import.
+Environment variables supply defaults (``TANDEM_MODEL``, ``TANDEM_DTYPE``, ``TANDEM_DEVICE``,
+``TANDEM_KV_TRANSPORT``), read in :func:`add_worker_arguments` when the parser is built, never at
+import.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ GIB = 1 << 30
 DEFAULT_GRACE_SECONDS = 5.0
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4")
+# --kv-transport: how a request's KV payload travels from prefill to decode (docs/kv-handoff.md)
+KV_TRANSPORTS = ("grpc", "distributed", "cuda-ipc", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,8 @@ class WorkerOptions:
         cpus: cores to pin the engine to; None runs anywhere.
         grace: seconds in-flight RPCs get to finish when the worker stops (SIGTERM): it first
             reports NOT_SERVING, so routers send it nothing new, and drains.
+        kv_transport: how KV payloads travel, one of :data:`KV_TRANSPORTS` (see
+            :func:`resolve_kv_transport`).
     """
 
     model: str = "default"
@@ -64,6 +69,15 @@ class WorkerOptions:
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
     grace: float = DEFAULT_GRACE_SECONDS
+    kv_transport: str = "auto"
+
+    def reachable_host(self) -> str | None:
+        """The host peers reach this worker at: ``--advertise-address``'s, else ``--host``
+        unless it is a wildcard (None: the machine's own name)."""
+        if self.advertise_address:
+            host = self.advertise_address.rsplit(":", 1)[0]
+            return host.strip("[]") or None
+        return None if self.host in ("", "0.0.0.0", "::", "[::]") else self.host.strip("[]")
 
     def engine_config(self) -> EngineConfig:
         """The engine limits these options describe (imports the engine, i.e. torch)."""
@@ -118,6 +132,38 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_SECONDS, metavar="SECONDS",
                         help="on SIGTERM: report NOT_SERVING, then let in-flight requests finish "
                              f"for this long before cancelling them (default {DEFAULT_GRACE_SECONDS:g})")
+    parser.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=env("TANDEM_KV_TRANSPORT",
+                                                                             "auto"),
+                        help="how KV payloads travel from prefill to decode: grpc (in the "
+                             "TransferKV stream) | distributed (a torch.distributed pair group: "
+                             "Gloo on CPU) | cuda-ipc | auto (default: gRPC on CPU workers); "
+                             "control always stays on gRPC (env TANDEM_KV_TRANSPORT)")
+
+
+def resolve_kv_transport(choice: str, device: str) -> str:
+    """The KV transport a worker on ``device`` runs for ``--kv-transport choice``: ``grpc`` or
+    ``distributed`` (a prefill worker then offers the pair channel, a decode worker hosts it;
+    a transfer uses it only when both ends do, else gRPC; docs/kv-handoff.md).
+
+    ``auto`` is gRPC on CPU workers (the issue's rule: CUDA IPC for two workers on one GPU, NCCL
+    across GPUs, gRPC otherwise) and, until the CUDA IPC and NCCL paths exist, on CUDA workers too.
+
+    Raises:
+        InvalidArgumentError: an unknown choice, or ``cuda-ipc`` (which needs CUDA workers and is
+            not built yet).
+    """
+    if choice not in KV_TRANSPORTS:
+        raise InvalidArgumentError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, "
+                                   f"got {choice!r}", param="kv_transport")
+    if choice == "cuda-ipc":
+        if not device.startswith("cuda"):
+            raise InvalidArgumentError(
+                f"--kv-transport cuda-ipc needs CUDA workers, and this one runs on {device}; "
+                "use --kv-transport grpc or distributed", param="kv_transport")
+        raise InvalidArgumentError(
+            "--kv-transport cuda-ipc is not built yet; use --kv-transport grpc or distributed",
+            param="kv_transport")
+    return "distributed" if choice == "distributed" else "grpc"
 
 
 def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
@@ -127,6 +173,7 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolve_kv_transport(args.kv_transport, device)  # a bad choice fails before the model loads
     return WorkerOptions(
         model=args.model, dtype=args.dtype, device=device, host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
@@ -135,5 +182,5 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
-        threads=args.threads, cpus=args.cpus, grace=args.grace,
+        threads=args.threads, cpus=args.cpus, grace=args.grace, kv_transport=args.kv_transport,
     )

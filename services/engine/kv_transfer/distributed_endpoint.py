@@ -1,0 +1,245 @@
+"""The distributed KV transport (decode side): host the pairs' rendezvous store and receive
+payload pieces over pair groups, for an unchanged :class:`~receiver.KVReceiver`.
+
+The pair set-up and the wire are in ``distributed_transport.py``'s docstring; this side's part:
+
+  1. :class:`ChannelHost` (one per decode worker with ``--kv-transport distributed``) listens
+     with a ``TCPStore`` on ``--kv-dist-port`` and keeps one :class:`PairGroup` per prefill
+     worker (keyed by its id), built lazily when that worker's first offer arrives.
+  2. :class:`DistributedKVEndpoint.receive` runs one ``TransferKV`` stream: it reads the header's
+     offer, and when the receiver gives its go-ahead (blocks allocated), admits the pair and
+     adds the advert (group, tag) to the go-ahead's metadata.
+  3. Each announced chunk (``channel_bytes``, no data) is received over the group and handed to
+     the receiver with its data filled in, so the crc32, contiguity and commit checks, the
+     writes into the blocks, the drain after a failure and every cleanup path are the
+     receiver's own. A piece larger than what the header left is DATA_LOSS before anything is
+     allocated for it.
+  4. A piece that fails or is abandoned (stream cancelled, stall reaper), or a transfer that
+     ends before its commit went through (prefill may be sending a piece nobody will take),
+     breaks the group: it is retired at once, and the next offer from that worker gets a new
+     one. An offer with a new instance id (the prefill worker restarted) or naming the current
+     group as retired does too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from services.common.errors import DataLossError, UnavailableError
+from services.common.pb import decode_pb2
+from services.engine.kv_transfer.pair_group import (
+    BUILT_BACKENDS,
+    DECODE_RANK,
+    SETUP_TIMEOUT_SECONDS,
+    ChannelAdvert,
+    PairGroup,
+    pair_backend,
+)
+from services.engine.kv_transfer.receiver import KVReceiver
+
+logger = logging.getLogger(__name__)
+
+Metadata = tuple[tuple[str, str], ...]
+AcceptWithMetadata = Callable[[Metadata], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Peer:
+    instance: str
+    pair: PairGroup
+
+
+class ChannelHost:
+    """The decode worker's rendezvous store and its pair groups, one per prefill worker."""
+
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        bind_host: str = "0.0.0.0",
+        host: str | None = None,
+        op_timeout: float,
+        setup_timeout: float = SETUP_TIMEOUT_SECONDS,
+    ) -> None:
+        """``bind_host``: the interface the store listens on (the worker's ``--host``);
+        ``host``: where prefill reaches this worker (None: the machine's name);
+        ``op_timeout``: longest wait for one piece."""
+        self.bind_host = bind_host.strip("[]") or "0.0.0.0"
+        self.host = host
+        self.requested_port = port
+        self.op_timeout = op_timeout
+        self.setup_timeout = setup_timeout
+        self.device = "cpu"  # pieces are received as host bytes (payload.py)
+        self.instance = secrets.token_hex(4)
+        self.address = ""
+        self.num_built = 0
+        self._numbers = itertools.count(1)
+        self._store: dist.TCPStore | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._refused: set[str] = set()
+
+    def start(self) -> None:
+        """Listen (binding ``bind_host``: the store itself would listen on every interface)."""
+        family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
+        try:
+            sock = socket.create_server((self.bind_host, self.requested_port), family=family)
+        except OSError as err:
+            raise UnavailableError(f"--kv-dist-port {self.requested_port} on {self.bind_host} is "
+                                   f"not available: {err.strerror or err}") from err
+        port = sock.getsockname()[1]
+        timeout = datetime.timedelta(seconds=self.setup_timeout)
+        self._store = dist.TCPStore(self.bind_host, port, None, True, timeout,
+                                    wait_for_workers=False,
+                                    master_listen_fd=sock.detach())  # the store owns it now
+        host = self.host or socket.gethostname()
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        logger.info("KV channel store listening on %s:%d (advertised as %s)", self.bind_host,
+                    port, self.address)  # fmt: skip
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.pair.retire("the decode worker is stopping")
+        self._peers.clear()
+        self._store = None
+
+    def retire_broken(self, pair: PairGroup) -> None:
+        """Take a group whose op failed or was abandoned out of service at once."""
+        for peer_id, peer in list(self._peers.items()):
+            if peer.pair is pair:
+                pair.retire("an op failed or was abandoned")
+                del self._peers[peer_id]
+
+    def group(self, peer_id: str) -> PairGroup | None:
+        """The group in service with prefill worker ``peer_id`` (None: none)."""
+        peer = self._peers.get(peer_id)
+        return None if peer is None else peer.pair
+
+    def admit(self, offer: decode_pb2.KVChannelOffer) -> tuple[PairGroup, ChannelAdvert] | None:
+        """The pair group one transfer from ``offer``'s worker uses (held: the caller releases
+        it) and the advert for its go-ahead; None when this pair cannot have a channel."""
+        if self._store is None or not offer.peer_id:
+            return None
+        backend = pair_backend(self.device, offer.device or "cpu")
+        if backend not in BUILT_BACKENDS:
+            if offer.peer_id not in self._refused:
+                self._refused.add(offer.peer_id)
+                logger.warning("%s KV channels are not built yet; %s sends KV over gRPC",
+                               backend, offer.peer_id)  # fmt: skip
+            return None
+        peer = self._peers.get(offer.peer_id)
+        if peer is not None:
+            reason = ("the prefill worker restarted" if peer.instance != offer.peer_instance
+                      else "prefill retired it" if peer.pair.key == offer.retired_group
+                      else "an op failed or was abandoned" if peer.pair.broken
+                      else "")  # fmt: skip
+            if reason:
+                peer.pair.retire(reason)
+                del self._peers[offer.peer_id]
+                peer = None
+        if peer is None:
+            pair = PairGroup(f"{self.instance}.{next(self._numbers)}", DECODE_RANK, backend,
+                             op_timeout=self.op_timeout)  # fmt: skip
+            store = self._store
+            pair.build(lambda: store, host=self.host, timeout=self.setup_timeout)
+            peer = self._peers[offer.peer_id] = _Peer(offer.peer_instance, pair)
+            self.num_built += 1
+        peer.pair.acquire()
+        return peer.pair, ChannelAdvert(backend, self.address, peer.pair.key, peer.pair.next_tag())
+
+
+class DistributedKVEndpoint:
+    """Runs ``TransferKV`` streams into a :class:`KVReceiver`, their payload over pair groups."""
+
+    def __init__(self, receiver: KVReceiver, host: ChannelHost) -> None:
+        self.receiver = receiver
+        self.host = host
+
+    async def receive(
+        self,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        on_accept: AcceptWithMetadata,
+    ) -> decode_pb2.KVTransferAck:
+        """Like ``KVReceiver.receive``; ``on_accept(metadata)`` sends the go-ahead with the
+        channel advert (if any) in its metadata."""
+        transfer = _Transfer(self.host)
+        pieces = transfer.messages(messages)
+
+        async def accept() -> None:
+            await on_accept(transfer.admit())
+
+        try:
+            return await self.receiver.receive(pieces, accept)
+        finally:
+            await pieces.aclose()
+            transfer.release()
+
+
+class _Transfer:
+    """One stream's view of the channel: the offer, the admitted pair and tag, bytes so far."""
+
+    def __init__(self, host: ChannelHost) -> None:
+        self.host = host
+        self.offer: decode_pb2.KVChannelOffer | None = None
+        self.total_bytes = 0
+        self.received = 0
+        self.pair: PairGroup | None = None
+        self.tag = 0
+        self.finished = False  # the commit (or the stream's end) went through
+
+    def admit(self) -> Metadata:
+        if self.offer is None:
+            return ()
+        admitted = self.host.admit(self.offer)
+        if admitted is None:
+            return ()
+        self.pair, advert = admitted
+        self.tag = advert.tag
+        return (advert.metadata(),)
+
+    def release(self) -> None:
+        pair, self.pair = self.pair, None
+        if pair is None:
+            return
+        if not self.finished:  # ended mid-stream: prefill may be sending a piece nobody takes
+            pair.broken = True
+        pair.release()
+        if pair.broken:  # out of service now: dropping it fails the peer's pending ops
+            self.host.retire_broken(pair)
+
+    async def messages(
+        self, messages: AsyncIterator[decode_pb2.KVTransferMessage]
+    ) -> AsyncIterator[decode_pb2.KVTransferMessage]:
+        async for message in messages:
+            kind = message.WhichOneof("kind")
+            if kind == "header":
+                self.total_bytes = message.header.total_bytes
+                if message.header.HasField("channel"):
+                    self.offer = message.header.channel
+            elif kind == "chunk":
+                if message.chunk.channel_bytes:
+                    message = await self._fill(message.chunk)
+                self.received += len(message.chunk.data)
+            elif kind == "commit":
+                self.finished = True
+            yield message
+        self.finished = True
+
+    async def _fill(self, chunk: decode_pb2.KVChunk) -> decode_pb2.KVTransferMessage:
+        """Receive an announced chunk's bytes; the chunk with its data filled in."""
+        if self.pair is None:
+            raise DataLossError("a KV chunk came over a channel this transfer did not agree on")
+        if chunk.channel_bytes > self.total_bytes - self.received:
+            self.pair.broken = True  # its bytes are on their way and will not be taken
+            raise DataLossError(f"KV chunk of {chunk.channel_bytes} bytes overruns the payload")
+        data = await self.pair.recv(chunk.channel_bytes, self.tag)
+        filled = decode_pb2.KVChunk(first_block=chunk.first_block, num_blocks=chunk.num_blocks,
+                                    data=data, crc32=chunk.crc32, offset=chunk.offset)
+        return decode_pb2.KVTransferMessage(chunk=filled)

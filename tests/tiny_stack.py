@@ -1,0 +1,156 @@
+"""A real Tandem stack in this process, small enough for CI: the tokenizer service with the
+default SmolLM2 tokenizer, one prefill and one decode worker on a tiny random Llama with the
+same vocabulary, and the real gateway, all on 127.0.0.1 (used by tests/test_gateway_fuzz.py).
+
+The tiny model is written as a Hugging Face folder (``config.json`` + random safetensors from
+the dummy loader), so the workers load it through the production loader; its context is
+:data:`CONTEXT` tokens and the tokenizer service reports the same, so the gateway's context checks
+and the workers' positions agree and a request "until the context is full" stays short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from services.common.grpc_channel import open_channel
+from services.common.grpc_server import start_grpc_server
+from services.common.metrics import TandemMetrics
+from services.common.model_config import ModelConfig
+from services.common.model_source import resolve_model
+from services.common.pb import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, tokenizer_pb2_grpc
+from services.gateway.app import build_app
+from services.gateway.auth import ApiKeyAuth
+from services.gateway.config import GatewayConfig
+from services.gateway.prefill_policy import PrefillPolicy
+from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+from services.tokenizer.tokenizer import Tokenizer
+
+CONTEXT = 256
+API_KEY = "fuzz-key"
+REMOTE_PREFILL_MIN_TOKENS = 40  # longer prompts cross the KV hand-off, shorter ones do not
+
+
+def write_tiny_model(folder: Path, vocab_size: int) -> Path:
+    """A 2-layer random Llama with ``vocab_size`` ids and :data:`CONTEXT` positions."""
+    import torch
+    from safetensors.torch import save_file
+
+    from services.engine.core.loaders.dummy import iter_dummy_weights
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    shape = ModelConfig.from_hf_config(config)
+    weights = dict(iter_dummy_weights(shape, torch.float32, "cpu", seed=0))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@dataclass
+class TinyStack:
+    url: str
+    app: web.Application
+    prefill_address: str
+    decode_address: str
+    headers: dict[str, str]
+
+    async def kv_in_use(self) -> tuple[int, int, int]:
+        """(prefill KV blocks in use, decode KV blocks in use, decode running sequences)."""
+        found = []
+        for address, stub in ((self.prefill_address, prefill_pb2_grpc.PrefillStub),
+                              (self.decode_address, decode_pb2_grpc.DecodeStub)):  # fmt: skip
+            channel = open_channel(address)
+            try:
+                found.append(await stub(channel).GetStats(common_pb2.StatsRequest(), timeout=10))
+            finally:
+                await channel.close()
+        return found[0].kv_blocks_in_use, found[1].kv_blocks_in_use, found[1].num_running
+
+    async def wait_idle(self, timeout: float = 20.0) -> None:
+        """Until no KV block is in use on either worker and decode runs nothing."""
+        deadline = time.monotonic() + timeout
+        while any(held := await self.kv_in_use()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV in use at idle (prefill, decode, running): {held}")
+            await asyncio.sleep(0.1)
+
+    async def ready(self) -> dict[str, object]:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/ready") as r:
+            body = await r.json()
+            assert r.status == 200, body
+            return body  # type: ignore[no-any-return]
+
+
+@contextlib.asynccontextmanager
+async def tiny_stack(
+    model_dir: Path, *, body_read_timeout_s: float = 30.0
+) -> AsyncIterator[TinyStack]:
+    """Start everything (see the module docstring); stop it all on exit."""
+    from services.decode.server import start_decode_worker
+    from services.engine.core.loaders import load_model
+    from services.engine.runtime.worker_options import WorkerOptions
+    from services.prefill.server import start_prefill_worker
+
+    tokenizer = await asyncio.to_thread(Tokenizer.load, resolve_model("default"))
+    tokenizer.context_length = CONTEXT  # the tiny model's, not SmolLM2's
+    if not (model_dir / "config.json").is_file():
+        await asyncio.to_thread(write_tiny_model, model_dir, tokenizer.vocab_size)
+    loaded = await asyncio.to_thread(load_model, str(model_dir))
+    tok_server = await start_grpc_server(
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+          TokenizerServicer(tokenizer, served_name="tiny"), SERVICE_NAME)],
+        host="127.0.0.1", port=0, grace=0.1,
+    )  # fmt: skip
+    common = {"host": "127.0.0.1", "port": 0, "model": str(model_dir), "threads": 1}
+    decode = await start_decode_worker(
+        WorkerOptions(**common, num_blocks=320, worker_id="decode-fuzz"),  # type: ignore[arg-type]
+        loaded=loaded, tokenizer=tokenizer, metrics=TandemMetrics(process_metrics=False),
+    )  # fmt: skip
+    prefill = await start_prefill_worker(
+        WorkerOptions(**common, num_blocks=64, worker_id="prefill-fuzz"),  # type: ignore[arg-type]
+        loaded=loaded, metrics=TandemMetrics(process_metrics=False),
+    )  # fmt: skip
+    config = GatewayConfig(
+        tokenizer_address=tok_server.address, prefill_addresses=(prefill.address,),
+        decode_addresses=(decode.address,), host="127.0.0.1", port=0, stats_interval_s=0.25,
+        body_read_timeout_s=body_read_timeout_s,
+        prefill_policy=PrefillPolicy(remote_min_tokens=REMOTE_PREFILL_MIN_TOKENS),
+    )  # fmt: skip
+    app = build_app(config, auth=ApiKeyAuth((API_KEY,)),
+                    metrics=TandemMetrics(process_metrics=False))  # fmt: skip
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    stack = TinyStack(f"http://127.0.0.1:{runner.addresses[0][1]}", app, prefill.address,
+                      decode.address, {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            async with aiohttp.ClientSession() as s, s.get(stack.url + "/ready") as r:
+                if r.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the tiny stack never got ready: {await r.text()}")
+            await asyncio.sleep(0.1)
+        yield stack
+    finally:
+        await runner.cleanup()
+        await prefill.stop(0.5)
+        await decode.stop(0.5)
+        await tok_server.stop(0)
