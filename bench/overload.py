@@ -4,7 +4,8 @@ What a user should see when a server is over capacity: the requests it admits ke
 latency, and the rest are refused at once with 429 and ``Retry-After`` (no timeouts, no queue
 that grows without bound). One run, three phases against one ``tandem up``:
 
-1. ``tandem up`` (default model, default mode) with the gateway's ``--max-in-flight K``.
+1. ``tandem up`` (default model, default mode) with the gateway's ``--max-in-flight K``. Each
+   phase sends prompts of its own, so none is served from an earlier phase's prefix cache.
 2. *unloaded*: ``tandem bench serve --concurrency 1``: the TTFT a lone request gets.
 3. *capacity*: ``--concurrency K``: the admission limit kept full; its request throughput is
    what the stack serves (requests/s).
@@ -57,10 +58,12 @@ def _wait_ready(proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
     raise RuntimeError("the stack did not become ready")
 
 
-def _bench(out: Path, args: argparse.Namespace, *level: str) -> dict[str, Any]:
+def _bench(out: Path, args: argparse.Namespace, seed: int, *level: str) -> dict[str, Any]:
+    """One ``tandem bench serve`` level; each phase has its own prompts (``seed``), so no phase
+    is served from the prefix cache of an earlier one."""
     cmd = [sys.executable, "-m", "services", "--log-level", "WARNING", "bench", "serve",
            "--base-url", URL, "--num-prompts", str(args.num_prompts), "--input-tokens",
-           str(args.input_tokens), "--output-tokens", str(args.output_tokens), "--seed", "0",
+           str(args.input_tokens), "--output-tokens", str(args.output_tokens), "--seed", str(seed),
            "--no-progress", "--timeout", "120", "--output-dir", str(out), *level]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     summary: dict[str, Any] = json.loads((out / "results.json").read_text())["servers"][0][
@@ -90,14 +93,15 @@ def main() -> int:
     try:
         _wait_ready(up)
         phases: dict[str, dict[str, Any]] = {}
-        phases["unloaded (c=1)"] = _bench(args.output_dir / "unloaded", args, "--concurrency", "1")
+        phases["unloaded (c=1)"] = _bench(args.output_dir / "unloaded", args, 1,
+                                            "--concurrency", "1")
         k = str(args.max_in_flight)
-        phases[f"capacity (c={k})"] = _bench(args.output_dir / "capacity", args,
+        phases[f"capacity (c={k})"] = _bench(args.output_dir / "capacity", args, 2,
                                              "--concurrency", k)  # fmt: skip
         rate = args.overload * phases[f"capacity (c={k})"]["request_throughput"]
         logger.info("capacity %.2f req/s; overload at %.2f req/s", rate / args.overload, rate)
         phases[f"overload ({args.overload:g}x: {rate:.2f} req/s)"] = _bench(
-            args.output_dir / "overload", args, "--request-rate", f"{rate:.3f}")
+            args.output_dir / "overload", args, 3, "--request-rate", f"{rate:.3f}")
     finally:
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
