@@ -7,6 +7,7 @@ slowly enough to hold a connection forever (now 408 at ``--body-read-timeout``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import json
 import time
 from typing import Any
@@ -171,3 +172,30 @@ def test_body_read_timeout_is_validated() -> None:
 
     argv = ["serve", "gateway", "--body-read-timeout", "7.5"]
     assert config_from_args(build_parser(argv).parse_args(argv)).body_read_timeout_s == 7.5
+
+
+async def _raw_exchange(url: str, data: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return answer
+
+
+async def test_requests_that_are_not_http_log_one_quiet_line(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await make_stack()
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+    bad = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\nContent-Length: 2\r\n\r\n{}"
+    for _ in range(5):
+        answer = await _raw_exchange(stack.url, bad)
+        assert answer.split(b" ", 2)[1] == b"400", answer
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(records) == 1, [r.getMessage() for r in records]  # folded: no flood
+    assert records[0].levelno == logging.WARNING and records[0].exc_info is None
+    assert "malformed HTTP request from 127.0.0.1 answered 400" in records[0].getMessage()
+    status, body, _ = await post_raw(stack.url + "/v1/completions", b'{"model": 1}')
+    assert status == 400 and json.loads(body)["error"]["param"] == "model"  # still serving

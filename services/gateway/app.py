@@ -8,7 +8,9 @@ the handlers share.
   ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /openapi.json``
   (``openapi.py``), ``GET /`` (the playground), ``GET /health``, ``GET /ready``, ``GET /metrics``;
 - the OpenAI error middleware (every failure is ``{"error": {...}}`` with OpenAI's status);
-- ``client_max_size`` = ``max_body_bytes``, so larger bodies are refused with 413.
+- ``client_max_size`` = ``max_body_bytes``, so larger bodies are refused with 413;
+- requests that are not valid HTTP are logged as one rate-limited WARNING line instead of an
+  ERROR traceback each (``malformed_http_log.py``).
 
 Lifecycle (aiohttp signals):
 
@@ -36,6 +38,9 @@ from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.membership import Membership
 from services.gateway.openapi import openapi_route
 from services.gateway.playground import playground
+from services.gateway.malformed_http_log import MalformedHttpLogFilter
+from services.gateway.malformed_http_log import attach as attach_log_filter
+from services.gateway.malformed_http_log import detach as detach_log_filter
 from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy, load_policy
 from services.gateway.state import STATE_KEY, GatewayState
@@ -45,6 +50,7 @@ from services.gateway.token_routes import detokenize, tokenize, version_route
 logger = logging.getLogger(__name__)
 
 _WATCH_KEY = web.AppKey("tandem_model_info_watch", asyncio.Task)
+_LOG_FILTER_KEY = web.AppKey("tandem_malformed_http_log", MalformedHttpLogFilter)
 
 
 def build_state(
@@ -119,6 +125,8 @@ def build_app(
 
 async def _start(app: web.Application) -> None:
     state = app[STATE_KEY]
+    app[_LOG_FILTER_KEY] = MalformedHttpLogFilter()
+    attach_log_filter(app[_LOG_FILTER_KEY])
     await state.membership.start()
     await state.router.start()
     app[_WATCH_KEY] = asyncio.create_task(state.watch_model_info(), name="tandem-model-info")
@@ -143,5 +151,7 @@ async def _shutdown(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     state = app[STATE_KEY]
+    if _LOG_FILTER_KEY in app:
+        detach_log_filter(app[_LOG_FILTER_KEY])
     await state.drain()
     await state.backend.close()
