@@ -1,18 +1,21 @@
-"""KV hand-off benchmark: gRPC transfer throughput next to a plain memory copy, and the
-transfer's share of time to first token (docs/kv-handoff.md).
+"""KV hand-off benchmark: transfer throughput per KV transport (gRPC chunks, or the
+``torch.distributed`` payload channel) next to a plain memory copy, and the transfer's share of
+time to first token (docs/kv-handoff.md).
 
 What runs: a prefill and a decode worker as real gRPC servers on 127.0.0.1 (in this process,
 sharing one set of weights; or already running workers given by address), the SmolLM2-135M
 float32 KV layout by default (``dummy:smollm2-135m``: real shapes, random weights, no tokenizer
 needed). For each prompt length, ``--reps`` prompts (distinct, so the prefix cache never hits)
 go through the real path: ``Decode.Generate`` opened, ``Prefill.Prefill`` computes the prompt and
-ships its blocks over ``Decode.TransferKV``, decode admits the request (``max_tokens=1``).
+ships its blocks over ``Decode.TransferKV``, decode admits the request (``max_tokens=1``). With
+``--kv-transport grpc distributed`` (the default) each transport gets its own pair of workers, one
+after the other, in the same run.
 
 Columns:
   * ``KV MiB``            bytes shipped per request (blocks x block_bytes);
   * ``prefill s``         prefill compute (queue exit to first token, prefill worker's clock);
-  * ``transfer s``        first write to decode's ack (read from the pool, crc32, gRPC, write);
-  * ``gRPC GB/s``         KV bytes / transfer seconds;
+  * ``transfer s``        first write to decode's ack (read from the pool, crc32, send, write);
+  * ``GB/s``              KV bytes / transfer seconds;
   * ``memcpy GB/s``       ``torch.clone`` of a tensor of the same size (the in-memory ceiling);
   * ``share of TTFT``     transfer / (prefill + transfer): what disaggregation adds to TTFT.
 Medians over the repetitions. In-process mode puts both workers on the same CPU cores, so the
@@ -20,7 +23,7 @@ gRPC figure is a lower bound for two hosts with a fast link.
 
 Usage::
 
-    python bench/kv_transfer.py                      # 512 and 4096 tokens, 3 repetitions
+    python bench/kv_transfer.py                      # 512 and 4096 tokens, 3 reps, both transports
     python bench/kv_transfer.py --tokens 512 --reps 5 --json results.json
     python bench/kv_transfer.py --prefill-address H:P --decode-address H:P   # running workers
 """
@@ -35,7 +38,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, too
@@ -54,11 +57,12 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 @dataclass(frozen=True, slots=True)
 class Row:
+    transport: str
     tokens: int
     kv_bytes: int
     prefill_s: float
     transfer_s: float
-    grpc_gbps: float
+    gbps: float
     memcpy_gbps: float
     ttft_share: float
 
@@ -92,7 +96,9 @@ async def one_request(
     return response
 
 
-async def measure(args: argparse.Namespace, prefill_address: str, decode_address: str) -> list[Row]:
+async def measure(
+    args: argparse.Namespace, prefill_address: str, decode_address: str, transport: str
+) -> list[Row]:
     prefill_channel, decode_channel = open_channel(prefill_address), open_channel(decode_address)
     prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
     decode = decode_pb2_grpc.DecodeStub(decode_channel)
@@ -113,8 +119,8 @@ async def measure(args: argparse.Namespace, prefill_address: str, decode_address
             transfer_s = statistics.median(r.transfer_seconds for r in results)
             kv_bytes = results[0].kv_bytes
             rows.append(Row(
-                tokens=tokens, kv_bytes=kv_bytes, prefill_s=prefill_s, transfer_s=transfer_s,
-                grpc_gbps=statistics.median(r.kv_bytes / r.transfer_seconds / 1e9 for r in results),
+                transport=transport, tokens=tokens, kv_bytes=kv_bytes, prefill_s=prefill_s, transfer_s=transfer_s,
+                gbps=statistics.median(r.kv_bytes / r.transfer_seconds / 1e9 for r in results),
                 memcpy_gbps=memcpy_gbps(kv_bytes),
                 ttft_share=transfer_s / (prefill_s + transfer_s),
             ))
@@ -126,7 +132,7 @@ async def measure(args: argparse.Namespace, prefill_address: str, decode_address
 
 async def run(args: argparse.Namespace) -> list[Row]:
     if args.prefill_address and args.decode_address:
-        return await measure(args, args.prefill_address, args.decode_address)
+        return await measure(args, args.prefill_address, args.decode_address, "as configured")
     from services.decode.server import start_decode_worker
     from services.engine.core.loaders import load_model, parse_dtype
     from services.engine.runtime.worker_options import WorkerOptions
@@ -134,28 +140,34 @@ async def run(args: argparse.Namespace) -> list[Row]:
 
     loaded = load_model(args.model, parse_dtype(args.dtype))
     args.vocab = loaded.config.vocab_size
-    options = WorkerOptions(
-        model=args.model, dtype=args.dtype, host="127.0.0.1", port=0,
-        kv_cache_gib=args.kv_cache_gib, max_batched_tokens=args.max_batched_tokens,
-        enable_prefix_caching=False,
-    )
-    decode = await start_decode_worker(options, loaded=loaded, wait_for_kv_seconds=600)
-    prefill = await start_prefill_worker(options, loaded=loaded, lease_seconds=600,
-                                         max_chunk_bytes=int(args.chunk_mib * 2**20))
-    try:
-        return await measure(args, prefill.address, decode.address)
-    finally:
-        await prefill.stop(1)
-        await decode.stop(1)
+    rows: list[Row] = []
+    for transport in args.kv_transport:
+        options = WorkerOptions(
+            model=args.model, dtype=args.dtype, host="127.0.0.1", port=0,
+            kv_cache_gib=args.kv_cache_gib, max_batched_tokens=args.max_batched_tokens,
+            enable_prefix_caching=False, kv_transport=transport,
+        )
+        decode = await start_decode_worker(replace(options, worker_id=f"decode-{transport}"),
+                                           loaded=loaded, wait_for_kv_seconds=600)  # fmt: skip
+        prefill = await start_prefill_worker(replace(options, worker_id=f"prefill-{transport}"),
+                                             loaded=loaded, lease_seconds=600,
+                                             max_chunk_bytes=int(args.chunk_mib * 2**20))  # fmt: skip
+        try:
+            rows += await measure(args, prefill.address, decode.address, transport)
+        finally:
+            await prefill.stop(1)
+            await decode.stop(1)
+    return rows
 
 
 def print_table(rows: list[Row], header: str) -> None:
     print(header)
-    print(f"{'tokens':>7} {'KV MiB':>8} {'prefill s':>10} {'transfer s':>11} {'gRPC GB/s':>10} "
-          f"{'memcpy GB/s':>12} {'share of TTFT':>14}")
+    print(f"{'transport':>13} {'tokens':>7} {'KV MiB':>8} {'prefill s':>10} {'transfer s':>11} "
+          f"{'GB/s':>10} {'memcpy GB/s':>12} {'share of TTFT':>14}")
     for r in rows:
-        print(f"{r.tokens:>7} {r.kv_bytes / 2**20:>8.1f} {r.prefill_s:>10.3f} {r.transfer_s:>11.4f} "
-              f"{r.grpc_gbps:>10.2f} {r.memcpy_gbps:>12.2f} {r.ttft_share:>13.1%}")
+        print(f"{r.transport:>13} {r.tokens:>7} {r.kv_bytes / 2**20:>8.1f} {r.prefill_s:>10.3f} "
+              f"{r.transfer_s:>11.4f} "
+              f"{r.gbps:>10.2f} {r.memcpy_gbps:>12.2f} {r.ttft_share:>13.1%}")
 
 
 def main() -> int:
@@ -171,11 +183,13 @@ def main() -> int:
     parser.add_argument("--prefill-address", default=None)
     parser.add_argument("--decode-address", default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--kv-transport", nargs="+", default=["grpc", "distributed"],
+                        choices=["grpc", "distributed"], help="transports to measure, in turn")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("services").setLevel(logging.WARNING)
     rows = asyncio.run(run(args))
-    where = "running workers" if args.prefill_address else "in-process workers, loopback gRPC"
+    where = "running workers" if args.prefill_address else "in-process workers, loopback"
     print_table(rows, f"KV transfer, {args.model} {args.dtype}, {where}, "
                       f"{torch.get_num_threads()} torch threads")
     if args.json:

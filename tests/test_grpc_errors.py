@@ -25,7 +25,7 @@ from services.common.errors import (
 from services.common.grpc_channel import (
     open_channel,
 )
-from services.common.grpc_errors import status_to_error
+from services.common.grpc_errors import is_transport_failure, status_to_error
 from services.common.grpc_server import GrpcServerHandle, start_grpc_server
 from services.common.pb import (
     common_pb2,
@@ -228,6 +228,23 @@ def test_status_to_error_uses_server_metadata() -> None:
     )
     assert type(err).__name__ == "ModelLoadError"
     assert err.param == "model" and err.message == "no file"
+
+
+def test_a_stream_removed_with_its_connection_is_a_transport_failure() -> None:
+    def rpc_error(code: grpc.StatusCode, details: str, *trailing: tuple[str, str]) -> Any:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing),
+                                    details=details)  # fmt: skip
+
+    removed = rpc_error(grpc.StatusCode.UNKNOWN, "Stream removed (Socket closed)")
+    assert is_transport_failure(removed)
+    assert type(status_to_error(removed)) is UnavailableError
+    assert is_transport_failure(rpc_error(grpc.StatusCode.UNAVAILABLE, "Connection refused"))
+    # Raised by a Tandem server's code (metadata), or an unknown failure of another kind: not.
+    raised = rpc_error(grpc.StatusCode.UNAVAILABLE, "stopping",
+                       ("tandem-error-class", "UnavailableError"))  # fmt: skip
+    assert not is_transport_failure(raised)
+    assert not is_transport_failure(rpc_error(grpc.StatusCode.UNKNOWN, "Exception calling app"))
+    assert type(status_to_error(rpc_error(grpc.StatusCode.UNKNOWN, "boom"))) is TandemError
 
 
 def test_default_ports() -> None:

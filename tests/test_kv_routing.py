@@ -145,3 +145,54 @@ async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  
         await backend.close()
         for h in handles:
             await h.stop(0)
+
+
+def test_a_request_that_just_ended_does_not_keep_its_worker_busy() -> None:
+    router, (d0, d1) = router_of(2)
+    cache(router, "d0", SYSTEM)
+    cache(router, "d1", [])
+    prompt = PromptKeys(SYSTEM[: 2 * BS] + [1])  # 2 cached blocks on d0: worth half a request
+    with router.lease(d0):
+        assert d0.load()[0] == 1
+    # d0's last stats (polled while the request ran) still count it; the gateway knows it ended.
+    d0.stats = common_pb2.WorkerStats(block_size=BS, num_running=1)
+    assert d0.load()[0] == 0 and router.pick("decode", prompt) is d0
+    d1.stats = common_pb2.WorkerStats(block_size=BS, num_running=2)  # another gateway's load
+    assert d1.load()[0] == 2
+
+
+async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[no-untyped-def]
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.decode.server import start_decode_worker
+    from services.engine.core.loaders import load_model
+    from services.engine.runtime.worker_options import WorkerOptions
+    from services.gateway import prefix_index
+    from services.gateway.backend import Backend
+    from services.gateway.config import GatewayConfig
+    from tests.ports import free_ports
+
+    monkeypatch.setattr(prefix_index, "RETRY_MIN_S", 60.0)  # only a wake-up can resubscribe soon
+    port = free_ports(1)[0]
+    config = GatewayConfig(tokenizer_address="127.0.0.1:1", prefill_addresses=(),
+                           decode_addresses=(f"127.0.0.1:{port}",))  # fmt: skip
+    backend = Backend(config)
+    router = Router(backend.prefill, backend.decode, interval_s=0.1)
+    handle = None
+    try:
+        await router.start()  # nothing listens yet: the first subscription fails
+        await asyncio.sleep(0.3)
+        handle = await start_decode_worker(
+            WorkerOptions(host="127.0.0.1", port=port, num_blocks=16, worker_id="late"),
+            loaded=load_model(str(tiny_llama_dir)))  # fmt: skip
+        address = f"127.0.0.1:{port}"
+        for _ in range(100):
+            if router.prefix_index.block_size(address) is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert router.prefix_index.block_size(address) == 16  # the snapshot came, long before 60 s
+    finally:
+        await router.stop()
+        await backend.close()
+        if handle is not None:
+            await handle.stop(0)

@@ -207,11 +207,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+def is_transport_failure(e: grpc.aio.AioRpcError) -> bool:
+    """Whether gRPC itself failed the call because the peer cannot be reached or its connection
+    died: UNAVAILABLE, or UNKNOWN "Stream removed" (what gRPC core reports for a stream whose
+    connection was torn down mid-call), without the ``tandem-error-class`` metadata a Tandem
+    server attaches to every error it raises."""
+    code = e.code()
+    broken = code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.UNKNOWN and (e.details() or "").startswith("Stream removed")
+    )
+    return broken and ERROR_CLASS_KEY not in _metadata_dict(e.trailing_metadata())
+
+
 def status_to_error(e: grpc.aio.AioRpcError) -> TandemError:
     """The typed error a client should raise for a failed RPC.
 
     Uses the server's ``tandem-error-class`` trailing metadata when present (exact class, ``param``
-    and ``code``); otherwise maps the status code: UNAVAILABLE and DEADLINE_EXCEEDED become
+    and ``code``); otherwise maps the status code: UNAVAILABLE, DEADLINE_EXCEEDED and a stream
+    torn down with its connection (:func:`is_transport_failure`) become
     :class:`UnavailableError`, CANCELLED and ABORTED :class:`AbortedError`, unknown codes a plain
     :class:`TandemError` (INTERNAL).
     """
@@ -220,7 +233,7 @@ def status_to_error(e: grpc.aio.AioRpcError) -> TandemError:
     metadata = _metadata_dict(e.trailing_metadata())
     cls = _error_classes().get(metadata.get(ERROR_CLASS_KEY, ""))
     if cls is None:
-        cls = _CODE_TO_ERROR.get(code, TandemError)
+        cls = UnavailableError if is_transport_failure(e) else _CODE_TO_ERROR.get(code, TandemError)
     name = code.name if code is not None else "UNKNOWN"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = f"deadline exceeded: {details}" if details else "deadline exceeded"

@@ -9,7 +9,8 @@ reuse (give or take blocks evicted since the last update).
 
 :class:`PrefixWatcher` keeps one subscription per worker: it applies the snapshot and changes,
 and on any break forgets the worker (stale keys would attract requests to a cache that may be
-gone) and resubscribes with backoff, getting a fresh snapshot. A worker that does not serve the
+gone) and resubscribes with backoff, getting a fresh snapshot; the router wakes it at once when
+the worker's health check turns good again. A worker that does not serve the
 stream (UNIMPLEMENTED) is simply never credited with a prefix.
 """
 
@@ -78,6 +79,7 @@ class PrefixWatcher:
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._wakes: dict[str, asyncio.Event] = {}
 
     def sync(self, clients: Iterable[WorkerClient]) -> None:
         """Watch exactly ``clients``: start new subscriptions, end those of dropped workers."""
@@ -85,12 +87,31 @@ class PrefixWatcher:
         for address in list(self._tasks):
             if address not in wanted:
                 self._tasks.pop(address).cancel()
+                self._wakes.pop(address, None)
                 self.index.forget(address)
         for address, client in wanted.items():
             if address not in self._tasks:
+                self._wakes[address] = asyncio.Event()
                 self._tasks[address] = asyncio.create_task(
                     self._watch(client), name=f"prefix-watch-{address}"
                 )
+
+    def wake(self, address: str) -> None:
+        """The worker at ``address`` just answered a health check: resubscribe now rather than
+        at the end of a backoff (a gateway started before its workers would otherwise route
+        blind for up to ``RETRY_MAX_S``)."""
+        event = self._wakes.get(address)
+        if event is not None:
+            event.set()
+
+    async def _pause(self, address: str, seconds: float) -> None:
+        event = self._wakes.get(address)
+        if event is None:
+            await asyncio.sleep(seconds)
+            return
+        event.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
 
     async def _watch(self, client: WorkerClient) -> None:
         delay = RETRY_MIN_S
@@ -105,13 +126,13 @@ class PrefixWatcher:
                     self.index.forget(client.address)
                     logger.info("worker %s serves no prefix-cache feed; routing it by load only",
                                 client.address)  # fmt: skip
-                    await asyncio.sleep(UNIMPLEMENTED_RETRY_S)
+                    await self._pause(client.address, UNIMPLEMENTED_RETRY_S)
                     continue
                 error = err.message
             self.index.forget(client.address)
             logger.debug("prefix-cache watch of %s ended: %s; retrying in %.1fs",
                          client.address, error, delay)  # fmt: skip
-            await asyncio.sleep(delay)
+            await self._pause(client.address, delay)
             delay = min(delay * 2, RETRY_MAX_S)
 
     async def stop(self) -> None:

@@ -10,8 +10,9 @@ The gateway knows three things about each worker:
 3. which prompt prefixes its KV cache holds (``prefix_index.py``: the worker's
    ``PrefixCache.Watch`` stream, a snapshot then every key stored or evicted).
 
-A worker's load is ``load(w) = max(in_flight, num_running + num_waiting)`` (the larger covers
-requests from other gateways). For a prompt of ``B`` full blocks, of which worker ``w`` holds the
+A worker's load is ``load(w) = max(in_flight, num_running + num_waiting - finished)`` (the
+larger covers requests from other gateways; ``finished`` counts this gateway's requests on it
+that ended since that snapshot, which the snapshot still counts). For a prompt of ``B`` full blocks, of which worker ``w`` holds the
 first ``cached(w)``, the router ranks candidates by
 
     cost(w) = overlap_weight * (B - cached(w)) + load_weight * load(w)
@@ -61,6 +62,7 @@ class WorkerState:
     healthy: bool = False
     stats: common_pb2.WorkerStats | None = None
     in_flight: int = 0
+    finished_since_poll: int = 0  # the gateway's requests on it that ended after its last stats
     last_error: str | None = "not polled yet"
     polled_at: float = 0.0
 
@@ -69,9 +71,17 @@ class WorkerState:
         return self.client.address
 
     def load(self) -> tuple[int, float]:
+        """``(requests on the worker, KV usage)``. The reported count still includes this
+        gateway's requests that ended since the snapshot; they are taken off, so a worker that
+        just finished a request is not seen as busy for up to a poll interval."""
         reported = 0 if self.stats is None else self.stats.num_running + self.stats.num_waiting
         usage = 0.0 if self.stats is None else self.stats.kv_cache_usage
-        return max(self.in_flight, reported), usage
+        return max(self.in_flight, reported - self.finished_since_poll), usage
+
+    def finished(self) -> None:
+        """One of the gateway's requests on this worker ended."""
+        self.in_flight -= 1
+        self.finished_since_poll += 1
 
     def describe(self) -> dict[str, object]:
         """A JSON-able summary for ``/ready``."""
@@ -225,7 +235,7 @@ class Router:
         try:
             yield worker
         finally:
-            worker.in_flight -= 1
+            worker.finished()
 
     def lease_until_done(self, worker: WorkerState, task: asyncio.Future[object]) -> None:
         """Count ``task`` as one of the gateway's requests on ``worker`` from now until it is
@@ -233,7 +243,7 @@ class Router:
         worker.in_flight += 1
 
         def done(_: asyncio.Future[object]) -> None:
-            worker.in_flight -= 1
+            worker.finished()
 
         task.add_done_callback(done)
 
@@ -272,7 +282,10 @@ class Router:
         worker.last_error = error
         if stats is not None:
             worker.stats = stats
+            worker.finished_since_poll = 0
             self._record(worker, stats)
+        if worker.healthy and not was_healthy and self._watcher is not None:
+            self._watcher.wake(worker.address)  # (re)subscribe to its prefix feed now
         if was_healthy != worker.healthy:
             log = logger.info if worker.healthy else logger.warning
             log(

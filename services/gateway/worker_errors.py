@@ -4,7 +4,8 @@ The gateway sees typed errors (``status_to_error``); most keep their meaning for
 some say more about the worker than about the request:
 
 1. UNAVAILABLE produced by gRPC itself (connection refused or lost; no ``tandem-error-class``
-   metadata): the worker is down. :class:`WorkerDown` tells the choice to mark it down in the
+   metadata), or a stream gRPC reports "Stream removed" when its connection died mid-call: the
+   worker is down. :class:`WorkerDown` tells the choice to mark it down in the
    router and, if nothing was sent yet, retry elsewhere.
 2. NOT_FOUND from Generate (the KV never arrived), FAILED_PRECONDITION (the workers disagree on
    the model or KV layout) and ABORTED (the worker stopped the request itself): a server-side
@@ -24,7 +25,7 @@ from services.common.errors import (
     TandemError,
     UnavailableError,
 )
-from services.common.grpc_errors import ERROR_CLASS_KEY
+from services.common.grpc_errors import is_transport_failure
 from services.gateway.router import WorkerState
 
 
@@ -58,7 +59,4 @@ def _is_unavailable_status(err: UnavailableError) -> bool:
     produced (connection refused or lost), not one the worker's code raised (those carry
     ``tandem-error-class`` metadata), nor a deadline."""
     cause = err.__cause__
-    if not isinstance(cause, grpc.aio.AioRpcError) or cause.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    trailing = cause.trailing_metadata() or ()
-    return not any(key == ERROR_CLASS_KEY for key, _ in trailing)
+    return isinstance(cause, grpc.aio.AioRpcError) and is_transport_failure(cause)
