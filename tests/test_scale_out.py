@@ -140,7 +140,23 @@ class Outcome:
     chunks: int = 0
 
 
-def _stream(url: str, prompt: str, progress: threading.Event | None = None) -> Outcome:
+class Going:
+    """Set once ``expected`` streams have each streamed a few chunks (all of them are emitting)."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def one_more(self) -> None:
+        with self._lock:
+            self._count += 1
+            if self._count >= self.expected:
+                self.event.set()
+
+
+def _stream(url: str, prompt: str, going: Going | None = None) -> Outcome:
     body = json.dumps({
         "model": MODEL, "stream": True, "temperature": 0, "max_tokens": OUTPUT_TOKENS,
         "ignore_eos": True, "stream_options": {"include_usage": True},
@@ -165,8 +181,8 @@ def _stream(url: str, prompt: str, progress: threading.Event | None = None) -> O
                     out.text += choice["delta"].get("content") or ""
                     out.finish_reason = choice.get("finish_reason") or out.finish_reason
                     out.chunks += 1
-                    if progress is not None and out.chunks >= 8:
-                        progress.set()
+                    if going is not None and out.chunks == 4:
+                        going.one_more()
     except urllib.error.HTTPError as err:
         out.error = f"HTTP {err.code}: {err.read()[:200]!r}"
     return out
@@ -198,10 +214,12 @@ def test_killing_a_prefill_and_a_decode_worker_under_load_loses_nothing(stack: U
     reference = {p: _stream(url, p) for p in prompts}  # undisturbed, one at a time
     assert all(r.error is None and r.completion_tokens == OUTPUT_TOKENS for r in reference.values())
 
-    progress = threading.Event()
+    going = Going(6)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = {pool.submit(_stream, url, p, progress): p for p in prompts[:6]}
-        assert progress.wait(120), "no stream got going"
+        futures = {pool.submit(_stream, url, p, going): p for p in prompts[:6]}
+        # Kill once every first-wave stream is emitting: those on the killed decode worker must
+        # migrate (a request still before its first token would be retried instead).
+        assert going.event.wait(120), "the streams did not all get going"
         serving = {w["address"] for w in _get_json(url + "/ready")["decode"] if w["in_flight"]}
         decode = next(n for n in ("decode-0", "decode-1") if stack.rows[n][0] in serving)
         victims = {name: stack.rows[name][1] for name in ("prefill-0", decode)}
