@@ -31,6 +31,7 @@ from services.common.pb import common_pb2, tokenizer_pb2
 from services.common.sampling_params import SamplingParams
 from services.gateway.disconnect import watch_disconnect
 from services.gateway.http_errors import read_json_body
+from services.gateway.openai_fields import check_vocabulary
 from services.gateway.openai_requests import (
     ChatRequest,
     CompletionRequest,
@@ -214,15 +215,7 @@ async def _prepare_completion(
 
 
 def _check_ids(ids: tuple[int, ...], max_tokens: int, info: tokenizer_pb2.ModelInfo) -> None:
-    if info.vocab_size:
-        for i, token in enumerate(ids):
-            if token >= info.vocab_size:
-                raise InvalidArgumentError(
-                    f"Invalid 'prompt[{i}]': token id {token} is outside the vocabulary "
-                    f"[0, {info.vocab_size}).",
-                    param="prompt",
-                    code="invalid_value",
-                )
+    check_vocabulary(ids, info.vocab_size, "prompt")
     if info.context_length and len(ids) + max_tokens > info.context_length:
         raise InvalidArgumentError(
             f"This model's maximum context length is {info.context_length} tokens, but the "

@@ -13,7 +13,7 @@ request semantics (defaults, cross-field rules, unsupported features).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from services.common.errors import InvalidArgumentError
 from services.gateway.api_schema import MAX_UINT32
@@ -63,6 +63,19 @@ def parse_content(raw: object, param: str, *, nullable: bool) -> str:
             raise missing(f"{part_param}.text")
         texts.append(text)
     return "\n".join(texts)
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """400 naming ``param[i]`` for the first id outside ``[0, vocab_size)`` (0: unknown, no check
+    beyond the sign)."""
+    for i, token in enumerate(ids):
+        if token < 0 or (vocab_size and token >= vocab_size):
+            raise InvalidArgumentError(
+                f"Invalid '{param}[{i}]': token id {token} is outside the vocabulary "
+                f"[0, {vocab_size}).",
+                param=param,
+                code="invalid_value",
+            )
 
 
 def parse_prompt(obj: Mapping[str, object]) -> str | tuple[int, ...]:

@@ -216,13 +216,18 @@ def _parse_model(obj: Mapping[str, object], served_models: Sequence[str]) -> str
     model = get_str(obj, "model")
     if model is None:
         raise missing("model")
+    check_served_model(model, served_models)
+    return model
+
+
+def check_served_model(model: str, served_models: Sequence[str]) -> None:
+    """OpenAI's 404 ``model_not_found`` unless ``model`` is one of the served names."""
     if model not in served_models:
         raise NotFoundError(
             f"The model `{model}` does not exist or you do not have access to it.",
             param="model",
             code="model_not_found",
         )
-    return model
 
 
 def parse_messages(obj: Mapping[str, object]) -> tuple[ChatMessage, ...]:

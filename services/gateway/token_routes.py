@@ -20,12 +20,19 @@ from importlib.metadata import PackageNotFoundError, version
 
 from aiohttp import web
 
-from services.common.errors import InvalidArgumentError, NotFoundError
+from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2, tokenizer_pb2
 from services.gateway.api_schema import DETOKENIZE, MAX_UINT32, TOKENIZE
 from services.gateway.http_errors import read_json_body
-from services.gateway.openai_fields import bool_or, get_str, missing, parse_int_list, require_object
-from services.gateway.openai_requests import parse_messages
+from services.gateway.openai_fields import (
+    bool_or,
+    check_vocabulary,
+    get_str,
+    missing,
+    parse_int_list,
+    require_object,
+)
+from services.gateway.openai_requests import check_served_model, parse_messages
 from services.gateway.state import STATE_KEY, GatewayState
 
 _TOKENIZE_KEYS = TOKENIZE.names  # declared in api_schema.py, documented by GET /openapi.json
@@ -46,9 +53,8 @@ async def _body(
                                    param=unknown[0], code="unknown_parameter")  # fmt: skip
     await state.require_model_info()  # the served names and the vocabulary come from it
     model = get_str(obj, "model")
-    if model is not None and model not in state.served_names:
-        raise NotFoundError(f"The model `{model}` does not exist or you do not have access to it.",
-                            param="model", code="model_not_found")  # fmt: skip
+    if model is not None:
+        check_served_model(model, state.served_names)
     return state, obj
 
 
@@ -89,13 +95,8 @@ async def detokenize(request: web.Request) -> web.Response:
     if obj.get("tokens") is None:
         raise missing("tokens")
     ids = parse_int_list(obj, "tokens", maximum=MAX_UINT32)
-    vocab = state.model_info.vocab_size if state.model_info is not None else 0
-    for i, token in enumerate(ids):
-        if token < 0 or (vocab and token >= vocab):
-            raise InvalidArgumentError(
-                f"Invalid 'tokens[{i}]': token id {token} is outside the vocabulary [0, {vocab}).",
-                param="tokens", code="invalid_value",
-            )  # fmt: skip
+    check_vocabulary(ids, state.model_info.vocab_size if state.model_info is not None else 0,
+                     "tokens")  # fmt: skip
     text = await state.backend.tokenizer.detokenize(ids, skip_special_tokens=False)
     return web.json_response({"prompt": text})
 

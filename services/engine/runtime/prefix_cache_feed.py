@@ -128,9 +128,11 @@ class PrefixCacheFeed:
         await self.engine_loop.call(attach)
 
     def _on_event(self, kind: str, digests: Sequence[bytes]) -> None:  # engine thread
-        keys = [routing_key(d) for d in digests]
         with self._lock:
             subscriptions = list(self._subscriptions)
+        if not subscriptions:  # nobody routes by this cache: cost the step nothing more
+            return
+        keys = [routing_key(d) for d in digests]
         for subscription in subscriptions:
             subscription.push(kind, keys)
 
