@@ -196,3 +196,22 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
         await backend.close()
         if handle is not None:
             await handle.stop(0)
+
+
+async def test_a_request_ending_during_a_stats_poll_is_not_counted_again() -> None:
+    router, (d0, _) = router_of(2)
+
+    class SlowStats:
+        role, address = "decode", "d0"
+
+        async def health(self) -> str:
+            return "SERVING"
+
+        async def stats(self) -> common_pb2.WorkerStats:
+            with router.lease(d0):  # was running when the snapshot was taken...
+                pass  # ...and ended before the answer arrived
+            return common_pb2.WorkerStats(block_size=BS, num_running=1)
+
+    d0.client = SlowStats()  # type: ignore[assignment]
+    await router._poll(d0)
+    assert d0.finished_since_poll == 1 and d0.load()[0] == 0

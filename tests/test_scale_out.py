@@ -107,11 +107,11 @@ def test_a_conversations_next_turn_lands_where_its_prefix_is_cached(stack: Up) -
         f"I am writing a long essay about {topic}. Please explain {topic} in detail, with "
         "its causes, its consequences, three surprising facts and a short summary, using "
         "plain words a twelve year old can follow.")}] for topic in TOPICS]  # fmt: skip
-    # First turns at once (where they land depends on load and on the template's shared first
-    # block); next turns one at a time, each where its conversation's KV is. Least-loaded
-    # routing alone would rotate idle workers and send about half of them elsewhere.
-    with concurrent.futures.ThreadPoolExecutor(len(openings)) as pool:
-        replies = list(pool.map(lambda m: _chat(url, m), openings))
+    # One turn at a time, so every prompt goes to the prefill pool (a burst can fill its
+    # queue and have a first turn prefilled by its decode worker, whose cache a next turn sent
+    # to the prefill pool cannot use). Each next turn must go where its conversation's KV is;
+    # least-loaded routing alone would rotate idle workers and send about half elsewhere.
+    replies = [_chat(url, m) for m in openings]
     for messages, reply in zip(openings, replies):
         answer = {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
         follow_up = [*messages, answer, {"role": "user", "content": "Say that in one line."}]

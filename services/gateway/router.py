@@ -271,6 +271,9 @@ class Router:
         status = await worker.client.health()
         error: str | None = None if status == "SERVING" else f"health: {status}"
         stats = None
+        # Requests that end while GetStats is in flight may or may not be in its snapshot:
+        # keep discounting them until the next one (never count a finished request as load).
+        finished_before = worker.finished_since_poll
         if error is None:
             try:
                 stats = await worker.client.stats()
@@ -282,7 +285,7 @@ class Router:
         worker.last_error = error
         if stats is not None:
             worker.stats = stats
-            worker.finished_since_poll = 0
+            worker.finished_since_poll -= finished_before
             self._record(worker, stats)
         if worker.healthy and not was_healthy and self._watcher is not None:
             self._watcher.wake(worker.address)  # (re)subscribe to its prefix feed now
