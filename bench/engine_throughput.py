@@ -149,8 +149,11 @@ def hf_decode(model: torch.nn.Module, batch: int, new_tokens: int) -> float:
 
 
 def hf_prefill(model: torch.nn.Module, length: int) -> float:
+    """The prompt's forward as ``generate`` runs it: logits for the last position only
+    (``logits_to_keep=1``; a plain ``model(ids)`` also projects all ``length`` positions onto the
+    vocabulary, work that neither ``generate`` nor Tandem does)."""
     ids = torch.tensor(random_prompts(1, length))
-    return length / _best(lambda: model(ids), repeats=3)
+    return length / _best(lambda: model(ids, logits_to_keep=1), repeats=3)
 
 
 def transformers_row(source: ModelSource, args: argparse.Namespace) -> Row:
