@@ -17,13 +17,14 @@ from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.core.kernels import autotune
 from services.engine.core.kernels.autotune import KernelRegimes
 from services.engine.core.kernels.cpu_decode_layers import DecodeLayersCall, load_cpu_decode_layers
+from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS
 from services.engine.core.kernels.loaded import forget_loaded_kernels
 from services.engine.core.kernels.native_build import supported_isas
 from services.engine.core.linear import Linear
 from services.engine.core.loaders import LoadedModel, load_model
 from tests.conftest import native_kernel_or_skip
 
-CONTEXTS = [5, 17, 33, 2, 40, 16, 9, 64]  # one per sequence: partial and whole blocks
+CONTEXTS = [5, 17, 33, 2, 40, 16, 9, 64] * 4  # one per sequence: partial and whole blocks
 
 
 @pytest.fixture(params=supported_isas())
@@ -38,23 +39,27 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
 
 def _engine_with_every_kernel(tiny_llama_dir: Path, dtype: str) -> tuple[LoadedModel, LLMEngine]:
     """The tiny model packed for the native kernels, every op forced onto its kernel (whatever
-    this machine's timings chose), the one-call layers bound for up to 8 rows."""
+    this machine's timings chose), the one-call layers bound for up to MAX_ROWS rows."""
     loaded = load_model(str(tiny_llama_dir), dtype)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=64))
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=160))
     model = loaded.model
     for module in model.modules():
         if isinstance(module, Linear):
             module.regimes = KernelRegimes()
     for layer in model.layers:
         layer.self_attn.backend.regimes = KernelRegimes()
-    assert model.use_decode_layers(load_cpu_decode_layers()) == 8
+    assert model.use_decode_layers(load_cpu_decode_layers()) == MAX_ROWS
     return loaded, engine
+
+
+def _regimes(native: bool) -> KernelRegimes:
+    return KernelRegimes(rows=DECODE_LAYER_ROWS, use_kernel=(native,) * len(DECODE_LAYER_ROWS))
 
 
 def _decode_step(loaded: LoadedModel, engine: LLMEngine, rows: int, native: bool) -> torch.Tensor:
     """One decode step of ``rows`` sequences (contexts ``CONTEXTS``) over the pool as it is."""
     model = loaded.model
-    model.decode_layers_regimes = KernelRegimes(rows=(1, 8), use_kernel=(native, native))
+    model.decode_layers_regimes = _regimes(native)
     block_size = engine.kv.layout.block_size
     tables = [[1 + 4 * i + j for j in range(-(-CONTEXTS[i] // block_size))] for i in range(rows)]
     meta = AttentionMetadata.build(
@@ -80,7 +85,7 @@ def test_one_call_equals_the_per_op_path_bit_for_bit(
     with torch.inference_mode():
         pool.normal_()
     start = pool.clone()
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8, 32):
         pool.copy_(start)
         per_op = _decode_step(loaded, engine, rows, native=False)
         stored = pool.clone()
@@ -108,7 +113,7 @@ def test_the_engine_decodes_the_same_tokens_through_it(tiny_llama_dir: Path) -> 
     prompts = [[1, 5, 9, 13], [1, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
     tokens = {}
     for native in (True, False):
-        loaded.model.decode_layers_regimes = KernelRegimes(rows=(1, 8), use_kernel=(native, native))
+        loaded.model.decode_layers_regimes = _regimes(native)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(DecodeLayersCall, "__call__", counted)
             tokens[native] = [out.new_token_ids for out in engine.generate(prompts, params)]

@@ -39,7 +39,7 @@ def test_add_rmsnorm_matches_reference(fused: CpuFused, rows: int, n: int) -> No
         fused.add_rmsnorm(x, h, norm.weight, norm.eps)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 32])
 def test_silu_mul_and_rope_match_reference(fused: CpuFused, rows: int) -> None:
     torch.manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 96)

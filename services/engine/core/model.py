@@ -10,7 +10,7 @@ per-op Python overhead. For the same reason, decode-sized float32 batches on CPU
 add + RMSNorm, ``silu(gate) * up`` and the rotary embedding as one fused C call each when the
 native kernels are here (:mod:`services.engine.core.kernels.cpu_fused`, set by the model runner with
 :meth:`LlamaForCausalLM.use_fused`); the PyTorch ops below stay the reference. Going one step
-further, a decode step of a few sequences whose every op has a native kernel can run all its
+further, a decode step of up to 32 sequences whose every op has a native kernel can run all its
 decoder layers as one C call (:meth:`LlamaForCausalLM.use_decode_layers`,
 :mod:`services.engine.core.kernels.cpu_decode_layers`): the same kernels in the same order, so the same
 bits, without ~10 Python-level calls per layer.
@@ -31,7 +31,7 @@ from services.engine.core.kernels.cpu_decode_layers import (
     DecodeShape,
     LayerWeights,
 )
-from services.engine.core.kernels.cpu_fused import MAX_ROWS, CpuFused
+from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS, CpuFused
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import Linear
 from services.common.model_config import ModelConfig
@@ -169,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         self.decode_layers: DecodeLayersCall | None = None
         self.decode_layers_rows = 0  # decode batches of up to this many sequences may use it
         # per batch size, whether the one-call layers beat the per-op path (the runner measures)
-        self.decode_layers_regimes = KernelRegimes(rows=(1, MAX_ROWS), use_kernel=(True, True))
+        self.decode_layers_regimes = KernelRegimes(
+            rows=DECODE_LAYER_ROWS, use_kernel=(True,) * len(DECODE_LAYER_ROWS)
+        )
 
     def forward(
         self,

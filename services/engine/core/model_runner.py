@@ -16,7 +16,7 @@ import torch
 from services.engine.core.attention import AttentionMetadata
 from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
-from services.engine.core.kernels.cpu_fused import MAX_ROWS, load_cpu_fused
+from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, load_cpu_fused
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import pack_linears, pack_plan
@@ -92,12 +92,13 @@ class ModelRunner:
     TUNE_CONTEXT = 128  # tokens each timed sequence attends to
 
     def _tune_decode_layers(self, max_rows: int) -> None:
-        """Time decode steps of 1 and ``max_rows`` sequences with all layers in one C call against
-        the per-op path (same kernels, same bits) and keep, per batch size, the faster; cached per
+        """Time decode steps of 1, 8 and ``max_rows`` sequences (as far as ``max_rows``) with all
+        layers in one C call against the per-op path (same kernels, same bits) and keep, per
+        batch size, the faster; cached per
         build and model shape like every kernel decision. The timed steps write K/V into free
         blocks of the still-empty pool, which are zeroed again afterwards."""
         model, call = self.model, self.model.decode_layers
-        batches = sorted({1, max_rows})
+        batches = sorted({rows for rows in DECODE_LAYER_ROWS if rows < max_rows} | {max_rows})
         # a small pool gets shorter timed contexts (block 0 is left alone)
         per_seq = min(-(-self.TUNE_CONTEXT // self.block_size), (self.kv.num_blocks - 1) // max_rows)
         context, used = min(self.TUNE_CONTEXT, per_seq * self.block_size), per_seq * max_rows
@@ -114,8 +115,8 @@ class ModelRunner:
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(self.config.vocab_size, (max_rows,), generator=generator)
         positions = torch.full((max_rows,), context - 1, dtype=torch.long)
-        on = KernelRegimes(rows=(1, MAX_ROWS), use_kernel=(True, True))
-        off = KernelRegimes(rows=(1, MAX_ROWS), use_kernel=(False, False))
+        on = KernelRegimes(rows=DECODE_LAYER_ROWS, use_kernel=(True,) * len(DECODE_LAYER_ROWS))
+        off = KernelRegimes(rows=DECODE_LAYER_ROWS, use_kernel=(False,) * len(DECODE_LAYER_ROWS))
 
         def runner(native: bool):  # type: ignore[no-untyped-def]
             def run(batch: int) -> None:

@@ -3,8 +3,9 @@
  *
  * At batch-1 decode a layer's element-wise work is a few thousand floats, so its cost is the
  * number of ops, not the arithmetic: each PyTorch op costs microseconds of dispatch whatever its
- * size, and a small model's decode step is ~30% such overhead. These run single-threaded (the
- * rows are short) and are used for batches of a few rows only (MAX_ROWS in cpu_fused.py).
+ * size, and a small model's decode step is ~30% such overhead. These run single-threaded (a
+ * decode batch's rows are short) and are used for decode-sized batches only (MAX_ROWS in
+ * cpu_fused.py).
  * Arithmetic follows the PyTorch reference (float32, same formulas); sums run in a different
  * order, so results match it to float32 rounding, not bit for bit.
  */
@@ -47,12 +48,20 @@ void tandem_add_rmsnorm(const float *x, const float *h, float *s, const float *w
     }
 }
 
-/* y[r, :] = silu(gu[r, :n]) * gu[r, n:2n]; gu [rows, 2n], y [rows, n], both contiguous. */
+/* y[r, :] = silu(gu[r, :n]) * gu[r, n:2n]; gu [rows, 2n], y [rows, n], both contiguous.
+ * silu(g) = g / (1 + exp(-g)) with the vector exp (exp(-g) clamped at exp(88): g / huge is the
+ * same -0 that expf's inf gives). */
 void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * n, *u = g + n;
         float *yr = y + r * n;
-        for (int64_t i = 0; i < n; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            const vec gv = load_vec(g + i);
+            const vec e = vexp(vmin(-gv, splat(88.0f)));
+            store_vec(yr + i, gv / (splat(1.0f) + e) * load_vec(u + i));
+        }
+        for (; i < n; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 

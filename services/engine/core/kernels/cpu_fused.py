@@ -18,9 +18,11 @@ import torch
 from services.engine.core.kernels.native_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-# single-threaded, scalar expf: measured even with PyTorch's vectorised, threaded ops at 8 rows of
-# SmolLM2 decode, ahead at 1 row, behind from 32 rows
-MAX_ROWS = 8
+# decode-sized batches: single-threaded C ops beat PyTorch's dispatch-bound ones up to here (and a
+# whole-layer C step needs them), while prefill-sized batches keep PyTorch's threaded ops
+MAX_ROWS = 32
+# the batch sizes at which the one-call decode layers are timed against the per-op path
+DECODE_LAYER_ROWS = (1, 8, MAX_ROWS)
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 

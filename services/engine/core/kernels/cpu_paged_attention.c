@@ -25,27 +25,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-/* exp of LANES floats (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], within
- * 2 ulp of expf); inputs below -87.3 give 0, as softmax's exp(score - max) needs. libm's scalar
- * expf was most of a decode step's attention time. */
-static inline vec vexp(vec x) {
-    const vec big = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    const vec t = x * splat(1.44269504088896341f) + big;
-    const vec n = t - big;
-    vec r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    vec poly = splat(1.9875691500e-4f);
-    poly = poly * r + splat(1.3981999507e-3f);
-    poly = poly * r + splat(8.3334519073e-3f);
-    poly = poly * r + splat(4.1665795894e-2f);
-    poly = poly * r + splat(1.6666665459e-1f);
-    poly = poly * r + splat(5.0000001201e-1f);
-    poly = poly * r * r + r + splat(1.0f);
-    const int_vec exponent = ((int_vec)t - (int_vec)big + 127) << 23; /* 2^n */
-    const int_vec keep = x >= splat(-87.3f); /* all ones where the result is a normal float */
-    return (vec)((int_vec)(poly * (vec)exponent) & keep);
-}
-
 /* acc[0:NV * LANES] = acc * rescale + sum_s p[s] * v[s * v_ss + 0:NV * LANES], the NV vectors of
  * one head in registers across the block's slots (independent chains, not one per chunk). */
 static inline __attribute__((always_inline)) void weighted_values(

@@ -103,4 +103,32 @@ static inline float hsum(vec v) {
     return a[0];
 }
 
+/* Lane-wise minimum (the generic vector extension has no ternary in C). */
+static inline vec vmin(vec a, vec b) {
+    const int_vec take_a = a < b;
+    return (vec)(((int_vec)a & take_a) | ((int_vec)b & ~take_a));
+}
+
+/* exp of LANES floats (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], within
+ * 2 ulp of expf); inputs below -87.3 give 0, as softmax's exp(score - max) needs; callers keep
+ * inputs under 88.7, where expf overflows. libm's scalar expf was most of a decode step's
+ * attention time. */
+static inline vec vexp(vec x) {
+    const vec big = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const vec t = x * splat(1.44269504088896341f) + big;
+    const vec n = t - big;
+    vec r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vec poly = splat(1.9875691500e-4f);
+    poly = poly * r + splat(1.3981999507e-3f);
+    poly = poly * r + splat(8.3334519073e-3f);
+    poly = poly * r + splat(4.1665795894e-2f);
+    poly = poly * r + splat(1.6666665459e-1f);
+    poly = poly * r + splat(5.0000001201e-1f);
+    poly = poly * r * r + r + splat(1.0f);
+    const int_vec exponent = ((int_vec)t - (int_vec)big + 127) << 23; /* 2^n */
+    const int_vec keep = x >= splat(-87.3f); /* all ones where the result is a normal float */
+    return (vec)((int_vec)(poly * (vec)exponent) & keep);
+}
+
 #endif
