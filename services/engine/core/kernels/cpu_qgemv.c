@@ -19,9 +19,11 @@
  * sums are computed once per row and group. Activations stay float32 (no activation quantization).
  *
  * A few rows (decode) convert each weight vector in registers and feed it to every row of the
- * block; a single row takes two tiles at a time, for enough independent accumulators. More rows
- * than one register block (batched decode, prefill) convert a tile once into a per-thread float32
- * scratch tile of integer values, so the conversion is paid once per tile, not once per row block.
+ * block; a single row takes two tiles at a time, for enough independent accumulators. For 4-bit
+ * weights, more rows than one register block (batched decode, prefill) convert a tile once into a
+ * per-thread float32 scratch tile of integer values, so the nibble unpacking is paid once per
+ * tile, not once per row block; 8-bit weights convert in registers for every row block (a widen
+ * and a convert per vector measured cheaper than storing and reloading the tile at 32 rows).
  * Both paths run the same multiply-add chain per output (DEFINE_QROWS): a row's result is the same
  * bits whatever its batch mates.
  */
@@ -265,7 +267,7 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                  float *y, int64_t rows, int64_t in, int64_t out, int threads) {
     const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
     if (block < 0 || in % GROUP) return -1;
-    const int q4 = format == FORMAT_Q4, scratch = rows > REGISTER_ROWS;
+    const int q4 = format == FORMAT_Q4, scratch = q4 && rows > REGISTER_ROWS;
     const qrows_fn reg[4] = {q4 ? q4_rows_8 : q8_rows_8, q4 ? q4_rows_4 : q8_rows_4,
                              q4 ? q4_rows_2 : q8_rows_2, q4 ? q4_rows_1 : q8_rows_1};
     const qrows_fn from_scratch[4] = {
