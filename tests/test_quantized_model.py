@@ -12,6 +12,8 @@ holds in memory, and how close its logits and greedy tokens are to the float32 m
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,6 +121,18 @@ def test_auto_on_an_hf_folder_is_float32_and_q4_is_refused(tiny_llama_dir: Path)
         load_model(str(tiny_llama_dir), "q4")
     with pytest.raises(ModelLoadError, match="CPU only"):
         resolve_dtype("q8_0", source, "cuda")
+
+
+def test_half_precision_on_cpu_is_loaded_with_a_warning(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="services.engine.core.loaders"):
+        load_model(str(tiny_llama_dir), "float32")
+        assert not caplog.records
+        loaded = load_model(str(tiny_llama_dir), "bfloat16")
+    assert loaded.dtype == torch.bfloat16  # what was asked for, not silently something else
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "--dtype bfloat16 on CPU" in caplog.text and "slower than float32" in caplog.text
 
 
 @pytest.mark.parametrize("name", ["int4", "Q4", "fp8", "", "torch.float32"])

@@ -43,6 +43,7 @@ from services.common.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HALF_DTYPES = ("bfloat16", "float16")
 QUANT_DTYPES = ("q8_0", "q4")
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
@@ -131,6 +132,12 @@ def load_model(
         source.name, config.architecture, config.num_layers, weight_format,
         " from --dtype auto" if name == "auto" else "", device,
     )  # fmt: skip
+    if weight_format in HALF_DTYPES and torch.device(device).type == "cpu":
+        logger.warning(
+            "--dtype %s on CPU runs PyTorch's half-precision ops (Tandem has no native kernel for "
+            "them); it measured slower than float32 and than --dtype auto on every CPU tried "
+            "(docs/benchmarks.md)", weight_format,
+        )  # fmt: skip
     return LoadedModel(
         source=source, config=config, model=net, dtype=compute, weight_format=weight_format
     )
