@@ -156,6 +156,18 @@ def test_tile_untile_round_trip(isa: str, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+def test_transient_dequantization_equals_the_table(isa: str, fmt: str) -> None:
+    """The float32 copy many-row batches hand to PyTorch's GEMM: every weight exactly, in whole
+    tiles and in the last, partial one."""
+    _, qgemv = _kernels(isa)
+    weight = _weights()[fmt]
+    assert OUT % qgemv.tile  # the layout has a partial tile
+    wt = qgemv.dequantize_t(qgemv.tile_weight(weight), fmt, OUT)
+    assert wt.shape == (weight.shape[1], OUT)
+    assert torch.equal(wt.T, weight.dequantize())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
 def test_rows_gathered_from_tiles_equal_the_table(isa: str, fmt: str) -> None:
     """A tied embedding reads the head's tiles: the same rows as the quantized table gives."""
     _, qgemv = _kernels(isa)

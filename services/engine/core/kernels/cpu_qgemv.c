@@ -250,7 +250,13 @@ int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, flo
         for (int64_t i = 0; i < in; i++) {
             vec wv[VECS];
             input_values(format, wt_tile, i, 1, wv);
-            store_cols(wt + i * out + t * TILE, wv, cols);
+            float *dst = wt + i * out + t * TILE;
+            if (cols == TILE) { /* whole tiles: two vector stores, not a memcpy call per tile row */
+                store_vec(dst, wv[0]);
+                store_vec(dst + LANES, wv[1]);
+            } else {
+                store_cols(dst, wv, cols);
+            }
         }
     }
     return 0;
