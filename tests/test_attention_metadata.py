@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -81,3 +82,54 @@ def test_varlen_prefill_equals_each_prompt_alone() -> None:
         expected = _alone(q[start : start + n], keys, vals, c)
         assert torch.allclose(got[start : start + n], expected, atol=1e-5)
         start += n
+
+
+def test_a_mixed_step_splits_its_one_token_rows_off() -> None:
+    tables = _tables([9, 6, 4, 7], random.Random(2))
+    meta = AttentionMetadata.build(is_prefill=True, query_lens=[5, 1, 4, 1],
+                                   context_lens=[9, 6, 4, 7], block_tables=tables,
+                                   block_size=BLOCK)  # fmt: skip
+    split = meta.mixed
+    assert split is not None
+    assert split.decode_rows.tolist() == [5, 10] and not split.decode.is_prefill
+    assert split.decode.context_lens == [6, 7] and split.decode.block_tables.tolist()[0] == tables[1]
+    assert split.prefill_rows.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9] and split.prefill.is_prefill
+    assert split.prefill.query_lens == [5, 4] and split.prefill.mixed is None
+    for query in ([5, 4], [1, 1], [1]):  # nothing to split: all prompts, a decode step, one token
+        context = [q + 2 for q in query]
+        built = AttentionMetadata.build(is_prefill=query != [1, 1], query_lens=query,
+                                        context_lens=context, block_tables=_tables(context, random.Random(3)),
+                                        block_size=BLOCK)  # fmt: skip
+        assert built.mixed is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_mixed_step_equals_the_padded_batch(backend: str) -> None:
+    """Decode rows next to prompt chunks (the split) attend exactly as in one padded batch."""
+    attention = TorchPagedAttention()
+    if backend == "cpu":
+        from services.engine.core.kernels.cpu_paged_attention import (
+            CpuPagedAttention,
+            load_cpu_attention,
+        )
+
+        if load_cpu_attention() is None:
+            pytest.skip("no native attention kernel here")
+        attention = CpuPagedAttention()
+    torch.manual_seed(4)
+    heads, kv_heads, dim = 4, 2, 16
+    query, cached = [1, 7, 1, 1, 3, 1], [12, 5, 3, 0, 0, 30]
+    context = [q + c for q, c in zip(query, cached)]
+    tables = _tables(context, random.Random(5))
+    caches = [torch.randn(200, BLOCK, kv_heads, dim) for _ in range(2)]
+    q = torch.randn(sum(query), heads, dim)
+    k, v = torch.randn(sum(query), kv_heads, dim), torch.randn(sum(query), kv_heads, dim)
+    meta = AttentionMetadata.build(is_prefill=True, query_lens=query, context_lens=context,
+                                   block_tables=tables, block_size=BLOCK)  # fmt: skip
+    assert meta.mixed is not None
+    got_caches = [c.clone() for c in caches]
+    got = attention.forward(q, k, v, *got_caches, meta, 0.25)
+    TorchPagedAttention.store_kv(k, v, *caches, meta)  # the reference: one padded batch
+    expected = TorchPagedAttention._prefill(q, k, v, *caches, meta, 0.25)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))

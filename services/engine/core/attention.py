@@ -4,7 +4,10 @@ The model runner builds one :class:`AttentionMetadata` per step; every layer's a
 receives it together with that layer's K/V views of the :class:`~services.engine.core.kv_cache.KVPool`.
 A step is either a *prefill* step (one or more sequences, each with a run of new tokens after an
 optional already-cached prefix) or a *decode* step (one new token for each of B sequences of
-different lengths). A faster backend (e.g. a Triton kernel) implements :class:`PagedAttention`
+different lengths). A prefill step that also carries one-token sequences (continuous batching
+puts running sequences' decode tokens next to prompt chunks) attends in two halves
+(:class:`MixedSplit`): the one-token rows as a decode batch, the prompts as a prefill. A faster
+backend (e.g. a Triton kernel) implements :class:`PagedAttention`
 with the same signature and is compared to :class:`TorchPagedAttention` in tests.
 """
 
@@ -35,6 +38,9 @@ class AttentionMetadata:
         prefill_mask: ``[B, 1, max_q, L]`` bool, True where padded query row j of sequence b may
             see key position ``0 .. cached_b + j`` (L: the longest context's whole blocks); built
             once per step for every layer, for prefill steps other than one uncached prompt.
+        mixed: for a prefill step that also carries one-token sequences (running sequences'
+            decode tokens next to a prompt chunk, as continuous batching schedules them), the
+            step split in two: those rows attend as a decode batch, the rest as a prefill.
     """
 
     is_prefill: bool
@@ -48,6 +54,7 @@ class AttentionMetadata:
     token_seqs: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None
     prefill_mask: torch.Tensor | None = None
+    mixed: MixedSplit | None = None
 
     @staticmethod
     def build(
@@ -80,7 +87,9 @@ class AttentionMetadata:
         else:  # one new token per sequence, at its last position
             positions = lens - 1
             slot_blocks = tables[torch.arange(batch, device=device), positions // block_size]
-        mask = None
+        mask = mixed = None
+        if is_prefill and 0 < query_lens.count(1) < batch:
+            mixed = MixedSplit.build(query_lens, context_lens, block_tables, block_size, device)
         if not is_prefill and batch > 1:  # one sequence attends to exactly its context, unmasked
             span = torch.arange(width * block_size, device=device)
             mask = (span[None, :] < lens[:, None])[:, None, None, :]
@@ -96,6 +105,7 @@ class AttentionMetadata:
             token_seqs=token_seqs,
             token_rows=token_rows,
             prefill_mask=prefill_mask,
+            mixed=mixed,
         )
 
     def decode_context_lens(self) -> torch.Tensor:
@@ -105,6 +115,54 @@ class AttentionMetadata:
                 self.context_lens, dtype=torch.long, device=self.block_tables.device
             )
         return self.context_lens_tensor
+
+
+@dataclass(slots=True)
+class MixedSplit:
+    """A prefill step's one-token sequences (``decode_rows`` of the flattened tokens, attending
+    as the ``decode`` batch) and the others (``prefill_rows``, the ``prefill`` step).
+
+    Why: padded into one ``[B, max_q]`` batch, every one-token sequence next to a 256-token
+    prompt chunk would be padded to 256 query rows and score all of them against its context:
+    the step's attention grows with the number of running sequences times the chunk length.
+    Split, the one-token rows take the decode path (a native kernel where there is one) and only
+    the prompts are padded, among themselves.
+    """
+
+    decode_rows: torch.Tensor
+    decode: AttentionMetadata
+    prefill_rows: torch.Tensor
+    prefill: AttentionMetadata
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> MixedSplit:
+        ones = [i for i, n in enumerate(query_lens) if n == 1]
+        rest = [i for i, n in enumerate(query_lens) if n != 1]
+        starts = [0]
+        for n in query_lens[:-1]:
+            starts.append(starts[-1] + n)
+        rows = [r for i in rest for r in range(starts[i], starts[i] + query_lens[i])]
+
+        def part(seqs: list[int], is_prefill: bool) -> AttentionMetadata:
+            return AttentionMetadata.build(
+                is_prefill=is_prefill, query_lens=[query_lens[i] for i in seqs],
+                context_lens=[context_lens[i] for i in seqs],
+                block_tables=[block_tables[i] for i in seqs], block_size=block_size,
+                device=device,
+            )  # fmt: skip
+
+        return MixedSplit(
+            decode_rows=torch.tensor([starts[i] for i in ones], dtype=torch.long, device=device),
+            decode=part(ones, is_prefill=False),
+            prefill_rows=torch.tensor(rows, dtype=torch.long, device=device),
+            prefill=part(rest, is_prefill=True),
+        )
 
 
 def _prefill_mask(
@@ -168,9 +226,17 @@ class TorchPagedAttention(PagedAttention):
         scale: float,
     ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
-        if meta.is_prefill:
+        if not meta.is_prefill:
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        split = meta.mixed
+        if split is None:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return self.decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)  # K/V of every row are stored: the halves only read the cache
+        out[split.decode_rows] = self.decode(q[split.decode_rows], k_cache, v_cache, split.decode,
+                                             scale)  # fmt: skip
+        rows = split.prefill_rows
+        out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill, scale)
+        return out
 
     @staticmethod
     def store_kv(
