@@ -79,3 +79,34 @@ def test_model_tokens_equal_with_and_without_fused_ops(fused: CpuFused, tiny_lla
         outs[name] = engine.generate([[1, 5, 9, 13], [1, 7]], params)
     for a, b in zip(outs["fused"], outs["torch"], strict=True):
         assert a.new_token_ids == b.new_token_ids and len(a.new_token_ids) == 12
+
+
+@pytest.mark.parametrize("n", [49152, 70, 3])  # a vocabulary, not a multiple of the width, short
+def test_argmax_matches_torch_argmax(fused: CpuFused, n: int) -> None:
+    torch.manual_seed(n)
+    x = torch.randn(9, n + 5)[:, :n]  # strided rows, as the sampler's vocabulary slice
+    x[1] = 0.0  # all tied: the first index
+    x[2, n // 2] = x[2, n - 1] = 100.0  # a tie across lanes: the lower index
+    x[3] = float("-inf")
+    x[4, n - 1] = float("nan")  # NaN is the maximum, as torch.argmax has it
+    x[5, [n // 3, n - 1]] = float("nan")  # the first NaN
+    x[6, 0], x[7, n - 1] = 1e9, 1e9  # the first and the last element
+    x[8, 0] = -0.0
+    got = fused.argmax(x)
+    assert got is not None and got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert fused.argmax(x.double()) is None and fused.argmax(x.T) is None  # not taken: torch's
+
+
+def test_greedy_sampling_uses_it(fused: CpuFused) -> None:
+    from services.common.sampling_params import SamplingParams
+    from services.engine.core.sampler import Sampler, SamplingState
+
+    sampler = Sampler(50, eos_token_ids=[0])
+    logits = torch.randn(4, 64)
+    states = [SamplingState.create(SamplingParams(temperature=0), [1, 2]) for _ in range(4)]
+    expected = sampler(logits, states).token_ids
+    calls = []
+    sampler.use_argmax(lambda t: calls.append(t.shape) or fused.argmax(t))
+    assert sampler(logits, states).token_ids == expected == logits[:, :50].argmax(-1).tolist()
+    assert calls == [(4, 50)]

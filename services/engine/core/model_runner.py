@@ -40,7 +40,10 @@ class ModelRunner:
         plan = pack_plan(self.device, loaded.dtype)
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
-            self.model.use_fused(load_cpu_fused())
+            fused = load_cpu_fused()
+            self.model.use_fused(fused)
+            if fused is not None:
+                sampler.use_argmax(fused.argmax)
             _share_tied_table(self.model)
             backend = self.model.layers[0].self_attn.backend if self.model.layers else None
             if isinstance(backend, CpuPagedAttention) and plan.autotune:

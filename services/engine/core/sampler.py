@@ -21,7 +21,8 @@ probabilities, so a seeded request yields the same tokens whatever else shares t
 whatever row index it sits. Unseeded sampling rows get a generator seeded from ``os.urandom``.
 
 Speed: when every row is greedy with no penalties, no active ``min_tokens`` and no logprobs, the
-whole call is one batched argmax. Otherwise the masks, penalties and filters run batched over the
+whole call is one batched argmax (on CPU the fused ops' vectorised one, :meth:`Sampler.use_argmax`,
+when the model runner has them: the same indices as ``torch.argmax``). Otherwise the masks, penalties and filters run batched over the
 rows that need them; the only per-row Python loop is the random draw filling ``q``. The general
 path is also the reference for the fast one (the tests compare them).
 """
@@ -31,7 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -251,6 +252,12 @@ class Sampler:
             raise InvalidArgumentError("vocab_size must be positive", param="vocab_size")
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self._argmax: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+
+    def use_argmax(self, argmax: Callable[[torch.Tensor], torch.Tensor | None] | None) -> None:
+        """Greedy batches take ``argmax(logits)`` (``torch.argmax``'s indices, or ``None`` for
+        logits it does not take) instead of ``torch.argmax``; ``None`` restores PyTorch's."""
+        self._argmax = argmax
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Pick the next token of every row.
@@ -275,7 +282,10 @@ class Sampler:
             return SamplerOutput([], [])
         logits = logits[:, : self.vocab_size]
         if all(self._plain_greedy(state) for state in states):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(states))
+            picked = self._argmax(logits) if self._argmax is not None else None
+            if picked is None:
+                picked = logits.argmax(dim=-1)
+            return SamplerOutput(picked.tolist(), [None] * len(states))
         return self.sample_general(logits, states)
 
     def sample_general(

@@ -82,3 +82,52 @@ void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int6
         }
     }
 }
+
+/* out[r] = the index of the first largest value of row r (x[r * ldx + 0 .. n - 1]), or of the
+ * row's first NaN when it has one: torch.argmax's rule, for greedy sampling. PyTorch's argmax
+ * over a batch of vocabulary-wide rows runs one scalar loop per row (1.5 ms for 32 x 49,152 on
+ * 2 cores here); each vector lane here keeps its own first maximum (only a strictly larger value
+ * replaces it), then the lanes merge, the lowest index winning a tie. */
+void tandem_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float best = xr[0];
+        int64_t at = 0, i = 0;
+        int nan = best != best;
+        if (n >= LANES) {
+            int32_t lanes[LANES];
+            for (int l = 0; l < LANES; l++) lanes[l] = l;
+            int_vec index, idx;
+            memcpy(&index, lanes, sizeof index);
+            idx = index;
+            vec m = load_vec(xr);
+            int_vec seen_nan = m != m;
+            for (i = LANES; i + LANES <= n; i += LANES) {
+                const vec v = load_vec(xr + i);
+                index += LANES;
+                const int_vec gt = v > m;
+                seen_nan |= v != v;
+                m = (vec)(((int_vec)v & gt) | ((int_vec)m & ~gt));
+                idx = (index & gt) | (idx & ~gt);
+            }
+            float ms[LANES];
+            int32_t is[LANES], ns[LANES];
+            memcpy(ms, &m, sizeof ms);
+            memcpy(is, &idx, sizeof is);
+            memcpy(ns, &seen_nan, sizeof ns);
+            best = ms[0];
+            at = is[0];
+            for (int l = 0; l < LANES; l++) {
+                nan |= ns[l] != 0;
+                if (ms[l] > best || (ms[l] == best && is[l] < at)) best = ms[l], at = is[l];
+            }
+        }
+        for (; i < n; i++) {
+            nan |= xr[i] != xr[i];
+            if (xr[i] > best) best = xr[i], at = i;
+        }
+        if (nan)
+            for (at = 0; xr[at] == xr[at]; at++) {} /* the first NaN */
+        out[r] = at;
+    }
+}

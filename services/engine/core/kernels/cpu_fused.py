@@ -39,6 +39,9 @@ class CpuFused:
         self._rope = library.tandem_rope
         self._rope.restype = None
         self._rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+        self._argmax = library.tandem_argmax_rows
+        self._argmax.restype = None
+        self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -89,6 +92,19 @@ class CpuFused:
         if x.stride(2) != 1 or x.stride(1) != d or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rope_ needs contiguous heads and contiguous cos/sin tables")
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, d)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``logits.argmax(dim=-1)`` (same indices, NaN rule included) for float32 CPU rows with
+        unit column stride, as int64; ``None`` for any other tensor (the caller keeps PyTorch's)."""
+        if (
+            logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2
+            or logits.shape[1] == 0 or logits.stride(1) != 1
+        ):  # fmt: skip
+            return None
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
+        return out
 
 
 @functools.cache
