@@ -3,13 +3,14 @@ prefill (every prompt of a step in one attention call) equals attending each pro
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _prefill_mask
 
 BLOCK = 4
 
@@ -130,6 +131,8 @@ def test_a_mixed_step_equals_the_padded_batch(backend: str) -> None:
     got_caches = [c.clone() for c in caches]
     got = attention.forward(q, k, v, *got_caches, meta, 0.25)
     TorchPagedAttention.store_kv(k, v, *caches, meta)  # the reference: one padded batch
-    expected = TorchPagedAttention._prefill(q, k, v, *caches, meta, 0.25)
+    padded = dataclasses.replace(meta, mixed=None, prefill_mask=_prefill_mask(
+        query, context, torch.tensor(cached), torch.tensor(query), BLOCK, "cpu"))  # fmt: skip
+    expected = TorchPagedAttention._prefill(q, k, v, *caches, padded, 0.25)
     assert torch.allclose(got, expected, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))

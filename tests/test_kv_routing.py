@@ -209,7 +209,8 @@ async def test_a_request_ending_during_a_stats_poll_is_not_counted_again() -> No
 
         async def stats(self) -> common_pb2.WorkerStats:
             with router.lease(d0):  # was running when the snapshot was taken...
-                pass  # ...and ended before the answer arrived
+                assert d0.in_flight == 1
+            # ...and ended before the answer arrived
             return common_pb2.WorkerStats(block_size=BS, num_running=1)
 
     d0.client = SlowStats()  # type: ignore[assignment]

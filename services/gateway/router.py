@@ -12,8 +12,8 @@ The gateway knows three things about each worker:
 
 A worker's load is ``load(w) = max(in_flight, num_running + num_waiting - finished)`` (the
 larger covers requests from other gateways; ``finished`` counts this gateway's requests on it
-that ended since that snapshot, which the snapshot still counts). For a prompt of ``B`` full blocks, of which worker ``w`` holds the
-first ``cached(w)``, the router ranks candidates by
+that ended since that snapshot, which the snapshot still counts). For a prompt of ``B`` full
+blocks, of which worker ``w`` holds the first ``cached(w)``, the router ranks candidates by
 
     cost(w) = overlap_weight * (B - cached(w)) + load_weight * load(w)
 

@@ -37,7 +37,8 @@ class AttentionMetadata:
             sequence's new tokens (prefill only): where it sits in a padded ``[B, max_q]`` batch.
         prefill_mask: ``[B, 1, max_q, L]`` bool, True where padded query row j of sequence b may
             see key position ``0 .. cached_b + j`` (L: the longest context's whole blocks); built
-            once per step for every layer, for prefill steps other than one uncached prompt.
+            once per step for every layer, for prefill steps other than one uncached prompt
+            (and other than mixed ones, whose prompts have their own in ``mixed.prefill``).
         mixed: for a prefill step that also carries one-token sequences (running sequences'
             decode tokens next to a prompt chunk, as continuous batching schedules them), the
             step split in two: those rows attend as a decode batch, the rest as a prefill.
@@ -73,7 +74,9 @@ class AttentionMetadata:
                               dtype=torch.long, device=device)  # fmt: skip
         lens = torch.tensor(context_lens, dtype=torch.long, device=device)
         batch = len(query_lens)
-        token_seqs = token_rows = prefill_mask = None
+        token_seqs = token_rows = prefill_mask = mixed = None
+        if is_prefill and 0 < query_lens.count(1) < batch:  # attended in halves: no padded mask
+            mixed = MixedSplit.build(query_lens, context_lens, block_tables, block_size, device)
         if is_prefill:  # token t is the token_rows[t]-th new token of sequence token_seqs[t]
             qlens = torch.tensor(query_lens, dtype=torch.long, device=device)
             token_seqs = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
@@ -81,15 +84,13 @@ class AttentionMetadata:
             token_rows = torch.arange(token_seqs.numel(), device=device) - starts[token_seqs]
             positions = (lens - qlens)[token_seqs] + token_rows
             slot_blocks = tables[token_seqs, positions // block_size]
-            if batch > 1 or context_lens[0] != query_lens[0]:
+            if mixed is None and (batch > 1 or context_lens[0] != query_lens[0]):
                 prefill_mask = _prefill_mask(query_lens, context_lens, lens - qlens, qlens,
                                              block_size, device)  # fmt: skip
         else:  # one new token per sequence, at its last position
             positions = lens - 1
             slot_blocks = tables[torch.arange(batch, device=device), positions // block_size]
-        mask = mixed = None
-        if is_prefill and 0 < query_lens.count(1) < batch:
-            mixed = MixedSplit.build(query_lens, context_lens, block_tables, block_size, device)
+        mask = None
         if not is_prefill and batch > 1:  # one sequence attends to exactly its context, unmasked
             span = torch.arange(width * block_size, device=device)
             mask = (span[None, :] < lens[:, None])[:, None, None, :]

@@ -102,9 +102,9 @@ class ModelRunner:
     def _tune_decode_layers(self, max_rows: int) -> None:
         """Time decode steps of 1, 8 and ``max_rows`` sequences (as far as ``max_rows``) with all
         layers in one C call against the per-op path (same kernels, same bits) and keep, per
-        batch size, the faster; cached per
-        build and model shape like every kernel decision. The timed steps write K/V into free
-        blocks of the still-empty pool, which are zeroed again afterwards."""
+        batch size, the faster; cached per build and model shape like every kernel decision. The
+        timed steps write K/V into free blocks of the still-empty pool, which are zeroed again
+        afterwards."""
         model, call = self.model, self.model.decode_layers
         batches = sorted({rows for rows in DECODE_LAYER_ROWS if rows < max_rows} | {max_rows})
         # a small pool gets shorter timed contexts (block 0 is left alone)

@@ -21,10 +21,11 @@ probabilities, so a seeded request yields the same tokens whatever else shares t
 whatever row index it sits. Unseeded sampling rows get a generator seeded from ``os.urandom``.
 
 Speed: when every row is greedy with no penalties, no active ``min_tokens`` and no logprobs, the
-whole call is one batched argmax (on CPU the fused ops' vectorised one, :meth:`Sampler.use_argmax`,
-when the model runner has them: the same indices as ``torch.argmax``). Otherwise the masks, penalties and filters run batched over the
-rows that need them; the only per-row Python loop is the random draw filling ``q``. The general
-path is also the reference for the fast one (the tests compare them).
+whole call is one batched argmax (on CPU the fused ops' vectorised one, given by the model runner
+through :meth:`Sampler.use_argmax`: the same indices as ``torch.argmax``). Otherwise the masks,
+penalties and filters run batched over the rows that need them; the only per-row Python loop is
+the random draw filling ``q``. The general path is also the reference for the fast one (the
+tests compare them).
 """
 
 from __future__ import annotations

@@ -89,17 +89,17 @@ void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int6
  * 2 cores here); each vector lane here keeps its own first maximum (only a strictly larger value
  * replaces it), then the lanes merge, the lowest index winning a tie. */
 void tandem_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out) {
+    int32_t lanes[LANES];
+    for (int l = 0; l < LANES; l++) lanes[l] = l;
+    int_vec first;
+    memcpy(&first, lanes, sizeof first);
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * ldx;
         float best = xr[0];
         int64_t at = 0, i = 0;
         int nan = best != best;
         if (n >= LANES) {
-            int32_t lanes[LANES];
-            for (int l = 0; l < LANES; l++) lanes[l] = l;
-            int_vec index, idx;
-            memcpy(&index, lanes, sizeof index);
-            idx = index;
+            int_vec index = first, idx = first;
             vec m = load_vec(xr);
             int_vec seen_nan = m != m;
             for (i = LANES; i + LANES <= n; i += LANES) {
@@ -107,8 +107,8 @@ void tandem_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, in
                 index += LANES;
                 const int_vec gt = v > m;
                 seen_nan |= v != v;
-                m = (vec)(((int_vec)v & gt) | ((int_vec)m & ~gt));
-                idx = (index & gt) | (idx & ~gt);
+                m = vselect(gt, v, m);
+                idx = iselect(gt, index, idx);
             }
             float ms[LANES];
             int32_t is[LANES], ns[LANES];

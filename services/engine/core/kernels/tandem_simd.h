@@ -103,11 +103,17 @@ static inline float hsum(vec v) {
     return a[0];
 }
 
-/* Lane-wise minimum (the generic vector extension has no ternary in C). */
-static inline vec vmin(vec a, vec b) {
-    const int_vec take_a = a < b;
-    return (vec)(((int_vec)a & take_a) | ((int_vec)b & ~take_a));
+/* a where mask (all ones), else b, lane by lane (the generic vector extension has no ternary
+ * in C). */
+static inline int_vec iselect(int_vec mask, int_vec a, int_vec b) {
+    return (a & mask) | (b & ~mask);
 }
+
+static inline vec vselect(int_vec mask, vec a, vec b) {
+    return (vec)iselect(mask, (int_vec)a, (int_vec)b);
+}
+
+static inline vec vmin(vec a, vec b) { return vselect(a < b, a, b); }
 
 /* exp of LANES floats (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], within
  * 2 ulp of expf); inputs below -87.3 give 0, as softmax's exp(score - max) needs; callers keep
