@@ -26,8 +26,8 @@ Lifecycle:
      launcher itself is SIGKILLed. Children log to the launcher's stderr; its stdout carries only
      the address table.
   3. Wait until every gRPC service reports SERVING through ``grpc.health.v1`` and the gateway
-     answers ``GET /ready`` with 200 (its tokenizer and at least one worker of each pool are
-     reachable from it; ``/health`` alone is mere liveness). A child exiting meanwhile, or
+     answers ``GET /ready`` with 200 and every worker it lists healthy (reachable from the
+     gateway, not only from here; ``/health`` alone is mere liveness). A child exiting meanwhile, or
      ``--startup-timeout`` passing, stops everything with a one-line error (exit 2).
   4. Write the CPU plan, the address table and ``ready`` to stdout, then supervise.
   5. A child that dies after start-up is logged by name and started again with the same command
@@ -425,7 +425,8 @@ class Launcher:
 
 
 async def _wait_http_ok(url: str, timeout: float) -> None:
-    """Poll ``GET url`` until it answers 200; UnavailableError after ``timeout`` seconds."""
+    """Poll the gateway's ``GET url`` (``/ready``) until it answers 200 with every worker it
+    lists healthy; UnavailableError after ``timeout`` seconds."""
     import aiohttp
 
     deadline = time.monotonic() + timeout
@@ -434,10 +435,17 @@ async def _wait_http_ok(url: str, timeout: float) -> None:
         while time.monotonic() < deadline:
             try:
                 async with session.get(url) as response:
-                    if response.status == 200:
+                    body = await response.json(content_type=None) if response.status == 200 else {}
+                    # every worker started here, not just one per pool: a gateway whose channel to
+                    # a slow-starting worker is still in reconnect backoff must not be "ready"
+                    # while a request could need that worker (a migration, say)
+                    waiting = [w.get("address") for pool in ("prefill", "decode")
+                               for w in body.get(pool, []) if not w.get("healthy")]  # fmt: skip
+                    if response.status == 200 and not waiting:
                         return
-                    last = f"HTTP {response.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                    last = f"HTTP {response.status}" if response.status != 200 else (
+                        f"workers not yet reachable from the gateway: {', '.join(map(str, waiting))}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
                 last = type(err).__name__
             await asyncio.sleep(0.25)
     raise UnavailableError(f"{url} did not answer 200 within {timeout:g}s (last: {last})")
