@@ -16,7 +16,8 @@ with one row per configuration, in this order:
 3. ``Tandem q8_0 (<isa>)`` — the GGUF re-quantized to Q8_0, for the selected set only;
 4. ``Tandem float32, no native kernels`` — PyTorch matmuls and attention only, the paths
    ``TANDEM_CPU_KERNELS=0`` gives;
-5. ``Tandem bfloat16``;
+5. ``Tandem bfloat16 (<isa>)`` — 16-bit weights, float32 activations (CPU's weight-only
+   bfloat16), for the selected set only;
 6. ``transformers float32`` — the same GGUF, dequantized;
 7. ``llama.cpp (<quant type>, <n> threads)`` — the GGUF as stored, through llama-cpp-python
    (``llama_cpp_baseline.py``, in a fresh process), when it is installed: batch-1 decode and
@@ -302,11 +303,10 @@ def measure_tandem(
     for isa in isas:
         run("float32", isa, lambda m: f"Tandem float32 ({_kernel_isa(m)})")
     run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({_kernel_isa(m)})")
+    run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({_kernel_isa(m)})")
     with _environment("TANDEM_CPU_ISA", isas[0]):
         rows[NO_KERNELS] = tandem_row(_without_native_kernels(source), args)
         print(f"measured {NO_KERNELS}", file=sys.stderr, flush=True)
-        rows["Tandem bfloat16"] = tandem_row(load_model(source, torch.bfloat16), args)
-        print("measured Tandem bfloat16", file=sys.stderr, flush=True)
     return rows, weight_bytes
 
 
@@ -389,7 +389,8 @@ def bandwidth_lines(weight_bytes: dict[str, int], auto_format: str) -> list[str]
     lines = [f"\nMemory bandwidth: read {read_bw:.1f} GB/s, copy {copy_bw:.1f} GB/s"]
     lines.append("Weights read per decoded token (Linear layers incl. LM head as packed for "
                  "batch-1 decode, quantization scales included; embedding table excluded):")
-    for dtype, label in (("float32", "float32"), ("auto", f"auto ({auto_format})")):
+    labels = (("float32", "float32"), ("bfloat16", "bfloat16"), ("auto", f"auto ({auto_format})"))
+    for dtype, label in labels:
         if dtype in weight_bytes:
             nbytes = weight_bytes[dtype]
             lines.append(f"  {label}: {nbytes / 1e6:.1f} MB → batch-1 decode bound "

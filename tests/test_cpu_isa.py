@@ -1,7 +1,8 @@
 """Every instruction-set build of the CPU kernels (avx512, avx2, generic) on this machine.
 
-Per build: the float32, q8_0 and q4 kernels equal a float64 reference (the quantized ones on the
-dequantized weight, both the few-rows register path and the scratch-tile path); a row's result
+Per build: the float32, q8_0, q4, bfloat16 and float16 kernels equal a float64 reference (the
+compact ones on the dequantized weight, both the few-rows register path and the scratch-tile path);
+every one of the 65,536 bfloat16 and float16 bit patterns widens exactly; a row's result
 does not depend on its batch mates (one row, tile pairs, register blocks, scratch tile); tiling round-trips; the
 decode-attention kernel equals the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
 is a clear build error and the loaders fall back to PyTorch.
@@ -30,7 +31,12 @@ from services.engine.core.kernels.native_build import (
     selected_isa,
     supported_isas,
 )
-from services.engine.core.quant.quantized_weight import QuantizedWeight, quantize_q8_0
+from services.engine.core.quant.quantized_weight import (
+    HALF_FORMATS,
+    QuantizedWeight,
+    quantize_q8_0,
+    to_half,
+)
 from tests.conftest import native_kernel_or_skip
 
 ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; more than 8 take the scratch tile
@@ -65,7 +71,13 @@ def _q4_weight(seed: int) -> QuantizedWeight:
 
 
 def _weights() -> dict[str, QuantizedWeight]:
-    return {"q8_0": _q8_weight(1), "q4": _q4_weight(2)}
+    torch.manual_seed(7)
+    dense = torch.randn(OUT, IN) * 0.1
+    halves = {fmt: to_half(dense, fmt) for fmt in HALF_FORMATS}
+    return {"q8_0": _q8_weight(1), "q4": _q4_weight(2), **halves}
+
+
+FORMATS = ["q8_0", "q4", "bfloat16", "float16"]
 
 
 def test_kernels_report_their_isa(isa: str) -> None:
@@ -89,7 +101,7 @@ def test_float32_kernel_equals_float64_reference(isa: str, bias: bool) -> None:
         assert torch.allclose(got.double(), expected, atol=2e-5), (rows, (got - expected).abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_kernel_equals_float64_reference(isa: str, fmt: str) -> None:
     """Both paths (register, scratch tile) against x @ dequantized W in float64."""
     _, qgemv = _kernels(isa)
@@ -107,14 +119,13 @@ def test_quantized_kernel_equals_float64_reference(isa: str, fmt: str) -> None:
             assert torch.allclose(got.double(), expected, atol=2e-5), (rows, (got - expected).abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("out", [60, 70])  # an even / odd tile count: the last pair is partial or single
 def test_one_row_tile_pairs_equal_the_two_row_path(isa: str, fmt: str, out: int) -> None:
     """A single row walks tiles in pairs: the same per-output chain as the row-block path."""
     _, qgemv = _kernels(isa)
     weight = _weights()[fmt]
-    weight = QuantizedWeight(fmt, weight.qs[:out], weight.scales[:out],
-                             None if weight.mins is None else weight.mins[:out])  # fmt: skip
+    weight = weight.map_rows(lambda t: t[:out])
     packed = qgemv.tile_weight(weight)
     torch.manual_seed(6)
     x, b = torch.randn(1, IN), torch.randn(out)
@@ -143,19 +154,20 @@ def test_rows_do_not_depend_on_batch_mates(isa: str) -> None:
         assert torch.equal(call(batch[3:8]), together[3:8])
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_tile_untile_round_trip(isa: str, fmt: str) -> None:
     _, qgemv = _kernels(isa)
     weight = _weights()[fmt]
     back = qgemv.untile(qgemv.tile_weight(weight), fmt, OUT)
     assert back.format == fmt
-    assert torch.equal(back.qs, weight.qs) and torch.equal(back.scales, weight.scales)
-    assert (back.mins is None) == (weight.mins is None)
-    if weight.mins is not None:
-        assert back.mins is not None and torch.equal(back.mins, weight.mins)
+    assert back.qs.dtype == weight.qs.dtype and torch.equal(back.qs, weight.qs)
+    for got, expected in ((back.scales, weight.scales), (back.mins, weight.mins)):
+        assert (got is None) == (expected is None)
+        if got is not None and expected is not None:
+            assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_transient_dequantization_equals_the_table(isa: str, fmt: str) -> None:
     """The float32 copy many-row batches hand to PyTorch's GEMM: every weight exactly, in whole
     tiles and in the last, partial one."""
@@ -167,7 +179,22 @@ def test_transient_dequantization_equals_the_table(isa: str, fmt: str) -> None:
     assert torch.equal(wt.T, weight.dequantize())
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4"])
+@pytest.mark.parametrize("fmt", sorted(HALF_FORMATS))
+def test_every_16_bit_value_widens_exactly(isa: str, fmt: str) -> None:
+    """All 65,536 bit patterns (subnormals, infinities, NaNs) through the kernel's conversion equal
+    PyTorch's widening to float32, bit for bit (NaNs: stay NaN)."""
+    _, qgemv = _kernels(isa)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    weight = QuantizedWeight(fmt, every.view(HALF_FORMATS[fmt]).reshape(2048, 32), None, None)
+    got = qgemv.dequantize_t(qgemv.tile_weight(weight), fmt, 2048).T
+    expected = weight.dequantize()
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+    assert int(nan.sum()) == (2046 if fmt == "float16" else 254)  # both signs' NaN patterns
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_rows_gathered_from_tiles_equal_the_table(isa: str, fmt: str) -> None:
     """A tied embedding reads the head's tiles: the same rows as the quantized table gives."""
     _, qgemv = _kernels(isa)

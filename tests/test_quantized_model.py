@@ -8,12 +8,13 @@ holds in memory, and how close its logits and greedy tokens are to the float32 m
   stored, so it is the same network as float32 (which dequantizes them exactly): same greedy
   tokens on 8 chats x 64 tokens, logits equal to float32 rounding, and equal to transformers'
   on the same file. As ``q8_0`` its 4-bit blocks are re-quantized to 8 bits, a small extra error.
+* ``bfloat16`` / ``float16`` on CPU are weight-only: 16-bit matrices and embedding, float32
+  activations and KV cache; the logits equal a float32 model running the rounded weights.
 """
 
 from __future__ import annotations
 
-import logging
-
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -123,16 +124,75 @@ def test_auto_on_an_hf_folder_is_float32_and_q4_is_refused(tiny_llama_dir: Path)
         resolve_dtype("q8_0", source, "cuda")
 
 
-def test_half_precision_on_cpu_is_loaded_with_a_warning(
-    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+def _checkpoint_as(source: Path, dest: Path, dtype: torch.dtype, keep_float32: str = "") -> Path:
+    """A copy of an HF folder whose tensors are stored as ``dtype`` (except ``keep_float32``)."""
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir()
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, dest / file.name)
+            continue
+        tensors = load_file(str(file))
+        save_file({n: t if n == keep_float32 else t.to(dtype) for n, t in tensors.items()},
+                  str(dest / file.name))  # fmt: skip
+    return dest
+
+
+def test_auto_keeps_a_16_bit_checkpoint_16_bit(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A bfloat16 / float16 checkpoint runs weight-only in its own type (no weight rounded, none
+    widened in memory); float32 or mixed matrices stay float32."""
+    kernel = load_cpu_qgemv()
+    fast = kernel is not None and kernel.isa != "generic"
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        folder = _checkpoint_as(tiny_llama_dir, tmp_path / name, dtype)
+        assert resolve_dtype("auto", resolve_model(str(folder))) == (name if fast else "float32")
+        assert resolve_dtype("auto", resolve_model(str(folder)), "cuda") == "bfloat16"
+    mixed = _checkpoint_as(
+        tiny_llama_dir, tmp_path / "mixed", torch.bfloat16, "model.layers.0.mlp.up_proj.weight"
+    )
+    assert resolve_dtype("auto", resolve_model(str(mixed))) == "float32"
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_half_precision_on_cpu_is_weight_only(tiny_llama_dir: Path, fmt: str) -> None:
+    """16-bit matrices and embedding (the tied head shares one table), float32 everything else;
+    with the kernel the tiles hold the weights and the embedding reads the head's tiles."""
+    loaded = load_model(str(tiny_llama_dir), fmt)
+    assert loaded.weight_format == fmt and loaded.dtype == torch.float32
+    assert float_weight_elements(loaded) == 0
+    assert all(
+        p.dtype == torch.float32 for n, p in loaded.model.named_parameters() if "norm" in n
+    )
+    embed = loaded.model.embed_tokens
+    assert embed.quant is not None and embed.quant.qs.dtype == getattr(torch, fmt)
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=16))
+    assert engine.runner.kv.data.dtype == torch.float32
+    for layer in linears(loaded):
+        assert layer.weight_format == fmt
+        if load_cpu_qgemv() is not None:
+            assert layer.packed is not None and layer.quant is None
+            assert layer.packed.numel() == layer.in_features * 2 * -(
+                -layer.out_features // layer.kernel.tile  # type: ignore[union-attr]
+            ) * layer.kernel.tile  # type: ignore[union-attr]  # two bytes a weight, whole tiles
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_half_precision_logits_are_float32_on_rounded_weights(
+    tiny_llama_dir: Path, fmt: str
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="services.engine.core.loaders"):
-        load_model(str(tiny_llama_dir), "float32")
-        assert not caplog.records
-        loaded = load_model(str(tiny_llama_dir), "bfloat16")
-    assert loaded.dtype == torch.bfloat16  # what was asked for, not silently something else
-    assert [r.levelname for r in caplog.records] == ["WARNING"]
-    assert "--dtype bfloat16 on CPU" in caplog.text and "slower than float32" in caplog.text
+    """Rounding the weights to 16 bits is the whole difference from float32: the kernel widens
+    them exactly and computes in float32."""
+    loaded = load_model(str(tiny_llama_dir), fmt)
+    LLMEngine(loaded, EngineConfig(num_blocks=16))  # packs the layers for this machine
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    rounded = load_model(str(tiny_llama_dir), "float32")
+    for module in rounded.model.modules():
+        if isinstance(module, Linear | Embedding):
+            module.weight.data = module.weight.data.to(getattr(torch, fmt)).float()
+    got, expected = prefill_logits(loaded, ids), prefill_logits(rounded, ids)
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 @pytest.mark.parametrize("name", ["int4", "Q4", "fp8", "", "torch.float32"])

@@ -1,4 +1,5 @@
-"""QuantizedWeight: GGUF block conversion and q8_0 quantization against the ``gguf`` package.
+"""QuantizedWeight: GGUF block conversion and q8_0 quantization against the ``gguf`` package,
+and the 16-bit float formats.
 
 ``gguf.quants`` is the reference: converting its blocks to the canonical form and dequantizing
 must give exactly (``torch.equal``) what ``gguf.quants.dequantize`` gives, for every format.
@@ -20,6 +21,7 @@ from services.engine.core.quant.quantized_weight import (
     QuantizedWeight,
     from_gguf_blocks,
     quantize_q8_0,
+    to_half,
 )
 
 
@@ -199,6 +201,29 @@ def test_inconsistent_tensors_are_rejected() -> None:
         QuantizedWeight("q8_0", q8.qs, q8.scales, q8.scales)
     with pytest.raises(ValueError, match="qs must be"):
         QuantizedWeight("q4", q8.qs, q8.scales, q8.scales)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_16_bit_float_weights(fmt: str) -> None:
+    """Values held as they are: rounding on the way in, exact widening on the way out; rows,
+    row maps, concatenation and byte counts as for the quantized formats."""
+    dense = torch.randn(40, 48)  # any in_features: no groups
+    weight = to_half(dense, fmt)
+    assert weight.shape == (40, 48) and weight.scales is None and weight.mins is None
+    assert torch.equal(weight.dequantize(), dense.to(getattr(torch, fmt)).float())
+    assert weight.nbytes() == 40 * 48 * 2
+    index = torch.tensor([[3, 39], [0, 3]])
+    assert torch.equal(weight.rows(index), weight.dequantize()[index])
+    both = QuantizedWeight.cat([weight, weight.map_rows(lambda t: t[:5])])
+    assert both.shape == (45, 48) and torch.equal(both.dequantize()[40:], weight.dequantize()[:5])
+    q8 = quantize_q8_0(torch.randn(4, 64))
+    assert torch.equal(to_half(q8, fmt).dequantize(), q8.dequantize().to(getattr(torch, fmt)).float())
+    with pytest.raises(ValueError, match="no scales"):
+        QuantizedWeight(fmt, weight.qs, torch.ones(40, 1), None)
+    with pytest.raises(ValueError, match="2-D"):
+        QuantizedWeight(fmt, weight.qs.float(), None, None)
+    with pytest.raises(ValueError, match="not a 16-bit"):
+        to_half(dense, "q8_0")
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
-/* Weight-only quantized y = x @ W^T (+ bias) for CPUs: 8-bit and 4-bit weights, float32 rows.
+/* Weight-only y = x @ W^T (+ bias) for CPUs: 8-bit, 4-bit and 16-bit float weights, float32 rows.
  *
  * Decode on CPU streams every weight once per token; reading 4- or 8-bit weights instead of
  * float32 ones cuts those bytes 4-6x (GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K, as llama.cpp serves
- * them). The weights stay quantized in memory and become floats in registers right before the
- * multiply-adds; activations stay float32 (no activation quantization).
+ * them), bfloat16 / float16 weights 2x. The weights stay compact in memory and become floats in
+ * registers right before the multiply-adds; activations stay float32 (no activation quantization).
  *
  * Both formats keep GGUF's groups of 32 inputs with one scale (and for 4-bit one offset) per
  * output feature and group: w[o, i] = q[o, i] * scale[o, g] + min[o, g], g = i / 32. Tiled like
@@ -12,6 +12,9 @@
  *   q4:   float scale[TILE], float min[TILE], uint8 q[32][TILE / 2]   byte c of an input row holds
  *         column c in its low nibble and column c + TILE / 2 in its high nibble
  *   q8_0: float scale[TILE], int8 q[32][TILE]
+ *
+ * bfloat16 and float16 weights use the same (tile, group) blocks without scales: uint16 q[32][TILE],
+ * each value widened to float32 exactly (bf16: a shift; f16: vcvtph2ps or its bit-exact emulation).
  *
  * The scale and offset are factored out of each group, as llama.cpp does:
  *   y[o] = bias[o] + sum_g (scale[o, g] * sum_j x[j] q[o, j] + min[o, g] * sum_j x[j])
@@ -34,8 +37,9 @@
 #define GROUP 32
 #define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
 #define Q8_BLOCK (4 * TILE + GROUP * TILE)
+#define HALF_BLOCK (2 * GROUP * TILE)
 
-enum { FORMAT_Q8_0 = 0, FORMAT_Q4 = 1 };
+enum { FORMAT_Q8_0 = 0, FORMAT_Q4 = 1, FORMAT_BF16 = 2, FORMAT_F16 = 3, N_FORMATS = 4 };
 
 /* Input j of one group block: its integer values (no scale, no offset) as two float vectors
  * (columns 0..LANES-1 and LANES..TILE-1). Exact: every value is a small integer. */
@@ -47,6 +51,19 @@ static inline void q8_values(const uint8_t *block, int j, vec *w) {
     const int8_t *q = (const int8_t *)(block + 4 * TILE + j * TILE);
     w[0] = s8_to_float(q);
     w[1] = s8_to_float(q + LANES);
+}
+
+/* 16-bit floats: the values themselves (no scale, no offset). */
+static inline void bf16_values(const uint8_t *block, int j, vec *w) {
+    const uint16_t *q = (const uint16_t *)block + j * TILE;
+    w[0] = bf16_to_float(q);
+    w[1] = bf16_to_float(q + LANES);
+}
+
+static inline void f16_values(const uint8_t *block, int j, vec *w) {
+    const uint16_t *q = (const uint16_t *)block + j * TILE;
+    w[0] = f16_to_float(q);
+    w[1] = f16_to_float(q + LANES);
 }
 
 /* The end of one group: acc += scale * part (+ min * sum of the group's inputs, for 4-bit). */
@@ -63,6 +80,13 @@ static inline void q8_finish(const uint8_t *block, const vec *part, float sum, v
     const float *scale = (const float *)block;
     for (int c = 0; c < VECS; c++) acc[c] += part[c] * load_vec(scale + c * LANES);
 }
+
+static inline void half_finish(const uint8_t *block, const vec *part, float sum, vec *acc) {
+    (void)block, (void)sum;
+    for (int c = 0; c < VECS; c++) acc[c] += part[c];
+}
+#define bf16_finish half_finish
+#define f16_finish half_finish
 
 /* The group's integer values read back from the scratch tile (float32 [in, TILE]). */
 #define SCRATCH_VALUES(block, j, w)                                                               \
@@ -146,18 +170,26 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
 DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 1)
 DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 2)
 DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 4)
-DEFINE_QROWS_BOTH(q8, Q8_BLOCK, 1)
-DEFINE_QROWS_BOTH(q8, Q8_BLOCK, 2)
-DEFINE_QROWS_BOTH(q8, Q8_BLOCK, 4)
+DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 1)
+DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 2)
+DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 4)
 DEFINE_QROWS(q4, , Q4_BLOCK, q4_values, q4_finish, 8)
 DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 8)
+/* 16-bit floats convert in registers for every row block, like q8_0 (a widen and a shift or a
+ * vcvtph2ps per vector). */
+DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 1)
+DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 2)
+DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 4)
+DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 8)
+DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 1)
+DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 2)
+DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 4)
+DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 8)
 #if SCRATCH_ROWS == 8
 DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 8)
-DEFINE_QROWS(q8, _scratch, Q8_BLOCK, SCRATCH_VALUES, q8_finish, 8)
 #define SCRATCH_WIDE(NAME) NAME##_scratch_8
 #elif SCRATCH_ROWS == 6
 DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 6)
-DEFINE_QROWS(q8, _scratch, Q8_BLOCK, SCRATCH_VALUES, q8_finish, 6)
 #define SCRATCH_WIDE(NAME) NAME##_scratch_6
 #else
 #define SCRATCH_WIDE(NAME) NULL
@@ -198,18 +230,52 @@ DEFINE_QROWS(q8, _scratch, Q8_BLOCK, SCRATCH_VALUES, q8_finish, 6)
 
 DEFINE_QTILE_PAIR(q4, Q4_BLOCK)
 DEFINE_QTILE_PAIR(q8, Q8_BLOCK)
+DEFINE_QTILE_PAIR(bf16, HALF_BLOCK)
+DEFINE_QTILE_PAIR(f16, HALF_BLOCK)
 
 typedef void (*qrows_fn)(const float *, int64_t, const float *, const uint8_t *, const float *,
                          int64_t, const float *, float *, int64_t, int64_t);
+typedef void (*qpair_fn)(const float *, const float *, const uint8_t *, const uint8_t *, int64_t,
+                         const float *, const float *, float *, float *, int64_t);
+
+/* Per format code: the register row blocks of 8, 4, 2, 1 rows, the scratch-tile ones (4-bit
+ * only: SCRATCH_ROWS, 4, 2, 1; the first NULL where the ISA has no wide block) and the one-row
+ * tile pair. */
+static const qrows_fn REGISTER_FNS[N_FORMATS][4] = {
+    [FORMAT_Q8_0] = {q8_rows_8, q8_rows_4, q8_rows_2, q8_rows_1},
+    [FORMAT_Q4] = {q4_rows_8, q4_rows_4, q4_rows_2, q4_rows_1},
+    [FORMAT_BF16] = {bf16_rows_8, bf16_rows_4, bf16_rows_2, bf16_rows_1},
+    [FORMAT_F16] = {f16_rows_8, f16_rows_4, f16_rows_2, f16_rows_1},
+};
+static const qrows_fn Q4_SCRATCH_FNS[4] = {SCRATCH_WIDE(q4_rows), q4_rows_scratch_4,
+                                           q4_rows_scratch_2, q4_rows_scratch_1};
+static const qpair_fn PAIR_FNS[N_FORMATS] = {
+    [FORMAT_Q8_0] = q8_pair_1, [FORMAT_Q4] = q4_pair_1, [FORMAT_BF16] = bf16_pair_1,
+    [FORMAT_F16] = f16_pair_1,
+};
+
+/* Bytes of one (tile, group) block, or -1 for an unknown format. */
+int64_t tandem_qgemv_block_bytes(int format) {
+    switch (format) {
+    case FORMAT_Q8_0: return Q8_BLOCK;
+    case FORMAT_Q4: return Q4_BLOCK;
+    case FORMAT_BF16: case FORMAT_F16: return HALF_BLOCK;
+    default: return -1;
+    }
+}
 
 /* Input i of a whole tile (every group block) as two float vectors: the integer values, or with
  * scaled (and offset), GGUF's dequantization (w = q * scale + min, one fused multiply-add, exact
- * for every GGUF format: see quantized_weight.py). */
+ * for every GGUF format: see quantized_weight.py); 16-bit floats: their values either way. */
 static inline void input_values(int format, const uint8_t *tile, int64_t i, int scaled, vec *w) {
-    const uint8_t *block = tile + i / GROUP * (format == FORMAT_Q4 ? Q4_BLOCK : Q8_BLOCK);
+    const uint8_t *block = tile + i / GROUP * tandem_qgemv_block_bytes(format);
     const int j = (int)(i % GROUP);
     const float *scale = (const float *)block;
-    if (format == FORMAT_Q4) {
+    if (format == FORMAT_BF16) {
+        bf16_values(block, j, w);
+    } else if (format == FORMAT_F16) {
+        f16_values(block, j, w);
+    } else if (format == FORMAT_Q4) {
         q4_values(block, j, w);
         if (scaled)
             for (int c = 0; c < VECS; c++)
@@ -229,11 +295,6 @@ static void values_tile(int format, const uint8_t *w, int64_t in, float *out) {
         store_vec(out + i * TILE, wv[0]);
         store_vec(out + i * TILE + LANES, wv[1]);
     }
-}
-
-/* Bytes of one (tile, group) block, or -1 for an unknown format. */
-int64_t tandem_qgemv_block_bytes(int format) {
-    return format == FORMAT_Q4 ? Q4_BLOCK : format == FORMAT_Q8_0 ? Q8_BLOCK : -1;
 }
 
 /* The whole weight transposed to float32 wt [in, out] (row stride out), for a BLAS GEMM over many
@@ -273,14 +334,10 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                  float *y, int64_t rows, int64_t in, int64_t out, int threads) {
     const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
     if (block < 0 || in % GROUP) return -1;
-    const int q4 = format == FORMAT_Q4, scratch = q4 && rows > REGISTER_ROWS;
-    const qrows_fn reg[4] = {q4 ? q4_rows_8 : q8_rows_8, q4 ? q4_rows_4 : q8_rows_4,
-                             q4 ? q4_rows_2 : q8_rows_2, q4 ? q4_rows_1 : q8_rows_1};
-    const qrows_fn from_scratch[4] = {
-        q4 ? SCRATCH_WIDE(q4_rows) : SCRATCH_WIDE(q8_rows), q4 ? q4_rows_scratch_4 : q8_rows_scratch_4,
-        q4 ? q4_rows_scratch_2 : q8_rows_scratch_2, q4 ? q4_rows_scratch_1 : q8_rows_scratch_1};
+    const int scratch = format == FORMAT_Q4 && rows > REGISTER_ROWS;
     const int64_t reg_sizes[4] = {8, 4, 2, 1}, scratch_sizes[4] = {SCRATCH_ROWS, 4, 2, 1};
-    const qrows_fn *fns = scratch ? from_scratch : reg;
+    const qrows_fn *fns = scratch ? Q4_SCRATCH_FNS : REGISTER_FNS[format];
+    const qpair_fn pair = PAIR_FNS[format];
     const int64_t *sizes = scratch ? scratch_sizes : reg_sizes;
     const int64_t groups = in / GROUP;
     float small[8 * 64];
@@ -289,7 +346,7 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                       : malloc((size_t)(rows * groups) * sizeof(float));
     if (!sums) return -1;
     group_sums(x, ldx, rows, in, sums);
-    const int64_t step = rows == 1 ? 2 : 1; /* one row: tiles in pairs (q4_pair_1, q8_pair_1) */
+    const int64_t step = rows == 1 ? 2 : 1; /* one row: tiles in pairs (NAME##_pair_1) */
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -306,8 +363,8 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
             float *yt = y + t * TILE;
             if (rows == 1 && t + 1 < n_tiles) { /* a tile pair: this one is whole */
                 const int64_t cols1 = out - (t + 1) * TILE < TILE ? out - (t + 1) * TILE : TILE;
-                (q4 ? q4_pair_1 : q8_pair_1)(x, sums, wt, wt + groups * block, in, bt,
-                                             bias ? bt + TILE : NULL, yt, yt + TILE, cols1);
+                pair(x, sums, wt, wt + groups * block, in, bt, bias ? bt + TILE : NULL, yt,
+                     yt + TILE, cols1);
                 continue;
             }
             if (scratch) {

@@ -1,10 +1,11 @@
-"""Python side of the weight-only quantized CPU matmul kernel (``cpu_qgemv.c``): tiling and calls.
+"""Python side of the weight-only CPU matmul kernel (``cpu_qgemv.c``): tiling and calls.
 
 A :class:`~services.engine.core.quant.quantized_weight.QuantizedWeight` (``q8_0`` or ``q4``, groups of
-32 inputs) is re-laid once, after loading, into the kernel's tiles: ``[n_tiles, in / 32, block]``
-bytes, one contiguous block per (tile of ``TILE`` output features, group) holding that group's
-float32 scales (and offsets) followed by its 8- or 4-bit values. Nothing is expanded to float32
-in memory; the kernel does that in registers. For many rows (prefill) :meth:`CpuQGemv.dequantize_t`
+32 inputs; or ``bfloat16`` / ``float16`` values) is re-laid once, after loading, into the
+kernel's tiles: ``[n_tiles, in / 32, block]`` bytes, one contiguous block per (tile of ``TILE``
+output features, group) holding that group's float32 scales (and offsets) followed by its 8- or
+4-bit values, or its 16-bit floats alone. Nothing is expanded to float32 in memory; the kernel
+does that in registers. For many rows (prefill) :meth:`CpuQGemv.dequantize_t`
 expands one weight into a transient float32 buffer for PyTorch's GEMM, as llama.cpp hands large
 batches to BLAS; :meth:`CpuQGemv.untile` turns tiles back into the canonical form.
 
@@ -21,10 +22,18 @@ from pathlib import Path
 import torch
 
 from services.engine.core.kernels.native_build import load_kernel
-from services.engine.core.quant.quantized_weight import FORMAT_Q4, FORMAT_Q8_0, GROUP, QuantizedWeight
+from services.engine.core.quant.quantized_weight import (
+    FORMAT_BF16,
+    FORMAT_F16,
+    FORMAT_Q4,
+    FORMAT_Q8_0,
+    GROUP,
+    HALF_FORMATS,
+    QuantizedWeight,
+)
 
 SOURCE = Path(__file__).with_name("cpu_qgemv.c")
-FORMAT_CODES = {FORMAT_Q8_0: 0, FORMAT_Q4: 1}
+FORMAT_CODES = {FORMAT_Q8_0: 0, FORMAT_Q4: 1, FORMAT_BF16: 2, FORMAT_F16: 3}
 
 
 class CpuQGemv:
@@ -68,6 +77,12 @@ class CpuQGemv:
         def floats(t: torch.Tensor) -> torch.Tensor:  # per-group float32 → bytes [tiles, groups, 4 * tile]
             return lay(t.contiguous()).contiguous().view(torch.uint8).reshape(tiles, groups, -1)
 
+        if weight.format in HALF_FORMATS:  # [T, G, 32, tile] 16-bit values, no scales
+            q = lay(weight.qs.view(torch.int16)).transpose(2, 3)
+            packed = q.contiguous().view(torch.uint8).reshape(tiles, groups, -1)
+            self._check_block(packed, weight.format)
+            return packed
+        assert weight.scales is not None
         parts = [floats(weight.scales)]
         if weight.format == FORMAT_Q4:
             assert weight.mins is not None
@@ -80,10 +95,13 @@ class CpuQGemv:
             q = lay(weight.qs).transpose(2, 3)  # [T, G, 32, tile] int8
             parts.append(q.contiguous().view(torch.uint8).reshape(tiles, groups, -1))
         packed = torch.cat(parts, dim=-1).contiguous()
-        if packed.shape[-1] != self.block_bytes[weight.format]:  # pragma: no cover - layout bug
-            raise RuntimeError(f"tiled block is {packed.shape[-1]} bytes, kernel expects "
-                               f"{self.block_bytes[weight.format]}")
+        self._check_block(packed, weight.format)
         return packed
+
+    def _check_block(self, packed: torch.Tensor, fmt: str) -> None:
+        if packed.shape[-1] != self.block_bytes[fmt]:  # pragma: no cover - layout bug
+            raise RuntimeError(f"tiled block is {packed.shape[-1]} bytes, kernel expects "
+                               f"{self.block_bytes[fmt]}")
 
     def untile(self, packed: torch.Tensor, fmt: str, out_features: int) -> QuantizedWeight:
         """The inverse of :meth:`tile_weight` (padding rows dropped)."""
@@ -98,6 +116,10 @@ class CpuQGemv:
             raw = packed[..., start : start + 4 * tile].contiguous().view(torch.float32)
             return unlay(raw.reshape(tiles, groups, tile, 1))
 
+        if fmt in HALF_FORMATS:
+            q = packed.contiguous().view(torch.int16).reshape(tiles, groups, GROUP, tile)
+            values = unlay(q.transpose(2, 3)).view(HALF_FORMATS[fmt])
+            return QuantizedWeight(fmt, values, None, None)
         scales = floats(0)
         if fmt == FORMAT_Q4:
             mins = floats(4 * tile)
@@ -138,6 +160,10 @@ class CpuQGemv:
             raw = picked[..., start : start + 4 * tile].contiguous().view(torch.float32)
             return raw[every, :, column]
 
+        if fmt in HALF_FORMATS:
+            q = picked.contiguous().view(torch.int16).reshape(count, groups, GROUP, tile)
+            values = q[every, :, :, column].view(HALF_FORMATS[fmt]).to(torch.float32)
+            return values.reshape(*index.shape, groups * GROUP)
         scales = floats(0)
         if fmt == FORMAT_Q4:
             half = tile // 2

@@ -80,6 +80,18 @@ static inline int_vec widen_s8(const int8_t *p) {
 #endif
 }
 
+/* LANES 16-bit values at p widened (zero-extended) to 32-bit lanes. */
+static inline int_vec widen_u16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (int_vec)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (int_vec)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    typedef uint16_t u16_vec_u __attribute__((vector_size(LANES * 2), aligned(1), may_alias));
+    return __builtin_convertvector(*(const u16_vec_u *)p, int_vec);
+#endif
+}
+
 /* LANES signed bytes at p as floats. */
 static inline vec s8_to_float(const int8_t *p) { return __builtin_convertvector(widen_s8(p), vec); }
 
@@ -114,6 +126,27 @@ static inline vec vselect(int_vec mask, vec a, vec b) {
 }
 
 static inline vec vmin(vec a, vec b) { return vselect(a < b, a, b); }
+
+/* LANES bfloat16 values at p as floats: the upper half of a float's bits, so a shift (exact). */
+static inline vec bf16_to_float(const uint16_t *p) { return (vec)(widen_u16(p) << 16); }
+
+/* LANES IEEE float16 values at p as floats, exactly (subnormals, infinities and NaNs included):
+ * F16C's vcvtph2ps where the instruction set has it (AVX2 builds, x86-64-v3, and AVX-512), else
+ * moving exponent and mantissa into place and rebiasing the exponent with one multiply by 2^112,
+ * which also scales float16 subnormals (float32 subnormals then) exactly. */
+static inline vec f16_to_float(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    const int_vec h = widen_u16(p);
+    const int_vec bits = (h & 0x7fff) << 13;
+    const int_vec scaled = (int_vec)((vec)bits * splat(0x1p112f));
+    const int_vec inf_nan = (h & 0x7c00) == 0x7c00; /* all ones where the exponent is 31 */
+    return (vec)(iselect(inf_nan, bits | 0x7f800000, scaled) | ((h & 0x8000) << 16));
+#endif
+}
 
 /* exp of LANES floats (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2], within
  * 2 ulp of expf); inputs below -87.3 give 0, as softmax's exp(score - max) needs; callers keep

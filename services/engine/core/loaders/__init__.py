@@ -3,18 +3,25 @@ a Hugging Face folder or ``dummy:<shape>``. Every failure is a one-line ModelLoa
 
 Weight dtypes (``--dtype``):
 
-* ``float32`` (the correctness reference), ``bfloat16``, ``float16``: dense weights;
+* ``float32`` (the correctness reference);
+* ``bfloat16``, ``float16``: on CUDA, the model in that precision. On CPU, weight-only: the
+  matrices (and the embedding) held as 16-bit floats, half of float32's bytes per decode step,
+  while activations, norms and the KV cache stay float32; the native kernel widens each weight
+  exactly in registers. PyTorch's own bfloat16 matmuls were slower than float32 on every CPU
+  measured, even with AVX512-BF16 (docs/benchmarks.md);
 * ``q8_0``: 8-bit weights in groups of 32 (a GGUF's Q8_0 blocks as stored; any other weight,
   HF and float ones included, quantized to Q8_0 at load);
 * ``q4``: a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) as stored, its Q8_0 blocks as stored, any
   other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
-* ``auto`` (the CLI default): on CUDA bfloat16; on CPU the quantized format the GGUF already
-  uses (``q4`` for 4-bit files, ``q8_0`` for other quantized ones) when the quantized CPU kernel
-  builds here for AVX2 or AVX-512, else float32 (the ``generic`` build's 4-wide kernel measured
-  slower than float32 PyTorch on x86, docs/benchmarks.md). bfloat16 is never picked on CPU: even where the CPU has native bf16
-  dot products it measured slower than float32 at batch 1 (docs/benchmarks.md).
+* ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
+  or AVX-512, the format the checkpoint already stores: ``q4`` for 4-bit GGUFs, ``q8_0`` for other
+  quantized ones, ``bfloat16`` / ``float16`` (weight-only) for matrices stored in that 16-bit
+  type (HF folders or GGUF), so no weight is rounded and none is widened in memory; float32
+  otherwise (the ``generic`` build's 4-wide kernel measured slower than float32 PyTorch on x86,
+  docs/benchmarks.md).
 
-Quantized weights run on CPU only, with float32 activations and KV cache.
+Quantized weights run on CPU only, with float32 activations and KV cache, as the 16-bit
+float weights do on CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from services.engine.core.loaders.gguf_file import (
     iter_gguf_weights,
     open_gguf,
 )
-from services.engine.core.loaders.hf_folder import iter_hf_weights, read_hf_config
+from services.engine.core.loaders.hf_folder import hf_weight_dtypes, iter_hf_weights, read_hf_config
 from services.engine.core.loaders.weights import empty_model, load_weights
 from services.engine.core.model import LlamaForCausalLM
 from services.common.model_config import ModelConfig
@@ -48,6 +55,7 @@ QUANT_DTYPES = ("q8_0", "q4")
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+_HALF_TYPES = {"BF16": "bfloat16", "F16": "float16"}  # GGUF and safetensors spell them alike
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +91,24 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
         return name
     if kind != "cpu":
         return "bfloat16"
-    if source.kind != "gguf":
+    if source.kind == "gguf":
+        types = gguf_weight_types(open_gguf(Path(source.path)))
+    elif source.kind == "hf":
+        types = hf_weight_dtypes(Path(source.path))
+    else:
         return "float32"
+    quantized = types - _FLOAT_TYPES
+    half = {_HALF_TYPES[t] for t in types & set(_HALF_TYPES)}
+    if not quantized and (len(half) != 1 or types - set(_HALF_TYPES)):
+        return "float32"  # float32 matrices, or a mix that some 16-bit format would round
     from services.engine.core.kernels.cpu_qgemv import load_cpu_qgemv
 
-    types = gguf_weight_types(open_gguf(Path(source.path)))
-    quantized = types - _FLOAT_TYPES
     kernel = load_cpu_qgemv()
-    if not quantized or kernel is None or kernel.isa == "generic":
+    if kernel is None or kernel.isa == "generic":
         return "float32"
-    return "q4" if quantized & _FOUR_BIT_TYPES else "q8_0"
+    if quantized:
+        return "q4" if quantized & _FOUR_BIT_TYPES else "q8_0"
+    return half.pop()
 
 
 def load_model(
@@ -109,8 +125,11 @@ def load_model(
     source = resolve_model(model) if isinstance(model, str) else model
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     weight_format = resolve_dtype(name, source, device)
-    quantize = weight_format if weight_format in QUANT_DTYPES else None
-    compute = DTYPES.get(weight_format, torch.float32)
+    on_cpu = torch.device(device).type == "cpu"
+    compact = weight_format in QUANT_DTYPES or (on_cpu and weight_format in HALF_DTYPES)
+    quantize = weight_format if compact else None  # linear and embedding weights' storage
+    gguf_blocks = quantize if quantize in QUANT_DTYPES else None  # kept as the file stores them
+    compute = torch.float32 if compact else DTYPES[weight_format]
     backend = make_attention_backend(attention, device)
     if source.kind == "dummy":
         config = dummy_config(source.path)
@@ -120,7 +139,7 @@ def load_model(
         reader = open_gguf(Path(source.path))
         config = gguf_config(reader)
         net = empty_model(config, compute, device, backend, quantized=bool(quantize))
-        load_weights(net, iter_gguf_weights(reader, config, quantize), quantize)
+        load_weights(net, iter_gguf_weights(reader, config, gguf_blocks), quantize)
     elif source.kind == "hf":
         config = read_hf_config(Path(source.path))
         net = empty_model(config, compute, device, backend, quantized=bool(quantize))
@@ -132,12 +151,6 @@ def load_model(
         source.name, config.architecture, config.num_layers, weight_format,
         " from --dtype auto" if name == "auto" else "", device,
     )  # fmt: skip
-    if weight_format in HALF_DTYPES and torch.device(device).type == "cpu":
-        logger.warning(
-            "--dtype %s on CPU runs PyTorch's half-precision ops (Tandem has no native kernel for "
-            "them); it measured slower than float32 and than --dtype auto on every CPU tried "
-            "(docs/benchmarks.md)", weight_format,
-        )  # fmt: skip
     return LoadedModel(
         source=source, config=config, model=net, dtype=compute, weight_format=weight_format
     )

@@ -7,7 +7,8 @@ so no memory is spent initialising weights that are about to be overwritten.
 
 Quantized models (``quantize="q8_0"`` or ``"q4"``): linear and embedding weights arrive as
 :class:`QuantizedWeight` (a GGUF's blocks) or as float tensors, which are quantized to Q8_0 here;
-their float parameters are never allocated. Fused parts in different formats (e.g. a Q4_K ``q``
+their float parameters are never allocated. ``quantize="bfloat16"`` / ``"float16"`` (CPU's
+weight-only 16-bit formats) casts them to 16-bit floats here, from whatever arrives. Fused parts in different formats (e.g. a Q4_K ``q``
 next to a Q6_K-requantized ``v``) are re-quantized together to Q8_0, the format that holds both.
 """
 
@@ -25,7 +26,13 @@ from services.engine.core.embedding import Embedding
 from services.engine.core.linear import Linear
 from services.engine.core.model import LlamaForCausalLM
 from services.common.model_config import ModelConfig
-from services.engine.core.quant.quantized_weight import GROUP, QuantizedWeight, quantize_q8_0
+from services.engine.core.quant.quantized_weight import (
+    GROUP,
+    HALF_FORMATS,
+    QuantizedWeight,
+    quantize_q8_0,
+    to_half,
+)
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -81,7 +88,8 @@ def load_weights(
 ) -> None:
     """Copy Hugging Face-named weights into ``model``; raise ModelLoadError on gaps or misfits.
 
-    ``quantize`` (``"q8_0"`` / ``"q4"``) keeps linear and embedding weights quantized.
+    ``quantize`` (``"q8_0"`` / ``"q4"`` / ``"bfloat16"`` / ``"float16"``) keeps linear and
+    embedding weights in that compact format.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -153,7 +161,10 @@ def _place(
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
     if quantize and attr == "weight" and isinstance(module, Linear | Embedding):
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] % GROUP == 0:
+        fits = isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] % GROUP == 0
+        if quantize in HALF_FORMATS and (fits or isinstance(value, QuantizedWeight)):
+            value = to_half(value, quantize)
+        elif fits:
             value = quantize_q8_0(value)
         if isinstance(value, QuantizedWeight):
             try:

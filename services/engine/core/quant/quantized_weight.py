@@ -1,6 +1,7 @@
-"""A quantized ``[out, in]`` weight in one canonical, row-major form, and its converters.
+"""A compact ``[out, in]`` weight (quantized, or 16-bit floats) in one canonical, row-major form,
+and its converters.
 
-Every supported format is stored the same way, per group of :data:`GROUP` inputs of one row::
+Every quantized format is stored the same way, per group of :data:`GROUP` inputs of one row::
 
     value[o, i] = qs[o, i] * scales[o, i // 32] + mins[o, i // 32]      (mins absent -> 0)
 
@@ -8,6 +9,12 @@ Every supported format is stored the same way, per group of :data:`GROUP` inputs
 * ``"q4"``: ``qs`` uint8 ``[out, in // 2]`` holding 4-bit values 0..15; element ``i`` of a row
   is in byte ``i // 2``, the low nibble when ``i`` is even and the high one when it is odd;
   ``scales`` and ``mins`` float32 ``[out, in // 32]``.
+
+The 16-bit float formats hold the values themselves: ``"bfloat16"`` / ``"float16"``: ``qs`` is a
+``torch.bfloat16`` / ``torch.float16`` ``[out, in]`` tensor, ``scales`` and ``mins`` None. On CPU
+they are weight-only formats: half the bytes of float32 per decode step, float32 arithmetic (the
+kernel widens each value in registers, exactly), so they ride the same tiles, kernel and
+autotune as the quantized ones.
 
 Why one form: GGUF spreads the same information over several block layouts (Q4_0 and Q4_1
 put element ``j`` and ``j + 16`` of a block in one byte; Q4_K packs 8 sub-blocks with 6-bit
@@ -33,7 +40,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 GROUP = 32  # inputs per quantization group (one scale and one min per group)
 FORMAT_Q8_0 = "q8_0"
 FORMAT_Q4 = "q4"
-FORMATS = frozenset({FORMAT_Q8_0, FORMAT_Q4})
+FORMAT_BF16 = "bfloat16"
+FORMAT_F16 = "float16"
+HALF_FORMATS: dict[str, torch.dtype] = {FORMAT_BF16: torch.bfloat16, FORMAT_F16: torch.float16}
+FORMATS = frozenset({FORMAT_Q8_0, FORMAT_Q4, *HALF_FORMATS})
 
 SUPPORTED_GGML_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {
@@ -49,24 +59,38 @@ _QUANTIZE_CHUNK = 1 << 22  # elements per slice in quantize_q8_0, to bound float
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """value[o, i] = qs[o, i] * scales[o, i // 32] + mins[o, i // 32]  (mins absent = 0).
+    """value[o, i] = qs[o, i] * scales[o, i // 32] + mins[o, i // 32]  (mins absent = 0), or
+    for the 16-bit float formats value[o, i] = qs[o, i].
 
     Attributes:
-        format: ``"q8_0"`` or ``"q4"``.
+        format: ``"q8_0"``, ``"q4"``, ``"bfloat16"`` or ``"float16"``.
         qs: q8_0: int8 ``[out, in]``; q4: uint8 ``[out, in // 2]``, element ``i`` of a row in
-            byte ``i // 2``, low nibble when ``i`` is even, high nibble when odd (values 0..15).
-        scales: float32 ``[out, in // 32]``.
-        mins: q4: float32 ``[out, in // 32]``; q8_0: None.
+            byte ``i // 2``, low nibble when ``i`` is even, high nibble when odd (values 0..15);
+            bfloat16 / float16: the values, ``[out, in]`` of that dtype.
+        scales: float32 ``[out, in // 32]``; None for the 16-bit float formats.
+        mins: q4: float32 ``[out, in // 32]``; otherwise None.
     """
 
     format: str
     qs: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None
     mins: torch.Tensor | None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"unknown format {self.format!r}; expected one of {sorted(FORMATS)}")
+        if self.format in HALF_FORMATS:
+            dtype = HALF_FORMATS[self.format]
+            if self.qs.dim() != 2 or self.qs.dtype != dtype:
+                raise ValueError(
+                    f"{self.format} values must be a 2-D {dtype} tensor, got "
+                    f"{self.qs.dtype} {list(self.qs.shape)}"
+                )
+            if self.scales is not None or self.mins is not None:
+                raise ValueError(f"{self.format} weights have no scales or mins")
+            return
+        if self.scales is None:
+            raise ValueError(f"{self.format} weights need scales")
         if self.qs.dim() != 2 or self.scales.dim() != 2:
             raise ValueError(
                 f"qs and scales must be 2-D, got {list(self.qs.shape)}, {list(self.scales.shape)}"
@@ -94,6 +118,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)`` of the weight this stands for."""
+        if self.scales is None:
+            return int(self.qs.shape[0]), int(self.qs.shape[1])
         return int(self.scales.shape[0]), int(self.scales.shape[1]) * GROUP
 
     def require_shape(self, shape: tuple[int, int], what: str) -> None:
@@ -111,8 +137,9 @@ class QuantizedWeight:
         An embedding lookup on the quantized table: only the selected rows are expanded.
         """
         flat = index.reshape(-1)
+        scales = None if self.scales is None else self.scales[flat]
         mins = None if self.mins is None else self.mins[flat]
-        picked = _dequantize(self.format, self.qs[flat], self.scales[flat], mins)
+        picked = _dequantize(self.format, self.qs[flat], scales, mins)
         return picked.reshape(*index.shape, self.shape[1])
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
@@ -121,12 +148,13 @@ class QuantizedWeight:
         ``fn`` must act along dim 0 only (a row permutation or selection, a device move), so the
         three tensors stay aligned row for row.
         """
+        scales = None if self.scales is None else fn(self.scales)
         mins = None if self.mins is None else fn(self.mins)
-        return QuantizedWeight(self.format, fn(self.qs), fn(self.scales), mins)
+        return QuantizedWeight(self.format, fn(self.qs), scales, mins)
 
     def nbytes(self) -> int:
         """Bytes held by ``qs``, ``scales`` and ``mins``."""
-        held = [self.qs, self.scales] + ([] if self.mins is None else [self.mins])
+        held = [t for t in (self.qs, self.scales, self.mins) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
     @staticmethod
@@ -145,21 +173,31 @@ class QuantizedWeight:
                     f"cannot concatenate {part.format} {part.shape} onto {first.format} "
                     f"{first.shape}: formats and in_features must match"
                 )
-        mins = None
+        scales = mins = None
+        if first.scales is not None:
+            scales = torch.cat([p.scales for p in parts if p.scales is not None])
         if first.mins is not None:
             mins = torch.cat([p.mins for p in parts if p.mins is not None])
-        return QuantizedWeight(
-            first.format,
-            torch.cat([p.qs for p in parts]),
-            torch.cat([p.scales for p in parts]),
-            mins,
-        )
+        return QuantizedWeight(first.format, torch.cat([p.qs for p in parts]), scales, mins)
+
+
+def to_half(weight: torch.Tensor | QuantizedWeight, fmt: str) -> QuantizedWeight:
+    """A float (or quantized) ``[out, in]`` weight held as 16-bit floats, ``fmt`` ``"bfloat16"``
+    or ``"float16"`` (PyTorch's round-to-nearest-even cast; exact for weights stored in it)."""
+    if fmt not in HALF_FORMATS:
+        raise ValueError(f"{fmt!r} is not a 16-bit float format")
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize()
+    return QuantizedWeight(fmt, weight.to(HALF_FORMATS[fmt]).contiguous(), None, None)
 
 
 def _dequantize(
-    fmt: str, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    fmt: str, qs: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None
 ) -> torch.Tensor:
-    """``q * scale + min`` in float32, broadcasting each group's scale over its 32 inputs."""
+    """``q * scale + min`` in float32, broadcasting each group's scale over its 32 inputs (the
+    16-bit float formats: the values widened to float32)."""
+    if scales is None:
+        return qs.to(torch.float32)
     out = qs.shape[0]
     if fmt == FORMAT_Q4:
         qs = torch.stack([qs & 0x0F, qs >> 4], dim=-1)  # [out, in // 2, 2]: even, odd elements
