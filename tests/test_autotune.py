@@ -148,6 +148,43 @@ def test_real_q4_kernel_wins_single_row_decode(
     assert torch.allclose(layer(x), expected, atol=1e-4)
 
 
+class SlowForOneShape(CpuQGemv):
+    """The real quantized kernel, a few milliseconds late for ``slow_out`` outputs only."""
+
+    slow_out = 0
+
+    def bind(self, packed, fmt, bias, out_features):  # type: ignore[no-untyped-def]
+        call = super().bind(packed, fmt, bias, out_features)
+        if out_features != self.slow_out:
+            return call
+
+        def slow(x: torch.Tensor) -> torch.Tensor:
+            time.sleep(SLEEP_S)
+            return call(x)
+
+        return slow
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_each_shape_is_decided_on_its_own(tmp_cache: Path) -> None:
+    """A kernel that loses on one shape (here: slowed down for it) keeps the layers of the other
+    shapes: the decision is per format and shape, not one for all of a format's layers."""
+    native_kernel_or_skip()
+    slow = SlowForOneShape(load_library(cpu_qgemv.SOURCE))
+    slow.build = f"slow-shape-{slow.build}"
+    slow.slow_out = 512
+    torch.manual_seed(2)
+    model = nn.Sequential(Linear(576, 1024), Linear(1024, 576), Linear(576, 512))
+    for layer in model:
+        layer.set_quantized(quantize_q8_0(torch.randn(layer.out_features, layer.in_features)))
+    pack_linears(model, PackPlan(qkernel=slow, autotune=True), free_dense=True)
+    fast_one, fast_two, slowed = model
+    assert not any(slowed.regimes.use_kernel), slowed.regimes.describe()
+    for layer in (fast_one, fast_two):  # single-row decode: the kernel reads a quarter the bytes
+        assert layer.regimes.kernel_for(1), layer.regimes.describe()
+    assert len(list(tmp_cache.glob("autotune-*.json"))) == 3  # one cached decision per shape
+
+
 def _runners(kernel_slow_from: int) -> tuple[list[int], list[int], object, object]:
     """Fake paths: the kernel sleeps from ``kernel_slow_from`` rows on, PyTorch below it."""
     kernel_calls: list[int] = []

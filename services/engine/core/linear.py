@@ -216,44 +216,51 @@ def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) 
     """Pack every :class:`Linear` in ``model``; returns how many there are.
 
     With ``plan.autotune``, each kernel is then timed against its PyTorch path on the model's own
-    layers (:func:`~services.engine.core.kernels.autotune.choose_regimes`) and every layer runs, per
-    row count, whichever was faster; float32 layers keep the split layout for the row counts
-    where PyTorch won.
+    layers (:func:`~services.engine.core.kernels.autotune.choose_regimes`), per weight format and
+    shape, and every layer runs, per row count, whichever was faster for its shape; float32
+    layers keep the split layout for the row counts where PyTorch won.
+
+    Per shape, not per format: one decision for all of a format's layers was dominated by the
+    largest one, the LM head (a third of a small model's weights, and the one layer that never
+    sees a prompt's rows: it projects only the rows being sampled), which sent the decoder's
+    prefill-sized matmuls to a kernel that was slower for them.
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in layers:
         layer.pack(plan)
     if plan.autotune:
-        by_format: dict[str, list[Linear]] = {}
+        groups: dict[tuple[str, int, int], list[Linear]] = {}
         for layer in layers:
             if layer.packed is not None and not layer.regimes.measured:
-                by_format.setdefault(layer.weight_format, []).append(layer)
-        for fmt, group in by_format.items():
-            _tune(fmt, group, plan)
+                key = (layer.weight_format, layer.out_features, layer.in_features)
+                groups.setdefault(key, []).append(layer)
+        for (fmt, _, _), group in groups.items():
+            _tune(fmt, group, plan, TUNE_BYTES // len(groups))
     if free_dense:
         for layer in layers:
             layer.free_dense()
     return len(layers)
 
 
-TUNE_BYTES = 64 << 20  # weight bytes the timing runs walk through, at most (one of each shape always)
+TUNE_BYTES = 64 << 20  # weight bytes all timing runs walk through, at most (one layer a shape always)
 
 
-def _tune(fmt: str, layers: list[Linear], plan: PackPlan) -> None:
+def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
+    """Time one group of same-format, same-shape layers: the first always, more while their
+    weights fit in ``budget`` bytes (so the runs read weights from memory, as real steps do)."""
     kernel = layers[0].kernel
     if fmt == "float32":
         for layer in layers:  # the float32 PyTorch path is the split bmm (or F.linear)
             layer.add_split_layout(plan.splits)
-    timed, seen, total = [], set(), 0
+    timed, total = [], 0
     for layer in layers:
-        shape = (layer.out_features, layer.in_features)
         size = layer.packed.numel() * layer.packed.element_size() if layer.packed is not None else 0
-        if shape not in seen or total + size <= TUNE_BYTES:
+        if not timed or total + size <= budget:
             timed.append(layer)
-            seen.add(shape)
             total += size
+    shape = f"{layers[0].out_features}x{layers[0].in_features}"
     regimes = choose_regimes(
-        fmt,
+        f"{fmt} {shape}",
         isa=getattr(kernel, "isa", "?"),
         build=getattr(kernel, "build", "?"),
         shapes=[(layer.out_features, layer.in_features) for layer in layers],
