@@ -286,3 +286,23 @@ def test_kernel_for_maps_row_counts_to_regimes() -> None:
     )
     always = KernelRegimes()
     assert not always.any_torch() and all(always.kernel_for(n) for n in (1, 8, 32, 256, 999))
+
+
+def test_margin_per_regime(tmp_cache: Path) -> None:
+    """One margin per row count: a 1.5x faster kernel wins where the margin is 0 and loses where
+    it must be 2x faster."""
+
+    def run_kernel(rows: int) -> None:
+        time.sleep(0.002)
+
+    def run_torch(rows: int) -> None:
+        time.sleep(0.003)
+
+    regimes = choose_regimes(
+        "q4", isa="avx2", build="margins.so", shapes=[(64, 64)], run_kernel=run_kernel,
+        run_torch=run_torch, rows=(1, 256), margin=(0.0, 1.0),
+    )  # fmt: skip
+    assert regimes.use_kernel == (True, False), regimes.describe()
+    with pytest.raises(ValueError, match="2 margins for 1 row counts"):
+        choose_regimes("q4", isa="avx2", build="margins.so", shapes=[(64, 64)],
+                       run_kernel=run_kernel, run_torch=run_torch, rows=(1,), margin=(0.0, 1.0))  # fmt: skip

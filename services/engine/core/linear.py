@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
+from services.engine.core.kernels.autotune import MARGIN, REGIME_ROWS, KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import LinearTiles
 from services.engine.core.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
@@ -243,6 +243,13 @@ def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) 
 
 
 TUNE_BYTES = 64 << 20  # weight bytes all timing runs walk through, at most (one layer a shape always)
+# Per regime (1, 8, 32 rows, a 256-row prefill chunk): at decode sizes a tie goes to the kernel,
+# which reads the compact weight and is what lets a whole decode step run as one C call (itself
+# timed against the per-op path); one shape's per-op tie there measured 1.01x, and sending it to
+# PyTorch cost the 32-row one-call path (-9% batch-32 decode). A prefill tie goes to PyTorch's
+# GEMM, whose lead grows with the row count past the 256 rows timed.
+DECODE_ROWS = 32  # the largest decode regime
+LINEAR_MARGINS = tuple(0.0 if rows <= DECODE_ROWS else MARGIN for rows in REGIME_ROWS)
 
 
 def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
@@ -266,6 +273,7 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
         shapes=[(layer.out_features, layer.in_features) for layer in layers],
         run_kernel=_runner(timed, Linear.kernel_forward),
         run_torch=_runner(timed, Linear.torch_forward),
+        margin=LINEAR_MARGINS,
     )
     for layer in layers:
         layer.regimes = regimes

@@ -8,7 +8,8 @@ meets a model's layer shapes, :func:`choose_regimes`:
    up, for each row regime: decode of 1, 8 and 32 rows and a prefill chunk of 256 rows;
 2. times each path as the best of a few alternating runs;
 3. picks, per regime, the faster path (the kernel only when it wins by more than
-   :data:`MARGIN`, or the margin the caller gives: a near tie is noise, and goes to PyTorch); a
+   :data:`MARGIN`, or the margin the caller gives, one for all regimes or one per regime: a near
+   tie is noise, and goes to PyTorch); a
    row count uses the regime of the smallest measured count at or above it (2-8 rows → the
    8-row choice, 33+ rows → prefill);
 4. caches the decision as JSON next to the kernel build (keyed by the build, the format, the
@@ -92,19 +93,22 @@ def choose_regimes(
     run_kernel: Callable[[int], object],
     run_torch: Callable[[int], object],
     rows: Sequence[int] = REGIME_ROWS,
-    margin: float = MARGIN,
+    margin: float | Sequence[float] = MARGIN,
 ) -> KernelRegimes:
     """Time ``run_kernel(n)`` against ``run_torch(n)`` for each ``n`` in ``rows`` (or reuse the
     cached decision for this build, format and set of shapes) and return the per-regime choice:
-    the kernel where it is faster by more than ``margin``."""
-    key = _cache_key(fmt, build, shapes, rows, margin)
+    the kernel where it is faster by more than ``margin`` (one value, or one per row count)."""
+    margins = (margin,) * len(rows) if isinstance(margin, int | float) else tuple(margin)
+    if len(margins) != len(rows):
+        raise ValueError(f"{len(margins)} margins for {len(rows)} row counts")
+    key = _cache_key(fmt, build, shapes, rows, margins)
     path = cache_dir() / f"autotune-{key}.json"
     with _measuring_lock():
         cached = _read(path)
         if cached is not None:
             logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
             return cached
-        regimes = _measure(rows, run_kernel, run_torch, margin)
+        regimes = _measure(rows, run_kernel, run_torch, margins)
         busy = _machine_busy()
         if not busy:
             _write(path, regimes)
@@ -144,7 +148,7 @@ def _measure(
     rows: Sequence[int],
     run_kernel: Callable[[int], object],
     run_torch: Callable[[int], object],
-    margin: float,
+    margins: Sequence[float],
 ) -> KernelRegimes:
     kernel_s, torch_s = [], []
     for n in rows:
@@ -157,7 +161,9 @@ def _measure(
         torch_s.append(best_torch)
     return KernelRegimes(
         rows=tuple(rows),
-        use_kernel=tuple(k * (1 + margin) <= t for k, t in zip(kernel_s, torch_s, strict=True)),
+        use_kernel=tuple(
+            k * (1 + m) <= t for k, t, m in zip(kernel_s, torch_s, margins, strict=True)
+        ),
         speedup=tuple(t / k for k, t in zip(kernel_s, torch_s, strict=True)),
     )
 
@@ -169,10 +175,14 @@ def _timed(fn: Callable[[int], object], rows: int) -> float:
 
 
 def _cache_key(
-    fmt: str, build: str, shapes: Sequence[tuple[int, ...]], rows: Sequence[int], margin: float
+    fmt: str,
+    build: str,
+    shapes: Sequence[tuple[int, ...]],
+    rows: Sequence[int],
+    margins: Sequence[float],
 ) -> str:
     blas_limits = [os.environ.get(name, "") for name in BLAS_LIMIT_VARIABLES]
-    parts = [fmt, build, repr(sorted(shapes)), repr(list(rows)), repr(margin),
+    parts = [fmt, build, repr(sorted(shapes)), repr(list(rows)), repr(list(margins)),
              str(torch.get_num_threads()), torch.__version__, *blas_limits]  # fmt: skip
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
