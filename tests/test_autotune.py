@@ -281,8 +281,8 @@ def test_kernel_for_maps_row_counts_to_regimes() -> None:
     assert {n: regimes.kernel_for(n) for n in expected} == expected
     assert regimes.any_torch()
     assert regimes.describe() == (
-        "kernel/PyTorch speed 1 row 3.00x, 8 rows 0.50x, 32 rows 1.50x, 256 rows 0.90x "
-        "-> PyTorch for 8, 256 rows"
+        "kernel/PyTorch speed 1 row 3.00x, 8 rows 0.50x, 32 rows 1.50x, 512 rows 0.90x "
+        "-> PyTorch for 8, 512 rows"
     )
     always = KernelRegimes()
     assert not always.any_torch() and all(always.kernel_for(n) for n in (1, 8, 32, 256, 999))

@@ -200,7 +200,11 @@ def test_rows_gathered_from_tiles_equal_the_table(isa: str, fmt: str) -> None:
     _, qgemv = _kernels(isa)
     weight = _weights()[fmt]
     index = torch.tensor([[0, OUT - 1, 17], [16, 5, 5]])  # first, last (partial tile), repeats
-    assert torch.equal(qgemv.gather_rows(qgemv.tile_weight(weight), fmt, index), weight.rows(index))
+    packed = qgemv.tile_weight(weight)
+    assert torch.equal(qgemv.gather_rows(packed, fmt, index, OUT), weight.rows(index))
+    for bad in (OUT, -1):  # the padding rows of the last tile are not rows of the weight
+        with pytest.raises(IndexError, match="outside"):
+            qgemv.gather_rows(packed, fmt, torch.tensor([0, bad]), OUT)
 
 
 def test_attention_kernel_matches_torch_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -166,7 +166,7 @@ class Linear(nn.Linear):
         lookup); needs :attr:`has_quantized_tiles`."""
         if not isinstance(self.kernel, CpuQGemv) or self.packed is None:
             raise RuntimeError("gather_rows on a layer without quantized kernel tiles")
-        return self.kernel.gather_rows(self.packed, self._packed_format, index)
+        return self.kernel.gather_rows(self.packed, self._packed_format, index, self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight of a quantized or packed layer (built per call, not
@@ -243,11 +243,11 @@ def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) 
 
 
 TUNE_BYTES = 64 << 20  # weight bytes all timing runs walk through, at most (one layer a shape always)
-# Per regime (1, 8, 32 rows, a 256-row prefill chunk): at decode sizes a tie goes to the kernel,
+# Per regime (1, 8, 32 rows, a 512-row prefill chunk): at decode sizes a tie goes to the kernel,
 # which reads the compact weight and is what lets a whole decode step run as one C call (itself
 # timed against the per-op path); one shape's per-op tie there measured 1.01x, and sending it to
 # PyTorch cost the 32-row one-call path (-9% batch-32 decode). A prefill tie goes to PyTorch's
-# GEMM, whose lead grows with the row count past the 256 rows timed.
+# GEMM, whose lead grows with the row count.
 DECODE_ROWS = 32  # the largest decode regime
 LINEAR_MARGINS = tuple(0.0 if rows <= DECODE_ROWS else MARGIN for rows in REGIME_ROWS)
 

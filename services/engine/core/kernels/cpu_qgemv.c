@@ -298,25 +298,70 @@ static void values_tile(int format, const uint8_t *w, int64_t in, float *out) {
 }
 
 /* The whole weight transposed to float32 wt [in, out] (row stride out), for a BLAS GEMM over many
- * rows: llama.cpp, too, hands prefill-sized batches to BLAS after dequantizing. Returns 0, or -1
- * for an unknown format. */
+ * rows: llama.cpp, too, hands prefill-sized batches to BLAS after dequantizing. Walked group by
+ * group, every tile of a group before the next group: each thread fills whole rows of wt (32 at
+ * a time, a region that stays in L2) while it reads each (tile, group) block once, front to back.
+ * Returns 0, or -1 for an unknown format. */
 int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, float *wt,
                       int threads) {
     const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
     if (block < 0 || in % GROUP) return -1;
+    const int64_t groups = in / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < n_tiles; t++) {
-        const uint8_t *wt_tile = w + t * (in / GROUP) * block;
-        const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-        for (int64_t i = 0; i < in; i++) {
-            vec wv[VECS];
-            input_values(format, wt_tile, i, 1, wv);
-            float *dst = wt + i * out + t * TILE;
-            if (cols == TILE) { /* whole tiles: two vector stores, not a memcpy call per tile row */
-                store_vec(dst, wv[0]);
-                store_vec(dst + LANES, wv[1]);
-            } else {
-                store_cols(dst, wv, cols);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t t = 0; t < n_tiles; t++) {
+            const uint8_t *wt_tile = w + t * groups * block;
+            const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
+            for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
+                vec wv[VECS];
+                input_values(format, wt_tile, i, 1, wv);
+                float *dst = wt + i * out + t * TILE;
+                if (cols == TILE) { /* whole tiles: two vector stores, not a memcpy call */
+                    store_vec(dst, wv[0]);
+                    store_vec(dst + LANES, wv[1]);
+                } else {
+                    store_cols(dst, wv, cols);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Rows index[0..n) of a tiled weight [out_features, in], dequantized into dst [n, in] (float32,
+ * contiguous): an embedding lookup on a tied head's tiles, exactly the values tandem_qdequant_t
+ * gives (each q * scale is exact in float32, so only the offset's add rounds). Only the column of
+ * each (tile, group) block that holds the row is read. Returns 0, or -1 for an unknown format or
+ * an index out of range. */
+int tandem_qgather_rows(int format, const uint8_t *w, int64_t in, int64_t out_features,
+                        const int64_t *index, int64_t n, float *dst) {
+    const int64_t block = tandem_qgemv_block_bytes(format), groups = in / GROUP;
+    if (block < 0 || in % GROUP) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (index[r] < 0 || index[r] >= out_features) return -1;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t t = index[r] / TILE, c = index[r] % TILE;
+        const uint8_t *tile = w + t * groups * block;
+        float *row = dst + r * in;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = tile + g * block;
+            const float *scale = (const float *)b;
+            float *out = row + g * GROUP;
+            if (format == FORMAT_Q8_0) {
+                const int8_t *q = (const int8_t *)(b + 4 * TILE);
+                for (int j = 0; j < GROUP; j++) out[j] = (float)q[j * TILE + c] * scale[c];
+            } else if (format == FORMAT_Q4) {
+                const uint8_t *q = b + 8 * TILE;
+                const int64_t half = TILE / 2, shift = c < half ? 0 : 4;
+                for (int j = 0; j < GROUP; j++)
+                    out[j] = (float)((q[j * half + c % half] >> shift) & 15) * scale[c] + scale[TILE + c];
+            } else { /* 16-bit floats: gather the column, widen a vector at a time */
+                const uint16_t *q = (const uint16_t *)b;
+                uint16_t column[GROUP];
+                for (int j = 0; j < GROUP; j++) column[j] = q[j * TILE + c];
+                for (int j = 0; j < GROUP; j += LANES)
+                    store_vec(out + j, format == FORMAT_BF16 ? bf16_to_float(column + j)
+                                                             : f16_to_float(column + j));
             }
         }
     }

@@ -57,6 +57,12 @@ class CpuQGemv:
             ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
             ctypes.c_int,
         ]  # fmt: skip
+        self._gather = library.tandem_qgather_rows
+        self._gather.restype = ctypes.c_int
+        self._gather.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_void_p,
+        ]  # fmt: skip
         isa = library.tandem_qgemv_isa
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
@@ -145,37 +151,28 @@ class CpuQGemv:
         )  # fmt: skip
         return wt
 
-    def gather_rows(self, packed: torch.Tensor, fmt: str, index: torch.Tensor) -> torch.Tensor:
+    def gather_rows(
+        self, packed: torch.Tensor, fmt: str, index: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
         """Dequantized rows ``index`` of a tiled weight, ``[*index.shape, in]``: an embedding
-        lookup on a tied head's tiles (only those rows are expanded; same values as
-        :meth:`QuantizedWeight.rows`)."""
-        flat = index.reshape(-1)
-        count, tile = flat.numel(), self.tile
-        tiles, groups, _ = packed.shape
-        column = flat % tile
-        picked = packed[flat // tile]  # [N, groups, block]
-        every = torch.arange(count)
+        lookup on a tied head's tiles (only those rows are expanded, by the C kernel; the same
+        values as :meth:`QuantizedWeight.rows`).
 
-        def floats(start: int) -> torch.Tensor:  # [N, groups]: this column's per-group floats
-            raw = picked[..., start : start + 4 * tile].contiguous().view(torch.float32)
-            return raw[every, :, column]
-
-        if fmt in HALF_FORMATS:
-            q = picked.contiguous().view(torch.int16).reshape(count, groups, GROUP, tile)
-            values = q[every, :, :, column].view(HALF_FORMATS[fmt]).to(torch.float32)
-            return values.reshape(*index.shape, groups * GROUP)
-        scales = floats(0)
-        if fmt == FORMAT_Q4:
-            half = tile // 2
-            q = picked[..., 8 * tile :].reshape(count, groups, GROUP, half)[every, :, :, column % half]
-            low = (column < half).view(count, 1, 1)
-            values = torch.where(low, q & 0x0F, q >> 4).to(torch.float32) * scales.unsqueeze(-1)
-            values += floats(4 * tile).unsqueeze(-1)
-        else:
-            q = picked[..., 4 * tile :].contiguous().view(torch.int8)
-            q = q.reshape(count, groups, GROUP, tile)[every, :, :, column]
-            values = q.to(torch.float32) * scales.unsqueeze(-1)
-        return values.reshape(*index.shape, groups * GROUP)
+        Raises:
+            IndexError: an index outside ``[0, out_features)``.
+        """
+        tiles, groups, block = packed.shape
+        if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
+            raise ValueError(f"{fmt} tiles {tuple(packed.shape)} do not hold {out_features} outputs")
+        flat = index.reshape(-1).to(torch.int64).contiguous()
+        rows = torch.empty(flat.numel(), groups * GROUP, dtype=torch.float32)
+        status = self._gather(
+            FORMAT_CODES[fmt], packed.data_ptr(), groups * GROUP, out_features, flat.data_ptr(),
+            flat.numel(), rows.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise IndexError(f"a token id outside [0, {out_features}) in an embedding lookup")
+        return rows.reshape(*index.shape, groups * GROUP)
 
     def tile_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """The bias padded to a whole number of tiles (the kernel loads whole tiles)."""
