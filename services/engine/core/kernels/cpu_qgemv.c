@@ -167,24 +167,21 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
 #else
 #define SCRATCH_ROWS 4
 #endif
+/* Register blocks of 8, 4, 2 and 1 rows only: 8-bit weights and 16-bit floats convert in
+ * registers for every row block (a widen and a convert, a shift or a vcvtph2ps per vector
+ * measured cheaper than storing and reloading a scratch tile at 32 rows). */
+#define DEFINE_REGISTER_QROWS(NAME, BLOCK)                                                        \
+    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 1)                                  \
+    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 2)                                  \
+    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 4)                                  \
+    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 8)
 DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 1)
 DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 2)
 DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 4)
-DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 1)
-DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 2)
-DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 4)
 DEFINE_QROWS(q4, , Q4_BLOCK, q4_values, q4_finish, 8)
-DEFINE_QROWS(q8, , Q8_BLOCK, q8_values, q8_finish, 8)
-/* 16-bit floats convert in registers for every row block, like q8_0 (a widen and a shift or a
- * vcvtph2ps per vector). */
-DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 1)
-DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 2)
-DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 4)
-DEFINE_QROWS(bf16, , HALF_BLOCK, bf16_values, bf16_finish, 8)
-DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 1)
-DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 2)
-DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 4)
-DEFINE_QROWS(f16, , HALF_BLOCK, f16_values, f16_finish, 8)
+DEFINE_REGISTER_QROWS(q8, Q8_BLOCK)
+DEFINE_REGISTER_QROWS(bf16, HALF_BLOCK)
+DEFINE_REGISTER_QROWS(f16, HALF_BLOCK)
 #if SCRATCH_ROWS == 8
 DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 8)
 #define SCRATCH_WIDE(NAME) NAME##_scratch_8
