@@ -5,6 +5,9 @@ wins single-row decode against dequantize-then-``F.linear``."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +61,7 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh autotune cache, on a machine taken as idle (a busy one's decisions aren't kept)."""
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
+    monkeypatch.setattr(autotune, "_cpu_sample", lambda: None)
     return cache_dir()
 
 
@@ -306,3 +310,38 @@ def test_margin_per_regime(tmp_cache: Path) -> None:
     with pytest.raises(ValueError, match="2 margins for 1 row counts"):
         choose_regimes("q4", isa="avx2", build="margins.so", shapes=[(64, 64)],
                        run_kernel=run_kernel, run_torch=run_torch, rows=(1,), margin=(0.0, 1.0))  # fmt: skip
+
+
+def test_others_share_of_the_cpus() -> None:
+    cpus = os.cpu_count() or 1
+    before = (10.0, 100.0, 5.0)  # wall clock, machine busy CPU seconds, own CPU seconds
+    assert autotune._others_share(before, (12.0, 100.0 + 2 * cpus, 5.0)) == pytest.approx(1.0)
+    assert autotune._others_share(before, (12.0, 101.0, 6.0)) == 0.0  # only this process ran
+    assert autotune._others_share(before, None) == autotune._others_share(None, before) == 0.0
+    sample = autotune._cpu_sample()
+    assert sample is None or (sample[1] >= 0 and sample[2] >= 0)
+
+
+def test_a_measurement_next_to_busy_processes_is_used_but_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other processes keep every core busy while the kernel is timed (the load average has not
+    caught up yet): the decision is returned but not written, so a later start measures again."""
+    if autotune._cpu_sample() is None:
+        pytest.skip("no /proc/stat here")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
+    spin = [sys.executable, "-c", "while True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.2)  # the spinners are running
+        regimes = choose_regimes(
+            "q4", isa="avx2", build="busy.so", shapes=[(64, 64)],
+            run_kernel=lambda rows: time.sleep(0.01), run_torch=lambda rows: time.sleep(0.02),
+        )  # fmt: skip
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert all(regimes.use_kernel[:3])  # the decision is still made and used
+    assert not list(cache_dir().glob("autotune-*.json"))

@@ -19,8 +19,12 @@ meets a model's layer shapes, :func:`choose_regimes`:
 
 Workers that start together (``tandem up``) would time each other's load; a lock file beside the
 cache makes them measure one at a time, and the later ones find the decision already cached. A
-measurement taken while something else keeps the cores busy (load average above the core count)
-is used but not cached, so a busy moment does not decide for every later start.
+measurement taken while something else keeps the cores busy is used but not cached, so a busy
+moment does not decide for every later start: busy means a load average above the core count
+before measuring, or other processes using more than :data:`OTHERS_LIMIT` of the CPUs while
+measuring (``/proc/stat`` against this process's own CPU time). The load average alone lags by a
+minute and misses a burst: on a development machine that also ran the test suite, a cached
+decision had a float32 kernel 1.12x faster at prefill where it measured 0.63x on an idle machine.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ REPEATS = 5
 # decides, and a tie goes to the reference path. 10%, not less: on a shared 2-core VM a 5% win at
 # the 256-row regime was noise once, and the float32 kernel then ran 512-row prefills at 0.6x MKL.
 MARGIN = 0.10
+# other processes' share of all CPUs during a measurement above which it is not cached
+OTHERS_LIMIT = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +117,16 @@ def choose_regimes(
         if cached is not None:
             logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
             return cached
+        before = _cpu_sample()
         regimes = _measure(rows, run_kernel, run_torch, margins)
-        busy = _machine_busy()
+        others = _others_share(before, _cpu_sample())
+        busy = _machine_busy() or others > OTHERS_LIMIT
         if not busy:
             _write(path, regimes)
     logger.info(
         "CPU %s kernel [%s, %s]: %s (measured%s)", fmt, isa, build, regimes.describe(),
-        "; machine busy, not cached" if busy else "",
+        f"; machine busy (other processes used {others:.0%} of the CPUs), not cached"
+        if busy else "",
     )  # fmt: skip
     return regimes
 
@@ -128,6 +137,31 @@ def _machine_busy() -> bool:
         return os.getloadavg()[0] > (os.cpu_count() or 1)
     except OSError:
         return False
+
+
+def _cpu_sample() -> tuple[float, float, float] | None:
+    """(wall clock, CPU seconds the whole machine spent busy, CPU seconds of this process), or
+    None where ``/proc/stat`` can't be read (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = [int(v) for v in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal: busy is all but idle and iowait (steal,
+    # another VM's time on these cores, counts as busy)
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return time.perf_counter(), busy, own.user + own.system
+
+
+def _others_share(
+    before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
+) -> float:
+    """Other processes' share of all CPUs between two samples (0 when unknown)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return 0.0
+    wall, busy, own = (a - b for a, b in zip(after, before, strict=True))
+    return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
 
 
 @contextlib.contextmanager
