@@ -261,12 +261,10 @@ int64_t tandem_qgemv_block_bytes(int format) {
     }
 }
 
-/* Input i of a whole tile (every group block) as two float vectors: the integer values, or with
- * scaled (and offset), GGUF's dequantization (w = q * scale + min, one fused multiply-add, exact
- * for every GGUF format: see quantized_weight.py); 16-bit floats: their values either way. */
-static inline void input_values(int format, const uint8_t *tile, int64_t i, int scaled, vec *w) {
-    const uint8_t *block = tile + i / GROUP * tandem_qgemv_block_bytes(format);
-    const int j = (int)(i % GROUP);
+/* Input j of one (tile, group) block as two float vectors: the integer values, or with scaled
+ * (and offset), GGUF's dequantization (w = q * scale + min, one fused multiply-add, exact for
+ * every GGUF format: see quantized_weight.py); 16-bit floats: their values either way. */
+static inline void input_values(int format, const uint8_t *block, int j, int scaled, vec *w) {
     const float *scale = (const float *)block;
     if (format == FORMAT_BF16) {
         bf16_values(block, j, w);
@@ -286,9 +284,10 @@ static inline void input_values(int format, const uint8_t *tile, int64_t i, int 
 
 /* The whole tile's integer values as float32 [in, TILE] (the scratch path). */
 static void values_tile(int format, const uint8_t *w, int64_t in, float *out) {
+    const int64_t block = tandem_qgemv_block_bytes(format);
     for (int64_t i = 0; i < in; i++) {
         vec wv[VECS];
-        input_values(format, w, i, 0, wv);
+        input_values(format, w + i / GROUP * block, (int)(i % GROUP), 0, wv);
         store_vec(out + i * TILE, wv[0]);
         store_vec(out + i * TILE + LANES, wv[1]);
     }
@@ -307,12 +306,12 @@ int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, flo
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t t = 0; t < n_tiles; t++) {
-            const uint8_t *wt_tile = w + t * groups * block;
+            const uint8_t *group_block = w + (t * groups + g) * block;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-            for (int64_t i = g * GROUP; i < (g + 1) * GROUP; i++) {
+            for (int j = 0; j < GROUP; j++) {
                 vec wv[VECS];
-                input_values(format, wt_tile, i, 1, wv);
-                float *dst = wt + i * out + t * TILE;
+                input_values(format, group_block, j, 1, wv);
+                float *dst = wt + (g * GROUP + j) * out + t * TILE;
                 if (cols == TILE) { /* whole tiles: two vector stores, not a memcpy call */
                     store_vec(dst, wv[0]);
                     store_vec(dst + LANES, wv[1]);
@@ -350,8 +349,10 @@ int tandem_qgather_rows(int format, const uint8_t *w, int64_t in, int64_t out_fe
             } else if (format == FORMAT_Q4) {
                 const uint8_t *q = b + 8 * TILE;
                 const int64_t half = TILE / 2, shift = c < half ? 0 : 4;
-                for (int j = 0; j < GROUP; j++)
-                    out[j] = (float)((q[j * half + c % half] >> shift) & 15) * scale[c] + scale[TILE + c];
+                for (int j = 0; j < GROUP; j++) {
+                    const int value = (q[j * half + c % half] >> shift) & 15;
+                    out[j] = (float)value * scale[c] + scale[TILE + c];
+                }
             } else { /* 16-bit floats: gather the column, widen a vector at a time */
                 const uint16_t *q = (const uint16_t *)b;
                 uint16_t column[GROUP];
