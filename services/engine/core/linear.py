@@ -242,14 +242,13 @@ def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) 
     return len(layers)
 
 
-TUNE_BYTES = 64 << 20  # weight bytes all timing runs walk through, at most (one layer a shape always)
+TUNE_BYTES = 64 << 20  # weight bytes all timing runs read, at most (one layer a shape always)
 # Per regime (1, 8, 32 rows, a 512-row prefill chunk): at decode sizes a tie goes to the kernel,
 # which reads the compact weight and is what lets a whole decode step run as one C call (itself
 # timed against the per-op path); one shape's per-op tie there measured 1.01x, and sending it to
 # PyTorch cost the 32-row one-call path (-9% batch-32 decode). A prefill tie goes to PyTorch's
 # GEMM, whose lead grows with the row count.
-DECODE_ROWS = 32  # the largest decode regime
-LINEAR_MARGINS = tuple(0.0 if rows <= DECODE_ROWS else MARGIN for rows in REGIME_ROWS)
+LINEAR_MARGINS = (0.0,) * (len(REGIME_ROWS) - 1) + (MARGIN,)  # the last regime is the prefill one
 
 
 def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
