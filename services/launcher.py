@@ -377,7 +377,8 @@ class Launcher:
                 )
             else:
                 # /health is liveness only; /ready also means the gateway reached every backend.
-                await _wait_http_ok(f"{child.spec.address}/ready", self.config.startup_timeout)
+                url = f"{child.spec.address}/ready"
+                await _wait_gateway_ready(url, self.config.startup_timeout)
             self._not_ready.discard(child.spec.name)
             logger.info("%s is ready at %s", child.spec.name, child.spec.address)
 
@@ -424,9 +425,13 @@ class Launcher:
             logger.info("every service stopped")
 
 
-async def _wait_http_ok(url: str, timeout: float) -> None:
+async def _wait_gateway_ready(url: str, timeout: float) -> None:
     """Poll the gateway's ``GET url`` (``/ready``) until it answers 200 with every worker it
-    lists healthy; UnavailableError after ``timeout`` seconds."""
+    lists healthy; UnavailableError after ``timeout`` seconds.
+
+    Every worker started here, not one per pool: a gateway whose channel to a slow-starting worker
+    is still in reconnect backoff must not be "ready" while a request could need that worker (a
+    migration, say)."""
     import aiohttp
 
     deadline = time.monotonic() + timeout
@@ -435,16 +440,15 @@ async def _wait_http_ok(url: str, timeout: float) -> None:
         while time.monotonic() < deadline:
             try:
                 async with session.get(url) as response:
-                    body = await response.json(content_type=None) if response.status == 200 else {}
-                    # every worker started here, not just one per pool: a gateway whose channel to
-                    # a slow-starting worker is still in reconnect backoff must not be "ready"
-                    # while a request could need that worker (a migration, say)
-                    waiting = [w.get("address") for pool in ("prefill", "decode")
-                               for w in body.get(pool, []) if not w.get("healthy")]  # fmt: skip
-                    if response.status == 200 and not waiting:
-                        return
-                    last = f"HTTP {response.status}" if response.status != 200 else (
-                        f"workers not yet reachable from the gateway: {', '.join(map(str, waiting))}")
+                    if response.status != 200:
+                        last = f"HTTP {response.status}"
+                    else:
+                        body = await response.json(content_type=None)
+                        waiting = [str(w.get("address")) for pool in ("prefill", "decode")
+                                   for w in body.get(pool, []) if not w.get("healthy")]  # fmt: skip
+                        if not waiting:
+                            return
+                        last = f"workers not yet reachable from the gateway: {', '.join(waiting)}"
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
                 last = type(err).__name__
             await asyncio.sleep(0.25)
