@@ -1,5 +1,6 @@
-"""The Triton paged decode kernel equals the torch reference (run on CPU through Triton's
-interpreter; on a GPU the same test runs natively)."""
+"""The Triton paged decode kernels equal the torch reference, for short contexts and for ones split
+over many partitions (run on CPU through Triton's interpreter; on a GPU the same test runs
+natively)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ _SCRIPT = textwrap.dedent(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    for heads, kv_heads, dim, bs, lens in [(4, 2, 16, 4, [1, 7, 13, 4]), (6, 6, 32, 8, [20, 3]), (9, 3, 64, 16, [40])]:
-        nb = 64
+    # the last case spans many partitions and more than one chunk of the reduce kernel
+    for heads, kv_heads, dim, bs, lens in [(4, 2, 16, 4, [1, 7, 13, 4]), (6, 6, 32, 8, [20, 3]),
+                                           (9, 3, 64, 16, [40]), (8, 2, 32, 16, [1100, 5000, 1])]:
+        nb = 2 + sum(-(-n // bs) for n in lens)
         pool = torch.randn(nb, 2, bs, kv_heads, dim, device=device)
         kc, vc = pool[:, 0], pool[:, 1]
         tables, next_id = [], 1

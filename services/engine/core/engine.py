@@ -54,6 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (cuda_graphs.py)
 
 
 @dataclass(slots=True)
@@ -111,7 +112,9 @@ class LLMEngine:
         )
         num_blocks = self.config.num_blocks or max(2, self.config.kv_cache_bytes // self.layout.block_bytes)
         device = next(loaded.model.parameters()).device
-        self.kv = KVPool(num_blocks, self.layout, device=device)
+        graphs = self.config.cuda_graphs and device.type == "cuda"
+        # a CUDA graph's padding rows write into one more block, which no sequence ever owns
+        self.kv = KVPool(num_blocks + int(graphs), self.layout, device=device)
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -124,8 +127,14 @@ class LLMEngine:
             model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
         self.sampler = Sampler(model_cfg.vocab_size, tuple(self.eos_token_ids))
-        self.runner = ModelRunner(loaded, self.kv, self.sampler)
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        self.runner = ModelRunner(loaded, self.kv, self.sampler)
+        if graphs:
+            self.runner.capture_decode_graphs(
+                max_batch=self.config.max_num_seqs,
+                max_blocks=-(-self.max_model_len // self.config.block_size),
+                scratch_block=num_blocks,
+            )
         self._finished: list[RequestOutput] = []
 
     # ---- entry points -------------------------------------------------------------------

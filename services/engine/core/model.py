@@ -18,6 +18,8 @@ bits, without ~10 Python-level calls per layer.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,11 +33,22 @@ from services.engine.core.kernels.cpu_decode_layers import (
     DecodeShape,
     LayerWeights,
 )
-from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS, CpuFused
+from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import Linear
 from services.common.model_config import ModelConfig
 from services.engine.core.rope import RotaryEmbedding, apply_rotary
+
+
+class FusedOps(Protocol):
+    """Fused element-wise ops a layer may run instead of its PyTorch ones: the CPU's C kernels
+    (``cpu_fused.CpuFused``) or the GPU's Triton kernels (``gpu_fused.GpuFused``)."""
+
+    def applies(self, x: torch.Tensor) -> bool: ...
+    def add_rmsnorm(self, x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float, out_sum: torch.Tensor | None = None) -> torch.Tensor: ...
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +87,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.scale = self.head_dim**-0.5
-        self.fused: CpuFused | None = None
+        self.fused: FusedOps | None = None
 
     def forward(
         self,
@@ -108,7 +121,7 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.fused: CpuFused | None = None
+        self.fused: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
@@ -125,7 +138,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-        self.fused: CpuFused | None = None
+        self.fused: FusedOps | None = None
 
     def forward(
         self,
@@ -203,9 +216,10 @@ class LlamaForCausalLM(nn.Module):
             x = layer.forward(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
-    def use_fused(self, fused: CpuFused | None) -> None:
-        """Run decode-sized float32 batches through ``fused`` ops (``None``: PyTorch ops only,
-        which also turns the one-call decode layers off: they compute the fused ops)."""
+    def use_fused(self, fused: FusedOps | None) -> None:
+        """Run the batches ``fused.applies`` to through ``fused`` ops: the CPU's for
+        decode-sized float32 ones, the GPU's for all (``None``: PyTorch ops only, which also
+        turns the one-call decode layers off: they compute the fused ops)."""
         for layer in self.layers:
             layer.fused = layer.self_attn.fused = layer.mlp.fused = fused
         if fused is None:

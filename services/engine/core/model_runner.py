@@ -6,7 +6,9 @@ scheduled slice, one :class:`AttentionMetadata` shared by all layers, logits onl
 token of each sampled sequence. On CPU it first lays the weights out for the native kernels and
 has each kernel prove itself against PyTorch on this model's shapes (``linear.pack_linears``,
 ``CpuPagedAttention.tune``), then times decode steps with every layer in one C call against the
-per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size.
+per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size. On
+CUDA, decode steps replay captured graphs (:mod:`services.engine.core.cuda_graphs`) when the
+engine asks for them (:meth:`ModelRunner.capture_decode_graphs`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.core.attention import AttentionMetadata
+from services.engine.core.cuda_graphs import DecodeGraphs
 from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
 from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, load_cpu_fused
@@ -37,6 +40,7 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
+        self.graphs: DecodeGraphs | None = None
         plan = pack_plan(self.device, loaded.dtype)
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
@@ -54,10 +58,36 @@ class ModelRunner:
             rows = self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
                 self._tune_decode_layers(rows)
+        elif self.device.type == "cuda" and _triton_decode(self.model):
+            from services.engine.core.kernels.gpu_fused import load_gpu_fused
+
+            self.model.use_fused(load_gpu_fused())
+
+    MAX_GRAPH_TOKENS = 32768
+    """Longest context a captured decode step covers (its block tables are this wide; a longer
+    sequence's steps run eagerly)."""
+
+    def capture_decode_graphs(self, *, max_batch: int, max_blocks: int, scratch_block: int) -> bool:
+        """Capture decode steps of up to ``max_batch`` sequences as CUDA graphs, their padding
+        rows writing to ``scratch_block`` (a pool block the block manager never hands out).
+        False (eager decode) when the attention backend reads host values in decode."""
+        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
+        graph_safe = getattr(backend, "graph_safe", None)
+        if self.device.type != "cuda" or graph_safe is None or not graph_safe():
+            return False
+        width = min(max_blocks, -(-self.MAX_GRAPH_TOKENS // self.block_size))
+        self.graphs = DecodeGraphs(self.model, self.kv, max_batch=max_batch, max_blocks=width,
+                                   scratch_block=scratch_block)  # fmt: skip
+        self.graphs.capture()
+        return True
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
         """Compute every scheduled slice; sample rows whose sequence reached its end."""
+        if batch.is_decode and self.graphs is not None:
+            sampled = self._replay_decode(batch)
+            if sampled is not None:
+                return sampled
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -91,6 +121,23 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         states = [item.seq.sampling for item in batch.items if item.sample]
         return self.sampler(logits, states)
+
+    def _replay_decode(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """A decode step through a captured graph; None when none fits (run it eagerly)."""
+        assert self.graphs is not None
+        seqs = [item.seq for item in batch.items]
+        hidden = self.graphs.run(
+            [token_slice(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            [seq.block_ids for seq in seqs],
+        )
+        if hidden is None:
+            return None
+        rows = [i for i, item in enumerate(batch.items) if item.sample]
+        if len(rows) < len(seqs):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(logits, [batch.items[i].seq.sampling for i in rows])
 
     TUNE_CONTEXT = 128  # tokens each timed sequence attends to
     # The one call and the per-op path run the same kernels (same bits); the one call only saves
@@ -148,6 +195,13 @@ class ModelRunner:
             with torch.inference_mode():
                 self.kv.data[1 : used + 1].zero_()
         model.decode_layers_regimes = regimes
+
+
+def _triton_decode(model: LlamaForCausalLM) -> bool:
+    """Whether the model's attention is the Triton backend (its kernels imported: so do the
+    fused ones, with the same Triton)."""
+    backend = model.layers[0].self_attn.backend if model.layers else None
+    return getattr(backend, "graph_safe", None) is not None
 
 
 def _share_tied_table(model: LlamaForCausalLM) -> None:

@@ -1,13 +1,29 @@
-"""Triton kernel: batched decode attention over the paged KV cache.
+"""Triton kernels: batched decode attention over the paged KV cache, split over the context.
 
-One program per (sequence, query head). It walks the sequence's block table one block at a time
-(``BLOCK_SIZE`` token slots), scores the slots against the query, keeps a running max and sum
-(online softmax, as in FlashAttention / vLLM's paged attention v1) and accumulates the weighted
-values, so no ``[B, L, D]`` gather of the context is ever materialised. Grouped-query attention
-maps query head ``h`` to KV head ``h // (H / KVH)``.
+Decode attention is a memory-bound pass over every cached K and V of the batch, so the kernel is
+built to stream them once at the device's bandwidth (flash-decoding, as in vLLM's paged
+attention v2 and FlashDecoding):
+
+1. **One program per (sequence, KV head, context partition).** All the query heads that share a
+   KV head (grouped-query attention: ``GROUP = H / KVH``) are scored together as the rows of one
+   matrix product, so each K/V row is read once per KV head, not once per query head. The
+   context is cut into partitions of ``partition`` tokens so that a batch of one long sequence
+   still spreads over every multiprocessor; a partition past a sequence's length exits at once.
+2. Each program walks its partition ``BLOCK_N`` token slots at a time (several KV blocks; each
+   slot's block id is read from the block table), keeps a running max and sum (online softmax)
+   and writes its partial result: the un-normalised output, the max and the sum.
+3. **A second kernel** (one program per (sequence, query head)) rescales the partitions' partial
+   results to a common max and normalises: the exact softmax over the whole context.
+
+The partition size depends only on the batch size, the KV heads and the block table's width, so
+a CUDA graph captured for a batch size replays the same grid whatever the contexts' lengths.
+Float32 caches use IEEE float32 products (the parity path); bfloat16 / float16 ones multiply in
+their type and accumulate in float32. Offsets into the pool are 64-bit: a pool of a large model
+passes 2**31 elements.
 
 Launched by :class:`TritonPagedAttention` for decode steps; prefill steps use the torch reference
-(:class:`~services.engine.core.attention.TorchPagedAttention`), which is compute-bound anyway.
+(:class:`~services.engine.core.attention.TorchPagedAttention`), whose SDPA call is compute-bound
+and already fused.
 """
 
 from __future__ import annotations
@@ -18,47 +34,162 @@ import triton.language as tl
 
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
 
+BLOCK_N = 64
+"""Token slots one loop iteration of the partition kernel scores."""
+MIN_PARTITION = 256
+"""Fewest context tokens one program covers (smaller partitions only add partial results)."""
+REDUCE_CHUNK = 16
+"""Partitions the reduce kernel reads per iteration."""
+
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr,
+def _partition_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, max_ptr, sum_ptr,
     scale,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_oh,
     stride_tb,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_heads, num_parts,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    length = tl.load(lens_ptr + seq)
+    start = part * PARTITION
+    if start < length:
+        end = tl.minimum(start + PARTITION, length)
+        rows = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + rows
+        live = rows < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=live[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        slots = tl.arange(0, BLOCK_N)
+        for first in range(start, end, BLOCK_N):
+            pos = first + slots
+            valid = pos < end
+            block = tl.load(tables_ptr + seq * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+            block = block.to(tl.int64)  # pool offsets pass 2**31 elements
+            offset = pos % BLOCK_SIZE
+            k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+                        + kv_head * stride_kh + dims[None, :], mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+                        + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            total = total * alpha + tl.sum(p, axis=1)
+            m = m_new
+        row = (seq * num_heads + heads) * num_parts + part
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
+        tl.store(max_ptr + row, m, mask=live)
+        tl.store(sum_ptr + row, total, mask=live)
+
+
+@triton.jit
+def _reduce_kernel(
+    acc_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr,
+    stride_ob, stride_oh,
+    num_heads, num_parts,
+    PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    kv_head = head // GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    slots = tl.arange(0, BLOCK_SIZE)
-    q = tl.load(q_ptr + seq * stride_qb + head * stride_qh + dims).to(tl.float32)
     length = tl.load(lens_ptr + seq)
-    m = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
+    used = tl.cdiv(length, PARTITION)
+    base = (seq * num_heads + head) * num_parts
+    idx = tl.arange(0, CHUNK)
+    dims = tl.arange(0, HEAD_DIM)
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for first in range(0, used, CHUNK):
+        parts = first + idx
+        top = tl.maximum(top, tl.load(max_ptr + base + parts, mask=parts < used,
+                                      other=float("-inf")))
+    best = tl.max(top, axis=0)
+    total = tl.zeros([CHUNK], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    num_blocks = tl.cdiv(length, BLOCK_SIZE)
-    for b in range(0, num_blocks):
-        block = tl.load(tables_ptr + seq * stride_tb + b)
-        pos = b * BLOCK_SIZE + slots
-        valid = pos < length
-        k_off = block * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        k = tl.load(k_ptr + k_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m - m_new)
-        v_off = block * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
-        v = tl.load(v_ptr + v_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        total = total * alpha + tl.sum(p, axis=0)
-        m = m_new
-    out = acc / total
+    for first in range(0, used, CHUNK):
+        parts = first + idx
+        inside = parts < used
+        weight = tl.exp(tl.load(max_ptr + base + parts, mask=inside, other=float("-inf")) - best)
+        weight = tl.where(inside, weight, 0.0)
+        total += weight * tl.load(sum_ptr + base + parts, mask=inside, other=0.0)
+        partial = tl.load(acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
+                          mask=inside[:, None], other=0.0)
+        acc += tl.sum(partial * weight[:, None], axis=0)
+    out = acc / tl.sum(total, axis=0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, blocks_ptr, offsets_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+    HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM)
+    block = tl.load(blocks_ptr + token).to(tl.int64)
+    offset = tl.load(offsets_ptr + token).to(tl.int64)
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims)
+    tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + head * stride_ch + dims, k)
+    tl.store(v_cache_ptr + block * stride_db + offset * stride_ds + head * stride_dh + dims, v)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """``k_cache[slot_blocks, slot_offsets] = k`` and the same for ``v``, in one kernel (two
+    ``index_put_`` otherwise). k/v ``[T, KVH, D]`` with contiguous heads; caches as above."""
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    _store_kv_kernel[(tokens, kv_heads)](
+        k, v, k_cache, v_cache, slot_blocks, slot_offsets,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=head_dim,
+    )  # fmt: skip
+
+
+def partition_size(batch: int, kv_heads: int, max_tokens: int, multiprocessors: int) -> int:
+    """Context tokens per program: enough partitions that ``batch * kv_heads * partitions``
+    programs give every multiprocessor about four, never fewer than :data:`MIN_PARTITION`
+    tokens each (a power of two, so graph captures of a batch size agree)."""
+    wanted = max(1, -(-4 * multiprocessors // max(1, batch * kv_heads)))
+    size = triton.next_power_of_2(max(1, -(-max_tokens // wanted)))
+    return max(MIN_PARTITION, size)
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter on CPU: the value only shapes the grid
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]
 
 
 def paged_decode_attention(
@@ -69,30 +200,65 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention: q ``[B, H, D]``, caches ``[NB, BS, KVH, D]`` (strided views are fine),
-    ``block_tables [B, max_blocks]``, ``context_lens [B]`` → ``[B, H, D]``."""
+    """Decode attention: q ``[B, H, D]`` (any strides but the last), caches ``[NB, BS, KVH, D]`` (strided views are fine),
+    ``block_tables [B, max_blocks]``, ``context_lens [B]`` (each at least 1) → ``[B, H, D]``.
+
+    Block tables and lengths already in int32 are used as they are (no conversion kernel: a
+    CUDA graph's static inputs are kept so)."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the head dimension must be contiguous")
-    out = torch.empty_like(q)
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    _paged_decode_kernel[(batch, heads)](
-        q, k_cache, v_cache, out, tables, lens,
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two of at least 16, got {head_dim}")
+    group = heads // kv_heads
+    tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
+    lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
+    tables, lens = tables.contiguous(), lens.contiguous()
+    partition = partition_size(batch, kv_heads, tables.shape[1] * block_size,
+                               _multiprocessors(q.device))  # fmt: skip
+    parts = -(-tables.shape[1] * block_size // partition)
+    acc = torch.empty(batch, heads, parts, head_dim, dtype=torch.float32, device=q.device)
+    maxes = torch.empty(batch, heads, parts, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxes)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
+    _partition_kernel[(batch, kv_heads, parts)](
+        q, k_cache, v_cache, tables, lens, acc, maxes, sums,
         scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
         tables.stride(0),
-        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-    )
+        heads, parts,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, PARTITION=partition, BLOCK_N=BLOCK_N, PRECISION=precision,
+    )  # fmt: skip
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _reduce_kernel[(batch, heads)](
+        acc, maxes, sums, lens, out,
+        out.stride(0), out.stride(1),
+        heads, parts,
+        PARTITION=partition, HEAD_DIM=head_dim, CHUNK=REDUCE_CHUNK,
+    )  # fmt: skip
     return out
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """Decode steps through the Triton kernel; the rest through the torch reference."""
+    """Decode steps and K/V stores through the Triton kernels; prefill attention through the
+    torch reference."""
+
+    @staticmethod
+    def store_kv(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        if k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] & (k.shape[-1] - 1):
+            TorchPagedAttention.store_kv(k, v, k_cache, v_cache, meta)
+            return
+        store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
 
     def decode(
         self,
@@ -102,6 +268,10 @@ class TritonPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
+        return paged_decode_attention(  # q: heads of the fused projection's rows, strided
+            q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
         )
+
+    def graph_safe(self) -> bool:
+        """Decode steps read only tensors (no host values), so a CUDA graph can capture them."""
+        return True
