@@ -115,8 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
     add("--kv-transport", choices=KV_TRANSPORTS, default=None,
         help="how KV payloads travel from prefill to decode, passed to every worker: grpc | "
-             "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc | auto "
-             "(the workers' default: gRPC on CPU)")
+             "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc (CUDA "
+             "workers sharing a GPU) | auto (the workers' default: cuda-ipc on CUDA, gRPC on "
+             "CPU)")
     add("--worker-args", default="", metavar="ARGS",
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",

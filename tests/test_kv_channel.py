@@ -30,15 +30,16 @@ DECODE = "decode-0:50051"  # the decode worker's gRPC address: prefill keys its 
 
 
 def test_kv_transport_choices_resolve_per_device() -> None:
-    assert resolve_kv_transport("auto", "cpu") == "grpc"  # gRPC unless CUDA IPC / NCCL apply
-    assert resolve_kv_transport("auto", "cuda:0") == "grpc"  # neither is built yet
+    assert resolve_kv_transport("auto", "cpu") == "grpc"
+    # CUDA IPC on CUDA workers: decode falls back to gRPC per transfer across GPUs
+    assert resolve_kv_transport("auto", "cuda:0") == "cuda-ipc"
+    assert resolve_kv_transport("cuda-ipc", "cuda:1") == "cuda-ipc"
     assert resolve_kv_transport("grpc", "cuda") == "grpc"
     assert resolve_kv_transport("distributed", "cpu") == "distributed"
+    assert resolve_kv_transport("distributed", "cuda") == "distributed"
     with pytest.raises(InvalidArgumentError, match="--kv-transport cuda-ipc needs CUDA") as err:
         resolve_kv_transport("cuda-ipc", "cpu")
     assert err.value.param == "kv_transport"
-    with pytest.raises(InvalidArgumentError, match="not built yet"):
-        resolve_kv_transport("cuda-ipc", "cuda:1")
     with pytest.raises(InvalidArgumentError, match="must be one of"):
         resolve_kv_transport("nccl", "cpu")
     assert WorkerOptions(host="127.0.0.1").reachable_host() == "127.0.0.1"  # where peers meet it

@@ -1,6 +1,7 @@
 """Start a decode worker in this process: the shared worker runtime (with the output text) plus
 the decode role (the KV receiver with its reaper for parked KV and reservation leases, the KV
-channel's store with ``--kv-transport distributed``, the ``Decode`` servicer).
+channel's store with ``--kv-transport distributed``, the CUDA IPC endpoint with ``cuda-ipc``,
+the ``Decode`` servicer).
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -20,7 +21,13 @@ from services.decode.options import (
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
 from services.engine.core.loaders import LoadedModel
-from services.engine.kv_transfer import ChannelHost, DistributedKVEndpoint, KVReceiver
+from services.engine.kv_transfer import (
+    ChannelHost,
+    CudaIpcEndpoint,
+    DistributedKVEndpoint,
+    KVChannelEndpoint,
+    KVReceiver,
+)
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.worker_options import WorkerOptions, resolve_kv_transport
 from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
@@ -58,7 +65,7 @@ async def start_decode_worker(
 
     check_reservation_lease(reservation_lease_seconds)
     check_kv_dist_port(kv_dist_port)
-    distributed = resolve_kv_transport(options.kv_transport, options.device) == "distributed"
+    kind = resolve_kv_transport(options.kv_transport, options.device)
 
     def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
         receiver = KVReceiver(
@@ -66,12 +73,14 @@ async def start_decode_worker(
             reservation_lease_seconds=reservation_lease_seconds, reap_interval=reap_interval,
             metrics=metrics,
         )  # fmt: skip
-        channel = None
-        if distributed:  # the stall reaper ends a stalled piece first
+        channel: KVChannelEndpoint | None = None
+        if kind == "distributed":  # the stall reaper ends a stalled piece first
             host = ChannelHost(port=kv_dist_port, bind_host=options.host,
                                host=options.reachable_host(), op_timeout=2 * receiver.park_seconds)
             host.start()  # listens now: a taken --kv-dist-port fails the start-up
             channel = DistributedKVEndpoint(receiver, host)
+        elif kind == "cuda-ipc":
+            channel = CudaIpcEndpoint(receiver)
         worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds,
                               channel=channel)  # fmt: skip
         servicer = DecodeServicer(worker, worker_id=options.worker_id)

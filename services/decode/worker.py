@@ -4,9 +4,10 @@ One request (docs/request-lifecycle.md steps 4-7, docs/kv-handoff.md):
   0. ``Reserve`` (``receiver.reserve``), before the prefill starts: allocate the destination
      blocks under a lease, or refuse at once when there is no room (optional; see
      ``kv_transfer/receiver.py``).
-  1. ``TransferKV`` (``receive_kv``: ``receiver.receive``, behind the distributed endpoint when
-     this worker hosts a KV channel) checks the header, takes the reserved blocks (or allocates
-     them), writes the checked chunks and parks the committed KV.
+  1. ``TransferKV`` (``receive_kv``: ``receiver.receive``, behind the payload channel's
+     endpoint when this worker serves one: the distributed pair groups or CUDA IPC) checks the
+     header, takes the reserved blocks (or allocates them), writes the checked chunks (or copies
+     them on the GPU) and parks the committed KV.
   2. ``Generate`` (``generate``) waits for that commit (or its failure), then hands the blocks
      to the engine as a running sequence: it joins the continuous batch at the next step, and
      every step appends one token to every running sequence.
@@ -34,10 +35,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import RequestOutput
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVReceiver
-from services.engine.kv_transfer.distributed_endpoint import (
-    AcceptWithMetadata,
-    DistributedKVEndpoint,
-)
+from services.engine.kv_transfer.transport import AcceptWithMetadata, KVChannelEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +49,7 @@ class DecodeWorker:
         receiver: KVReceiver,
         *,
         wait_for_kv_seconds: float = 30.0,
-        channel: DistributedKVEndpoint | None = None,
+        channel: KVChannelEndpoint | None = None,
     ) -> None:
         self.engine_loop = engine_loop
         self.receiver = receiver
@@ -64,7 +62,7 @@ class DecodeWorker:
     async def close(self) -> None:
         await self.receiver.close()
         if self.channel is not None:
-            self.channel.host.close()
+            self.channel.close()
 
     async def receive_kv(
         self,
@@ -72,7 +70,7 @@ class DecodeWorker:
         accept: AcceptWithMetadata,
     ) -> decode_pb2.KVTransferAck:
         """Run one ``TransferKV`` stream; ``accept(metadata)`` sends the go-ahead (with the KV
-        channel's advert when the sender offered one and this worker hosts a channel)."""
+        channel's advert when the sender offered one and this worker serves that channel)."""
         if self.channel is not None:
             return await self.channel.receive(messages, accept)
         return await self.receiver.receive(messages, lambda: accept(()))

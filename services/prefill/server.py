@@ -1,5 +1,6 @@
 """Start a prefill worker in this process: the shared worker runtime plus the prefill role (the
-KV sender with its lease reaper over the ``--kv-transport`` transport, the ``Prefill`` servicer).
+KV sender with its lease reaper over the ``--kv-transport`` transport: gRPC, the distributed
+pair groups or CUDA IPC; the ``Prefill`` servicer).
 
 :func:`start_prefill_worker` is what ``tandem serve prefill`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -13,6 +14,7 @@ from services.common.metrics import TandemMetrics
 from services.common.pb import prefill_pb2_grpc
 from services.engine.core.loaders import LoadedModel
 from services.engine.kv_transfer import (
+    CudaIpcKVTransport,
     DistributedKVTransport,
     GrpcKVTransport,
     KVSender,
@@ -45,7 +47,7 @@ async def start_prefill_worker(
         lease_seconds / lease_interval: KV lease TTL and reaper period.
         loaded: an already loaded model (tests share one between workers).
         transport: how KV travels (default: ``options.kv_transport``'s, to the decode worker's
-            address).
+            address; CUDA IPC's needs the engine loop, so it is always built here).
         metrics: the registry to record into (default: a fresh one).
         max_chunk_bytes: KV chunk size budget.
         corrupt_chunk: test-only fault hook, see ``KVSender``.
@@ -53,11 +55,17 @@ async def start_prefill_worker(
     kind = resolve_kv_transport(options.kv_transport, options.device)
 
     def prefill_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
-        kv_transport = transport or (
-            DistributedKVTransport(peer_id=options.worker_id, host=options.reachable_host(),
-                                   op_timeout=2 * lease_seconds)  # the lease ends it first
-            if kind == "distributed" else GrpcKVTransport()
-        )  # fmt: skip
+        kv_transport: KVTransport
+        if transport is not None:
+            kv_transport = transport
+        elif kind == "distributed":  # the lease ends a stuck piece before op_timeout
+            kv_transport = DistributedKVTransport(peer_id=options.worker_id,
+                                                  host=options.reachable_host(),
+                                                  op_timeout=2 * lease_seconds)  # fmt: skip
+        elif kind == "cuda-ipc":
+            kv_transport = CudaIpcKVTransport(engine_loop, peer_id=options.worker_id)
+        else:
+            kv_transport = GrpcKVTransport()
         sender = KVSender(
             engine_loop, kv_transport, lease_seconds=lease_seconds,
             lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,

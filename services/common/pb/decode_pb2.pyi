@@ -68,16 +68,46 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., channel: _Optional[_Union[KVChannelOffer, _Mapping]] = ...) -> None: ...
 
 class KVChannelOffer(_message.Message):
-    __slots__ = ("peer_id", "peer_instance", "device", "retired_group")
+    __slots__ = ("peer_id", "peer_instance", "device", "retired_group", "gpu_uuid", "cuda_ipc", "source_blocks")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RETIRED_GROUP_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     peer_instance: str
     device: str
     retired_group: str
-    def __init__(self, peer_id: _Optional[str] = ..., peer_instance: _Optional[str] = ..., device: _Optional[str] = ..., retired_group: _Optional[str] = ...) -> None: ...
+    gpu_uuid: str
+    cuda_ipc: CudaIpcPool
+    source_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, peer_id: _Optional[str] = ..., peer_instance: _Optional[str] = ..., device: _Optional[str] = ..., retired_group: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., source_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CudaIpcPool(_message.Message):
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "dtype", "shape")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("first_block", "num_blocks", "data", "crc32", "offset", "channel_bytes")

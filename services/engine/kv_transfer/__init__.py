@@ -13,8 +13,11 @@ one small module each:
 - ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
   default, ``Decode.TransferKV`` client streams), ``distributed_transport.DistributedKVTransport``
   (the same streams, the payload bytes over a ``torch.distributed`` pair group: ``pair_group``;
-  decode's side is ``distributed_endpoint``) and ``transport.InProcessTransport`` (a direct call
-  into a receiver object, for tests); all run the same sender and receiver state machines.
+  decode's side is ``distributed_endpoint``), ``cuda_ipc.CudaIpcKVTransport`` (the same
+  streams, the payload copied device to device out of prefill's pool mapped through CUDA IPC
+  when both workers share a GPU; decode's side is ``cuda_ipc.CudaIpcEndpoint``) and
+  ``transport.InProcessTransport`` (a direct call into a receiver object, for tests); all run
+  the same sender and receiver state machines.
 - ``checks``: what a well-formed header / chunk / commit is; ``payload``: block table <->
   payload byte ranges; ``layout``: the layout both sides must share; ``failures``: metric
   labels for failures.
@@ -22,6 +25,7 @@ one small module each:
 
 from __future__ import annotations
 
+from services.engine.kv_transfer.cuda_ipc import CudaIpcEndpoint, CudaIpcKVTransport
 from services.engine.kv_transfer.distributed_endpoint import ChannelHost, DistributedKVEndpoint
 from services.engine.kv_transfer.distributed_transport import DistributedKVTransport
 from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
@@ -35,6 +39,7 @@ from services.engine.kv_transfer.sender import (
 )
 from services.engine.kv_transfer.transport import (
     InProcessTransport,
+    KVChannelEndpoint,
     KVEndpoint,
     KVStream,
     KVTransport,
@@ -42,10 +47,13 @@ from services.engine.kv_transfer.transport import (
 
 __all__ = [
     "ChannelHost",
+    "CudaIpcEndpoint",
+    "CudaIpcKVTransport",
     "DistributedKVEndpoint",
     "DistributedKVTransport",
     "GrpcKVTransport",
     "InProcessTransport",
+    "KVChannelEndpoint",
     "KVEndpoint",
     "KVReceiver",
     "KVSender",

@@ -4,7 +4,8 @@
      token, block and byte counts must agree with each other and the prompt must fit the
      context, ids the vocabulary, params their ranges (INVALID_ARGUMENT).
   2. Each chunk: it starts where the previous one ended, stays inside the payload, matches its
-     crc32 and names the blocks its bytes touch (DATA_LOSS).
+     crc32 and names the blocks its bytes touch (DATA_LOSS). A chunk the receiver copies on the
+     device itself (CUDA IPC: ``channel_bytes``, no data) gets the same checks but the crc32.
   3. Commit: the byte and chunk totals match what arrived (DATA_LOSS).
 
 A reservation (``Decode.Reserve``, before the header) names its request, a prompt of at least one
@@ -75,21 +76,37 @@ def check_reservation(
                                    param="lease_seconds")
 
 
-def check_chunk(chunk: decode_pb2.KVChunk, received: int, total_bytes: int, block_bytes: int) -> None:
-    """Check one chunk, ``received`` payload bytes into a ``total_bytes`` transfer."""
+def check_chunk(
+    chunk: decode_pb2.KVChunk,
+    received: int,
+    total_bytes: int,
+    block_bytes: int,
+    *,
+    on_device: bool = False,
+) -> int:
+    """Check one chunk, ``received`` payload bytes into a ``total_bytes`` transfer; returns its
+    length. ``on_device``: this transfer agreed that the receiver copies announced chunks
+    (``channel_bytes``, no data) on the device itself."""
     data = chunk.data
-    if chunk.channel_bytes:  # the distributed endpoint fills these in before they get here
+    if chunk.channel_bytes and not on_device:  # the distributed endpoint fills data in first
         raise DataLossError("a KV chunk came over a channel this transfer did not agree on")
+    if chunk.channel_bytes and data:
+        raise DataLossError(f"KV chunk at offset {chunk.offset} announces bytes and carries data")
+    length = chunk.channel_bytes or len(data)
     if chunk.offset != received:
         raise DataLossError(f"KV chunk at offset {chunk.offset}, expected {received}")
-    if not data or received + len(data) > total_bytes:
-        raise DataLossError(f"KV chunk of {len(data)} bytes overruns the payload")
-    if zlib.crc32(data) != chunk.crc32:
+    if not length or received + length > total_bytes:
+        raise DataLossError(f"KV chunk of {length} bytes overruns the payload")
+    # An announced chunk has no crc32 to check: its bytes are copied inside one GPU's memory, with
+    # no wire or host buffer between the pools to corrupt them, and computing one would read the
+    # payload back to the host, which costs more than the copy itself.
+    if not chunk.channel_bytes and zlib.crc32(data) != chunk.crc32:
         raise DataLossError(
             f"KV chunk at offset {chunk.offset} failed its crc32 check", code="kv_checksum"
         )
-    if (chunk.first_block, chunk.num_blocks) != blocks_touched(received, len(data), block_bytes):
+    if (chunk.first_block, chunk.num_blocks) != blocks_touched(received, length, block_bytes):
         raise DataLossError(f"KV chunk at offset {chunk.offset} names the wrong blocks")
+    return length
 
 
 def check_commit(

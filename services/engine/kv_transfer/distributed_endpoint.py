@@ -28,13 +28,14 @@ import itertools
 import logging
 import secrets
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from services.common.errors import DataLossError, UnavailableError
 from services.common.pb import decode_pb2
+from services.engine.kv_transfer.transport import AcceptWithMetadata, Metadata
 from services.engine.kv_transfer.pair_group import (
     BUILT_BACKENDS,
     DECODE_RANK,
@@ -46,9 +47,6 @@ from services.engine.kv_transfer.pair_group import (
 from services.engine.kv_transfer.receiver import KVReceiver
 
 logger = logging.getLogger(__name__)
-
-Metadata = tuple[tuple[str, str], ...]
-AcceptWithMetadata = Callable[[Metadata], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -125,8 +123,8 @@ class ChannelHost:
     def admit(self, offer: decode_pb2.KVChannelOffer) -> tuple[PairGroup, ChannelAdvert] | None:
         """The pair group one transfer from ``offer``'s worker uses (held: the caller releases
         it) and the advert for its go-ahead; None when this pair cannot have a channel."""
-        if self._store is None or not offer.peer_id:
-            return None
+        if self._store is None or not offer.peer_id or offer.HasField("cuda_ipc"):
+            return None  # no store, or a CUDA IPC offer (cuda_ipc.py): no pair group for it
         backend = pair_backend(self.device, offer.device or "cpu")
         if backend not in BUILT_BACKENDS:
             if offer.peer_id not in self._refused:
@@ -161,6 +159,10 @@ class DistributedKVEndpoint:
     def __init__(self, receiver: KVReceiver, host: ChannelHost) -> None:
         self.receiver = receiver
         self.host = host
+
+    def close(self) -> None:
+        """Stop the channel's store and retire its groups."""
+        self.host.close()
 
     async def receive(
         self,

@@ -6,9 +6,9 @@ receiver. One channel per decode address is opened on first use and reused by ev
 (HTTP/2 multiplexes them); :meth:`GrpcKVTransport.close` closes them all.
 
 Go-ahead: after reading the header and allocating the blocks, the decode servicer sends initial
-metadata carrying :data:`ACCEPTED_METADATA` (and, when the header offered a collective channel
-and this worker hosts one, its advert: ``distributed_transport.py``); the sender waits for it
-before the first chunk. A
+metadata carrying :data:`ACCEPTED_METADATA` (and, when the header offered a payload channel and
+this worker serves one, its advert: ``distributed_transport.py``, ``cuda_ipc.py``); the sender
+waits for it before the first chunk; ``GrpcKVStream.go_ahead`` keeps it. A
 refusal instead ends the call with a status (trailers only, no marker), which the sender reads
 without ever having raced a chunk write against it (gRPC reports a write into a call the server
 already ended as INTERNAL, hiding the real status).
@@ -43,9 +43,6 @@ class GrpcKVStream(KVStream):
 
     def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
         self._call = stub.TransferKV()
-        self.go_ahead: tuple[tuple[str, str | bytes], ...] = ()
-        """The go-ahead's initial metadata, once ``accepted()`` saw it (the distributed
-        transport reads its channel advert there)."""
 
     async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
         if self._call.done():

@@ -18,7 +18,11 @@ One transfer's state machine (ReceiveState), keyed by request id:
                  RESOURCE_EXHAUSTED, nothing allocated); then the transport's go-ahead lets the
                  sender stream chunks.
   2. RECEIVING — chunks arrive in offset order; each is checked (crc32, contiguity, block
-                 indices: DATA_LOSS) and written into the blocks on the engine thread.
+                 indices: DATA_LOSS) and written into the blocks on the engine thread. A
+                 transfer run with a ``placer`` (CUDA IPC, ``cuda_ipc.py``) may instead get
+                 chunk announcements (``channel_bytes``, no data, no crc32): the placer copies
+                 those payload bytes into the blocks on the device, on the engine thread, and
+                 returns once the copy is complete.
   3. COMMITTED — the commit's totals matched; the ack (accepted) goes back to prefill. The KV is
                  parked until the request's ``Generate`` claims it, for at most
                  ``park_seconds`` (then FAILED and the blocks are freed).
@@ -58,6 +62,7 @@ from services.common.errors import (
 )
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
+from services.engine.core.kv_cache import KVPool
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer.checks import (
     check_chunk,
@@ -71,6 +76,11 @@ from services.engine.kv_transfer.payload import PrefilledRequest, write_payload
 
 logger = logging.getLogger(__name__)
 
+
+Placer = Callable[[KVPool, list[int], int, int], None]
+"""``placer(kv, block_ids, offset, length)``: copy payload bytes ``[offset, offset + length)``
+into the request's blocks ``block_ids`` of ``kv`` on the device, on the engine thread, and return
+only once the copy is complete (the ack lets the sender free the source)."""
 
 DRAIN_SECONDS = 10.0
 """Longest a failed transfer keeps reading (and discarding) what the sender still streams."""
@@ -249,13 +259,15 @@ class KVReceiver:
         self,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
         on_accept: Callable[[], Awaitable[None]] | None = None,
+        placer: Placer | None = None,
     ) -> decode_pb2.KVTransferAck:
         """Run one transfer to its ack (see the state machine); raises typed errors.
 
         ``on_accept`` is awaited once the header passed and the blocks are allocated: the
         transport's go-ahead, before which the sender sends no chunk. After it, a failure first
         drains what the sender still streams (for at most ``DRAIN_SECONDS``) so that the sender
-        sees this error rather than a broken pipe.
+        sees this error rather than a broken pipe. ``placer`` copies announced chunks (see the
+        state machine, step 2); without one an announced chunk is DATA_LOSS.
         """
         first = await anext(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
@@ -284,7 +296,7 @@ class KVReceiver:
             if on_accept is not None:
                 await on_accept()
             accepted = True
-            received = await self._receive_chunks(entry, header, messages)
+            received = await self._receive_chunks(entry, header, messages, placer)
         except TandemError as exc:
             failed_before = entry.state is ReceiveState.FAILED  # aborted meanwhile
             self._fail(entry, exc)
@@ -305,6 +317,7 @@ class KVReceiver:
         entry: _Entry,
         header: decode_pb2.KVHeader,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        placer: Placer | None,
     ) -> int:
         """Write chunks until the commit; returns early when the entry failed meanwhile."""
         received, chunks = 0, 0
@@ -314,7 +327,8 @@ class KVReceiver:
             kind = message.WhichOneof("kind")
             if kind == "chunk":
                 entry.state = ReceiveState.RECEIVING
-                received += await self._write_chunk(entry, header, message.chunk, received)
+                received += await self._write_chunk(entry, header, message.chunk, received,
+                                                    placer)  # fmt: skip
                 chunks += 1
             elif kind == "commit":
                 check_commit(header, message.commit, received, chunks)
@@ -346,15 +360,24 @@ class KVReceiver:
         return entry, False
 
     async def _write_chunk(
-        self, entry: _Entry, header: decode_pb2.KVHeader, chunk: decode_pb2.KVChunk, received: int
+        self,
+        entry: _Entry,
+        header: decode_pb2.KVHeader,
+        chunk: decode_pb2.KVChunk,
+        received: int,
+        placer: Placer | None,
     ) -> int:
         data = chunk.data
-        check_chunk(chunk, received, header.total_bytes, self.block_bytes)
-        rid, loop = entry.request_id, self.engine_loop
-        await loop.call(lambda engine: write_payload(engine.kv, loop.held_blocks(rid),
-                                                     chunk.offset, data))
+        length = check_chunk(chunk, received, header.total_bytes, self.block_bytes,
+                             on_device=placer is not None)  # fmt: skip
+        rid, loop, offset = entry.request_id, self.engine_loop, chunk.offset
+        if chunk.channel_bytes and placer is not None:
+            await loop.call(lambda engine: placer(engine.kv, loop.held_blocks(rid), offset, length))
+        else:
+            await loop.call(lambda engine: write_payload(engine.kv, loop.held_blocks(rid),
+                                                         offset, data))  # fmt: skip
         entry.since = time.monotonic()
-        return len(data)
+        return length
 
     def _ack(self, entry: _Entry, header: decode_pb2.KVHeader, received: int) -> decode_pb2.KVTransferAck:
         if entry.state is ReceiveState.FAILED:

@@ -16,6 +16,12 @@ One transfer's state machine (SendState):
 Every terminal state frees the blocks exactly once (see ``lease.py``). Chunk reads are
 pipelined one deep: the next chunk is read on the engine thread while the current one is sent.
 
+A stream whose go-ahead moved the payload onto the device (``KVStream.payload_on_device``: CUDA
+IPC, the decode worker copies the blocks out of this worker's pool itself) gets one chunk
+announcement for the whole payload instead (``channel_bytes``, no data, crc32 0): nothing is
+read from the pool, which would copy the payload to the host and checksum it, costing more than
+the device-to-device copy it replaces. The commit, the ack and the lease are the same.
+
 Metrics: ``tandem:kv_transfer_bytes_total`` and ``tandem:kv_transfer_seconds`` on success,
 ``tandem:kv_transfer_failures_total{reason}`` on failure, expired leases by ``lease.py``.
 
@@ -184,7 +190,6 @@ class KVSender:
         layout = engine_layout(self.engine_loop.engine)
         block_bytes = self.engine_loop.engine.layout.block_bytes
         total = request.num_blocks * block_bytes
-        plans = plan_chunks(request.num_blocks, block_bytes, self.max_chunk_bytes)
         header = decode_pb2.KVHeader(
             request_id=rid,
             layout=layout,
@@ -204,7 +209,7 @@ class KVSender:
         stream = self.transport.open(address)
         finished = False
         try:
-            ack = await self._stream(stream, header, plans, total)
+            ack, num_chunks = await self._stream(stream, header, block_bytes)
             finished = True
         finally:
             if not finished:
@@ -216,14 +221,35 @@ class KVSender:
         if self.metrics is not None:
             self.metrics.kv_transfer_bytes.inc(total)
             self.metrics.kv_transfer_seconds.observe(seconds)
-        logger.debug("sent %d KV bytes in %d chunks in %.4fs", total, len(plans), seconds,
-                     extra={"request_id": rid, "decode": address})
-        return TransferResult(request.num_blocks, total, len(plans), seconds)
+        logger.debug("sent %d KV bytes in %d chunks in %.4fs%s", total, num_chunks, seconds,
+                     " (on the device)" if stream.payload_on_device else "",
+                     extra={"request_id": rid, "decode": address})  # fmt: skip
+        return TransferResult(request.num_blocks, total, num_chunks, seconds)
 
     async def _stream(
-        self, stream: KVStream, header: decode_pb2.KVHeader, plans: list[ChunkPlan], total: int
-    ) -> decode_pb2.KVTransferAck:
-        rid = header.request_id
+        self, stream: KVStream, header: decode_pb2.KVHeader, block_bytes: int
+    ) -> tuple[decode_pb2.KVTransferAck, int]:
+        """Header, go-ahead, chunks (or announcements) and commit; the ack and the chunk count."""
+        rid, total = header.request_id, header.total_bytes
+        ok = await stream.write(decode_pb2.KVTransferMessage(header=header))
+        ok = ok and await stream.accepted()
+        if ok and stream.payload_on_device:  # one announcement: no per-message cost to amortise
+            plans = plan_chunks(header.num_blocks, block_bytes, max(total, 1))
+            ok = await self._announce(stream, plans)
+        else:
+            plans = plan_chunks(header.num_blocks, block_bytes, self.max_chunk_bytes)
+            ok = ok and await self._send_chunks(stream, rid, plans)
+        if ok:
+            commit = decode_pb2.KVCommit(num_chunks=len(plans), total_bytes=total)
+            await stream.write(decode_pb2.KVTransferMessage(commit=commit))
+        transfer_state = self._transfers.get(rid)
+        if transfer_state is not None:
+            transfer_state.state = SendState.AWAIT_ACK
+        return await stream.finish(), len(plans)
+
+    async def _send_chunks(self, stream: KVStream, rid: str, plans: list[ChunkPlan]) -> bool:
+        """Read each chunk from the pool (one ahead) and send it with its crc32; False once the
+        receiver ended the transfer."""
         loop = self.engine_loop
 
         def read(plan: ChunkPlan) -> asyncio.Future[bytes]:
@@ -232,9 +258,8 @@ class KVSender:
                                             plan.length)
             ))
 
-        ok = await stream.write(decode_pb2.KVTransferMessage(header=header))
-        ok = ok and await stream.accepted()
-        pending = read(plans[0]) if plans and ok else None
+        ok = True
+        pending = read(plans[0]) if plans else None
         try:
             for index, plan in enumerate(plans):
                 if not ok or pending is None:
@@ -250,10 +275,14 @@ class KVSender:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
-        if ok:
-            commit = decode_pb2.KVCommit(num_chunks=len(plans), total_bytes=total)
-            await stream.write(decode_pb2.KVTransferMessage(commit=commit))
-        transfer_state = self._transfers.get(rid)
-        if transfer_state is not None:
-            transfer_state.state = SendState.AWAIT_ACK
-        return await stream.finish()
+        return ok
+
+    @staticmethod
+    async def _announce(stream: KVStream, plans: list[ChunkPlan]) -> bool:
+        """Announce each chunk (no data, crc32 0): the receiver copies it on the device."""
+        for plan in plans:
+            chunk = decode_pb2.KVChunk(first_block=plan.first_block, num_blocks=plan.num_blocks,
+                                       offset=plan.offset, channel_bytes=plan.length)
+            if not await stream.write(decode_pb2.KVTransferMessage(chunk=chunk)):
+                return False
+        return True

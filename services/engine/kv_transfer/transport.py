@@ -15,10 +15,15 @@ every transport behaves the same; a transport only carries messages:
      error (DataLossError, FailedPreconditionError, ResourceExhaustedError, ...).
   5. ``stream.cancel()`` abandons the transfer at any point (the receiver frees its blocks).
 
+A stream whose go-ahead agreed to move the payload on the device (CUDA IPC: ``cuda_ipc.py``)
+says so in :attr:`KVStream.payload_on_device`; the sender then writes chunk announcements
+without reading the payload. Every byte-moving transport leaves it False.
+
 :class:`InProcessTransport` hands the messages to a receiver object in the same process (its
 ``receive(messages) -> KVTransferAck``, the very method the gRPC servicer calls), running it as
 its own task like a server would, so unit tests exercise the same receiver state machine without
-sockets; fakes with the same method simulate slow or silent decode workers.
+sockets; fakes with the same method simulate slow or silent decode workers. Its go-ahead may
+carry metadata like gRPC's (a channel endpoint's ``on_accept(metadata)``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ from typing import Protocol
 from services.common.errors import UnavailableError
 from services.common.pb import decode_pb2
 
+Metadata = tuple[tuple[str, str], ...]
+"""Initial metadata a decode worker adds to its go-ahead (a channel's advert)."""
+AcceptWithMetadata = Callable[[Metadata], Awaitable[None]]
+"""Sends the go-ahead with this metadata (the decode servicer's, for channel endpoints)."""
+
 
 class KVEndpoint(Protocol):
     """A decode-side receiver: consumes one transfer's messages and answers with an ack."""
@@ -42,8 +52,30 @@ class KVEndpoint(Protocol):
     ) -> decode_pb2.KVTransferAck: ...
 
 
+class KVChannelEndpoint(Protocol):
+    """A decode worker's side of a payload channel (``distributed_endpoint``, ``cuda_ipc``):
+    runs a transfer into its receiver, its go-ahead carrying the channel's advert."""
+
+    async def receive(
+        self,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        on_accept: AcceptWithMetadata,
+    ) -> decode_pb2.KVTransferAck: ...
+
+    def close(self) -> None: ...
+
+
 class KVStream(ABC):
     """One transfer in flight; see the module lifecycle."""
+
+    go_ahead: tuple[tuple[str, str | bytes], ...] = ()
+    """The go-ahead's initial metadata, once ``accepted()`` saw it (channel adverts)."""
+
+    @property
+    def payload_on_device(self) -> bool:
+        """True once the go-ahead agreed that the payload moves device to device (the receiver
+        copies it itself): the sender then announces chunks without reading them."""
+        return False
 
     @abstractmethod
     async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
@@ -87,7 +119,8 @@ class InProcessStream(KVStream):
         self._accepted = asyncio.Event()
         self._task = asyncio.create_task(endpoint.receive(self._messages(), self._accept))
 
-    async def _accept(self) -> None:
+    async def _accept(self, metadata: Metadata = ()) -> None:
+        self.go_ahead = tuple(metadata)
         self._accepted.set()
 
     async def _messages(self) -> AsyncIterator[decode_pb2.KVTransferMessage]:

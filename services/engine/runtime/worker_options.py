@@ -136,34 +136,38 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                                                                              "auto"),
                         help="how KV payloads travel from prefill to decode: grpc (in the "
                              "TransferKV stream) | distributed (a torch.distributed pair group: "
-                             "Gloo on CPU) | cuda-ipc | auto (default: gRPC on CPU workers); "
-                             "control always stays on gRPC (env TANDEM_KV_TRANSPORT)")
+                             "Gloo on CPU) | cuda-ipc (CUDA workers: decode copies the blocks "
+                             "out of prefill's pool, mapped through CUDA IPC, when both share "
+                             "one GPU; gRPC per transfer otherwise) | auto (default: cuda-ipc on "
+                             "CUDA workers, gRPC on CPU workers; NCCL across GPUs is not built: "
+                             "it needs a multi-GPU machine to be tested); control always stays on "
+                             "gRPC (env TANDEM_KV_TRANSPORT)")
 
 
 def resolve_kv_transport(choice: str, device: str) -> str:
-    """The KV transport a worker on ``device`` runs for ``--kv-transport choice``: ``grpc`` or
-    ``distributed`` (a prefill worker then offers the pair channel, a decode worker hosts it;
-    a transfer uses it only when both ends do, else gRPC; docs/kv-handoff.md).
+    """The KV transport a worker on ``device`` runs for ``--kv-transport choice``: ``grpc``,
+    ``distributed`` or ``cuda-ipc`` (a prefill worker then offers the channel, a decode worker
+    serves it; a transfer uses it only when both ends do, else gRPC; docs/kv-handoff.md).
 
-    ``auto`` is gRPC on CPU workers (the issue's rule: CUDA IPC for two workers on one GPU, NCCL
-    across GPUs, gRPC otherwise) and, until the CUDA IPC and NCCL paths exist, on CUDA workers too.
+    ``auto`` is CUDA IPC on CUDA workers and gRPC on CPU workers. CUDA IPC is safe across GPUs
+    too: a decode worker copies over it only when the prefill worker's GPU is its own, and lets
+    any other transfer's bytes travel over gRPC. (The rule's third case, NCCL between GPUs, is
+    not built: it needs a multi-GPU machine to be tested.)
 
     Raises:
-        InvalidArgumentError: an unknown choice, or ``cuda-ipc`` (which needs CUDA workers and is
-            not built yet).
+        InvalidArgumentError: an unknown choice, or ``cuda-ipc`` on a worker that is not CUDA.
     """
     if choice not in KV_TRANSPORTS:
         raise InvalidArgumentError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, "
                                    f"got {choice!r}", param="kv_transport")
-    if choice == "cuda-ipc":
-        if not device.startswith("cuda"):
-            raise InvalidArgumentError(
-                f"--kv-transport cuda-ipc needs CUDA workers, and this one runs on {device}; "
-                "use --kv-transport grpc or distributed", param="kv_transport")
+    cuda = device.startswith("cuda")
+    if choice == "cuda-ipc" and not cuda:
         raise InvalidArgumentError(
-            "--kv-transport cuda-ipc is not built yet; use --kv-transport grpc or distributed",
-            param="kv_transport")
-    return "distributed" if choice == "distributed" else "grpc"
+            f"--kv-transport cuda-ipc needs CUDA workers, and this one runs on {device}; "
+            "use --kv-transport grpc or distributed", param="kv_transport")
+    if choice in ("cuda-ipc", "auto"):
+        return "cuda-ipc" if cuda else "grpc"
+    return choice
 
 
 def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
