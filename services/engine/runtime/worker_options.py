@@ -50,6 +50,7 @@ class WorkerOptions:
             reports NOT_SERVING, so routers send it nothing new, and drains.
         kv_transport: how KV payloads travel, one of :data:`KV_TRANSPORTS` (see
             :func:`resolve_kv_transport`).
+        enforce_eager: on CUDA, decode without CUDA graphs (``cuda_graphs.py``).
     """
 
     model: str = "default"
@@ -70,6 +71,7 @@ class WorkerOptions:
     cpus: tuple[int, ...] | None = None
     grace: float = DEFAULT_GRACE_SECONDS
     kv_transport: str = "auto"
+    enforce_eager: bool = False
 
     def reachable_host(self) -> str | None:
         """The host peers reach this worker at: ``--advertise-address``'s, else ``--host``
@@ -94,6 +96,7 @@ class WorkerOptions:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
+            cuda_graphs=not self.enforce_eager,
         )
 
 
@@ -122,6 +125,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch")
     parser.add_argument("--max-batched-tokens", type=int, default=1024,
                         help="token budget per step (longer prompts are chunked)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, run decode steps op by op instead of replaying captured "
+                             "CUDA graphs (slower; for debugging)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="disable the prefix cache")
     parser.add_argument("--threads", type=int, default=None,
@@ -187,4 +193,5 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         max_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         threads=args.threads, cpus=args.cpus, grace=args.grace, kv_transport=args.kv_transport,
+        enforce_eager=args.enforce_eager,
     )
