@@ -57,13 +57,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, too
 import torch  # noqa: E402
 
 from services.common.grpc_channel import open_channel, wait_healthy  # noqa: E402
-from services.common.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
-from services.common.sampling_params import SamplingParams  # noqa: E402
-from services.common.wire import sampling_params_to_proto  # noqa: E402
+from services.common.pb import decode_pb2_grpc, prefill_pb2_grpc  # noqa: E402
+from bench.kv_transfer import one_request  # noqa: E402  (one request: Generate, then Prefill)
 
 logger = logging.getLogger("bench.kv_handoff_gpu")
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 SERVICES = {"prefill": "tandem.v1.Prefill", "decode": "tandem.v1.Decode"}
 
 
@@ -144,23 +142,6 @@ async def wait_ready(args: argparse.Namespace, addresses: dict[str, str], transp
                 if time.monotonic() > deadline:
                     log = (args.log_dir / f"{role}-{transport}.log").read_text(errors="replace")
                     raise SystemExit(f"the {role} worker did not start:\n{log[-4000:]}") from None
-
-
-async def one_request(
-    prefill: prefill_pb2_grpc.PrefillStub,
-    decode: decode_pb2_grpc.DecodeStub,
-    decode_address: str,
-    request_id: str,
-    prompt: list[int],
-) -> prefill_pb2.PrefillResponse:
-    call = decode.Generate(decode_pb2.GenerateRequest(request_id=request_id, wait_for_kv_seconds=600))
-    response = await prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id=request_id, token_ids=prompt, params=sampling_params_to_proto(PARAMS),
-        decode_address=decode_address,
-    ))
-    async for _ in call:
-        pass
-    return response
 
 
 async def measure(args: argparse.Namespace, transport: str) -> list[Row]:
