@@ -10,24 +10,16 @@ unmappable pool, bad source blocks, announcements nobody agreed to, a failed cop
 and a lease expiry during a stuck copy — each freeing both sides. Over real gRPC workers: the
 go-ahead's advert through gRPC metadata, for one GPU and for two.
 
-On a GPU (marked ``gpu``, skipped without CUDA): a real prefill worker process and decode workers in
-this process on one GPU, the KV copied through a real CUDA IPC mapping (handles cannot be opened
-in the process that made them), equal to prefill's bytes and to a copy sent over gRPC, and every
-block freed afterwards.
+The same transfer through a real CUDA IPC mapping is tests/test_cuda_ipc_gpu.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -38,7 +30,7 @@ from services.common.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from services.common.grpc_channel import open_channel, wait_healthy
+from services.common.grpc_channel import open_channel
 from services.common.metrics import TandemMetrics
 from services.common.pb import (
     common_pb2,
@@ -82,19 +74,12 @@ from services.engine.runtime.worker_options import WorkerOptions
 from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
 from services.prefill.servicer import SERVICE_NAME as PREFILL_SERVICE
 from services.prefill.servicer import PrefillServicer
+from tests.test_kv_transfer import wait_until
 from services.prefill.worker import PrefillWorker
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 DECODE = "decode-0"
 GPU = "3f1c9a2e-0000-4000-8000-00000000a100"  # a made-up GPU uuid
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def prompt_of(n: int, offset: int = 0) -> list[int]:
@@ -590,116 +575,3 @@ async def test_over_grpc_the_advert_travels_in_the_go_ahead(
         await decode_channel.close()
         await prefill.stop(0.5)
         await decode.stop(0.5)
-
-
-# ----------------------------------------------------------------------------- GPU
-
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture()
-def gpu_prefill_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A prefill worker process on the GPU offering CUDA IPC (no prefix cache: each request's KV
-    is computed afresh, so two transfers of one prompt carry equal bytes)."""
-    port = free_port()
-    command = [
-        sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "prefill",
-        "--model", "dummy:tiny", "--device", "cuda", "--host", "127.0.0.1", "--port", str(port),
-        "--metrics-port", "-1", "--num-blocks", "64", "--worker-id", "prefill-gpu",
-        "--kv-transport", "cuda-ipc", "--no-prefix-caching",
-    ]  # fmt: skip
-    proc = subprocess.Popen(command, env=dict(os.environ), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        yield f"127.0.0.1:{port}", proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
-@pytest.mark.gpu
-@gpu
-async def test_cuda_ipc_between_two_processes_on_one_gpu(
-    gpu_prefill_process: tuple[str, subprocess.Popen[bytes]],
-) -> None:
-    from services.decode.server import start_decode_worker
-
-    prefill_address, proc = gpu_prefill_process
-    options = WorkerOptions(model="dummy:tiny", device="cuda", host="127.0.0.1", port=0,
-                            num_blocks=64)  # fmt: skip
-    ipc_decode = await start_decode_worker(
-        dataclasses.replace(options, worker_id="decode-ipc", kv_transport="cuda-ipc"))
-    grpc_decode = await start_decode_worker(
-        dataclasses.replace(options, worker_id="decode-grpc", kv_transport="grpc"))
-    endpoint = ipc_decode.worker.channel  # type: ignore[attr-defined]
-    assert isinstance(endpoint, CudaIpcEndpoint) and endpoint.gpu_uuid
-    recording = Recording(endpoint)
-    recording.close = endpoint.close  # type: ignore[attr-defined]
-    ipc_decode.worker.channel = recording  # type: ignore[attr-defined]
-    channels = [open_channel(a) for a in (prefill_address, ipc_decode.address, grpc_decode.address)]
-    try:
-        try:
-            await wait_healthy(prefill_address, PREFILL_SERVICE, timeout=300)
-        except Exception:
-            proc.kill()
-            raise AssertionError(proc.communicate(timeout=10)[0].decode(errors="replace")) from None
-        prefill = prefill_pb2_grpc.PrefillStub(channels[0])
-        prompt = prompt_of(40)
-        blocks: dict[str, torch.Tensor] = {}
-        tokens: dict[str, list[int]] = {}
-        for rid, handle, channel in (("via-ipc", ipc_decode, channels[1]),
-                                     ("via-grpc", grpc_decode, channels[2])):
-            response = await prefill.Prefill(prefill_pb2.PrefillRequest(
-                request_id=rid, token_ids=prompt, params=sampling_params_to_proto(GREEDY),
-                decode_address=handle.address,
-            ))
-            assert response.num_blocks == 3
-            blocks[rid] = await held_kv(handle, rid)  # parked, before Generate claims it
-            stub = decode_pb2_grpc.DecodeStub(channel)
-            call = stub.Generate(decode_pb2.GenerateRequest(request_id=rid, wait_for_kv_seconds=10))
-            tokens[rid] = [t async for message in call for t in message.token_ids]
-
-        # The IPC transfer: one announcement, the pool mapped once, the exact bytes prefill holds.
-        (header,) = [m.header for m in recording.of("header")]
-        assert header.channel.gpu_uuid == endpoint.gpu_uuid
-        (chunk,) = [m.chunk for m in recording.of("chunk")]
-        assert chunk.channel_bytes == header.total_bytes and not chunk.data
-        assert endpoint.num_mapped == 1
-        pool = endpoint.pool("prefill-gpu")
-        assert pool is not None and pool.device == ipc_decode.engine_loop.engine.kv.data.device
-        source = list(header.channel.source_blocks)
-        assert torch.equal(blocks["via-ipc"], pool[source].cpu())  # prefill freed, not reused
-        # ... equal to the copy sent as bytes over gRPC (crc32-checked: prefill's own bytes)
-        assert torch.equal(blocks["via-ipc"], blocks["via-grpc"])
-        assert torch.count_nonzero(blocks["via-ipc"].float()) > 0
-        assert tokens["via-ipc"] == tokens["via-grpc"] and len(tokens["via-ipc"]) == 12
-
-        for channel in channels:  # every block freed on both sides
-            stub = (prefill_pb2_grpc.PrefillStub(channel) if channel is channels[0]
-                    else decode_pb2_grpc.DecodeStub(channel))  # fmt: skip
-            deadline = time.monotonic() + 10
-            while (stats := await stub.GetStats(common_pb2.StatsRequest())).kv_blocks_in_use:
-                assert time.monotonic() < deadline, stats
-                await asyncio.sleep(0.05)
-    finally:
-        for channel in channels:
-            await channel.close()
-        await ipc_decode.stop(0.5)
-        await grpc_decode.stop(0.5)
-
-
-async def held_kv(handle: WorkerHandle, request_id: str) -> torch.Tensor:
-    """A host copy of the blocks a worker holds for ``request_id``."""
-    loop = handle.engine_loop
-    return await loop.call(lambda engine: engine.kv.data[loop.held_blocks(request_id)].cpu())

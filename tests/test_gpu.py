@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.ports import free_ports
+from tests.tiny_stack import write_tiny_model
 from tests.up_process import StartUp, port_flags
 
 pytestmark = [
@@ -80,25 +81,9 @@ def test_triton_decode_kernel_on_the_device(dtype: torch.dtype, tolerance: float
 
 
 def _write_model(folder: Path, vocab: int, context: int) -> Path:
-    """A 4-layer random Llama as a Hugging Face folder (float32 safetensors made on the CPU, so
-    every device loads the very same weights through the production loader)."""
-    from safetensors.torch import save_file
-
-    from services.common.model_config import ModelConfig
-    from services.engine.core.loaders.dummy import iter_dummy_weights
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": vocab, "hidden_size": 256, "intermediate_size": 512,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "max_position_embeddings": context, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-    }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
-    weights = dict(iter_dummy_weights(ModelConfig.from_hf_config(config), torch.float32, "cpu"))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-    return folder
+    """A 4-layer random Llama as a Hugging Face folder (weights made on the CPU: both devices
+    load the very same ones)."""
+    return write_tiny_model(folder, vocab, context=context, hidden=256, layers=4, heads=8)
 
 
 def _greedy(engine: object, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -39,8 +39,13 @@ API_KEY = "fuzz-key"
 REMOTE_PREFILL_MIN_TOKENS = 40  # longer prompts cross the KV hand-off, shorter ones do not
 
 
-def write_tiny_model(folder: Path, vocab_size: int) -> Path:
-    """A 2-layer random Llama with ``vocab_size`` ids and :data:`CONTEXT` positions."""
+def write_tiny_model(
+    folder: Path, vocab_size: int, *, context: int = CONTEXT, hidden: int = 64, layers: int = 2,
+    heads: int = 4,
+) -> Path:
+    """A random Llama (2 layers of 64 by default; 2 KV heads, SwiGLU twice as wide) with
+    ``vocab_size`` ids and ``context`` positions, as a Hugging Face folder: float32 weights made
+    on the CPU, so every device loads the same ones through the production loader."""
     import torch
     from safetensors.torch import save_file
 
@@ -48,9 +53,9 @@ def write_tiny_model(folder: Path, vocab_size: int) -> Path:
 
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": CONTEXT, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 2,
+        "max_position_embeddings": context, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     }  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)

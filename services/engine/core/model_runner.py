@@ -58,7 +58,7 @@ class ModelRunner:
             rows = self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
                 self._tune_decode_layers(rows)
-        elif self.device.type == "cuda" and _triton_decode(self.model):
+        elif self.device.type == "cuda" and _graph_safe(self.model):
             from services.engine.core.kernels.gpu_fused import load_gpu_fused
 
             self.model.use_fused(load_gpu_fused())
@@ -71,9 +71,7 @@ class ModelRunner:
         """Capture decode steps of up to ``max_batch`` sequences as CUDA graphs, their padding
         rows writing to ``scratch_block`` (a pool block the block manager never hands out).
         False (eager decode) when the attention backend reads host values in decode."""
-        backend = self.model.layers[0].self_attn.backend if self.model.layers else None
-        graph_safe = getattr(backend, "graph_safe", None)
-        if self.device.type != "cuda" or graph_safe is None or not graph_safe():
+        if self.device.type != "cuda" or not _graph_safe(self.model):
             return False
         width = min(max_blocks, -(-self.MAX_GRAPH_TOKENS // self.block_size))
         self.graphs = DecodeGraphs(self.model, self.kv, max_batch=max_batch, max_blocks=width,
@@ -197,11 +195,12 @@ class ModelRunner:
         model.decode_layers_regimes = regimes
 
 
-def _triton_decode(model: LlamaForCausalLM) -> bool:
-    """Whether the model's attention is the Triton backend (its kernels imported: so do the
-    fused ones, with the same Triton)."""
+def _graph_safe(model: LlamaForCausalLM) -> bool:
+    """Whether the model's attention decodes from tensors alone (``graph_safe``: the Triton
+    backend), so its steps can be captured, and the fused Triton ops run with it."""
     backend = model.layers[0].self_attn.backend if model.layers else None
-    return getattr(backend, "graph_safe", None) is not None
+    graph_safe = getattr(backend, "graph_safe", None)
+    return graph_safe is not None and graph_safe()
 
 
 def _share_tied_table(model: LlamaForCausalLM) -> None:
