@@ -1,9 +1,9 @@
 """Every instruction-set build of the CPU kernels (avx512, avx2, generic) on this machine.
 
 Per build: the float32, q8_0, q4, bfloat16 and float16 kernels equal a float64 reference (the
-compact ones on the dequantized weight, both the few-rows register path and the scratch-tile path);
+compact ones on the dequantized weight, both the few-rows register path and the group-by-group path);
 every one of the 65,536 bfloat16 and float16 bit patterns widens exactly; a row's result
-does not depend on its batch mates (one row, tile pairs, register blocks, scratch tile); tiling round-trips; the
+does not depend on its batch mates (one row, tile pairs, register blocks, group blocks); tiling round-trips; the
 decode-attention kernel equals the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
 is a clear build error and the loaders fall back to PyTorch.
 """
@@ -39,7 +39,7 @@ from services.engine.core.quant.quantized_weight import (
 )
 from tests.conftest import native_kernel_or_skip
 
-ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; more than 8 take the scratch tile
+ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; more than 8 go group by group
 OUT, IN = 70, 288  # 70 outputs: a partial last tile for every width; 288 inputs: a partial K block
 
 
@@ -103,7 +103,7 @@ def test_float32_kernel_equals_float64_reference(isa: str, bias: bool) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_kernel_equals_float64_reference(isa: str, fmt: str) -> None:
-    """Both paths (register, scratch tile) against x @ dequantized W in float64."""
+    """Both paths (register blocks, group by group) against x @ dequantized W in float64."""
     _, qgemv = _kernels(isa)
     weight = _weights()[fmt]
     dense = weight.dequantize().double()
@@ -137,7 +137,7 @@ def test_one_row_tile_pairs_equal_the_two_row_path(isa: str, fmt: str, out: int)
 
 
 def test_rows_do_not_depend_on_batch_mates(isa: str) -> None:
-    """One row alone (register path) equals that row among 11 (scratch path for 4-bit/8-bit)."""
+    """One row alone (register path) equals that row among 11 (group-by-group path)."""
     gemv, qgemv = _kernels(isa)
     torch.manual_seed(5)
     batch = torch.randn(11, IN)

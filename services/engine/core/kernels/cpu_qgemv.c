@@ -22,13 +22,14 @@
  * sums are computed once per row and group. Activations stay float32 (no activation quantization).
  *
  * A few rows (decode) convert each weight vector in registers and feed it to every row of the
- * block; a single row takes two tiles at a time, for enough independent accumulators. For 4-bit
- * weights, more rows than one register block (batched decode, prefill) convert a tile once into a
- * per-thread float32 scratch tile of integer values, so the nibble unpacking is paid once per
- * tile, not once per row block; 8-bit weights convert in registers for every row block (a widen
- * and a convert per vector measured cheaper than storing and reloading the tile at 32 rows).
- * Both paths run the same multiply-add chain per output (DEFINE_QROWS): a row's result is the same
- * bits whatever its batch mates.
+ * block; a single row takes two tiles at a time, for enough independent accumulators. More rows
+ * than one register block (batched decode, prefill) walk a tile group by group: each group's values
+ * are converted once into a small float32 scratch block (GROUP x TILE, in L1) that every row block
+ * then reads, and the rows' accumulators wait in a per-thread buffer between groups. The
+ * conversion is paid once per group and tile, not once per row block, and the tile's values, the
+ * rows' group of inputs and the accumulators all stay in L1 while the row blocks run.
+ * Both paths run the same multiply-add chain per output (DEFINE_QROWS, DEFINE_QGROUP): a row's
+ * result is the same bits whatever its batch mates.
  */
 #include <stdlib.h>
 
@@ -88,15 +89,11 @@ static inline void half_finish(const uint8_t *block, const vec *part, float sum,
 #define bf16_finish half_finish
 #define f16_finish half_finish
 
-/* The group's integer values read back from the scratch tile (float32 [in, TILE]). */
-#define SCRATCH_VALUES(block, j, w)                                                               \
-    do {                                                                                          \
-        (w)[0] = load_vec(values + (g * GROUP + (j)) * TILE);                                     \
-        (w)[1] = load_vec(values + (g * GROUP + (j)) * TILE + LANES);                             \
-    } while (0)
-#define REGISTER_VALUES(NAME) NAME##_values
-
 static inline void store_cols(float *y, const vec *acc, int64_t cols) {
+    if (cols == TILE) { /* a whole tile: vector stores, not a library memcpy per row */
+        for (int c = 0; c < VECS; c++) store_vec(y + c * LANES, acc[c]);
+        return;
+    }
     float tmp[TILE];
     memcpy(tmp, acc, sizeof tmp);
     memcpy(y, tmp, (size_t)cols * sizeof(float));
@@ -115,19 +112,16 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
         }
 }
 
-/* R rows over one quantized tile. Per output and group, one chain: part = sum_j x[j] * q[j] (fused
- * multiply-adds in input order, from zero), then acc += scale * part and, for 4-bit,
- * acc += min * sum(x over the group); acc starts at the bias. Factoring the scale and offset out
- * of the group halves the vector work per weight compared with dequantizing each weight first,
- * and the chain is the same whether the values come from registers (VALUES: the few-rows path) or
- * from a scratch tile converted once (many rows), so a row's result never depends on its batch
- * mates. */
-#define DEFINE_QROWS(NAME, SUFFIX, BLOCK, VALUES, FINISH, R)                                       \
-    static void NAME##_rows##SUFFIX##_##R(const float *x, int64_t ldx, const float *sums,         \
-                                          const uint8_t *w, const float *values, int64_t in,     \
-                                          const float *bias, float *y, int64_t ldy,               \
-                                          int64_t cols) {                                         \
-        (void)values;                                                                             \
+/* R rows over one quantized tile, its values converted in registers. Per output and group, one
+ * chain: part = sum_j x[j] * q[j] (fused multiply-adds in input order, from zero), then
+ * acc += scale * part and, for 4-bit, acc += min * sum(x over the group); acc starts at the bias.
+ * Factoring the scale and offset out of the group halves the vector work per weight compared
+ * with dequantizing each weight first, and the chain is the same as DEFINE_QGROUP's (many rows),
+ * so a row's result never depends on its batch mates. */
+#define DEFINE_QROWS(NAME, BLOCK, R)                                                              \
+    static void NAME##_rows_##R(const float *x, int64_t ldx, const float *sums, const uint8_t *w, \
+                                int64_t in, const float *bias, float *y, int64_t ldy,             \
+                                int64_t cols) {                                                   \
         const int64_t groups = in / GROUP;                                                        \
         vec acc[R][VECS];                                                                         \
         for (int r = 0; r < R; r++)                                                               \
@@ -139,58 +133,79 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
                 for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                             \
             for (int j = 0; j < GROUP; j++) {                                                     \
                 vec wv[VECS];                                                                     \
-                VALUES(block, j, wv);                                                             \
+                NAME##_values(block, j, wv);                                                      \
                 for (int r = 0; r < R; r++) {                                                     \
                     const float xv = x[r * ldx + g * GROUP + j];                                  \
                     for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                      \
                 }                                                                                 \
             }                                                                                     \
-            for (int r = 0; r < R; r++) FINISH(block, part[r], sums[r * groups + g], acc[r]);     \
+            for (int r = 0; r < R; r++)                                                           \
+                NAME##_finish(block, part[r], sums[r * groups + g], acc[r]);                      \
         }                                                                                         \
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
     }
 
-#define DEFINE_QROWS_BOTH(NAME, BLOCK, R)                                                         \
-    DEFINE_QROWS(NAME, , BLOCK, REGISTER_VALUES(NAME), NAME##_finish, R)                          \
-    DEFINE_QROWS(NAME, _scratch, BLOCK, SCRATCH_VALUES, NAME##_finish, R)
+/* One group of R rows over values converted once (float32 [GROUP][TILE], the scratch block):
+ * the same part chain as NAME##_rows_R, then the same finish into the rows' accumulators, which
+ * wait in memory between groups (accm [R][TILE]). */
+#define DEFINE_QGROUP(NAME, R)                                                                    \
+    static void NAME##_group_##R(const float *x, int64_t ldx, const float *sums,                 \
+                                 int64_t groups, int64_t g, const uint8_t *block,                 \
+                                 const float *values, float *accm) {                              \
+        vec part[R][VECS];                                                                        \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                                 \
+        const float *xg = x + g * GROUP;                                                          \
+        for (int j = 0; j < GROUP; j++) {                                                         \
+            const vec wv[VECS] = {load_vec(values + j * TILE), load_vec(values + j * TILE + LANES)}; \
+            for (int r = 0; r < R; r++) {                                                         \
+                const float xv = xg[r * ldx + j];                                                 \
+                for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                          \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) {                                                             \
+            vec acc[VECS];                                                                        \
+            for (int c = 0; c < VECS; c++) acc[c] = load_vec(accm + r * TILE + c * LANES);        \
+            NAME##_finish(block, part[r], sums[r * groups + g], acc);                             \
+            for (int c = 0; c < VECS; c++) store_vec(accm + r * TILE + c * LANES, acc[c]);        \
+        }                                                                                         \
+    }
 
-/* Register blocks of 8, 4, 2 and 1 rows on every instruction set: 8 rows' accumulators exceed
- * AVX2's 16 registers, but converting each weight vector once for 8 rows measured faster than the
- * scratch tile there. Scratch-tile blocks of SCRATCH_ROWS, 4, 2 and 1 rows: as many rows as keep
- * their group sums, the weight vectors and a broadcast input in registers (8 x 2 + 3 of AVX-512's
- * 32, 6 x 2 + 3 of AVX2's 16). */
+/* Register blocks of 8, 4, 2 and 1 rows on every instruction set (8 rows' accumulators exceed
+ * AVX2's 16 registers, but converting each weight vector once for 8 rows measured faster than
+ * storing it there). Group blocks of GROUP_ROWS, 4, 2 and 1 rows: as many rows as keep their
+ * group sums, the weight vectors and a broadcast input in registers (8 x 2 + 3 of AVX-512's 32,
+ * 6 x 2 + 3 of AVX2's 16). */
 #define REGISTER_ROWS 8
 #if LANES == 16
-#define SCRATCH_ROWS 8
+#define GROUP_ROWS 8
 #elif LANES == 8
-#define SCRATCH_ROWS 6
+#define GROUP_ROWS 6
 #else
-#define SCRATCH_ROWS 4
+#define GROUP_ROWS 4
 #endif
-/* Register blocks of 8, 4, 2 and 1 rows only: 8-bit weights and 16-bit floats convert in
- * registers for every row block (a widen and a convert, a shift or a vcvtph2ps per vector
- * measured cheaper than storing and reloading a scratch tile at 32 rows). */
-#define DEFINE_REGISTER_QROWS(NAME, BLOCK)                                                        \
-    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 1)                                  \
-    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 2)                                  \
-    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 4)                                  \
-    DEFINE_QROWS(NAME, , BLOCK, NAME##_values, NAME##_finish, 8)
-DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 1)
-DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 2)
-DEFINE_QROWS_BOTH(q4, Q4_BLOCK, 4)
-DEFINE_QROWS(q4, , Q4_BLOCK, q4_values, q4_finish, 8)
-DEFINE_REGISTER_QROWS(q8, Q8_BLOCK)
-DEFINE_REGISTER_QROWS(bf16, HALF_BLOCK)
-DEFINE_REGISTER_QROWS(f16, HALF_BLOCK)
-#if SCRATCH_ROWS == 8
-DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 8)
-#define SCRATCH_WIDE(NAME) NAME##_scratch_8
-#elif SCRATCH_ROWS == 6
-DEFINE_QROWS(q4, _scratch, Q4_BLOCK, SCRATCH_VALUES, q4_finish, 6)
-#define SCRATCH_WIDE(NAME) NAME##_scratch_6
+#define EXPAND(MACRO, ...) MACRO(__VA_ARGS__) /* GROUP_ROWS expanded before ## pastes it */
+#if GROUP_ROWS > 4
+#define DEFINE_QGROUP_WIDE(NAME) EXPAND(DEFINE_QGROUP, NAME, GROUP_ROWS)
+#define GROUP_WIDE(NAME) EXPAND(GROUP_NAME, NAME, GROUP_ROWS)
 #else
-#define SCRATCH_WIDE(NAME) NULL
+#define DEFINE_QGROUP_WIDE(NAME)
+#define GROUP_WIDE(NAME) NAME##_group_4 /* listed twice: the 4-row entry comes next */
 #endif
+#define GROUP_NAME(NAME, R) NAME##_group_##R
+#define DEFINE_QBLOCKS(NAME, BLOCK)                                                               \
+    DEFINE_QROWS(NAME, BLOCK, 1)                                                                  \
+    DEFINE_QROWS(NAME, BLOCK, 2)                                                                  \
+    DEFINE_QROWS(NAME, BLOCK, 4)                                                                  \
+    DEFINE_QROWS(NAME, BLOCK, 8)                                                                  \
+    DEFINE_QGROUP(NAME, 1)                                                                        \
+    DEFINE_QGROUP(NAME, 2)                                                                        \
+    DEFINE_QGROUP(NAME, 4)                                                                        \
+    DEFINE_QGROUP_WIDE(NAME)
+DEFINE_QBLOCKS(q4, Q4_BLOCK)
+DEFINE_QBLOCKS(q8, Q8_BLOCK)
+DEFINE_QBLOCKS(bf16, HALF_BLOCK)
+DEFINE_QBLOCKS(f16, HALF_BLOCK)
 
 /* One row over two tiles at once: the same chain per output as NAME##_rows_1, with twice the
  * independent accumulators. A single row has only VECS of them per tile, too few to hide the
@@ -230,22 +245,26 @@ DEFINE_QTILE_PAIR(q8, Q8_BLOCK)
 DEFINE_QTILE_PAIR(bf16, HALF_BLOCK)
 DEFINE_QTILE_PAIR(f16, HALF_BLOCK)
 
-typedef void (*qrows_fn)(const float *, int64_t, const float *, const uint8_t *, const float *,
-                         int64_t, const float *, float *, int64_t, int64_t);
+typedef void (*qrows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t,
+                         const float *, float *, int64_t, int64_t);
+typedef void (*qgroup_fn)(const float *, int64_t, const float *, int64_t, int64_t, const uint8_t *,
+                          const float *, float *);
 typedef void (*qpair_fn)(const float *, const float *, const uint8_t *, const uint8_t *, int64_t,
                          const float *, const float *, float *, float *, int64_t);
 
-/* Per format code: the register row blocks of 8, 4, 2, 1 rows, the scratch-tile ones (4-bit
- * only: SCRATCH_ROWS, 4, 2, 1; the first NULL where the ISA has no wide block) and the one-row
- * tile pair. */
+/* Per format code: the register row blocks of 8, 4, 2, 1 rows, the group blocks of GROUP_ROWS,
+ * 4, 2, 1 rows and the one-row tile pair. */
 static const qrows_fn REGISTER_FNS[N_FORMATS][4] = {
     [FORMAT_Q8_0] = {q8_rows_8, q8_rows_4, q8_rows_2, q8_rows_1},
     [FORMAT_Q4] = {q4_rows_8, q4_rows_4, q4_rows_2, q4_rows_1},
     [FORMAT_BF16] = {bf16_rows_8, bf16_rows_4, bf16_rows_2, bf16_rows_1},
     [FORMAT_F16] = {f16_rows_8, f16_rows_4, f16_rows_2, f16_rows_1},
 };
-static const qrows_fn Q4_SCRATCH_FNS[4] = {SCRATCH_WIDE(q4_rows), q4_rows_scratch_4,
-                                           q4_rows_scratch_2, q4_rows_scratch_1};
+#define GROUP_FNS_OF(NAME) {GROUP_WIDE(NAME), NAME##_group_4, NAME##_group_2, NAME##_group_1}
+static const qgroup_fn GROUP_FNS[N_FORMATS][4] = {
+    [FORMAT_Q8_0] = GROUP_FNS_OF(q8), [FORMAT_Q4] = GROUP_FNS_OF(q4),
+    [FORMAT_BF16] = GROUP_FNS_OF(bf16), [FORMAT_F16] = GROUP_FNS_OF(f16),
+};
 static const qpair_fn PAIR_FNS[N_FORMATS] = {
     [FORMAT_Q8_0] = q8_pair_1, [FORMAT_Q4] = q4_pair_1, [FORMAT_BF16] = bf16_pair_1,
     [FORMAT_F16] = f16_pair_1,
@@ -282,14 +301,36 @@ static inline void input_values(int format, const uint8_t *block, int j, int sca
     }
 }
 
-/* The whole tile's integer values as float32 [in, TILE] (the scratch path). */
-static void values_tile(int format, const uint8_t *w, int64_t in, float *out) {
-    const int64_t block = tandem_qgemv_block_bytes(format);
-    for (int64_t i = 0; i < in; i++) {
-        vec wv[VECS];
-        input_values(format, w + i / GROUP * block, (int)(i % GROUP), 0, wv);
-        store_vec(out + i * TILE, wv[0]);
-        store_vec(out + i * TILE + LANES, wv[1]);
+/* All rows over one tile, group by group (more rows than a register block): each group's values
+ * converted once into values [GROUP][TILE], every row block run over them, the rows'
+ * accumulators (accm [rows][TILE], starting at the bias) kept between groups. */
+static void tile_by_groups(int format, const float *x, int64_t ldx, const float *sums,
+                           const uint8_t *w, int64_t in, const float *bias, float *y, int64_t ldy,
+                           int64_t cols, int64_t rows, float *accm) {
+    const int64_t block = tandem_qgemv_block_bytes(format), groups = in / GROUP;
+    const int64_t sizes[4] = {GROUP_ROWS, 4, 2, 1};
+    const qgroup_fn *fns = GROUP_FNS[format];
+    float values[GROUP * TILE] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < VECS; c++)
+            store_vec(accm + r * TILE + c * LANES, bias ? load_vec(bias + c * LANES) : (vec){0});
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group_block = w + g * block;
+        for (int j = 0; j < GROUP; j++) {
+            vec wv[VECS];
+            input_values(format, group_block, j, 0, wv);
+            for (int c = 0; c < VECS; c++) store_vec(values + j * TILE + c * LANES, wv[c]);
+        }
+        int64_t r = 0;
+        for (int k = 0; k < 4; k++)
+            for (const int64_t n = sizes[k]; r + n <= rows; r += n)
+                fns[k](x + r * ldx, ldx, sums + r * groups, groups, g, group_block, values,
+                       accm + r * TILE);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        vec acc[VECS];
+        for (int c = 0; c < VECS; c++) acc[c] = load_vec(accm + r * TILE + c * LANES);
+        store_cols(y + r * ldy, acc, cols);
     }
 }
 
@@ -372,16 +413,15 @@ const char *tandem_qgemv_isa(void) { return TANDEM_ISA; }
 
 /* x [rows, in] float32 (row stride ldx), w [n_tiles, in / 32, block] as above, bias
  * [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32. Returns 0, or -1 for an
- * unknown format or when a scratch tile can't be allocated. */
+ * unknown format or when the rows' accumulator buffer can't be allocated. */
 int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, const float *bias,
                  float *y, int64_t rows, int64_t in, int64_t out, int threads) {
     const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
     if (block < 0 || in % GROUP) return -1;
-    const int scratch = format == FORMAT_Q4 && rows > REGISTER_ROWS;
-    const int64_t reg_sizes[4] = {8, 4, 2, 1}, scratch_sizes[4] = {SCRATCH_ROWS, 4, 2, 1};
-    const qrows_fn *fns = scratch ? Q4_SCRATCH_FNS : REGISTER_FNS[format];
+    const int by_groups = rows > REGISTER_ROWS;
+    const int64_t sizes[4] = {8, 4, 2, 1};
+    const qrows_fn *fns = REGISTER_FNS[format];
     const qpair_fn pair = PAIR_FNS[format];
-    const int64_t *sizes = scratch ? scratch_sizes : reg_sizes;
     const int64_t groups = in / GROUP;
     float small[8 * 64];
     float *sums = rows * groups <= (int64_t)(sizeof small / sizeof *small)
@@ -393,8 +433,8 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *tile = scratch ? malloc((size_t)in * TILE * sizeof(float)) : NULL;
-        if (scratch && !tile) {
+        float *accm = by_groups ? malloc((size_t)rows * TILE * sizeof(float)) : NULL;
+        if (by_groups && !accm) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -410,17 +450,16 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                      yt + TILE, cols1);
                 continue;
             }
-            if (scratch) {
-                if (!tile) continue;
-                values_tile(format, wt, in, tile);
+            if (by_groups) {
+                if (accm) tile_by_groups(format, x, ldx, sums, wt, in, bt, yt, out, cols, rows, accm);
+                continue;
             }
             int64_t r = 0;
             for (int k = 0; k < 4; k++)
-                for (const int64_t n = sizes[k]; fns[k] && r + n <= rows; r += n)
-                    fns[k](x + r * ldx, ldx, sums + r * groups, wt, tile, in, bt, yt + r * out,
-                           out, cols);
+                for (const int64_t n = sizes[k]; r + n <= rows; r += n)
+                    fns[k](x + r * ldx, ldx, sums + r * groups, wt, in, bt, yt + r * out, out, cols);
         }
-        free(tile);
+        free(accm);
     }
     if (sums != small) free(sums);
     return failed ? -1 : 0;
