@@ -23,6 +23,11 @@ with one row per configuration, in this order:
    (``llama_cpp_baseline.py``, in a fresh process), when it is installed: batch-1 decode and
    prefill only.
 
+With ``--rounds N`` every row is measured N times, the rows taking turns (round 1 of every row,
+then round 2 of every row, ...), and each cell keeps its best round: on a shared VM a burst of
+load then slows one round of every row instead of all of one row's cells, so the ratios compare
+rows measured minutes apart on equal terms.
+
 Then ratio rows (default vs transformers per column, default vs llama.cpp), a check that no
 Tandem configuration is slower than the no-native-kernels one, and the memory-bandwidth bound for
 batch-1 decode: bytes of weights read per decoded token / measured read bandwidth.
@@ -34,6 +39,7 @@ row uses the same random token prompts, greedy decoding, and ``os.cpu_count()`` 
 
     python bench/engine_throughput.py [--model default] [--decode-tokens 64] [--batches 1 8 32]
         [--prefill-length 512] [--isa avx512 avx2 generic] [--skip-transformers] [--skip-llama-cpp]
+        [--rounds 1]
 
 An AVX2 machine, emulated on an AVX-512 one (PyTorch's MKL and oneDNN limited too):
 
@@ -182,6 +188,20 @@ def llama_cpp_row(source: ModelSource, args: argparse.Namespace, threads: int) -
     return row
 
 
+def best_of(rounds: list[dict[str, Row]]) -> dict[str, Row]:
+    """Per row and column, the highest tokens/s over the rounds (None where none measured it)."""
+    merged: dict[str, Row] = {}
+    for measured in rounds:
+        for name, row in measured.items():
+            into = merged.setdefault(name, {})
+            for column, value in row.items():
+                if value is not None and (into.get(column) is None or value > into[column]):
+                    into[column] = value
+                else:
+                    into.setdefault(column, None)
+    return merged
+
+
 def _best(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     with torch.inference_mode():
@@ -310,7 +330,7 @@ def measure_tandem(
     return rows, weight_bytes
 
 
-def header_lines(source: ModelSource, isas: list[str], auto_dtype: str) -> list[str]:
+def header_lines(source: ModelSource, isas: list[str], auto_dtype: str, rounds: int = 1) -> list[str]:
     forced = os.environ.get("TANDEM_CPU_ISA", "").strip()
     isa = selected_isa() + (" (forced by TANDEM_CPU_ISA)" if forced else "")
     return [
@@ -319,6 +339,7 @@ def header_lines(source: ModelSource, isas: list[str], auto_dtype: str) -> list[
         f"measured {', '.join(isas)}",
         f"model: {source.name}; --dtype auto → {auto_dtype}",
         f"threads: {torch.get_num_threads()}, torch {torch.__version__}",
+        *([f"rounds: best of {rounds}, rows taking turns"] if rounds > 1 else []),
         *_baseline_isa_limits(),
         f"load average at start: {_load_average()}",
         "",
@@ -420,26 +441,38 @@ def main() -> int:
                         help="instruction set variants to measure (default: all the CPU supports)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every row this many times, rows taking turns; keep each "
+                        "cell's best (default 1)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(os.cpu_count() or 1)
     threads = torch.get_num_threads()
     source = resolve_model(args.model)
     isas = isa_variants(args.isa)
     auto_dtype = resolve_dtype("auto", source)
-    sys.stdout.write("\n".join(header_lines(source, isas, auto_dtype)) + "\n")
+    sys.stdout.write("\n".join(header_lines(source, isas, auto_dtype, args.rounds)) + "\n")
     sys.stdout.flush()
 
-    rows, weight_bytes = measure_tandem(source, args, isas)
-    default = next(iter(rows))  # "Tandem auto (...)" at the selected instruction set
-    if not args.skip_transformers and source.kind == "gguf":
-        rows[TRANSFORMERS] = transformers_row(source, args)
-        print(f"measured {TRANSFORMERS}", file=sys.stderr, flush=True)
     llama = None
     if not args.skip_llama_cpp and source.kind == "gguf" and llama_cpp_available():
         llama = f"llama.cpp ({llama_cpp_quant_type(source.path)}, {threads} threads)"
-        rows[llama] = llama_cpp_row(source, args, threads)
-        print(f"measured {llama}", file=sys.stderr, flush=True)
+    rounds: list[dict[str, Row]] = []
+    for number in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            print(f"round {number} of {args.rounds}", file=sys.stderr, flush=True)
+        measured, weight_bytes = measure_tandem(source, args, isas)
+        if not args.skip_transformers and source.kind == "gguf":
+            measured[TRANSFORMERS] = transformers_row(source, args)
+            print(f"measured {TRANSFORMERS}", file=sys.stderr, flush=True)
+        if llama is not None:
+            measured[llama] = llama_cpp_row(source, args, threads)
+            print(f"measured {llama}", file=sys.stderr, flush=True)
+        rounds.append(measured)
+    rows = best_of(rounds)
+    default = next(iter(rows))  # "Tandem auto (...)" at the selected instruction set
 
     columns = [f"decode b={b}" for b in args.batches] + ["prefill"]
     lines = table_lines(rows, columns, args)

@@ -3,7 +3,7 @@
 Per build: the float32, q8_0, q4, bfloat16 and float16 kernels equal a float64 reference (the
 compact ones on the dequantized weight, both the few-rows register path and the group-by-group path);
 every one of the 65,536 bfloat16 and float16 bit patterns widens exactly; a row's result
-does not depend on its batch mates (one row, tile pairs, register blocks, group blocks); tiling round-trips; the
+does not depend on its batch mates (one row, 4- and 2-tile sets, register blocks, group blocks); tiling round-trips; the
 decode-attention kernel equals the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
 is a clear build error and the loaders fall back to PyTorch.
 """
@@ -56,25 +56,25 @@ def isa(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _q8_weight(seed: int) -> QuantizedWeight:
+def _q8_weight(seed: int, out: int = OUT) -> QuantizedWeight:
     torch.manual_seed(seed)
-    return quantize_q8_0(torch.randn(OUT, IN) * 0.1)
+    return quantize_q8_0(torch.randn(out, IN) * 0.1)
 
 
-def _q4_weight(seed: int) -> QuantizedWeight:
+def _q4_weight(seed: int, out: int = OUT) -> QuantizedWeight:
     """Random nibbles with float16-representable scales and offsets, as a GGUF holds them."""
     gen = torch.Generator().manual_seed(seed)
-    qs = torch.randint(0, 256, (OUT, IN // 2), dtype=torch.uint8, generator=gen)
-    scales = (torch.rand(OUT, IN // 32, generator=gen) * 0.02 + 1e-3).half().float()
-    mins = (-torch.rand(OUT, IN // 32, generator=gen) * 0.15).half().float()
+    qs = torch.randint(0, 256, (out, IN // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(out, IN // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    mins = (-torch.rand(out, IN // 32, generator=gen) * 0.15).half().float()
     return QuantizedWeight("q4", qs, scales, mins)
 
 
-def _weights() -> dict[str, QuantizedWeight]:
+def _weights(out: int = OUT) -> dict[str, QuantizedWeight]:
     torch.manual_seed(7)
-    dense = torch.randn(OUT, IN) * 0.1
+    dense = torch.randn(out, IN) * 0.1
     halves = {fmt: to_half(dense, fmt) for fmt in HALF_FORMATS}
-    return {"q8_0": _q8_weight(1), "q4": _q4_weight(2), **halves}
+    return {"q8_0": _q8_weight(1, out), "q4": _q4_weight(2, out), **halves}
 
 
 FORMATS = ["q8_0", "q4", "bfloat16", "float16"]
@@ -120,20 +120,31 @@ def test_quantized_kernel_equals_float64_reference(isa: str, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("out", [60, 70])  # an even / odd tile count: the last pair is partial or single
-def test_one_row_tile_pairs_equal_the_two_row_path(isa: str, fmt: str, out: int) -> None:
-    """A single row walks tiles in pairs: the same per-output chain as the row-block path."""
+@pytest.mark.parametrize("threads", [1, 2])
+# even / odd tile counts (the last pair partial or single); 330 outputs: several 4-tile calls per
+# thread, then a pair and a single tile, on every width
+@pytest.mark.parametrize("out", [60, 70, 330])
+def test_one_row_tile_sets_equal_the_two_row_path(isa: str, fmt: str, threads: int, out: int) -> None:
+    """A single row walks tiles four or two at a time: the same per-output chain as the
+    row-block path, however the tiles fall between the threads."""
     _, qgemv = _kernels(isa)
-    weight = _weights()[fmt]
-    weight = weight.map_rows(lambda t: t[:out])
+    weight = _weights(out)[fmt]
     packed = qgemv.tile_weight(weight)
     torch.manual_seed(6)
     x, b = torch.randn(1, IN), torch.randn(out)
-    for bias in (None, b):
-        tiled_bias = None if bias is None else qgemv.tile_bias(bias)
-        got = qgemv(x, packed, fmt, tiled_bias, out)
-        two = qgemv(torch.cat([x, torch.randn(1, IN)]), packed, fmt, tiled_bias, out)
-        assert got.shape == (1, out) and torch.equal(got, two[:1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (None, b):
+            tiled_bias = None if bias is None else qgemv.tile_bias(bias)
+            got = qgemv(x, packed, fmt, tiled_bias, out)
+            two = qgemv(torch.cat([x, torch.randn(1, IN)]), packed, fmt, tiled_bias, out)
+            assert got.shape == (1, out) and torch.equal(got, two[:1])
+            expected = x.double() @ weight.dequantize().double().T
+            expected += 0 if bias is None else bias.double()
+            assert torch.allclose(got.double(), expected, atol=2e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_rows_do_not_depend_on_batch_mates(isa: str) -> None:

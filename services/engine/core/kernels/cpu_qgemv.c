@@ -22,8 +22,9 @@
  * sums are computed once per row and group. Activations stay float32 (no activation quantization).
  *
  * A few rows (decode) convert each weight vector in registers and feed it to every row of the
- * block; a single row takes two tiles at a time, for enough independent accumulators. More rows
- * than one register block (batched decode, prefill) walk a tile group by group: each group's values
+ * block; a single row takes several tiles at a time (four with AVX2, two with AVX-512), for
+ * enough independent accumulators. More rows than one register block (batched decode, prefill)
+ * walk a tile group by group: each group's values
  * are converted once into a small float32 scratch block (GROUP x TILE, in L1) that every row block
  * then reads, and the rows' accumulators wait in a per-thread buffer between groups. The
  * conversion is paid once per group and tile, not once per row block, and the tile's values, the
@@ -31,6 +32,7 @@
  * Both paths run the same multiply-add chain per output (DEFINE_QROWS, DEFINE_QGROUP): a row's
  * result is the same bits whatever its batch mates.
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "tandem_simd.h"
@@ -207,53 +209,63 @@ DEFINE_QBLOCKS(q8, Q8_BLOCK)
 DEFINE_QBLOCKS(bf16, HALF_BLOCK)
 DEFINE_QBLOCKS(f16, HALF_BLOCK)
 
-/* One row over two tiles at once: the same chain per output as NAME##_rows_1, with twice the
+/* One row over N consecutive tiles at once (tile n at w + n * groups * BLOCK, its bias and
+ * outputs TILE further along each): the same chain per output as NAME##_rows_1, with N times the
  * independent accumulators. A single row has only VECS of them per tile, too few to hide the
- * multiply-add latency (AVX2 waits on it); two tiles' worth keep the vector units busy. */
-#define DEFINE_QTILE_PAIR(NAME, BLOCK)                                                            \
-    static void NAME##_pair_1(const float *x, const float *sums, const uint8_t *w0,              \
-                              const uint8_t *w1, int64_t in, const float *b0, const float *b1,   \
-                              float *y0, float *y1, int64_t cols1) {                              \
-        vec acc[2][VECS];                                                                         \
-        for (int c = 0; c < VECS; c++) {                                                          \
-            acc[0][c] = b0 ? load_vec(b0 + c * LANES) : (vec){0};                                 \
-            acc[1][c] = b1 ? load_vec(b1 + c * LANES) : (vec){0};                                 \
-        }                                                                                         \
-        for (int64_t g = 0; g < in / GROUP; g++) {                                                \
-            const uint8_t *block0 = w0 + g * BLOCK, *block1 = w1 + g * BLOCK;                     \
-            vec part[2][VECS];                                                                    \
-            for (int c = 0; c < VECS; c++) part[0][c] = part[1][c] = (vec){0};                    \
+ * multiply-add latency; N tiles' worth keep the vector units busy. cols_last: the last tile's
+ * width (the others are whole). */
+#define DEFINE_QTILES(NAME, BLOCK, N)                                                             \
+    static void NAME##_tiles_##N(const float *x, const float *sums, const uint8_t *w, int64_t in, \
+                                 const float *bias, float *y, int64_t cols_last) {                \
+        const int64_t groups = in / GROUP, tile_bytes = groups * BLOCK;                           \
+        vec acc[N][VECS];                                                                         \
+        for (int n = 0; n < N; n++)                                                               \
+            for (int c = 0; c < VECS; c++)                                                        \
+                acc[n][c] = bias ? load_vec(bias + n * TILE + c * LANES) : (vec){0};              \
+        for (int64_t g = 0; g < groups; g++) {                                                    \
+            const uint8_t *block = w + g * BLOCK;                                                 \
+            vec part[N][VECS];                                                                    \
+            for (int n = 0; n < N; n++)                                                           \
+                for (int c = 0; c < VECS; c++) part[n][c] = (vec){0};                             \
             for (int j = 0; j < GROUP; j++) {                                                     \
-                vec wv0[VECS], wv1[VECS];                                                         \
-                NAME##_values(block0, j, wv0);                                                    \
-                NAME##_values(block1, j, wv1);                                                    \
                 const float xv = x[g * GROUP + j];                                                \
-                for (int c = 0; c < VECS; c++) {                                                  \
-                    part[0][c] += xv * wv0[c];                                                    \
-                    part[1][c] += xv * wv1[c];                                                    \
+                for (int n = 0; n < N; n++) {                                                     \
+                    vec wv[VECS];                                                                 \
+                    NAME##_values(block + n * tile_bytes, j, wv);                                 \
+                    for (int c = 0; c < VECS; c++) part[n][c] += xv * wv[c];                      \
                 }                                                                                 \
             }                                                                                     \
-            NAME##_finish(block0, part[0], sums[g], acc[0]);                                      \
-            NAME##_finish(block1, part[1], sums[g], acc[1]);                                      \
+            for (int n = 0; n < N; n++)                                                           \
+                NAME##_finish(block + n * tile_bytes, part[n], sums[g], acc[n]);                  \
         }                                                                                         \
-        store_cols(y0, acc[0], TILE);                                                             \
-        store_cols(y1, acc[1], cols1);                                                            \
+        for (int n = 0; n < N; n++) store_cols(y + n * TILE, acc[n], n < N - 1 ? TILE : cols_last); \
     }
+/* Tiles per one-row call: 4 on AVX2 and the generic build (16 registers: 8 accumulators, the
+ * converted weights and the broadcast input fit), 2 on AVX-512, whose wider vectors already
+ * give 2 tiles x 2 vectors x 16 lanes in flight. */
+#if LANES == 16
+#define ONE_ROW_TILES 2
+#else
+#define ONE_ROW_TILES 4
+#endif
+#define DEFINE_QTILE_SETS(NAME, BLOCK)                                                            \
+    DEFINE_QTILES(NAME, BLOCK, 2)                                                                 \
+    DEFINE_QTILES(NAME, BLOCK, 4)
 
-DEFINE_QTILE_PAIR(q4, Q4_BLOCK)
-DEFINE_QTILE_PAIR(q8, Q8_BLOCK)
-DEFINE_QTILE_PAIR(bf16, HALF_BLOCK)
-DEFINE_QTILE_PAIR(f16, HALF_BLOCK)
+DEFINE_QTILE_SETS(q4, Q4_BLOCK)
+DEFINE_QTILE_SETS(q8, Q8_BLOCK)
+DEFINE_QTILE_SETS(bf16, HALF_BLOCK)
+DEFINE_QTILE_SETS(f16, HALF_BLOCK)
 
 typedef void (*qrows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t,
                          const float *, float *, int64_t, int64_t);
 typedef void (*qgroup_fn)(const float *, int64_t, const float *, int64_t, int64_t, const uint8_t *,
                           const float *, float *);
-typedef void (*qpair_fn)(const float *, const float *, const uint8_t *, const uint8_t *, int64_t,
-                         const float *, const float *, float *, float *, int64_t);
+typedef void (*qtiles_fn)(const float *, const float *, const uint8_t *, int64_t, const float *,
+                          float *, int64_t);
 
 /* Per format code: the register row blocks of 8, 4, 2, 1 rows, the group blocks of GROUP_ROWS,
- * 4, 2, 1 rows and the one-row tile pair. */
+ * 4, 2, 1 rows and the one-row calls over 4 and 2 tiles. */
 static const qrows_fn REGISTER_FNS[N_FORMATS][4] = {
     [FORMAT_Q8_0] = {q8_rows_8, q8_rows_4, q8_rows_2, q8_rows_1},
     [FORMAT_Q4] = {q4_rows_8, q4_rows_4, q4_rows_2, q4_rows_1},
@@ -265,9 +277,9 @@ static const qgroup_fn GROUP_FNS[N_FORMATS][4] = {
     [FORMAT_Q8_0] = GROUP_FNS_OF(q8), [FORMAT_Q4] = GROUP_FNS_OF(q4),
     [FORMAT_BF16] = GROUP_FNS_OF(bf16), [FORMAT_F16] = GROUP_FNS_OF(f16),
 };
-static const qpair_fn PAIR_FNS[N_FORMATS] = {
-    [FORMAT_Q8_0] = q8_pair_1, [FORMAT_Q4] = q4_pair_1, [FORMAT_BF16] = bf16_pair_1,
-    [FORMAT_F16] = f16_pair_1,
+static const qtiles_fn TILES_FNS[N_FORMATS][2] = {
+    [FORMAT_Q8_0] = {q8_tiles_4, q8_tiles_2}, [FORMAT_Q4] = {q4_tiles_4, q4_tiles_2},
+    [FORMAT_BF16] = {bf16_tiles_4, bf16_tiles_2}, [FORMAT_F16] = {f16_tiles_4, f16_tiles_2},
 };
 
 /* Bytes of one (tile, group) block, or -1 for an unknown format. */
@@ -411,6 +423,33 @@ int tandem_qgemv_tile(void) { return TILE; }
 
 const char *tandem_qgemv_isa(void) { return TANDEM_ISA; }
 
+/* One row: the tiles split evenly over the threads, a pair at a time (a thread's share is whole
+ * pairs); each thread walks its share ONE_ROW_TILES tiles per call, then a pair, then the last
+ * odd tile alone. */
+static void one_row(int format, const float *x, const float *sums, const uint8_t *w,
+                    const float *bias, float *y, int64_t in, int64_t out, int threads) {
+    const int64_t tile_bytes = (in / GROUP) * tandem_qgemv_block_bytes(format);
+    const int64_t n_tiles = (out + TILE - 1) / TILE, pairs = (n_tiles + 1) / 2;
+    const qtiles_fn *tiles = TILES_FNS[format];
+    const qrows_fn single = REGISTER_FNS[format][3];
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t n = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t last_pair = 2 * (pairs * (id + 1) / n);
+        const int64_t end = last_pair < n_tiles ? last_pair : n_tiles;
+        for (int64_t t = 2 * (pairs * id / n); t < end;) {
+            const int64_t k = end - t >= ONE_ROW_TILES ? ONE_ROW_TILES : end - t >= 2 ? 2 : 1;
+            const int64_t rest = out - (t + k - 1) * TILE, cols_last = rest < TILE ? rest : TILE;
+            const float *bt = bias ? bias + t * TILE : NULL;
+            if (k == 1)
+                single(x, in, sums, w + t * tile_bytes, in, bt, y + t * TILE, out, cols_last);
+            else
+                tiles[k == 4 ? 0 : 1](x, sums, w + t * tile_bytes, in, bt, y + t * TILE, cols_last);
+            t += k;
+        }
+    }
+}
+
 /* x [rows, in] float32 (row stride ldx), w [n_tiles, in / 32, block] as above, bias
  * [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32. Returns 0, or -1 for an
  * unknown format or when the rows' accumulator buffer can't be allocated. */
@@ -421,7 +460,6 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
     const int by_groups = rows > REGISTER_ROWS;
     const int64_t sizes[4] = {8, 4, 2, 1};
     const qrows_fn *fns = REGISTER_FNS[format];
-    const qpair_fn pair = PAIR_FNS[format];
     const int64_t groups = in / GROUP;
     float small[8 * 64];
     float *sums = rows * groups <= (int64_t)(sizeof small / sizeof *small)
@@ -429,7 +467,11 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
                       : malloc((size_t)(rows * groups) * sizeof(float));
     if (!sums) return -1;
     group_sums(x, ldx, rows, in, sums);
-    const int64_t step = rows == 1 ? 2 : 1; /* one row: tiles in pairs (NAME##_pair_1) */
+    if (rows == 1) {
+        one_row(format, x, sums, w, bias, y, in, out, threads);
+        if (sums != small) free(sums);
+        return 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -439,17 +481,11 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < n_tiles; t += step) {
+        for (int64_t t = 0; t < n_tiles; t++) {
             const uint8_t *wt = w + t * groups * block;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             float *yt = y + t * TILE;
-            if (rows == 1 && t + 1 < n_tiles) { /* a tile pair: this one is whole */
-                const int64_t cols1 = out - (t + 1) * TILE < TILE ? out - (t + 1) * TILE : TILE;
-                pair(x, sums, wt, wt + groups * block, in, bt, bias ? bt + TILE : NULL, yt,
-                     yt + TILE, cols1);
-                continue;
-            }
             if (by_groups) {
                 if (accm) tile_by_groups(format, x, ldx, sums, wt, in, bt, yt, out, cols, rows, accm);
                 continue;
