@@ -133,6 +133,6 @@ def test_a_mixed_step_equals_the_padded_batch(backend: str) -> None:
     TorchPagedAttention.store_kv(k, v, *caches, meta)  # the reference: one padded batch
     padded = dataclasses.replace(meta, mixed=None, prefill_mask=_prefill_mask(
         query, context, torch.tensor(cached), torch.tensor(query), BLOCK, "cpu"))  # fmt: skip
-    expected = TorchPagedAttention._prefill(q, k, v, *caches, padded, 0.25)
+    expected = TorchPagedAttention().prefill(q, k, v, *caches, padded, 0.25)
     assert torch.allclose(got, expected, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))

@@ -1,6 +1,10 @@
-"""The C paged decode-attention kernel equals the torch reference, and ``auto`` picks it on CPU."""
+"""The C paged decode- and prefill-attention kernels equal the torch reference, a slow prefill
+kernel loses its autotune and is never called, and ``auto`` picks the kernels on CPU."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +12,7 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
 from services.engine.core.attention_backends import make_attention_backend
-from services.engine.core.kernels import cpu_paged_attention
+from services.engine.core.kernels import autotune, cpu_paged_attention
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from tests.conftest import native_kernel_or_skip
 
@@ -57,7 +61,130 @@ def test_decode_matches_torch_reference(
     assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
 
 
-def test_prefill_and_bfloat16_use_the_torch_path() -> None:
+def _prefill_step(
+    heads: int, kv_heads: int, dim: int, block: int, query_lens: list[int], context_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q/k/v for a prefill step (strided views of one fused projection, as the model
+    makes them), caches in the KV pool's strided layout with random cached prefixes, and its
+    metadata (block ids reversed per sequence, so a wrong table shows)."""
+    pool = torch.randn(200, 3, 2, block, kv_heads, dim)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    tables, next_id = [], 1
+    for n in context_lens:
+        need = -(-n // block)
+        tables.append(list(range(next_id, next_id + need))[::-1])
+        next_id += need
+    meta = AttentionMetadata.build(
+        is_prefill=True, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+        block_size=block,
+    )
+    tokens = sum(query_lens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    return q, k, v, k_cache, v_cache, pool, meta
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block", "query_lens", "context_lens", "q_scale"),
+    [
+        (9, 3, 64, 16, [200], [200], 1.0),  # SmolLM2's shape: one prompt, nothing cached
+        (9, 3, 64, 16, [37], [150], 1.0),  # a cached prefix (the prompt's tail of 37 rows)
+        (4, 2, 16, 4, [5, 70, 33, 1], [5, 170, 33, 9], 1.0),  # several prompts + a decode row
+        (6, 6, 32, 8, [17, 80], [17, 80], 1.0),  # multi-head attention
+        (14, 2, 64, 16, [21, 3], [90, 3], 1.0),  # 7 query heads per KV head
+        (4, 2, 128, 16, [65], [130], 1.0),  # head_dim 128 (Llama 3, Qwen); past a key tile
+        (9, 3, 64, 16, [80, 9], [80, 40], 60.0),  # peaked scores: most weights exactly 0
+    ],
+)
+def test_prefill_matches_torch_reference(
+    heads: int, kv_heads: int, dim: int, block: int, query_lens: list[int],
+    context_lens: list[int], q_scale: float,
+) -> None:  # fmt: skip
+    torch.manual_seed(sum(query_lens) + dim)
+    q, k, v, k_cache, v_cache, pool, meta = _prefill_step(heads, kv_heads, dim, block, query_lens,
+                                                          context_lens)  # fmt: skip
+    q.mul_(q_scale)
+    before = pool.clone()
+    expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+    stored = pool.clone()
+    pool.copy_(before)
+    calls = []
+    kernel = cpu_paged_attention.cpu_paged_prefill_attention
+    backend = CpuPagedAttention()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_paged_attention, "cpu_paged_prefill_attention",
+                      lambda *a: calls.append(1) or kernel(*a))  # fmt: skip
+        got = backend.forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+    assert calls  # the kernel ran, not the inherited reference
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
+    assert torch.equal(pool, stored)  # the step's K/V stored in the same slots, nothing else
+
+
+def test_prefill_rows_do_not_depend_on_the_other_prompts() -> None:
+    """A prompt's rows come out bit for bit the same alone or next to other prompts (each
+    kernel task reads one sequence), whatever the thread count."""
+    torch.manual_seed(3)
+    q, k, v, k_cache, v_cache, _, meta = _prefill_step(9, 3, 64, 16, [70, 130, 5], [90, 130, 5])
+    backend = CpuPagedAttention()
+    together = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            start = 0
+            for b, rows in enumerate(meta.query_lens):
+                alone = cpu_paged_attention.cpu_paged_prefill_attention(
+                    q[start : start + rows], k_cache, v_cache, meta.block_tables[b : b + 1],
+                    meta.context_lens[b : b + 1], [rows], 0.125,
+                )
+                assert torch.equal(alone, together[start : start + rows])
+                start += rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_kernel_rejects_what_it_does_not_take() -> None:
+    q, _, _, k_cache, v_cache, _, meta = _prefill_step(4, 2, 16, 4, [6], [6])
+    fn = cpu_paged_attention.cpu_paged_prefill_attention
+    with pytest.raises(ValueError, match="cover"):
+        fn(q, k_cache, v_cache, meta.block_tables, [6], [5], 1.0)
+    with pytest.raises(ValueError, match="context"):
+        fn(q, k_cache, v_cache, meta.block_tables, [5], [6], 1.0)
+    odd = torch.randn(6, 4, 24)  # head_dim 24: the backend sends it to the reference instead
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fn(odd, torch.randn(4, 4, 2, 24), torch.randn(4, 4, 2, 24), meta.block_tables, [6], [6], 1.0)
+
+
+def test_slow_prefill_kernel_loses_its_autotune_and_is_never_called(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # a fresh measurement
+    monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
+    monkeypatch.setattr(autotune, "_cpu_sample", lambda: None)
+    kernel, calls = cpu_paged_attention.cpu_paged_prefill_attention, []
+
+    def slow(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        time.sleep(0.005)
+        return kernel(*args)
+
+    monkeypatch.setattr(cpu_paged_attention, "cpu_paged_prefill_attention", slow)
+    backend = CpuPagedAttention()
+    backend.tune(4, 2, 16, 4)
+    assert calls and backend.prefill_regimes.measured
+    assert not any(backend.prefill_regimes.use_kernel)
+    assert all(ratio < 1 for ratio in backend.prefill_regimes.speedup)
+    calls.clear()
+    q, k, v, k_cache, v_cache, _, meta = _prefill_step(4, 2, 16, 4, [30, 9], [30, 20])
+    expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(backend.forward(q, k, v, k_cache, v_cache, meta, 0.25), expected)
+    assert not calls
+
+
+def test_bfloat16_uses_the_torch_path() -> None:
     torch.manual_seed(0)
     pool = torch.randn(8, 2, 4, 2, 16, dtype=torch.bfloat16)
     k_cache, v_cache = pool[:, 0], pool[:, 1]

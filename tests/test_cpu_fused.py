@@ -1,5 +1,5 @@
-"""The fused CPU decode ops equal the PyTorch ops they replace, and the model uses them only for
-a few float32 rows."""
+"""The fused CPU ops equal the PyTorch ops they replace, for decode batches and for prompts split
+between threads, and the model uses them for contiguous float32 rows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.core.kernels.cpu_fused import MAX_ROWS, CpuFused, load_cpu_fused
+from services.engine.core.kernels.cpu_fused import CpuFused, load_cpu_fused
 from services.engine.core.model import RMSNorm
 from services.engine.core.rope import RotaryEmbedding, apply_rotary
 from tests.conftest import native_kernel_or_skip
@@ -58,11 +58,48 @@ def test_silu_mul_and_rope_match_reference(fused: CpuFused, rows: int) -> None:
     assert torch.equal(qkv[:, 6 * 64 :], untouched)
 
 
-def test_applies_only_to_a_few_float32_rows(fused: CpuFused) -> None:
-    assert fused.applies(torch.zeros(MAX_ROWS, 8))
-    assert not fused.applies(torch.zeros(MAX_ROWS + 1, 8))
+def test_applies_to_contiguous_float32_rows(fused: CpuFused) -> None:
+    assert fused.applies(torch.zeros(1, 8)) and fused.applies(torch.zeros(4096, 8))
     assert not fused.applies(torch.zeros(2, 8, dtype=torch.bfloat16))
     assert not fused.applies(torch.zeros(8, 4).T)
+
+
+def test_prompt_sized_batches_split_between_threads_row_for_row(fused: CpuFused) -> None:
+    """A prompt's rows (past the threading threshold) equal the reference, and each row comes
+    out bit for bit as it does alone, on one thread or two."""
+    torch.manual_seed(11)
+    rows, n = 300, 576
+    norm = RMSNorm(n, 1e-5)
+    norm.weight.data = torch.randn(n)
+    x, h, gate_up = torch.randn(rows, n), torch.randn(rows, n), torch.randn(rows, 2 * 96)
+    rope = RotaryEmbedding(64, 512, 10000.0, None)
+    rope.reset_tables()
+    cos, sin = rope.lookup(torch.arange(rows), torch.float32)
+    qkv = torch.randn(rows, 8 * 64)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            total = torch.empty_like(x)
+            with torch.no_grad():
+                y = fused.add_rmsnorm(x, h, norm.weight, norm.eps, total)
+                assert torch.allclose(y, norm(x + h), atol=2e-6)
+            act = fused.silu_mul(gate_up)
+            assert torch.allclose(act, F.silu(gate_up[:, :96]) * gate_up[:, 96:], atol=1e-6)
+            rotated = qkv.clone()
+            qk = rotated[:, : 6 * 64].view(rows, 6, 64)
+            expected = apply_rotary(qkv[:, : 6 * 64].view(rows, 6, 64), cos, sin)
+            fused.rope_(qk, cos, sin)
+            assert torch.allclose(qk, expected, atol=1e-6)
+            for r in (0, 137, rows - 1):
+                one = torch.empty(1, n)
+                assert torch.equal(fused.add_rmsnorm(x[r : r + 1], h[r : r + 1], norm.weight, norm.eps, one), y[r : r + 1])
+                assert torch.equal(fused.silu_mul(gate_up[r : r + 1]), act[r : r + 1])
+                alone = qkv[r : r + 1].clone()
+                fused.rope_(alone[:, : 6 * 64].view(1, 6, 64), cos[r : r + 1], sin[r : r + 1])
+                assert torch.equal(alone, rotated[r : r + 1])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_model_tokens_equal_with_and_without_fused_ops(fused: CpuFused, tiny_llama_dir) -> None:  # type: ignore[no-untyped-def]

@@ -4,7 +4,7 @@ Per build: the float32, q8_0, q4, bfloat16 and float16 kernels equal a float64 r
 compact ones on the dequantized weight, both the few-rows register path and the group-by-group path);
 every one of the 65,536 bfloat16 and float16 bit patterns widens exactly; a row's result
 does not depend on its batch mates (one row, 4- and 2-tile sets, register blocks, group blocks); tiling round-trips; the
-decode-attention kernel equals the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
+decode- and prefill-attention kernels equal the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
 is a clear build error and the loaders fall back to PyTorch.
 """
 
@@ -242,6 +242,22 @@ def test_attention_kernel_matches_torch_reference(isa: str, monkeypatch: pytest.
         got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
         assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
         assert torch.equal(pool, stored)  # the same slots written, nothing else touched
+
+        # prefill: a cached prefix, a prompt past one key tile, and a decode row in one step
+        dim, query_lens, context_lens = 32, [9, 70, 1], [30, 70, 5]
+        tables = [[12, 3, 6, 1, 8, 10, 13, 2], list(range(31, 13, -1)), [11, 4]]
+        pool = torch.randn(32, 2, 2, block, kv_heads, dim)
+        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        meta = AttentionMetadata.build(
+            is_prefill=True, query_lens=query_lens, context_lens=context_lens,
+            block_tables=tables, block_size=block,
+        )  # fmt: skip
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, heads, dim)
+        k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+        expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
+        assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
     finally:
         cpu_paged_attention.load_cpu_attention.cache_clear()
 

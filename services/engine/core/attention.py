@@ -212,8 +212,8 @@ class PagedAttention(ABC):
 class TorchPagedAttention(PagedAttention):
     """Reference path: gather each sequence's blocks and call ``scaled_dot_product_attention``.
 
-    Decode kernels subclass it and override :meth:`decode` only: storing K/V and prefill stay
-    here, shared.
+    Kernels subclass it and override :meth:`decode` and :meth:`prefill` (either falls back to
+    this reference for inputs its kernel does not take); storing K/V stays here, shared.
     """
 
     def forward(
@@ -231,12 +231,12 @@ class TorchPagedAttention(PagedAttention):
             return self.decode(q, k_cache, v_cache, meta, scale)
         split = meta.mixed
         if split is None:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return self.prefill(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)  # K/V of every row are stored: the halves only read the cache
         out[split.decode_rows] = self.decode(q[split.decode_rows], k_cache, v_cache, split.decode,
                                              scale)  # fmt: skip
         rows = split.prefill_rows
-        out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill, scale)
+        out[rows] = self.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill, scale)
         return out
 
     @staticmethod
@@ -251,8 +251,8 @@ class TorchPagedAttention(PagedAttention):
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
 
-    @staticmethod
-    def _prefill(
+    def prefill(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,

@@ -1,22 +1,29 @@
-/* Small fused float32 ops for CPU decode: residual add + RMSNorm, SwiGLU's silu(gate) * up, and
- * the rotary embedding, each one pass over its rows instead of 3-6 PyTorch ops.
+/* Small fused float32 ops for CPU decode and prefill: residual add + RMSNorm, SwiGLU's
+ * silu(gate) * up, and the rotary embedding, each one pass over its rows instead of 3-6 PyTorch
+ * ops.
  *
  * At batch-1 decode a layer's element-wise work is a few thousand floats, so its cost is the
  * number of ops, not the arithmetic: each PyTorch op costs microseconds of dispatch whatever its
- * size, and a small model's decode step is ~30% such overhead. These run single-threaded (a
- * decode batch's rows are short) and are used for decode-sized batches only (MAX_ROWS in
- * cpu_fused.py).
+ * size, and a small model's decode step is ~30% such overhead. A prompt's rows are many, and
+ * there the cost is memory traffic: one pass instead of 3-6 (each PyTorch op reads and writes the
+ * whole [rows, n] tensor). Batches of PARALLEL_ROWS rows or more split their rows between the
+ * OpenMP threads (PyTorch's own runtime and thread count); a decode batch runs on the calling
+ * thread (and inside cpu_decode_layers.c's one-call steps).
  * Arithmetic follows the PyTorch reference (float32, same formulas); sums run in a different
- * order, so results match it to float32 rounding, not bit for bit.
+ * order, so results match it to float32 rounding, not bit for bit. A row's result never depends
+ * on the other rows or on the thread count.
  */
 #include <math.h>
 
 #include "tandem_simd.h"
 
+#define PARALLEL_ROWS 64
+
 /* With h: s = x + h (the residual stream; s may be x), else s = x. Then
  * y = w * (s * 1/sqrt(mean(s^2) + eps)). x, h, s, y: [rows, n] contiguous; w: [n]. */
 void tandem_add_rmsnorm(const float *x, const float *h, float *s, const float *w, float *y,
                         int64_t rows, int64_t n, float eps) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
@@ -52,6 +59,7 @@ void tandem_add_rmsnorm(const float *x, const float *h, float *s, const float *w
  * silu(g) = g / (1 + exp(-g)) with the vector exp (exp(-g) clamped at exp(88): g / huge is the
  * same -0 that expf's inf gives). */
 void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * n, *u = g + n;
         float *yr = y + r * n;
@@ -70,6 +78,7 @@ void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
 void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int64_t rows,
                  int64_t heads, int64_t d) {
     const int64_t half = d / 2;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + r * d, *s = sin + r * d;
         for (int64_t hd = 0; hd < heads; hd++) {

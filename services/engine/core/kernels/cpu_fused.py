@@ -1,10 +1,12 @@
-"""Python side of the fused element-wise CPU ops (``cpu_fused.c``) that the model uses in decode.
+"""Python side of the fused element-wise CPU ops (``cpu_fused.c``) that the model uses.
 
-:class:`CpuFused` replaces, for decode-sized float32 batches (at most :data:`MAX_ROWS` rows), the
-residual add + RMSNorm, SwiGLU's ``silu(gate) * up`` and the rotary embedding with one C call each
-(3-6 PyTorch ops each otherwise). :func:`load_cpu_fused` builds it once per process for the
-selected instruction set or returns ``None`` (``TANDEM_CPU_KERNELS=0``, no compiler); the model
-then keeps its PyTorch ops, which stay the reference the fused ones are tested against.
+:class:`CpuFused` replaces, for float32 batches, the residual add + RMSNorm, SwiGLU's
+``silu(gate) * up`` and the rotary embedding with one C call each (3-6 PyTorch ops each
+otherwise): at decode sizes that saves per-op dispatch, at prompt sizes whole passes over memory
+(a prompt's rows are split between the threads). :func:`load_cpu_fused` builds it once per
+process for the selected instruction set or returns ``None`` (``TANDEM_CPU_KERNELS=0``, no
+compiler); the model then keeps its PyTorch ops, which stay the reference the fused ones are
+tested against.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import torch
 from services.engine.core.kernels.native_build import load_kernel
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-# decode-sized batches: single-threaded C ops beat PyTorch's dispatch-bound ones up to here (and a
-# whole-layer C step needs them), while prefill-sized batches keep PyTorch's threaded ops
+# the largest decode batch a whole-layer C step (cpu_decode_layers) takes
 MAX_ROWS = 32
 # the batch sizes at which the one-call decode layers are timed against the per-op path
 DECODE_LAYER_ROWS = (1, 8, MAX_ROWS)
@@ -45,14 +46,8 @@ class CpuFused:
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
-        """Whether ``x`` (``[rows, n]``) is a batch these ops take: float32, CPU, contiguous, few rows."""
-        return (
-            x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and x.dim() == 2
-            and x.shape[0] <= MAX_ROWS
-            and x.is_contiguous()
-        )
+        """Whether ``x`` (``[rows, n]``) is a batch these ops take: float32, CPU, contiguous."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
 
     def add_rmsnorm(
         self,

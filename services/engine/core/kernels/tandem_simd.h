@@ -104,7 +104,17 @@ static inline void nibbles_to_float(const uint8_t *p, vec *low, vec *high) {
 }
 
 
-static inline vec splat(float x) { return (vec){0} + x; }
+/* x in every lane. Not (vec){0} + x: 0 + x is not x for x = -0, so that compiles to a scalar add
+ * before the broadcast (a broadcast in a kernel's inner loop then costs two instructions). */
+static inline vec splat(float x) {
+#if LANES == 16
+    return (vec){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif LANES == 8
+    return (vec){x, x, x, x, x, x, x, x};
+#else
+    return (vec){x, x, x, x};
+#endif
+}
 
 /* Sum of the lanes as a tree (halves, then quarters, ...), not LANES dependent adds. */
 static inline float hsum(vec v) {
