@@ -163,11 +163,22 @@ def hf_prefill(model: torch.nn.Module, length: int) -> float:
     return length / _best(lambda: model(ids, logits_to_keep=1), repeats=3)
 
 
-def transformers_row(source: ModelSource, args: argparse.Namespace) -> Row:
+def load_transformers(source: ModelSource) -> torch.nn.Module:
+    """Hugging Face's float32 model on the same GGUF (the benchmarks' baseline)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(source.path)
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def hf_prefill_forward(source: ModelSource, prompt: list[int]) -> Callable[[], object]:
+    """One call of :func:`hf_prefill`'s forward over ``prompt``, for timing loops of its own."""
+    model, ids = load_transformers(source), torch.tensor([prompt])
+    return lambda: model(ids, logits_to_keep=1)
+
+
+def transformers_row(source: ModelSource, args: argparse.Namespace) -> Row:
+    hf = load_transformers(source)
     row: Row = {f"decode b={b}": hf_decode(hf, b, args.decode_tokens) for b in args.batches}
     row["prefill"] = hf_prefill(hf, args.prefill_length)
     return row
@@ -268,13 +279,21 @@ def _kernel_isa(loaded: LoadedModel) -> str:
     return "no native kernel"
 
 
-def _without_native_kernels(source: ModelSource) -> LoadedModel:
-    """The float32 model on the paths ``TANDEM_CPU_KERNELS=0`` gives: torch attention, and weights
-    packed for the split ``bmm``."""
-    loaded = load_model(source, torch.float32, attention="torch")
+@contextmanager
+def native_kernels_off() -> Iterator[None]:
+    """``TANDEM_CPU_KERNELS=0`` for the block. Hold it while the no-native-kernels row's engines
+    are *built*, not only while its model loads: an engine picks the fused element-wise ops and
+    the argmax when it is built, and a row whose engines were built with the kernels on ran
+    those C ops (the baseline of the tables before 2026-11-23's prefill-attention section)."""
     with _environment("TANDEM_CPU_KERNELS", "0"):
-        LLMEngine(loaded, EngineConfig(num_blocks=8))  # packs the weights with the plan of now
-    return loaded
+        yield
+
+
+def _without_native_kernels(source: ModelSource) -> LoadedModel:
+    """The float32 model on the paths ``TANDEM_CPU_KERNELS=0`` gives (torch attention; the split
+    ``bmm`` once an engine packs it): load it and build its engines under
+    :func:`native_kernels_off`."""
+    return load_model(source, torch.float32, attention="torch")
 
 
 def decode_weight_bytes(loaded: LoadedModel) -> int:
@@ -325,7 +344,8 @@ def measure_tandem(
     run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({_kernel_isa(m)})")
     run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({_kernel_isa(m)})")
     with _environment("TANDEM_CPU_ISA", isas[0]):
-        rows[NO_KERNELS] = tandem_row(_without_native_kernels(source), args)
+        with native_kernels_off():
+            rows[NO_KERNELS] = tandem_row(_without_native_kernels(source), args)
         print(f"measured {NO_KERNELS}", file=sys.stderr, flush=True)
     return rows, weight_bytes
 
