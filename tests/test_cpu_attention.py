@@ -119,7 +119,10 @@ def test_prefill_matches_torch_reference(
         got = backend.forward(q, k, v, k_cache, v_cache, meta, dim**-0.5)
     assert calls  # the kernel ran, not the inherited reference
     assert got.shape == expected.shape
-    assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
+    # a score's rounding grows with its size (q_scale), and softmax passes it on: the generic
+    # build (SSE2, a multiply and an add per term, no FMA) differed by 3.4e-5 at q_scale 60
+    tolerance = 2e-6 * q_scale
+    assert torch.allclose(got, expected, atol=tolerance), (got - expected).abs().max()
     assert torch.equal(pool, stored)  # the step's K/V stored in the same slots, nothing else
 
 
