@@ -56,15 +56,21 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.kernel_settings import (  # noqa: E402
+    environment,
+    isa_variants,
+    kernel_isa,
+    native_kernels_off,
+    without_native_kernels,
+)
 from bench.llama_cpp_baseline import (  # noqa: E402
     llama_cpp_available,
     llama_cpp_decode,
@@ -75,10 +81,8 @@ from bench.llama_cpp_baseline import (  # noqa: E402
 from services.common.model_source import ModelSource, resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
-from services.engine.core.kernels.loaded import forget_loaded_kernels  # noqa: E402
 from services.engine.core.kernels.native_build import (  # noqa: E402
     ISAS,
-    NativeBuildError,
     selected_isa,
     supported_isas,
 )
@@ -223,79 +227,6 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-# --- kernel and instruction set control -----------------------------------------------------
-
-
-def _clear_kernel_caches() -> None:
-    """Forget the loaded kernels, so the next load reads ``TANDEM_CPU_*`` again."""
-    forget_loaded_kernels()
-
-
-@contextmanager
-def _environment(name: str, value: str) -> Iterator[None]:
-    """Set ``name`` (and reload the kernels) for the block; restore the previous value after.
-
-    Hold it for a variant's whole measurement: kernels load when each engine is built.
-    """
-    before = os.environ.get(name)
-    os.environ[name] = value
-    _clear_kernel_caches()
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-        _clear_kernel_caches()
-
-
-def isa_variants(requested: list[str] | None) -> list[str]:
-    """Instruction sets to measure, best first: ``TANDEM_CPU_ISA`` alone when set, else the
-    supported sets (restricted to ``requested``)."""
-    if os.environ.get("TANDEM_CPU_ISA", "").strip():
-        try:
-            forced = selected_isa()
-        except NativeBuildError as exc:  # not a set, or one this CPU lacks
-            raise SystemExit(str(exc)) from exc
-        if requested and requested != [forced]:
-            print(f"TANDEM_CPU_ISA={forced} is set: ignoring --isa {' '.join(requested)}",
-                  file=sys.stderr)
-        return [forced]
-    supported = supported_isas()
-    if not requested:
-        return supported
-    missing = sorted(set(requested) - set(supported))
-    if missing:
-        raise SystemExit(f"--isa {' '.join(missing)}: this CPU supports only {', '.join(supported)}")
-    return [isa for isa in supported if isa in requested]
-
-
-def _kernel_isa(loaded: LoadedModel) -> str:
-    """The instruction set of the kernel the model's linear layers were packed for."""
-    for module in loaded.model.modules():
-        if isinstance(module, Linear) and module.kernel is not None:
-            return module.kernel.isa
-    return "no native kernel"
-
-
-@contextmanager
-def native_kernels_off() -> Iterator[None]:
-    """``TANDEM_CPU_KERNELS=0`` for the block. Hold it while the no-native-kernels row's engines
-    are *built*, not only while its model loads: an engine picks the fused element-wise ops and
-    the argmax when it is built, and a row whose engines were built with the kernels on ran
-    those C ops (the baseline of the tables before 2026-11-23's prefill-attention section)."""
-    with _environment("TANDEM_CPU_KERNELS", "0"):
-        yield
-
-
-def _without_native_kernels(source: ModelSource) -> LoadedModel:
-    """The float32 model on the paths ``TANDEM_CPU_KERNELS=0`` gives (torch attention; the split
-    ``bmm`` once an engine packs it): load it and build its engines under
-    :func:`native_kernels_off`."""
-    return load_model(source, torch.float32, attention="torch")
-
-
 def decode_weight_bytes(loaded: LoadedModel) -> int:
     """Bytes of Linear-layer weights (the LM head included) one batch-1 decode step reads, as
     packed for it: kernel tiles with their scales, the split layout, or the plain weight. The
@@ -329,7 +260,7 @@ def measure_tandem(
     weight_bytes: dict[str, int] = {}
 
     def run(dtype: str, isa: str, label: Callable[[LoadedModel], str]) -> None:
-        with _environment("TANDEM_CPU_ISA", isa):
+        with environment("TANDEM_CPU_ISA", isa):
             loaded = load_model(source, dtype)
             row = tandem_row(loaded, args)
             name = label(loaded)
@@ -338,14 +269,14 @@ def measure_tandem(
         print(f"measured {name}", file=sys.stderr, flush=True)
 
     for isa in isas:
-        run("auto", isa, lambda m: f"Tandem auto ({m.weight_format}, {_kernel_isa(m)})")
+        run("auto", isa, lambda m: f"Tandem auto ({m.weight_format}, {kernel_isa(m)})")
     for isa in isas:
-        run("float32", isa, lambda m: f"Tandem float32 ({_kernel_isa(m)})")
-    run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({_kernel_isa(m)})")
-    run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({_kernel_isa(m)})")
-    with _environment("TANDEM_CPU_ISA", isas[0]):
+        run("float32", isa, lambda m: f"Tandem float32 ({kernel_isa(m)})")
+    run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({kernel_isa(m)})")
+    run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({kernel_isa(m)})")
+    with environment("TANDEM_CPU_ISA", isas[0]):
         with native_kernels_off():
-            rows[NO_KERNELS] = tandem_row(_without_native_kernels(source), args)
+            rows[NO_KERNELS] = tandem_row(without_native_kernels(source), args)
         print(f"measured {NO_KERNELS}", file=sys.stderr, flush=True)
     return rows, weight_bytes
 

@@ -31,12 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.engine_throughput import (  # noqa: E402
-    _without_native_kernels,
-    hf_prefill_forward,
-    native_kernels_off,
-    random_prompts,
-)
+from bench.engine_throughput import hf_prefill_forward, random_prompts  # noqa: E402
+from bench.kernel_settings import native_kernels_off, without_native_kernels  # noqa: E402
 from services.common.model_source import resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -68,7 +64,7 @@ def main() -> int:
                               enable_prefix_caching=False)  # fmt: skip
         if name == NO_KERNELS:
             with native_kernels_off():
-                engine = LLMEngine(_without_native_kernels(source), config)
+                engine = LLMEngine(without_native_kernels(source), config)
         else:
             engine = LLMEngine(load_model(source, name), config)
         runs[name] = functools.partial(engine.generate, [prompt], params)
