@@ -14,6 +14,8 @@ with one row per configuration, in this order:
    instruction set variant (native CPU kernels built for that set);
 2. ``Tandem float32 (<isa>)`` — once per instruction set variant;
 3. ``Tandem q8_0 (<isa>)`` — the GGUF re-quantized to Q8_0, for the selected set only;
+   ``Tandem q4_a8 (<isa>)`` — the 4-bit weights with prompt-sized matmuls over int8 activations
+   (the opt-in dtype), for the selected set only, when the GGUF has 4-bit weights;
 4. ``Tandem float32, no native kernels`` — PyTorch matmuls and attention only, the paths
    ``TANDEM_CPU_KERNELS=0`` gives;
 5. ``Tandem bfloat16 (<isa>)`` — 16-bit weights, float32 activations (CPU's weight-only
@@ -78,6 +80,7 @@ from bench.llama_cpp_baseline import (  # noqa: E402
     llama_cpp_quant_type,
     random_prompts,
 )
+from services.common.errors import ModelLoadError  # noqa: E402
 from services.common.model_source import ModelSource, resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -273,6 +276,12 @@ def measure_tandem(
     for isa in isas:
         run("float32", isa, lambda m: f"Tandem float32 ({kernel_isa(m)})")
     run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({kernel_isa(m)})")
+    try:
+        resolve_dtype("q4_a8", source)
+    except ModelLoadError:
+        pass  # no 4-bit weights in this checkpoint
+    else:
+        run("q4_a8", isas[0], lambda m: f"Tandem q4_a8 ({kernel_isa(m)})")
     run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({kernel_isa(m)})")
     with environment("TANDEM_CPU_ISA", isas[0]):
         with native_kernels_off():

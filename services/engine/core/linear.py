@@ -20,6 +20,10 @@ same way), so there is never a second resident copy of the weight.
 
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
+
+With ``PackPlan.a8kernel`` (``--dtype q4_a8``, an opt-in) a 4-bit layer also binds
+:mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles, and runs it for more than
+:data:`INT8_MIN_ROWS` rows (a prompt chunk) when it measured faster than the weight-only path there.
 """
 
 from __future__ import annotations
@@ -34,19 +38,26 @@ from torch import nn
 from services.engine.core.kernels.autotune import MARGIN, REGIME_ROWS, KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import LinearTiles
 from services.engine.core.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
+from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, load_cpu_q4a8_gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
-from services.engine.core.quant.quantized_weight import QuantizedWeight
+from services.engine.core.quant.quantized_weight import FORMAT_Q4, QuantizedWeight
+
+# Matmuls over at least this many rows (the prefill regime of the autotune) round their inputs to
+# int8 when the plan has the 8-bit-activation kernel; decode batches up to 32 rows stay float32.
+INT8_MIN_ROWS = REGIME_ROWS[-2] + 1
 
 @dataclass(frozen=True, slots=True)
 class PackPlan:
     """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
     (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
-    kernels against PyTorch on the model's shapes and keeps the faster path per row count."""
+    kernels against PyTorch on the model's shapes and keeps the faster path per row count;
+    ``a8kernel`` (opt-in) runs prompt-sized matmuls of 4-bit layers over int8 activations."""
 
     splits: int = 0
     kernel: CpuGemv | None = None
     qkernel: CpuQGemv | None = None
     autotune: bool = False
+    a8kernel: CpuQ4A8Gemm | None = None
 
 
 class Linear(nn.Linear):
@@ -65,6 +76,7 @@ class Linear(nn.Linear):
         self.regimes = KernelRegimes()  # kernel everywhere until pack_linears measures
         self._packed_format = ""
         self._qcall: QGemvCall | None = None
+        self._a8call: Q4A8Call | None = None
 
     @property
     def weight_format(self) -> str:
@@ -99,6 +111,8 @@ class Linear(nn.Linear):
             self._qcall = plan.qkernel.bind(
                 self.packed, self._packed_format, self.packed_bias, self.out_features
             )
+            if plan.a8kernel is not None and self._packed_format == FORMAT_Q4:
+                self._a8call = plan.a8kernel.bind(self.packed, self.packed_bias, self.out_features)
             return
         if self.weight.dtype != torch.float32:
             return
@@ -127,7 +141,18 @@ class Linear(nn.Linear):
         if serves_all and not getattr(self.weight, "_tandem_shared", False):
             self.weight.data = self.weight.data.new_empty(0)
 
+    @property
+    def int8_activations(self) -> bool:
+        """Whether inputs of :data:`INT8_MIN_ROWS` or more rows are rounded to int8 here."""
+        return self._a8call is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._a8call is not None and x.dim() == 2 and x.shape[0] >= INT8_MIN_ROWS:
+            return self._a8call(x)
+        return self.float_forward(x)
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The float32-activation path for ``x``'s row count (kernel or PyTorch, as measured)."""
         if x.dim() != 2:
             return self.torch_forward(x)
         if self.packed is not None and self.regimes.kernel_for(x.shape[0]):
@@ -141,6 +166,12 @@ class Linear(nn.Linear):
         if self.kernel is None or self.packed is None:
             raise RuntimeError("kernel_forward on a layer that pack() gave no kernel")
         return self.kernel(x, self.packed, self.packed_bias, self.out_features)
+
+    def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The 8-bit-activation kernel (``pack`` must have bound it)."""
+        if self._a8call is None:
+            raise RuntimeError("int8_forward on a layer without the 8-bit-activation kernel")
+        return self._a8call(x)
 
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The PyTorch path: split ``bmm``, ``F.linear``, or dequantize-then-``F.linear``."""
@@ -278,6 +309,19 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
         layer.regimes = regimes
         if fmt == "float32" and not regimes.any_torch():
             layer.split = None  # the kernel won everywhere: no second layout to keep
+    if plan.a8kernel is not None and layers[0].int8_activations:
+        int8 = choose_regimes(
+            f"{fmt} int8-activations {shape}",
+            isa=plan.a8kernel.isa,
+            build=plan.a8kernel.build,
+            shapes=[(layer.out_features, layer.in_features) for layer in layers],
+            run_kernel=_runner(timed, Linear.int8_forward),
+            run_torch=_runner(timed, Linear.float_forward),
+            rows=REGIME_ROWS[-1:],
+        )
+        if not int8.use_kernel[0]:
+            for layer in layers:
+                layer._a8call = None  # slower than float32 activations here: never runs
 
 
 def _runner(
@@ -297,8 +341,15 @@ def _runner(
     return run
 
 
-def pack_plan(device: torch.device, dtype: torch.dtype, *, autotune: bool = True) -> PackPlan | None:
-    """The CPU fast paths for this device and activation dtype, or ``None`` to keep ``F.linear``."""
+def pack_plan(
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    autotune: bool = True,
+    int8_activations: bool = False,
+) -> PackPlan | None:
+    """The CPU fast paths for this device and activation dtype, or ``None`` to keep ``F.linear``;
+    ``int8_activations`` adds the 4-bit x 8-bit kernel for prompt-sized matmuls (``q4_a8``)."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
     threads = torch.get_num_threads()
@@ -307,4 +358,5 @@ def pack_plan(device: torch.device, dtype: torch.dtype, *, autotune: bool = True
         kernel=load_cpu_gemv(),
         qkernel=load_cpu_qgemv(),
         autotune=autotune,
+        a8kernel=load_cpu_q4a8_gemm() if int8_activations else None,
     )

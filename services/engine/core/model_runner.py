@@ -41,7 +41,7 @@ class ModelRunner:
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
         self.graphs: DecodeGraphs | None = None
-        plan = pack_plan(self.device, loaded.dtype)
+        plan = pack_plan(self.device, loaded.dtype, int8_activations=loaded.int8_activations)
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
             fused = load_cpu_fused()

@@ -13,6 +13,10 @@ Weight dtypes (``--dtype``):
   HF and float ones included, quantized to Q8_0 at load);
 * ``q4``: a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) as stored, its Q8_0 blocks as stored, any
   other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
+* ``q4_a8`` (opt-in): ``q4``'s weights, and steps of more than 32 rows (prompt chunks) round
+  their activations to int8 per group of 32 for the 4-bit matrices, as llama.cpp does: integer
+  multiply-adds, about twice the float32 rate on AVX2; decode steps of up to 32 rows stay
+  float32. Not the default: it moves the logits (measured in the README);
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
   or AVX-512, the format the checkpoint already stores: ``q4`` for 4-bit GGUFs, ``q8_0`` for other
   quantized ones, ``bfloat16`` / ``float16`` (weight-only) for matrices stored in that 16-bit
@@ -52,7 +56,9 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF_DTYPES = ("bfloat16", "float16")
 QUANT_DTYPES = ("q8_0", "q4")
-DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES)
+# the weights each 8-bit-activation dtype holds (its prompt-sized matmuls round x to int8)
+INT8_ACTIVATION_DTYPES = {"q4_a8": "q4"}
+DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES, *INT8_ACTIVATION_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 _HALF_TYPES = {"BF16": "bfloat16", "F16": "float16"}  # GGUF and safetensors spell them alike
@@ -68,6 +74,11 @@ class LoadedModel:
     dtype: torch.dtype  # activations and KV cache
     weight_format: str = "float32"  # a name from DTYPE_CHOICES other than auto
 
+    @property
+    def int8_activations(self) -> bool:
+        """Whether prompt-sized matmuls round their inputs to int8 (``q4_a8``)."""
+        return self.weight_format in INT8_ACTIVATION_DTYPES
+
 
 def parse_dtype(name: str) -> str:
     """Check a ``--dtype`` name (see the module docstring); a ModelLoadError for anything else."""
@@ -80,6 +91,9 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
     """The concrete dtype ``name`` means for ``source`` on ``device`` (``auto`` resolved)."""
     name = parse_dtype(name)
     kind = torch.device(device).type
+    if name in INT8_ACTIVATION_DTYPES:
+        resolve_dtype(INT8_ACTIVATION_DTYPES[name], source, device)  # the same weight checks
+        return name
     if name in QUANT_DTYPES:
         if kind != "cpu":
             raise ModelLoadError(f"{name} weights run on CPU only, not {kind}")
@@ -125,11 +139,12 @@ def load_model(
     source = resolve_model(model) if isinstance(model, str) else model
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     weight_format = resolve_dtype(name, source, device)
+    weights = INT8_ACTIVATION_DTYPES.get(weight_format, weight_format)
     on_cpu = torch.device(device).type == "cpu"
-    compact = weight_format in QUANT_DTYPES or (on_cpu and weight_format in HALF_DTYPES)
-    quantize = weight_format if compact else None  # linear and embedding weights' storage
+    compact = weights in QUANT_DTYPES or (on_cpu and weights in HALF_DTYPES)
+    quantize = weights if compact else None  # linear and embedding weights' storage
     gguf_blocks = quantize if quantize in QUANT_DTYPES else None  # kept as the file stores them
-    compute = torch.float32 if compact else DTYPES[weight_format]
+    compute = torch.float32 if compact else DTYPES[weights]
     backend = make_attention_backend(attention, device)
     if source.kind == "dummy":
         config = dummy_config(source.path)

@@ -1,0 +1,285 @@
+/* y = x @ W^T (+ bias) for many rows over 4-bit weights with 8-bit activations (prefill, opt-in).
+ *
+ * The weight-only kernel (cpu_qgemv.c) keeps activations float32, so a prompt's matmuls cost
+ * float32 multiply-adds: on an AVX2 CPU two 8-lane FMAs a cycle, which PyTorch's SGEMM already
+ * nearly reaches. This kernel rounds each row of x to int8 per group of 32 inputs, as llama.cpp
+ * does (Q8 activations: d = max|x| / 127, q = round(x / d)), and multiplies the weight's 4-bit
+ * values by them in integers: vpmaddubsw makes 32 (AVX2) or 64 (AVX-512) 8-bit products a
+ * cycle's slot, summed in 16-bit lanes over a group (8 steps of <= 2 * 15 * 127 stay below
+ * 2^15), then vpmaddwd widens them to one int32 per output. Per group and output:
+ *   y += (scale[o, g] * d[g]) * sum_j q[o, j] qx[j] + min[o, g] * (d[g] * sum_j qx[j])
+ * i.e. exactly the rounded row times the weight. The offset term takes the sum of the rounded
+ * inputs, as llama.cpp's Q8_1 does, not the exact sum of x: a 4-bit weight's offset is about
+ * -8 scales, so mixing the exact sum with rounded products leaves min * sum(rounding errors)
+ * uncancelled (measured on SmolLM2: layer outputs 2-7x further from float32, KL 0.02 instead of
+ * 0.004). This still changes the numbers: an opt-in, never what --dtype q4 runs.
+ *
+ * Weights are cpu_qgemv.c's q4 tiles, read as they are: a thread repacks one tile at a time into
+ * a panel (per group: [8 k-quads][TILE outputs][4 inputs] bytes, the order vpmaddubsw pairs them
+ * in) in its own buffer, then runs every row block over it. The repack costs a few instructions
+ * per 64 weights once per call; the panel (in / 32 * 512 bytes on AVX2) stays in L1/L2 while
+ * all rows pass. No second copy of the weight is kept.
+ *
+ * Register blocks: Q8_ROWS rows x TILE outputs (two integer vectors): AVX-512 4 rows, AVX2 3.
+ * The generic build (no byte multiply-add) emulates vpmaddubsw lane by lane: correct, slow, and
+ * the autotune then keeps the float path.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "tandem_simd.h"
+
+#define GROUP 32
+#define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
+#define PANEL_GROUP (GROUP * TILE) /* one group of a tile's panel: [8][TILE][4] bytes */
+#ifndef KSTEP_UNROLL
+#define KSTEP_UNROLL 2 /* measured on Zen 3 (AVX2): 3 rows x by 2 150 GMAC/s; by 1 119, by 7 101 */
+#endif
+#define PRAGMA(text) _Pragma(#text)
+#define UNROLL(n) PRAGMA(GCC unroll n)
+#define UNROLL_BY(n) UNROLL(n) /* n macro-expanded first */
+
+#if defined(__AVX512F__)
+#ifndef Q8_ROWS
+#define Q8_ROWS 4
+#endif
+typedef __m512i ivec;
+static inline ivec load_i(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline ivec quad_i(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+static inline ivec maddubs(ivec u, ivec s) { return _mm512_maddubs_epi16(u, s); }
+static inline ivec add_i16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
+static inline int_vec widen_pairs(ivec a) { return (int_vec)_mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
+#elif defined(__AVX2__)
+#ifndef Q8_ROWS
+#define Q8_ROWS 3 /* 6 partial sums + 6 accumulators + 2 weights + 1 broadcast of 16 registers */
+#endif
+typedef __m256i ivec;
+static inline ivec load_i(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline ivec quad_i(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+static inline ivec maddubs(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
+static inline ivec add_i16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
+static inline int_vec widen_pairs(ivec a) { return (int_vec)_mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+#else
+#define Q8_ROWS 2
+typedef int16_t ivec __attribute__((vector_size(LANES * 4)));
+typedef uint8_t u8_quads __attribute__((vector_size(LANES * 4)));
+typedef int8_t s8_quads __attribute__((vector_size(LANES * 4)));
+static inline ivec load_i(const uint8_t *p) { ivec v; memcpy(&v, p, sizeof v); return v; }
+static inline ivec quad_i(const int8_t *p) {
+    s8_quads v;
+    for (int i = 0; i < LANES * 4; i++) v[i] = p[i % 4];
+    return (ivec)v;
+}
+static inline ivec maddubs(ivec u, ivec s) {
+    const u8_quads a = (u8_quads)u;
+    const s8_quads b = (s8_quads)s;
+    ivec r;
+    for (int i = 0; i < LANES * 2; i++) r[i] = (int16_t)(a[2 * i] * b[2 * i] + a[2 * i + 1] * b[2 * i + 1]);
+    return r;
+}
+static inline ivec add_i16(ivec a, ivec b) { return a + b; }
+static inline int_vec widen_pairs(ivec a) {
+    int_vec r;
+    for (int i = 0; i < LANES; i++) r[i] = (int32_t)a[2 * i] + a[2 * i + 1];
+    return r;
+}
+#endif
+
+/* The nearest integers (ties to even) of the already rounded products p: a conversion in the
+ * current rounding mode, not p + 1.5 * 2^23, which a compiler may fuse with the multiply into one
+ * FMA (rounding once: a different integer at ties, and a result that depends on the ISA). */
+static inline int_vec round_even(vec p) {
+#if defined(__AVX512F__)
+    return (int_vec)_mm512_cvtps_epi32((__m512)p);
+#elif defined(__AVX2__)
+    return (int_vec)_mm256_cvtps_epi32((__m256)p);
+#else
+    int_vec n;
+    for (int i = 0; i < LANES; i++) n[i] = (int32_t)__builtin_nearbyintf(p[i]);
+    return n;
+#endif
+}
+
+/* Rows of x rounded to int8 per group of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), so
+ * |q| <= 127): q [rows, in], d and s = d * sum(q) [rows, in / 32]. */
+static void quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t in, int8_t *q,
+                          float *d, float *s, int threads) {
+    const int64_t groups = in / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + r * ldx + g * GROUP;
+            vec amax = splat(0.0f);
+            for (int j = 0; j < GROUP; j += LANES) {
+                const vec v = (vec)((int_vec)load_vec(xg + j) & 0x7fffffff);
+                amax = vselect(amax < v, v, amax);
+            }
+            float m = 0.0f;
+            for (int i = 0; i < LANES; i++) m = amax[i] > m ? amax[i] : m;
+            const float scale = m / 127.0f, inverse = m > 0.0f ? 127.0f / m : 0.0f;
+            int8_t *qg = q + r * in + g * GROUP;
+            int_vec total = round_even(splat(0.0f));
+            for (int j = 0; j < GROUP; j += LANES) {
+                const int_vec n = round_even(load_vec(xg + j) * splat(inverse));
+                total += n;
+                for (int i = 0; i < LANES; i++) qg[j + i] = (int8_t)n[i];
+            }
+            int32_t sum = 0;
+            for (int i = 0; i < LANES; i++) sum += total[i];
+            d[r * groups + g] = scale;
+            s[r * groups + g] = scale * (float)sum;
+        }
+    }
+}
+
+/* One q4 tile's values, all groups, into the panel order: panel[g][k][c][j] = q[g][4k + j][c]
+ * (k-quad k, output c of the tile, input j of the quad). A q4 block row holds output c in the
+ * low nibble of byte c and output c + LANES in the high nibble. */
+static void pack_tile(const uint8_t *tile, int64_t groups, uint8_t *panel) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *q = tile + g * Q4_BLOCK + 8 * TILE;
+        uint8_t *p = panel + g * PANEL_GROUP;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        /* 4 rows of 8 bytes: nibbles split, dwords (row, 4 outputs) regrouped per 128-bit lane,
+         * then bytes [row][output] -> [output][row] within each lane. */
+        const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int k = 0; k < 8; k++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + k * 4 * LANES));
+            const __m256i lo = _mm256_and_si256(raw, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            const __m256i a = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, perm), shuf);
+            const __m256i b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, perm), shuf);
+            _mm256_storeu_si256((__m256i *)(p + k * 4 * TILE), a);
+            _mm256_storeu_si256((__m256i *)(p + k * 4 * TILE + 4 * LANES), b);
+        }
+#elif defined(__AVX512F__)
+        /* 4 rows of 16 bytes: the same with 4 dwords per row (vpermd across the whole register). */
+        const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m512i shuf = _mm512_broadcast_i32x4(
+            _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+        const __m512i low = _mm512_set1_epi8(15);
+        for (int k = 0; k < 8; k++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(q + k * 4 * LANES));
+            const __m512i lo = _mm512_and_si512(raw, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            _mm512_storeu_si512((void *)(p + k * 4 * TILE),
+                                _mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, lo), shuf));
+            _mm512_storeu_si512((void *)(p + k * 4 * TILE + 4 * LANES),
+                                _mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, hi), shuf));
+        }
+#else
+        for (int k = 0; k < 8; k++)
+            for (int c = 0; c < TILE; c++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t byte = q[(4 * k + j) * LANES + c % LANES];
+                    p[k * 4 * TILE + c * 4 + j] = c < LANES ? byte & 15 : byte >> 4;
+                }
+#endif
+    }
+}
+
+/* R rows x one tile (two integer vectors of LANES outputs) over all groups. */
+static inline __attribute__((always_inline)) void rows_tile(
+    int R, const uint8_t *panel, const uint8_t *tile, int64_t groups, const int8_t *q, int64_t in,
+    const float *d, const float *s, const float *bias, float *y, int64_t ldy, int64_t cols) {
+    vec acc[Q8_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < 2; v++) acc[r][v] = bias ? load_vec(bias + v * LANES) : splat(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = panel + g * PANEL_GROUP;
+        ivec part[Q8_ROWS][2];
+        const int8_t *qg = q + g * GROUP;
+        {
+            const ivec w0 = load_i(p), w1 = load_i(p + 4 * LANES);
+            for (int r = 0; r < R; r++) {
+                const ivec a = quad_i(qg + r * in);
+                part[r][0] = maddubs(w0, a);
+                part[r][1] = maddubs(w1, a);
+            }
+        }
+        /* unrolled by 2, not 7: fully unrolled, GCC hoists the steps' loads and spills the sums */
+        UNROLL_BY(KSTEP_UNROLL)
+        for (int k = 1; k < 8; k++) {
+            const ivec w0 = load_i(p + k * 4 * TILE), w1 = load_i(p + k * 4 * TILE + 4 * LANES);
+            for (int r = 0; r < R; r++) {
+                const ivec a = quad_i(qg + r * in + 4 * k);
+                part[r][0] = add_i16(part[r][0], maddubs(w0, a));
+                part[r][1] = add_i16(part[r][1], maddubs(w1, a));
+            }
+        }
+        const float *scale = (const float *)(tile + g * Q4_BLOCK), *min = scale + TILE;
+        const vec sc[2] = {load_vec(scale), load_vec(scale + LANES)};
+        const vec mn[2] = {load_vec(min), load_vec(min + LANES)};
+        for (int r = 0; r < R; r++) {
+            const vec dr = splat(d[r * groups + g]), sr = splat(s[r * groups + g]);
+            for (int v = 0; v < 2; v++) {
+                const vec dot = __builtin_convertvector(widen_pairs(part[r][v]), vec);
+                acc[r][v] += dot * (sc[v] * dr) + mn[v] * sr;
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (cols == TILE) {
+            for (int v = 0; v < 2; v++) store_vec(y + r * ldy + v * LANES, acc[r][v]);
+        } else {
+            float tmp[TILE];
+            for (int v = 0; v < 2; v++) store_vec(tmp + v * LANES, acc[r][v]);
+            memcpy(y + r * ldy, tmp, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+/* x [rows, in] float32 (row stride ldx), w cpu_qgemv.c's q4 tiles [ceil(out / TILE), in / 32,
+ * Q4_BLOCK], bias [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32.
+ * Returns 0, or -1 when a buffer can't be allocated or in is not a multiple of 32. */
+int tandem_q4a8_gemm(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y,
+                     int64_t rows, int64_t in, int64_t out, int threads) {
+    if (in % GROUP || rows < 0) return -1;
+    const int64_t groups = in / GROUP, n_tiles = (out + TILE - 1) / TILE;
+    int8_t *q = malloc((size_t)(rows * in) + 64);
+    float *ds = malloc((size_t)(2 * rows * groups + 1) * sizeof(float));
+    if (!q || !ds) {
+        free(q);
+        free(ds);
+        return -1;
+    }
+    float *d = ds, *s = ds + rows * groups;
+    quantize_rows(x, ldx, rows, in, q, d, s, threads);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *panel = malloc((size_t)(groups * PANEL_GROUP));
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_tiles; t++) {
+            if (!panel) continue;
+            const uint8_t *tile = w + t * groups * Q4_BLOCK;
+            const float *bt = bias ? bias + t * TILE : NULL;
+            const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
+            pack_tile(tile, groups, panel);
+            int64_t r = 0;
+            for (; r + Q8_ROWS <= rows; r += Q8_ROWS)
+                rows_tile(Q8_ROWS, panel, tile, groups, q + r * in, in, d + r * groups,
+                          s + r * groups, bt, y + r * out + t * TILE, out, cols);
+            for (; r < rows; r++)
+                rows_tile(1, panel, tile, groups, q + r * in, in, d + r * groups, s + r * groups, bt,
+                          y + r * out + t * TILE, out, cols);
+        }
+        free(panel);
+    }
+    free(q);
+    free(ds);
+    return failed ? -1 : 0;
+}
+
+int tandem_q4a8_tile(void) { return TILE; }
+
+int64_t tandem_q4a8_block_bytes(void) { return Q4_BLOCK; }
+
+const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }

@@ -1,0 +1,99 @@
+"""Python side of the 4-bit-weight x 8-bit-activation CPU GEMM (``cpu_q4a8_gemm.c``).
+
+``--dtype q4_a8`` runs the steps of many rows (prompt chunks) through this kernel: each row of the
+input is rounded to int8 per group of 32 inputs (llama.cpp's activation scheme) and multiplied by
+the q4 tiles of :class:`~services.engine.core.kernels.cpu_qgemv.CpuQGemv` in integer arithmetic.
+It reads the same tiles as the weight-only kernel (no second copy of the weight) and is an opt-in:
+its results differ from float32's by the activations' rounding, measured in the README.
+
+:func:`load_cpu_q4a8_gemm` builds it once per process for the selected instruction set, or returns
+``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from services.engine.core.kernels.native_build import load_kernel
+from services.engine.core.quant.quantized_weight import GROUP
+
+SOURCE = Path(__file__).with_name("cpu_q4a8_gemm.c")
+
+
+class CpuQ4A8Gemm:
+    """``y = x @ W.T + b`` for float32 ``x`` ``[rows, in]`` over q4 tiles, x rounded to int8."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._gemm = library.tandem_q4a8_gemm
+        self._gemm.restype = ctypes.c_int
+        self._gemm.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+        ]  # fmt: skip
+        self.tile = int(library.tandem_q4a8_tile())
+        block_bytes = library.tandem_q4a8_block_bytes
+        block_bytes.restype = ctypes.c_int64
+        self.block_bytes = int(block_bytes())
+        isa = library.tandem_q4a8_isa
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()
+        self.build = Path(str(library._name)).name
+
+    def bind(self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> Q4A8Call:
+        """One layer's call over its q4 tiles (``CpuQGemv.tile_weight``'s ``[tiles, in / 32,
+        block]``) and tiled bias."""
+        if (packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != self.block_bytes
+                or packed.shape[0] * self.tile < out_features):
+            raise ValueError(f"q4 tiles {tuple(packed.shape)} do not hold {out_features} outputs")
+        return Q4A8Call(self._gemm, packed, bias, packed.shape[1] * GROUP, out_features)
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        return self.bind(packed, bias, out_features)(x)
+
+
+class Q4A8Call:
+    """``y = x @ W.T + b`` for one layer's q4 tiles; per call only the input is checked."""
+
+    __slots__ = ("_fn", "_packed", "_bias", "in_features", "out_features")
+
+    def __init__(
+        self,
+        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+    ) -> None:
+        self._fn, self._packed, self._bias = fn, packed, bias
+        self.in_features, self.out_features = in_features, out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise TypeError(f"the q4 x int8 kernel takes float32 [rows, in] inputs, not {x.dtype} {tuple(x.shape)}")
+        rows, in_features = x.shape
+        if in_features != self.in_features:
+            raise ValueError(f"input [{rows}, {in_features}] does not fit a weight of "
+                             f"{self.in_features} inputs")  # fmt: skip
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        status = self._fn(
+            x.data_ptr(), x.stride(0), self._packed.data_ptr(),
+            None if self._bias is None else self._bias.data_ptr(), y.data_ptr(), rows,
+            in_features, self.out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("the q4 x int8 kernel could not allocate its buffers")
+        return y
+
+
+@functools.cache
+def load_cpu_q4a8_gemm() -> CpuQ4A8Gemm | None:
+    """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
+    return load_kernel(SOURCE, CpuQ4A8Gemm, "CPU q4 x int8 GEMM")

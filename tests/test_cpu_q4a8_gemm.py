@@ -1,0 +1,183 @@
+"""The 4-bit-weight x 8-bit-activation GEMM (``cpu_q4a8_gemm.c``, ``--dtype q4_a8``), per
+instruction-set build this machine runs.
+
+Against a float64 reference that rounds the activations as the kernel documents (per row and
+group of 32: ``q = round_half_even(x * (127 / max|x|))``, ``d = max|x| / 127``), so the comparison is to float32 summation error, not to the rounding the
+kernel adds on purpose. Also: a row's result does not depend on its batch mates, bad arguments
+are errors, and in a :class:`Linear` the kernel serves only prompt-sized inputs, and only where it
+measured faster.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
+from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.native_build import ISAS, load_library, supported_isas
+from services.engine.core.linear import INT8_MIN_ROWS, Linear, PackPlan, pack_linears
+from services.engine.core.quant.quantized_weight import QuantizedWeight
+from tests.conftest import native_kernel_or_skip
+
+ROWS = [1, 2, 3, 5, 33, 70]  # register blocks of 4 (AVX-512) or 3 rows (AVX2, generic: 2), 1-row tails
+OUT, IN = 70, 288  # a partial last tile for every width; 9 groups of 32
+
+
+@functools.cache
+def _kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
+    return (
+        CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
+        CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
+    )
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> str:
+    native_kernel_or_skip()
+    if request.param not in supported_isas():
+        pytest.skip(f"this CPU lacks {request.param}")
+    return str(request.param)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _q4_weight(seed: int, out: int = OUT, inputs: int = IN) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    qs = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(out, inputs // 32, generator=gen) * 0.02
+    return QuantizedWeight("q4", qs, scales, -8 * scales * torch.rand(out, inputs // 32, generator=gen))
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 of what the kernel computes: x rounded to int8 per group times the weight."""
+    rows, inputs = x.shape
+    groups = x.reshape(rows, inputs // 32, 32)
+    peak = groups.abs().amax(-1, keepdim=True)
+    # a true division (torch's 127 / t is 127 * (1 / t)); an all-zero group rounds to zeros
+    inverse = torch.where(peak > 0, torch.full_like(peak, 127.0) / peak, torch.zeros_like(peak))
+    rounded = torch.round(groups * inverse).double() * (peak.double() / 127)
+    y = rounded.reshape(rows, inputs) @ weight.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_equals_the_int8_reference(isa: str, rows: int) -> None:
+    qgemv, gemm = _kernels(isa)
+    weight = _q4_weight(rows)
+    packed = qgemv.tile_weight(weight)
+    bias = torch.randn(OUT)
+    x = torch.randn(rows, IN) * torch.logspace(-2, 1, IN)  # groups of very different sizes
+    x[0, :32] = 0.0  # an all-zero group (d = 0)
+    got = gemm(x, packed, qgemv.tile_bias(bias), OUT)
+    expected = reference(x, weight, bias)
+    assert got.shape == (rows, OUT)
+    assert (got.double() - expected).abs().max() < 1e-4 * expected.abs().max(), isa
+    # the rounding it adds on purpose, against float32 activations: small, not zero
+    dense = x @ weight.dequantize().T + bias
+    assert 0 < (got - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str) -> None:
+    qgemv, gemm = _kernels(isa)
+    weight = _q4_weight(7, out=100, inputs=576)
+    packed = qgemv.tile_weight(weight)
+    x = torch.randn(37, 576)
+    together = gemm(x, packed, None, 100)
+    for start, stop in ((0, 1), (3, 4), (5, 8), (36, 37), (1, 34)):
+        assert torch.equal(gemm(x[start:stop], packed, None, 100), together[start:stop])
+
+
+def test_strided_input_rows(isa: str) -> None:
+    qgemv, gemm = _kernels(isa)
+    weight = _q4_weight(3)
+    packed = qgemv.tile_weight(weight)
+    wide = torch.randn(9, 2 * IN)
+    assert torch.equal(gemm(wide[:, :IN], packed, None, OUT), gemm(wide[:, :IN].clone(), packed, None, OUT))
+
+
+def test_bad_arguments_are_errors() -> None:
+    native_kernel_or_skip()
+    gemm = cpu_q4a8_gemm.load_cpu_q4a8_gemm()
+    qgemv = cpu_qgemv.load_cpu_qgemv()
+    assert gemm is not None and qgemv is not None
+    packed = qgemv.tile_weight(_q4_weight(0))
+    with pytest.raises(ValueError, match="inputs"):
+        gemm(torch.randn(2, IN + 32), packed, None, OUT)
+    with pytest.raises(TypeError, match="float32"):
+        gemm(torch.randn(2, IN, dtype=torch.float64), packed, None, OUT)
+    with pytest.raises(ValueError, match="do not hold"):
+        gemm.bind(packed, None, packed.shape[0] * gemm.tile + 1)
+    with pytest.raises(ValueError, match="do not hold"):
+        gemm.bind(packed[..., :-1], None, OUT)
+    assert gemm(torch.randn(0, IN), packed, None, OUT).shape == (0, OUT)
+
+
+def _q4_linear(seed: int, out: int = 512, inputs: int = 576) -> tuple[Linear, QuantizedWeight]:
+    layer = Linear(inputs, out)
+    weight = _q4_weight(seed, out, inputs)
+    layer.set_quantized(weight)
+    return layer, weight
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_linear_rounds_only_prompt_sized_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    plan = PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=cpu_q4a8_gemm.load_cpu_q4a8_gemm())
+    layer, weight = _q4_linear(1)
+    pack_linears(nn.Sequential(layer), plan, free_dense=True)
+    assert layer.int8_activations
+    assert plan.qkernel is not None and plan.a8kernel is not None
+    x = torch.randn(INT8_MIN_ROWS, 576)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), plan.a8kernel(x, layer.packed, None, 512))  # type: ignore[arg-type]
+        small = x[: INT8_MIN_ROWS - 1]  # decode batches: float32 activations, exactly q4's path
+        assert torch.equal(layer(small), layer.float_forward(small))
+        assert torch.allclose(layer(small), small @ weight.dequantize().T, atol=1e-4)
+
+
+class SlowQ4A8(CpuQ4A8Gemm):
+    """The real 8-bit-activation kernel, a few milliseconds late on every call."""
+
+    calls = 0
+
+    def bind(self, packed, bias, out_features):  # type: ignore[no-untyped-def]
+        call = super().bind(packed, bias, out_features)
+
+        def slow(x: torch.Tensor) -> torch.Tensor:
+            SlowQ4A8.calls += 1
+            time.sleep(0.05)
+            return call(x)
+
+        return slow
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_slower_int8_kernel_loses_its_autotune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    slow = SlowQ4A8(load_library(cpu_q4a8_gemm.SOURCE))
+    slow.build = f"slow-{slow.build}"
+    layer, weight = _q4_linear(2, out=256, inputs=256)
+    pack_linears(nn.Sequential(layer), PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=slow,
+                                                autotune=True), free_dense=True)  # fmt: skip
+    assert not layer.int8_activations
+    SlowQ4A8.calls = 0
+    x = torch.randn(100, 256)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), x @ weight.dequantize().T, atol=1e-4)
+    assert SlowQ4A8.calls == 0
