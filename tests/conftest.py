@@ -64,3 +64,15 @@ def native_kernel_or_skip():  # type: ignore[no-untyped-def]
             pytest.fail("the native CPU kernel must build here (TANDEM_REQUIRE_CPU_KERNELS=1)")
         pytest.skip("no native CPU kernel on this machine (no C compiler or not Linux)")
     return kernel
+
+
+@pytest.fixture(params=("avx512", "avx2", "generic"))  # native_build.ISAS
+def isa(request: pytest.FixtureRequest) -> str:
+    """Each instruction-set build of the native kernels this CPU runs (the others skip)."""
+    from services.engine.core.kernels.native_build import ISAS, supported_isas
+
+    assert request.param in ISAS
+    native_kernel_or_skip()
+    if request.param not in supported_isas():
+        pytest.skip(f"this CPU lacks {request.param}")
+    return str(request.param)

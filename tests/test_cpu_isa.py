@@ -24,7 +24,6 @@ from services.engine.core.kernels.cpu_gemv import CpuGemv
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import (
-    ISAS,
     NativeBuildError,
     build_library,
     load_library,
@@ -37,7 +36,6 @@ from services.engine.core.quant.quantized_weight import (
     quantize_q8_0,
     to_half,
 )
-from tests.conftest import native_kernel_or_skip
 
 ROWS = [1, 2, 3, 5, 8, 9, 17, 40]  # register blocks of 8/4/2/1; more than 8 go group by group
 OUT, IN = 70, 288  # 70 outputs: a partial last tile for every width; 288 inputs: a partial K block
@@ -46,14 +44,6 @@ OUT, IN = 70, 288  # 70 outputs: a partial last tile for every width; 288 inputs
 @functools.cache
 def _kernels(isa: str) -> tuple[CpuGemv, CpuQGemv]:
     return CpuGemv(load_library(cpu_gemv.SOURCE, isa)), CpuQGemv(load_library(cpu_qgemv.SOURCE, isa))
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest) -> str:
-    native_kernel_or_skip()
-    if request.param not in supported_isas():
-        pytest.skip(f"this CPU lacks {request.param}")
-    return str(request.param)
 
 
 def _q8_weight(seed: int, out: int = OUT) -> QuantizedWeight:

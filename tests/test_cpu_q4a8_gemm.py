@@ -22,7 +22,7 @@ from torch import nn
 from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
-from services.engine.core.kernels.native_build import ISAS, load_library, supported_isas
+from services.engine.core.kernels.native_build import load_library
 from services.engine.core.linear import INT8_MIN_ROWS, Linear, PackPlan, pack_linears
 from services.engine.core.quant.quantized_weight import QuantizedWeight
 from tests.conftest import native_kernel_or_skip
@@ -37,14 +37,6 @@ def _kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
         CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
         CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
     )
-
-
-@pytest.fixture(params=ISAS)
-def isa(request: pytest.FixtureRequest) -> str:
-    native_kernel_or_skip()
-    if request.param not in supported_isas():
-        pytest.skip(f"this CPU lacks {request.param}")
-    return str(request.param)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core.kernels.cpu_qgemv import matmul_input
 from services.engine.core.kernels.native_build import load_kernel
 from services.engine.core.quant.quantized_weight import GROUP
 
@@ -74,14 +75,8 @@ class Q4A8Call:
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2:
-            raise TypeError(f"the q4 x int8 kernel takes float32 [rows, in] inputs, not {x.dtype} {tuple(x.shape)}")
+        x = matmul_input(x, self.in_features, "the q4 x int8 kernel")
         rows, in_features = x.shape
-        if in_features != self.in_features:
-            raise ValueError(f"input [{rows}, {in_features}] does not fit a weight of "
-                             f"{self.in_features} inputs")  # fmt: skip
-        if x.stride(1) != 1:
-            x = x.contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         status = self._fn(
             x.data_ptr(), x.stride(0), self._packed.data_ptr(),

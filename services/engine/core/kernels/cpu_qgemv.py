@@ -223,14 +223,8 @@ class QGemvCall:
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            raise TypeError(f"the CPU quantized matmul kernel takes float32 inputs, not {x.dtype}")
+        x = matmul_input(x, self.in_features, "the CPU quantized matmul kernel")
         rows, in_features = x.shape
-        if in_features != self.in_features:
-            raise ValueError(f"input [{rows}, {in_features}] does not fit a weight of "
-                             f"{self.in_features} inputs")  # fmt: skip
-        if x.stride(1) != 1:
-            x = x.contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         status = self._fn(
             self._format, x.data_ptr(), x.stride(0), self._weight_ptr, self._bias_ptr,
@@ -239,6 +233,20 @@ class QGemvCall:
         if status != 0:
             raise MemoryError("the CPU quantized matmul kernel could not allocate its buffers")
         return y
+
+
+def matmul_input(x: torch.Tensor, in_features: int, kernel: str) -> torch.Tensor:
+    """``x`` checked as float32 ``[rows, in_features]``, with unit column stride (copied if not).
+
+    Raises:
+        TypeError: not float32, or not 2-D.
+        ValueError: the wrong number of inputs.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise TypeError(f"{kernel} takes float32 [rows, in] inputs, not {x.dtype} {tuple(x.shape)}")
+    if x.shape[1] != in_features:
+        raise ValueError(f"input {list(x.shape)} does not fit a weight of {in_features} inputs")
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 @functools.cache
