@@ -4,8 +4,8 @@ instruction-set build this machine runs.
 Against a float64 reference that rounds the activations as the kernel documents (per row and
 group of 32: ``q = round_half_even(x * (127 / max|x|))``, ``d = max|x| / 127``), so the comparison is to float32 summation error, not to the rounding the
 kernel adds on purpose. Also: a row's result does not depend on its batch mates, bad arguments
-are errors, and in a :class:`Linear` the kernel serves only prompt-sized inputs, and only where it
-measured faster.
+are errors, and in a :class:`Linear` the kernel serves only a step's prompt rows (33 or more; never
+a decode step's, nor the decode rows of a mixed step), and only where it measured faster.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
-from services.engine.core.linear import INT8_MIN_ROWS, Linear, PackPlan, pack_linears
+from services.engine.core.linear import INT8_MIN_ROWS, Linear, PackPlan, int8_rows, pack_linears
 from services.engine.core.quant.quantized_weight import QuantizedWeight
 from tests.conftest import native_kernel_or_skip
 
@@ -126,7 +126,7 @@ def _q4_linear(seed: int, out: int = 512, inputs: int = 576) -> tuple[Linear, Qu
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_linear_rounds_only_prompt_sized_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_rounds_only_prompt_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     plan = PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=cpu_q4a8_gemm.load_cpu_q4a8_gemm())
@@ -140,6 +140,19 @@ def test_linear_rounds_only_prompt_sized_inputs(tmp_path: Path, monkeypatch: pyt
         small = x[: INT8_MIN_ROWS - 1]  # decode batches: float32 activations, exactly q4's path
         assert torch.equal(layer(small), layer.float_forward(small))
         assert torch.allclose(layer(small), small @ weight.dequantize().T, atol=1e-4)
+        big = torch.randn(3 * INT8_MIN_ROWS, 576)
+        with int8_rows(False):  # a decode step, however many sequences: float32 activations
+            assert torch.equal(layer(big), layer.float_forward(big))
+        # a step mixing prompt chunks with decode rows: only the prompt rows are rounded
+        order = torch.randperm(big.shape[0])
+        prompt, others = order[: 2 * INT8_MIN_ROWS], order[2 * INT8_MIN_ROWS :]
+        with int8_rows((prompt, others)):
+            mixed = layer(big)
+        assert torch.equal(mixed[prompt], plan.a8kernel(big[prompt], layer.packed, None, 512))  # type: ignore[arg-type]
+        assert torch.equal(mixed[others], layer.float_forward(big[others]))
+        few = (order[: INT8_MIN_ROWS - 1], order[INT8_MIN_ROWS - 1 :])
+        with int8_rows(few):  # fewer prompt rows than INT8_MIN_ROWS: all rows float32
+            assert torch.equal(layer(big), layer.float_forward(big))
 
 
 class SlowQ4A8(CpuQ4A8Gemm):
@@ -173,3 +186,23 @@ def test_a_slower_int8_kernel_loses_its_autotune(tmp_path: Path, monkeypatch: py
     with torch.inference_mode():
         assert torch.allclose(layer(x), x @ weight.dequantize().T, atol=1e-4)
     assert SlowQ4A8.calls == 0
+
+
+def test_the_model_marks_only_prompt_rows() -> None:
+    """Which rows a step lets 8-bit-activation layers round: a prefill step's, never a decode
+    step's, and of a step mixing both, the prompt chunk's (the one-token rows stay float32)."""
+    from services.engine.core.attention import AttentionMetadata
+    from services.engine.core.model import _prompt_rows
+
+    def meta(is_prefill: bool, query_lens: list[int]) -> AttentionMetadata:
+        return AttentionMetadata.build(
+            is_prefill=is_prefill, query_lens=query_lens, context_lens=[n + 3 for n in query_lens],
+            block_tables=[[1, 2, 3, 4]] * len(query_lens), block_size=16,
+        )  # fmt: skip
+
+    assert _prompt_rows(meta(False, [1] * 40)) is False
+    assert _prompt_rows(meta(True, [40, 7])) is True
+    rows = _prompt_rows(meta(True, [1, 40, 1]))
+    assert isinstance(rows, tuple)
+    prompt, others = rows
+    assert prompt.tolist() == list(range(1, 41)) and others.tolist() == [0, 41]

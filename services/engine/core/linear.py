@@ -22,13 +22,18 @@ A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all.
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
 
 With ``PackPlan.a8kernel`` (``--dtype q4_a8``, an opt-in) a 4-bit layer also binds
-:mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles, and runs it for more than
-:data:`INT8_MIN_ROWS` rows (a prompt chunk) when it measured faster than the weight-only path there.
+:mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles, and runs it for
+:data:`INT8_MIN_ROWS` or more prompt rows when it measured faster than the weight-only path there.
+Which rows are prompt rows is the model's to say, per step (:func:`int8_rows`): all of a prefill
+step's, none of a decode step's (however many sequences), and in a step that batches decode rows
+with prompt chunks only the chunks' — so generated tokens never see the rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +47,25 @@ from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, lo
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
 from services.engine.core.quant.quantized_weight import FORMAT_Q4, QuantizedWeight
 
-# Matmuls over at least this many rows (the prefill regime of the autotune) round their inputs to
-# int8 when the plan has the 8-bit-activation kernel; decode batches up to 32 rows stay float32.
+# At least this many prompt rows (the prefill regime of the autotune) round their inputs to int8
+# when the plan has the 8-bit-activation kernel (fewer: the float32 path for all rows).
 INT8_MIN_ROWS = REGIME_ROWS[-2] + 1
+
+# rows a matmul may round to int8: all (True), none (False), or (prompt rows, other rows)
+Int8Rows = bool | tuple[torch.Tensor, torch.Tensor]
+_INT8_ROWS: ContextVar[Int8Rows] = ContextVar("tandem_int8_rows", default=True)
+
+
+@contextmanager
+def int8_rows(rows: Int8Rows) -> Iterator[None]:
+    """Within the block, 8-bit-activation layers round all their inputs' rows (``True``), none
+    (``False``), or only the first of two index tensors' rows (a mixed step's prompt rows; the
+    second tensor's rows take the float32 path)."""
+    token = _INT8_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _INT8_ROWS.reset(token)
 
 @dataclass(frozen=True, slots=True)
 class PackPlan:
@@ -147,8 +168,16 @@ class Linear(nn.Linear):
         return self._a8call is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._a8call is not None and x.dim() == 2 and x.shape[0] >= INT8_MIN_ROWS:
-            return self._a8call(x)
+        if self._a8call is not None and x.dim() == 2:
+            rows = _INT8_ROWS.get()
+            if rows is True and x.shape[0] >= INT8_MIN_ROWS:
+                return self._a8call(x)
+            if isinstance(rows, tuple) and rows[0].numel() >= INT8_MIN_ROWS:
+                prompt, others = rows
+                y = x.new_empty(x.shape[0], self.out_features)
+                y[prompt] = self._a8call(x[prompt])
+                y[others] = self.float_forward(x[others])
+                return y
         return self.float_forward(x)
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,10 @@ Weight dtypes (``--dtype``):
   HF and float ones included, quantized to Q8_0 at load);
 * ``q4``: a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) as stored, its Q8_0 blocks as stored, any
   other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
-* ``q4_a8`` (opt-in): ``q4``'s weights, and steps of more than 32 rows (prompt chunks) round
-  their activations to int8 per group of 32 for the 4-bit matrices, as llama.cpp does: integer
-  multiply-adds, about twice the float32 rate on AVX2; decode steps of up to 32 rows stay
-  float32. Not the default: it moves the logits (measured in the README);
+* ``q4_a8`` (opt-in): ``q4``'s weights, and a step's prompt rows (33 or more) round their
+  activations to int8 per group of 32 for the 4-bit matrices, as llama.cpp does: integer
+  multiply-adds, about twice the float32 rate on AVX2; decode rows stay float32. Not the
+  default: it moves the logits (measured in the README);
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
   or AVX-512, the format the checkpoint already stores: ``q4`` for 4-bit GGUFs, ``q8_0`` for other
   quantized ones, ``bfloat16`` / ``float16`` (weight-only) for matrices stored in that 16-bit
