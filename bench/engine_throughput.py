@@ -276,11 +276,7 @@ def measure_tandem(
     for isa in isas:
         run("float32", isa, lambda m: f"Tandem float32 ({kernel_isa(m)})")
     run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({kernel_isa(m)})")
-    try:
-        resolve_dtype("q4_a8", source)
-    except ModelLoadError:
-        pass  # no 4-bit weights in this checkpoint
-    else:
+    if loads_as("q4_a8", source):  # a GGUF with 4-bit weights
         run("q4_a8", isas[0], lambda m: f"Tandem q4_a8 ({kernel_isa(m)})")
     run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({kernel_isa(m)})")
     with environment("TANDEM_CPU_ISA", isas[0]):
@@ -288,6 +284,15 @@ def measure_tandem(
             rows[NO_KERNELS] = tandem_row(without_native_kernels(source), args)
         print(f"measured {NO_KERNELS}", file=sys.stderr, flush=True)
     return rows, weight_bytes
+
+
+def loads_as(dtype: str, source: ModelSource) -> bool:
+    """Whether ``source`` can load as ``dtype`` here (``q4`` / ``q4_a8`` need 4-bit weights)."""
+    try:
+        resolve_dtype(dtype, source)
+    except ModelLoadError:
+        return False
+    return True
 
 
 def header_lines(source: ModelSource, isas: list[str], auto_dtype: str, rounds: int = 1) -> list[str]:

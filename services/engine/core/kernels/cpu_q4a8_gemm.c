@@ -118,7 +118,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t in,
             for (int i = 0; i < LANES; i++) m = amax[i] > m ? amax[i] : m;
             const float scale = m / 127.0f, inverse = m > 0.0f ? 127.0f / m : 0.0f;
             int8_t *qg = q + r * in + g * GROUP;
-            int_vec total = round_even(splat(0.0f));
+            int_vec total = {0};
             for (int j = 0; j < GROUP; j += LANES) {
                 const int_vec n = round_even(load_vec(xg + j) * splat(inverse));
                 total += n;
@@ -238,6 +238,7 @@ static inline __attribute__((always_inline)) void rows_tile(
 int tandem_q4a8_gemm(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y,
                      int64_t rows, int64_t in, int64_t out, int threads) {
     if (in % GROUP || rows < 0) return -1;
+    if (rows == 0) return 0; /* no tile to repack for nothing */
     const int64_t groups = in / GROUP, n_tiles = (out + TILE - 1) / TILE;
     int8_t *q = malloc((size_t)(rows * in) + 64);
     float *ds = malloc((size_t)(2 * rows * groups + 1) * sizeof(float));
