@@ -14,8 +14,9 @@ with one row per configuration, in this order:
    instruction set variant (native CPU kernels built for that set);
 2. ``Tandem float32 (<isa>)`` — once per instruction set variant;
 3. ``Tandem q8_0 (<isa>)`` — the GGUF re-quantized to Q8_0, for the selected set only;
-   ``Tandem q4_a8 (<isa>)`` — the 4-bit weights with prompt-sized matmuls over int8 activations
-   (the opt-in dtype), for the selected set only, when the GGUF has 4-bit weights;
+   ``Tandem q4 (<isa>)`` / ``Tandem q4_a8 (<isa>)`` — the GGUF's 4-bit weights with float32
+   activations throughout / with prompt-sized matmuls over int8 activations, for the selected set
+   only, when the GGUF has 4-bit weights (the one ``auto`` already is is not measured twice);
 4. ``Tandem float32, no native kernels`` — PyTorch matmuls and attention only, the paths
    ``TANDEM_CPU_KERNELS=0`` gives;
 5. ``Tandem bfloat16 (<isa>)`` — 16-bit weights, float32 activations (CPU's weight-only
@@ -276,8 +277,12 @@ def measure_tandem(
     for isa in isas:
         run("float32", isa, lambda m: f"Tandem float32 ({kernel_isa(m)})")
     run("q8_0", isas[0], lambda m: f"Tandem q8_0 ({kernel_isa(m)})")
-    if loads_as("q4_a8", source):  # a GGUF with 4-bit weights
-        run("q4_a8", isas[0], lambda m: f"Tandem q4_a8 ({kernel_isa(m)})")
+    if loads_as("q4", source):  # a GGUF with 4-bit weights
+        with environment("TANDEM_CPU_ISA", isas[0]):
+            auto = resolve_dtype("auto", source)
+        for dtype in ("q4", "q4_a8"):
+            if dtype != auto:
+                run(dtype, isas[0], lambda m, d=dtype: f"Tandem {d} ({kernel_isa(m)})")
     run("bfloat16", isas[0], lambda m: f"Tandem bfloat16 ({kernel_isa(m)})")
     with environment("TANDEM_CPU_ISA", isas[0]):
         with native_kernels_off():

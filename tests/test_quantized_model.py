@@ -27,6 +27,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.core.attention import AttentionMetadata
 from services.engine.core.embedding import Embedding
 from services.engine.core.engine import EngineConfig, LLMEngine
+from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
 from services.engine.core.kernels.cpu_qgemv import load_cpu_qgemv
 from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.linear import Linear
@@ -101,15 +102,28 @@ def agreement(got: list[list[int]], expected: list[list[int]]) -> tuple[int, lis
 # ---------------------------------------------------------------------------- dtype names
 
 
-def test_auto_picks_q4_for_the_default_gguf_when_the_kernel_builds() -> None:
+def test_auto_picks_q4_a8_for_the_default_gguf_when_the_kernels_build() -> None:
     source = resolve_model("default")
     assert source.kind == "gguf"
     kernel = load_cpu_qgemv()
-    expected = "q4" if kernel is not None and kernel.isa != "generic" else "float32"
+    if kernel is None or kernel.isa == "generic":
+        expected = "float32"
+    else:
+        expected = "q4_a8" if load_cpu_q4a8_gemm() is not None else "q4"
     assert resolve_dtype("auto", source) == expected
     assert resolve_dtype("auto", source, "cuda") == "bfloat16"  # resolving needs no GPU
     assert resolve_dtype("q8_0", source) == "q8_0" and resolve_dtype("float32", source) == "float32"
-    assert resolve_dtype("q4_a8", source) == "q4_a8"  # an opt-in: never what auto picks
+    assert resolve_dtype("q4", source) == "q4" and resolve_dtype("q4_a8", source) == "q4_a8"
+
+
+def test_auto_falls_back_to_q4_without_the_int8_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.engine.core.kernels.cpu_q4a8_gemm as q4a8
+
+    kernel = load_cpu_qgemv()
+    if kernel is None or kernel.isa == "generic":
+        pytest.skip("auto is float32 where the quantized kernel is generic or absent")
+    monkeypatch.setattr(q4a8, "load_cpu_q4a8_gemm", lambda: None)
+    assert resolve_dtype("auto", resolve_model("default")) == "q4"
 
 
 def test_auto_on_an_hf_folder_is_float32_and_q4_is_refused(tiny_llama_dir: Path) -> None:

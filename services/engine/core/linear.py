@@ -21,7 +21,7 @@ same way), so there is never a second resident copy of the weight.
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
 
-With ``PackPlan.a8kernel`` (``--dtype q4_a8``, an opt-in) a 4-bit layer also binds
+With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer also binds
 :mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles, and runs it for
 :data:`INT8_MIN_ROWS` or more prompt rows when it measured faster than the weight-only path there.
 Which rows are prompt rows is the model's to say, per step (:func:`int8_rows`): all of a prefill
@@ -72,7 +72,7 @@ class PackPlan:
     """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
     (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
     kernels against PyTorch on the model's shapes and keeps the faster path per row count;
-    ``a8kernel`` (opt-in) runs prompt-sized matmuls of 4-bit layers over int8 activations."""
+    ``a8kernel`` (``q4_a8``) runs prompt-sized matmuls of 4-bit layers over int8 activations."""
 
     splits: int = 0
     kernel: CpuGemv | None = None

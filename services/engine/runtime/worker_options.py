@@ -34,8 +34,9 @@ class WorkerOptions:
     Attributes:
         model: ``default``, a GGUF file, a Hugging Face folder or ``dummy:<shape>``.
         dtype: weight dtype: ``auto`` (the fastest the device supports: a GGUF's own quantized
-            format on CPU), ``float32``, ``bfloat16``, ``float16``, ``q8_0``, ``q4``, ``q4_a8``
-            (q4 with int8 prompt activations, opt-in; see ``services.engine.core.loaders``).
+            format on CPU, 4-bit ones as ``q4_a8``), ``float32``, ``bfloat16``, ``float16``,
+            ``q8_0``, ``q4`` (float32 activations), ``q4_a8`` (q4 with int8 prompt activations;
+            see ``services.engine.core.loaders``).
         device: ``cpu``, ``cuda``, ``cuda:N``; ``auto`` picks CUDA when available.
         host / port: where the gRPC server binds (port 0 picks a free one).
         metrics_port: Prometheus endpoint port; None serves no endpoint (tests).

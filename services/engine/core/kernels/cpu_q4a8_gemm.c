@@ -1,4 +1,4 @@
-/* y = x @ W^T (+ bias) for many rows over 4-bit weights with 8-bit activations (prefill, opt-in).
+/* y = x @ W^T (+ bias) for many rows over 4-bit weights with 8-bit activations (prefill).
  *
  * The weight-only kernel (cpu_qgemv.c) keeps activations float32, so a prompt's matmuls cost
  * float32 multiply-adds: on an AVX2 CPU two 8-lane FMAs a cycle, which PyTorch's SGEMM already
@@ -12,7 +12,7 @@
  * inputs, as llama.cpp's Q8_1 does, not the exact sum of x: a 4-bit weight's offset is about
  * -8 scales, so mixing the exact sum with rounded products leaves min * sum(rounding errors)
  * uncancelled (measured on SmolLM2: layer outputs 2-7x further from float32, KL 0.02 instead of
- * 0.004). This still changes the numbers: an opt-in, never what --dtype q4 runs.
+ * 0.004). This still changes the numbers: --dtype q4_a8 (auto's pick for 4-bit GGUFs), never q4.
  *
  * Weights are cpu_qgemv.c's q4 tiles, read as they are: a thread repacks one tile at a time into
  * a panel (per group: [8 k-quads][TILE outputs][4 inputs] bytes, the order vpmaddubsw pairs them

@@ -13,19 +13,19 @@ Weight dtypes (``--dtype``):
   HF and float ones included, quantized to Q8_0 at load);
 * ``q4``: a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) as stored, its Q8_0 blocks as stored, any
   other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
-* ``q4_a8`` (opt-in): ``q4``'s weights, and a step's prompt rows (33 or more) round their
-  activations to int8 per group of 32 for the 4-bit matrices, as llama.cpp does: integer
-  multiply-adds, about twice the float32 rate on AVX2; decode rows stay float32. Not the
-  default: it moves the logits (measured in the README);
+* ``q4_a8``: ``q4``'s weights, and a step's prompt rows (33 or more) round their activations
+  to int8 per group of 32 for the 4-bit matrices, as llama.cpp does: integer multiply-adds, about
+  twice the float32 rate on AVX2; decode rows stay float32. It moves the logits by the
+  activations' rounding (measured in the README), the trade llama.cpp makes for every matmul;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
-  or AVX-512, the format the checkpoint already stores: ``q4`` for 4-bit GGUFs, ``q8_0`` for other
-  quantized ones, ``bfloat16`` / ``float16`` (weight-only) for matrices stored in that 16-bit
+  or AVX-512, the format the checkpoint already stores: ``q4_a8`` for 4-bit GGUFs (``q4`` when the
+  8-bit-activation kernel doesn't build), ``q8_0`` for other quantized ones, ``bfloat16`` / ``float16`` (weight-only) for matrices stored in that 16-bit
   type (HF folders or GGUF), so no weight is rounded and none is widened in memory; float32
   otherwise (the ``generic`` build's 4-wide kernel measured slower than float32 PyTorch on x86,
   docs/benchmarks.md).
 
-Quantized weights run on CPU only, with float32 activations and KV cache, as the 16-bit
-float weights do on CPU.
+Quantized weights run on CPU only, with float32 activations (``q4_a8``'s prompt rows aside) and
+KV cache, as the 16-bit float weights do on CPU.
 """
 
 from __future__ import annotations
@@ -120,8 +120,12 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
     kernel = load_cpu_qgemv()
     if kernel is None or kernel.isa == "generic":
         return "float32"
+    if quantized & _FOUR_BIT_TYPES:
+        from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
+
+        return "q4_a8" if load_cpu_q4a8_gemm() is not None else "q4"
     if quantized:
-        return "q4" if quantized & _FOUR_BIT_TYPES else "q8_0"
+        return "q8_0"
     return half.pop()
 
 
