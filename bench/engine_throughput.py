@@ -15,7 +15,7 @@ with one row per configuration, in this order:
 2. ``Tandem float32 (<isa>)`` — once per instruction set variant;
 3. ``Tandem q8_0 (<isa>)`` — the GGUF re-quantized to Q8_0, for the selected set only;
    ``Tandem q4 (<isa>)`` / ``Tandem q4_a8 (<isa>)`` — the GGUF's 4-bit weights with float32
-   activations throughout / with prompt-sized matmuls over int8 activations, for the selected set
+   activations throughout / with prompt tokens' matmul rows over int8 activations, for the selected set
    only, when the GGUF has 4-bit weights (the one ``auto`` already is is not measured twice);
 4. ``Tandem float32, no native kernels`` — PyTorch matmuls and attention only, the paths
    ``TANDEM_CPU_KERNELS=0`` gives;

@@ -4,8 +4,9 @@ instruction-set build this machine runs.
 Against a float64 reference that rounds the activations as the kernel documents (per row and
 group of 32: ``q = round_half_even(x * (127 / max|x|))``, ``d = max|x| / 127``), so the comparison is to float32 summation error, not to the rounding the
 kernel adds on purpose. Also: a row's result does not depend on its batch mates, bad arguments
-are errors, and in a :class:`Linear` the kernel serves only a step's prompt rows (33 or more; never
-a decode step's, nor the decode rows of a mixed step), and only where it measured faster.
+are errors, and in a :class:`Linear` the kernel serves only the rows marked as prompt tokens (the
+model runner marks them: never a generated token's, not even when a preempted or migrated request
+recomputes it), and only where it measured faster.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
-from services.engine.core.linear import INT8_MIN_ROWS, Linear, PackPlan, int8_rows, pack_linears
+from services.engine.core.linear import Linear, PackPlan, int8_rows, pack_linears
 from services.engine.core.quant.quantized_weight import QuantizedWeight
 from tests.conftest import native_kernel_or_skip
 
@@ -126,7 +127,7 @@ def _q4_linear(seed: int, out: int = 512, inputs: int = 576) -> tuple[Linear, Qu
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_linear_rounds_only_prompt_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_rounds_only_the_marked_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     plan = PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=cpu_q4a8_gemm.load_cpu_q4a8_gemm())
@@ -134,25 +135,25 @@ def test_linear_rounds_only_prompt_rows(tmp_path: Path, monkeypatch: pytest.Monk
     pack_linears(nn.Sequential(layer), plan, free_dense=True)
     assert layer.int8_activations
     assert plan.qkernel is not None and plan.a8kernel is not None
-    x = torch.randn(INT8_MIN_ROWS, 576)
+    a8 = functools.partial(plan.a8kernel, packed=layer.packed, bias=None, out_features=512)
+    big = torch.randn(70, 576)
     with torch.inference_mode():
-        assert torch.equal(layer(x), plan.a8kernel(x, layer.packed, None, 512))  # type: ignore[arg-type]
-        small = x[: INT8_MIN_ROWS - 1]  # decode batches: float32 activations, exactly q4's path
-        assert torch.equal(layer(small), layer.float_forward(small))
-        assert torch.allclose(layer(small), small @ weight.dequantize().T, atol=1e-4)
-        big = torch.randn(3 * INT8_MIN_ROWS, 576)
-        with int8_rows(False):  # a decode step, however many sequences: float32 activations
+        for rows in (1, 5, 70):  # unmarked (the default): float32 activations, exactly q4's path
+            assert torch.equal(layer(big[:rows]), layer.float_forward(big[:rows]))
+        assert torch.allclose(layer(big), big @ weight.dequantize().T, atol=1e-4)
+        with int8_rows(False):  # a decode step, however many sequences
             assert torch.equal(layer(big), layer.float_forward(big))
-        # a step mixing prompt chunks with decode rows: only the prompt rows are rounded
+        with int8_rows(True):  # every row a prompt token, one row or many
+            for rows in (1, 5, 70):
+                assert torch.equal(layer(big[:rows]), a8(big[:rows]))
+        # prompt tokens beside generated ones (decode rows, or a recomputed request's outputs)
         order = torch.randperm(big.shape[0])
-        prompt, others = order[: 2 * INT8_MIN_ROWS], order[2 * INT8_MIN_ROWS :]
-        with int8_rows((prompt, others)):
-            mixed = layer(big)
-        assert torch.equal(mixed[prompt], plan.a8kernel(big[prompt], layer.packed, None, 512))  # type: ignore[arg-type]
-        assert torch.equal(mixed[others], layer.float_forward(big[others]))
-        few = (order[: INT8_MIN_ROWS - 1], order[INT8_MIN_ROWS - 1 :])
-        with int8_rows(few):  # fewer prompt rows than INT8_MIN_ROWS: all rows float32
-            assert torch.equal(layer(big), layer.float_forward(big))
+        for cut in (1, 40):
+            prompt, others = order[:cut], order[cut:]
+            with int8_rows((prompt, others)):
+                mixed = layer(big)
+            assert torch.equal(mixed[prompt], a8(big[prompt]))
+            assert torch.equal(mixed[others], layer.float_forward(big[others]))
 
 
 class SlowQ4A8(CpuQ4A8Gemm):
@@ -183,26 +184,25 @@ def test_a_slower_int8_kernel_loses_its_autotune(tmp_path: Path, monkeypatch: py
     assert not layer.int8_activations
     SlowQ4A8.calls = 0
     x = torch.randn(100, 256)
-    with torch.inference_mode():
+    with torch.inference_mode(), int8_rows(True):
         assert torch.allclose(layer(x), x @ weight.dequantize().T, atol=1e-4)
     assert SlowQ4A8.calls == 0
 
 
-def test_the_model_marks_only_prompt_rows() -> None:
-    """Which rows a step lets 8-bit-activation layers round: a prefill step's, never a decode
-    step's, and of a step mixing both, the prompt chunk's (the one-token rows stay float32)."""
-    from services.engine.core.attention import AttentionMetadata
-    from services.engine.core.model import _prompt_rows
+def test_the_runner_marks_prompt_token_rows() -> None:
+    """Which rows of a step round their activations: those of prompt tokens, by each sequence's
+    prompt length, whatever the step's size and mix. A decode step has none; a recomputed
+    (preempted or migrated) sequence's chunk reaching past its prompt has its outputs' rows
+    unmarked; a one-token prompt chunk next to decode rows is marked."""
+    from services.engine.core.model_runner import prompt_token_rows
 
-    def meta(is_prefill: bool, query_lens: list[int]) -> AttentionMetadata:
-        return AttentionMetadata.build(
-            is_prefill=is_prefill, query_lens=query_lens, context_lens=[n + 3 for n in query_lens],
-            block_tables=[[1, 2, 3, 4]] * len(query_lens), block_size=16,
-        )  # fmt: skip
-
-    assert _prompt_rows(meta(False, [1] * 40)) is False
-    assert _prompt_rows(meta(True, [40, 7])) is True
-    rows = _prompt_rows(meta(True, [1, 40, 1]))
+    cpu = torch.device("cpu")
+    assert prompt_token_rows([1] * 40, [0] * 40, cpu) is False
+    assert prompt_token_rows([40, 7], [40, 7], cpu) is True
+    assert prompt_token_rows([1], [1], cpu) is True  # a one-token prompt chunk
+    rows = prompt_token_rows([1, 40, 1], [0, 40, 1], cpu)
     assert isinstance(rows, tuple)
-    prompt, others = rows
-    assert prompt.tolist() == list(range(1, 41)) and others.tolist() == [0, 41]
+    assert rows[0].tolist() == list(range(1, 42)) and rows[1].tolist() == [0]
+    rows = prompt_token_rows([30, 1], [24, 0], cpu)  # 24 prompt tokens, then 6 recomputed outputs
+    assert isinstance(rows, tuple)
+    assert rows[0].tolist() == list(range(24)) and rows[1].tolist() == list(range(24, 31))

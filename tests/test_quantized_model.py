@@ -30,7 +30,7 @@ from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
 from services.engine.core.kernels.cpu_qgemv import load_cpu_qgemv
 from services.engine.core.kv_cache import KVLayout, KVPool
-from services.engine.core.linear import Linear
+from services.engine.core.linear import Linear, int8_rows
 from services.engine.core.loaders import DTYPE_CHOICES, LoadedModel, load_model, parse_dtype, resolve_dtype
 from services.engine.core.quant.quantized_weight import quantize_q8_0
 
@@ -412,8 +412,8 @@ def test_smollm2_q8_0_requantizes_the_4bit_blocks(smol_f32) -> None:  # type: ig
 def test_smollm2_q4_a8_rounds_prompt_activations_to_int8(  # type: ignore[no-untyped-def]
     smol_f32, smol_q4
 ) -> None:
-    """``q4_a8``: q4's weights, prompt-sized matmuls over int8 activations (llama.cpp's scheme),
-    decode batches over float32 ones. Measured against float32, as the README states: teacher-
+    """``q4_a8``: q4's weights, prompt tokens' rows over int8 activations (llama.cpp's scheme),
+    generated tokens' over float32 ones. Measured against float32, as the README states: teacher-
     forced argmax over float32's greedy text (every position through the int8 path), free-running
     greedy tokens, logits."""
     (f32, f32_tokens, _), (_, q4_tokens, _) = smol_f32, smol_q4
@@ -430,7 +430,9 @@ def test_smollm2_q4_a8_rounds_prompt_activations_to_int8(  # type: ignore[no-unt
     teacher, worst, kl = 0, 0.0, []
     for chat, continuation in zip(CHATS, f32_tokens, strict=True):
         ids = chat + continuation
-        got, dense = prefill_logits(q4a8, ids), prefill_logits(f32, ids)
+        with int8_rows(True):  # the prompt's and the continuation's rows (the engine: prompt's)
+            got = prefill_logits(q4a8, ids)
+        dense = prefill_logits(f32, ids)
         worst = max(worst, (got - dense).abs().max().item())
         picks = got[len(chat) - 1 : -1].argmax(-1).tolist()
         teacher += sum(a == b for a, b in zip(picks, continuation, strict=True))
@@ -447,3 +449,23 @@ def test_smollm2_q4_a8_rounds_prompt_activations_to_int8(  # type: ignore[no-unt
     assert worst < 3.0, worst
     assert max(kl) < 0.01, kl
     assert same >= len(CHATS) * NEW_TOKENS // 8, (same, prefixes)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_a8_resumed_requests_continue_as_before() -> None:
+    """Only prompt tokens' rows are rounded, so a request whose generated tokens are recomputed
+    with its prompt (migrated from a dead decode worker, or preempted) goes on with the tokens it
+    would have produced. Before, any step of 33+ prompt-chunk rows rounded all of them, the
+    recomputed outputs too: their KV changed and greedy text diverged after a migration."""
+    loaded = load_model("default", "q4_a8")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
+    chats, params = CHATS[:3], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    alone = [o.new_token_ids for o in engine.generate(chats, params)]
+    for cut in (1, 8, 24):
+        for i, (chat, expected) in enumerate(zip(chats, alone, strict=True)):
+            engine.add_request(f"{cut}-{i}", chat, params, resume_output_ids=expected[:cut])
+        tokens = {f"{cut}-{i}": list(expected[:cut]) for i, expected in enumerate(alone)}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+        assert [tokens[f"{cut}-{i}"] for i in range(len(chats))] == alone, cut

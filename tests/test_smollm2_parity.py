@@ -101,10 +101,13 @@ def test_greedy_32_tokens_match_transformers_batched(ours: LoadedModel, hf_model
 
 
 def test_cli_generate_json_matches_transformers(hf_model, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The README's ``tandem generate`` example with ``--dtype q4``: the GGUF's 4-bit weights with
+    float32 activations give transformers' greedy ids (the default, ``q4_a8`` on AVX2/AVX-512,
+    rounds the prompt's activations as llama.cpp does and flips this prompt's first token)."""
     question = "What is the capital of France?"
     proc = subprocess.run(
         [sys.executable, "-m", "services", "generate", "--model", "default", "--chat", question,
-         "--temperature", "0", "--max-tokens", "32", "--json"],
+         "--temperature", "0", "--max-tokens", "32", "--json", "--dtype", "q4"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     record = json.loads(proc.stdout.strip().splitlines()[0])

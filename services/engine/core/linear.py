@@ -22,11 +22,13 @@ A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all.
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
 
 With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer also binds
-:mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles, and runs it for
-:data:`INT8_MIN_ROWS` or more prompt rows when it measured faster than the weight-only path there.
-Which rows are prompt rows is the model's to say, per step (:func:`int8_rows`): all of a prefill
-step's, none of a decode step's (however many sequences), and in a step that batches decode rows
-with prompt chunks only the chunks' — so generated tokens never see the rounding.
+:mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles (kept where it measured
+faster than the weight-only path at a prefill chunk), and runs it for the rows the caller marks
+with :func:`int8_rows`; the rest, and every row by default, take the float32 path. The model
+runner marks the rows of prompt tokens, whatever the step's size or mix: a token's activations are
+rounded because it is a prompt token, never because of the batch it landed in, so a prompt's KV
+is the same however it was chunked, and a preempted or migrated request, whose generated tokens
+are recomputed with its prompt, gets the KV (and greedy text) it had before.
 """
 
 from __future__ import annotations
@@ -47,20 +49,16 @@ from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, lo
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
 from services.engine.core.quant.quantized_weight import FORMAT_Q4, QuantizedWeight
 
-# At least this many prompt rows (the prefill regime of the autotune) round their inputs to int8
-# when the plan has the 8-bit-activation kernel (fewer: the float32 path for all rows).
-INT8_MIN_ROWS = REGIME_ROWS[-2] + 1
-
 # rows a matmul may round to int8: all (True), none (False), or (prompt rows, other rows)
 Int8Rows = bool | tuple[torch.Tensor, torch.Tensor]
-_INT8_ROWS: ContextVar[Int8Rows] = ContextVar("tandem_int8_rows", default=True)
+_INT8_ROWS: ContextVar[Int8Rows] = ContextVar("tandem_int8_rows", default=False)
 
 
 @contextmanager
 def int8_rows(rows: Int8Rows) -> Iterator[None]:
     """Within the block, 8-bit-activation layers round all their inputs' rows (``True``), none
-    (``False``), or only the first of two index tensors' rows (a mixed step's prompt rows; the
-    second tensor's rows take the float32 path)."""
+    (``False``, the default outside any block), or only the first of two index tensors' rows (a
+    step's prompt-token rows; the second tensor's rows take the float32 path)."""
     token = _INT8_ROWS.set(rows)
     try:
         yield
@@ -72,7 +70,7 @@ class PackPlan:
     """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
     (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
     kernels against PyTorch on the model's shapes and keeps the faster path per row count;
-    ``a8kernel`` (``q4_a8``) runs prompt-sized matmuls of 4-bit layers over int8 activations."""
+    ``a8kernel`` (``q4_a8``) runs 4-bit layers' prompt-token rows over int8 activations."""
 
     splits: int = 0
     kernel: CpuGemv | None = None
@@ -164,19 +162,20 @@ class Linear(nn.Linear):
 
     @property
     def int8_activations(self) -> bool:
-        """Whether inputs of :data:`INT8_MIN_ROWS` or more rows are rounded to int8 here."""
+        """Whether the rows :func:`int8_rows` marks are rounded to int8 here."""
         return self._a8call is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._a8call is not None and x.dim() == 2:
             rows = _INT8_ROWS.get()
-            if rows is True and x.shape[0] >= INT8_MIN_ROWS:
+            if rows is True:
                 return self._a8call(x)
-            if isinstance(rows, tuple) and rows[0].numel() >= INT8_MIN_ROWS:
+            if isinstance(rows, tuple) and rows[0].numel():
                 prompt, others = rows
                 y = x.new_empty(x.shape[0], self.out_features)
                 y[prompt] = self._a8call(x[prompt])
-                y[others] = self.float_forward(x[others])
+                if others.numel():
+                    y[others] = self.float_forward(x[others])
                 return y
         return self.float_forward(x)
 
@@ -378,7 +377,7 @@ def pack_plan(
     int8_activations: bool = False,
 ) -> PackPlan | None:
     """The CPU fast paths for this device and activation dtype, or ``None`` to keep ``F.linear``;
-    ``int8_activations`` adds the 4-bit x 8-bit kernel for prompt-sized matmuls (``q4_a8``)."""
+    ``int8_activations`` adds the 4-bit x 8-bit kernel for prompt tokens' rows (``q4_a8``)."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
     threads = torch.get_num_threads()

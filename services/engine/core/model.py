@@ -35,7 +35,7 @@ from services.engine.core.kernels.cpu_decode_layers import (
 )
 from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS
 from services.engine.core.kv_cache import KVPool
-from services.engine.core.linear import Int8Rows, Linear, int8_rows
+from services.engine.core.linear import Linear
 from services.common.model_config import ModelConfig
 from services.engine.core.rope import RotaryEmbedding, apply_rotary
 
@@ -211,10 +211,9 @@ class LlamaForCausalLM(nn.Module):
                 meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets,
             )  # fmt: skip
             return self.norm(x)
-        with int8_rows(_prompt_rows(meta)):
-            for index, layer in enumerate(self.layers):
-                k_cache, v_cache = kv.layer(index)
-                x = layer.forward(x, rope, k_cache, v_cache, meta)
+        for index, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(index)
+            x = layer.forward(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
     def use_fused(self, fused: FusedOps | None) -> None:
@@ -251,16 +250,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
         return self.lm_head(hidden).float()
-
-
-def _prompt_rows(meta: AttentionMetadata) -> Int8Rows:
-    """The step's rows that 8-bit-activation layers (``q4_a8``) may round: a prefill step's, not
-    a decode step's, and of a step mixing both only the prompt chunks' rows."""
-    if not meta.is_prefill:
-        return False
-    if meta.mixed is None:
-        return True
-    return meta.mixed.prefill_rows, meta.mixed.decode_rows
 
 
 def _all_native(layer: DecoderLayer, rows: int) -> bool:

@@ -6,7 +6,9 @@ scheduled slice, one :class:`AttentionMetadata` shared by all layers, logits onl
 token of each sampled sequence. On CPU it first lays the weights out for the native kernels and
 has each kernel prove itself against PyTorch on this model's shapes (``linear.pack_linears``,
 ``CpuPagedAttention.tune``), then times decode steps with every layer in one C call against the
-per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size. On
+per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size. With
+``q4_a8`` it marks which rows hold prompt tokens (:func:`prompt_token_rows`): only those round
+their activations to int8. On
 CUDA, decode steps replay captured graphs (:mod:`services.engine.core.cuda_graphs`) when the
 engine asks for them (:meth:`ModelRunner.capture_decode_graphs`).
 """
@@ -22,7 +24,7 @@ from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layer
 from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, load_cpu_fused
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.core.kv_cache import KVPool
-from services.engine.core.linear import pack_linears, pack_plan
+from services.engine.core.linear import Int8Rows, int8_rows, pack_linears, pack_plan
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.model import LlamaForCausalLM
 from services.engine.core.sampler import Sampler, SamplerOutput
@@ -41,6 +43,7 @@ class ModelRunner:
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
         self.graphs: DecodeGraphs | None = None
+        self.int8_activations = loaded.int8_activations
         plan = pack_plan(self.device, loaded.dtype, int8_activations=loaded.int8_activations)
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
@@ -92,8 +95,10 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        prompt_counts: list[int] = []
         for item in batch.items:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            prompt_counts.append(max(0, min(n, len(seq.prompt_token_ids) - start)))
             input_ids.extend(token_slice(seq, start, start + n))
             positions.extend(range(start, start + n))
             query_lens.append(n)
@@ -111,7 +116,9 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv, meta)
+        rows = prompt_token_rows(query_lens, prompt_counts, self.device) if self.int8_activations else False
+        with int8_rows(rows):
+            hidden = self.model(ids, pos, self.kv, meta)
         if not sample_rows:
             return None
         if len(sample_rows) < hidden.shape[0]:
@@ -221,3 +228,23 @@ def token_slice(seq: Sequence, start: int, end: int) -> list[int]:
     if start >= len(prompt):
         return output[start - len(prompt) : end - len(prompt)]
     return prompt[start:] + output[: end - len(prompt)]
+
+
+def prompt_token_rows(query_lens: list[int], prompt_counts: list[int], device: torch.device) -> Int8Rows:
+    """Which of a step's flattened rows hold prompt tokens, for :func:`int8_rows`: ``True`` (all),
+    ``False`` (none: a decode step), or (prompt rows, other rows) as index tensors.
+
+    Sequence ``i`` contributes ``query_lens[i]`` rows, of which the first ``prompt_counts[i]`` are
+    prompt tokens (a chunk that reaches past its prompt is a preempted or migrated sequence
+    recomputing the tokens it generated: those rows are not prompt rows).
+    """
+    prompt_total, total = sum(prompt_counts), sum(query_lens)
+    if prompt_total == total or prompt_total == 0:
+        return prompt_total > 0
+    mask = torch.zeros(total, dtype=torch.bool)
+    start = 0
+    for n, p in zip(query_lens, prompt_counts, strict=True):
+        mask[start : start + p] = True
+        start += n
+    return mask.nonzero().flatten().to(device), (~mask).nonzero().flatten().to(device)
+

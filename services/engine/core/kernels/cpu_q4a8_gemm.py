@@ -1,10 +1,10 @@
 """Python side of the 4-bit-weight x 8-bit-activation CPU GEMM (``cpu_q4a8_gemm.c``).
 
-``--dtype q4_a8`` runs the steps of many rows (prompt chunks) through this kernel: each row of the
-input is rounded to int8 per group of 32 inputs (llama.cpp's activation scheme) and multiplied by
-the q4 tiles of :class:`~services.engine.core.kernels.cpu_qgemv.CpuQGemv` in integer arithmetic.
-It reads the same tiles as the weight-only kernel (no second copy of the weight). Its results
-differ from float32's by the activations' rounding, measured in the README; ``--dtype q4`` (float32
+``--dtype q4_a8`` runs prompt tokens' rows through this kernel: each row of the input is rounded
+to int8 per group of 32 inputs (llama.cpp's activation scheme) and multiplied by the q4 tiles of
+:class:`~services.engine.core.kernels.cpu_qgemv.CpuQGemv` in integer arithmetic. It reads the
+same tiles as the weight-only kernel (no second copy of the weight). Its results differ from
+float32's by the activations' rounding, measured in the README; ``--dtype q4`` (float32
 activations throughout) is the exact alternative.
 
 :func:`load_cpu_q4a8_gemm` builds it once per process for the selected instruction set, or returns

@@ -13,14 +13,15 @@ Weight dtypes (``--dtype``):
   HF and float ones included, quantized to Q8_0 at load);
 * ``q4``: a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) as stored, its Q8_0 blocks as stored, any
   other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
-* ``q4_a8``: ``q4``'s weights, and a step's prompt rows (33 or more) round their activations
-  to int8 per group of 32 for the 4-bit matrices, as llama.cpp does: integer multiply-adds, about
-  twice the float32 rate on AVX2; decode rows stay float32. It moves the logits by the
+* ``q4_a8``: ``q4``'s weights, and prompt tokens' rows round their activations to int8 per
+  group of 32 for the 4-bit matrices, as llama.cpp does: integer multiply-adds, about twice the
+  float32 rate on AVX2; generated tokens' rows stay float32 (also when recomputed). It moves the logits by the
   activations' rounding (measured in the README), the trade llama.cpp makes for every matmul;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
   or AVX-512, the format the checkpoint already stores: ``q4_a8`` for 4-bit GGUFs (``q4`` when the
-  8-bit-activation kernel doesn't build), ``q8_0`` for other quantized ones, ``bfloat16`` / ``float16`` (weight-only) for matrices stored in that 16-bit
-  type (HF folders or GGUF), so no weight is rounded and none is widened in memory; float32
+  8-bit-activation kernel doesn't build), ``q8_0`` for other quantized ones, ``bfloat16`` /
+  ``float16`` (weight-only) for matrices stored in that 16-bit type (HF folders or GGUF), so no
+  weight is rounded and none is widened in memory; float32
   otherwise (the ``generic`` build's 4-wide kernel measured slower than float32 PyTorch on x86,
   docs/benchmarks.md).
 
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HALF_DTYPES = ("bfloat16", "float16")
 QUANT_DTYPES = ("q8_0", "q4")
-# the weights each 8-bit-activation dtype holds (its prompt-sized matmuls round x to int8)
+# the weights each 8-bit-activation dtype holds (its prompt tokens' rows round x to int8)
 INT8_ACTIVATION_DTYPES = {"q4_a8": "q4"}
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES, *INT8_ACTIVATION_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
@@ -76,7 +77,7 @@ class LoadedModel:
 
     @property
     def int8_activations(self) -> bool:
-        """Whether prompt-sized matmuls round their inputs to int8 (``q4_a8``)."""
+        """Whether prompt tokens' matmul rows round their inputs to int8 (``q4_a8``)."""
         return self.weight_format in INT8_ACTIVATION_DTYPES
 
 
