@@ -138,7 +138,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     policy = logs / "policy.json"
     policy.write_text(json.dumps(TEST_POLICY))
     tok, pre, dec, http = free_port(), free_port(), free_port(), free_port()
-    worker = ["--host", "127.0.0.1", "--metrics-port", "0", "--num-blocks", "512"]
+    # q4: the default GGUF's 4-bit weights with float32 activations, whose greedy text is the
+    # float32 engine's (the reference below); auto's q4_a8 rounds prompts' activations as
+    # llama.cpp does, and answers FRANCE without "Paris" (README).
+    worker = ["--host", "127.0.0.1", "--metrics-port", "0", "--num-blocks", "512", "--dtype", "q4"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(_spawn(["serve", "tokenizer", "--host", "127.0.0.1", "--port", str(tok),
