@@ -70,6 +70,7 @@ class LaunchConfig:
     decode_port: int = ports.DECODE_GRPC_PORT_BASE
     decode_metrics_port: int = ports.DECODE_METRICS_PORT_BASE
     dtype: str | None = None
+    device: str | None = None
     kv_cache_gib: float | None = None
     num_blocks: int | None = None
     kv_transport: str | None = None
@@ -180,6 +181,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
             extra = ["--worker-id", name, "--advertise-address", _join(client_host, port + i)]
             if config.dtype is not None:
                 extra += ["--dtype", config.dtype]
+            if config.device is not None:
+                extra += ["--device", config.device]
             if config.kv_cache_gib is not None:
                 extra += ["--kv-cache-gib", f"{config.kv_cache_gib:g}"]
             if config.num_blocks is not None:

@@ -111,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--decode-metrics-port", type=int, default=ports.DECODE_METRICS_PORT_BASE)
     add("--dtype", default=None,
         help="worker weight dtype: auto | float32 | bfloat16 | float16 | q8_0 | q4 (default auto)")
+    add("--device", default=None,
+        help="device of every prefill and decode worker: auto | cpu | cuda | cuda:N (default "
+             "auto: the workers' own default, env TANDEM_DEVICE)")
     add("--kv-cache-gib", type=float, default=None, help="KV cache size of each worker")
     add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
     add("--kv-transport", choices=KV_TRANSPORTS, default=None,
@@ -149,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         decode_port=args.decode_port,
         decode_metrics_port=args.decode_metrics_port,
         dtype=args.dtype,
+        device=args.device,
         kv_cache_gib=args.kv_cache_gib,
         num_blocks=args.num_blocks,
         kv_transport=args.kv_transport,

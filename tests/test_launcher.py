@@ -59,7 +59,7 @@ def _with_gateway(monkeypatch: pytest.MonkeyPatch, present: bool) -> None:
 def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     _with_gateway(monkeypatch, True)
     specs = plan(LaunchConfig(num_prefill=2, num_decode=1, dtype="bfloat16", kv_cache_gib=1.5,
-                              kv_transport="distributed",
+                              kv_transport="distributed", device="cpu",
                               worker_args=("--foo", "bar")))  # fmt: skip
     assert [s.name for s in specs] == ["tokenizer", "prefill-0", "prefill-1", "decode-0", "gateway"]
     assert [s.address for s in specs] == [
@@ -79,6 +79,7 @@ def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -
         "--worker-id": "prefill-1",
         "--advertise-address": f"127.0.0.1:{ports.prefill_grpc_port(1)}",
         "--dtype": "bfloat16",
+        "--device": "cpu",
         "--kv-cache-gib": "1.5",
         "--kv-transport": "distributed",
         "--model": "default",
@@ -89,6 +90,8 @@ def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -
     for worker in specs[1:4]:  # every prefill and decode worker gets it, nobody else
         assert worker.argv[worker.argv.index("--kv-transport") + 1] == "distributed"
     assert "--kv-transport" not in specs[0].argv and "--kv-transport" not in specs[-1].argv
+    assert "--device" not in specs[0].argv and "--device" not in specs[-1].argv
+    assert "--device" not in plan(LaunchConfig(num_prefill=1, num_decode=1))[1].argv
     assert "--kv-transport" not in plan(LaunchConfig(num_prefill=1, num_decode=1))[1].argv
     argv = ["up", "--kv-transport", "distributed"]
     assert build_parser(argv).parse_args(argv).kv_transport == "distributed"
