@@ -206,3 +206,35 @@ def test_the_runner_marks_prompt_token_rows() -> None:
     rows = prompt_token_rows([30, 1], [24, 0], cpu)  # 24 prompt tokens, then 6 recomputed outputs
     assert isinstance(rows, tuple)
     assert rows[0].tolist() == list(range(24)) and rows[1].tolist() == list(range(24, 31))
+
+
+def test_the_int8_kernel_follows_an_instruction_set_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/engine_throughput.py measures each instruction set in one process, clearing the loaded
+    kernels between sets: the q4 x int8 kernel must then match the weight-only kernel's tiles. It
+    used to keep the first set's build (``q4 tiles (128, 64, 384) do not hold 2048 outputs`` on a
+    Llama-3.2-1B-shaped Q4_K_M file: AVX2 tiles, the AVX-512 kernel)."""
+    from services.engine.core.kernels.loaded import forget_loaded_kernels
+    from services.engine.core.kernels.native_build import supported_isas
+    from services.engine.core.linear import pack_plan
+
+    native_kernel_or_skip()
+    if len(supported_isas()) < 2:
+        pytest.skip("one instruction set here: nothing to switch")
+    try:
+        for isa in supported_isas()[-2:]:  # the 1B shapes: q_proj / o_proj, fused qkv, gate_up
+            monkeypatch.setenv("TANDEM_CPU_ISA", isa)
+            forget_loaded_kernels()
+            plan = pack_plan(torch.device("cpu"), torch.float32, autotune=False, int8_activations=True)
+            assert plan is not None and plan.a8kernel is not None and plan.qkernel is not None
+            for out, inputs in ((2048, 2048), (3072, 2048), (2048, 8192)):
+                layer, weight = _q4_linear(out, out, inputs)
+                layer.pack(plan)
+                assert layer.int8_activations
+                x = torch.randn(3, inputs)
+                with torch.inference_mode():
+                    assert torch.allclose(layer.int8_forward(x), reference(x, weight, None).float(),
+                                          rtol=1e-4, atol=1e-3)  # fmt: skip
+            assert plan.a8kernel.isa == plan.qkernel.isa == isa
+    finally:
+        monkeypatch.undo()
+        forget_loaded_kernels()  # later tests get the selected set's builds again

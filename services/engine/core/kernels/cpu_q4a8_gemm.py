@@ -7,14 +7,15 @@ same tiles as the weight-only kernel (no second copy of the weight). Its results
 float32's by the activations' rounding, measured in the README; ``--dtype q4`` (float32
 activations throughout) is the exact alternative.
 
-:func:`load_cpu_q4a8_gemm` builds it once per process for the selected instruction set, or returns
-``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
+:func:`load_cpu_q4a8_gemm` builds it once per process and instruction set (the one selected when it
+is called), or returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -50,7 +51,11 @@ class CpuQ4A8Gemm:
         block]``) and tiled bias."""
         if (packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != self.block_bytes
                 or packed.shape[0] * self.tile < out_features):
-            raise ValueError(f"q4 tiles {tuple(packed.shape)} do not hold {out_features} outputs")
+            raise ValueError(
+                f"q4 tiles {tuple(packed.shape)} do not hold {out_features} outputs for the "
+                f"{self.isa} build of the q4 x int8 kernel (tiles of {self.tile} outputs, "
+                f"{self.block_bytes}-byte blocks)"
+            )
         return Q4A8Call(self._gemm, packed, bias, packed.shape[1] * GROUP, out_features)
 
     def __call__(
@@ -89,7 +94,21 @@ class Q4A8Call:
         return y
 
 
-@functools.cache
 def load_cpu_q4a8_gemm() -> CpuQ4A8Gemm | None:
-    """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
+    """The kernel, built for the instruction set selected now, or ``None`` when it is off or can't
+    be built here.
+
+    Cached per ``TANDEM_CPU_ISA`` / ``TANDEM_CPU_KERNELS`` setting, not once per process: it reads
+    the weight-only kernel's tiles, whose width and block size are the instruction set's, and
+    :func:`~services.engine.core.kernels.loaded.forget_loaded_kernels` (a benchmark's per-set rows)
+    makes that kernel follow a new setting. Cached once, this one kept the first set's build:
+    AVX-512 tiles of 32 outputs meeting AVX2 ones of 16 (``q4 tiles (128, 64, 384) do not hold
+    2048 outputs``).
+    """
+    return _load(os.environ.get("TANDEM_CPU_ISA", ""), os.environ.get("TANDEM_CPU_KERNELS", ""))
+
+
+@functools.cache
+def _load(isa_setting: str, kernels_setting: str) -> CpuQ4A8Gemm | None:
+    del isa_setting, kernels_setting  # the cache key only: load_kernel reads both itself
     return load_kernel(SOURCE, CpuQ4A8Gemm, "CPU q4 x int8 GEMM")
