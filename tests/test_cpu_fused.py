@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.core.kernels.cpu_fused import CpuFused, load_cpu_fused
-from services.engine.core.model import RMSNorm
+from services.engine.core.models.blocks import RMSNorm
 from services.engine.core.rope import RotaryEmbedding, apply_rotary
 from tests.conftest import native_kernel_or_skip
 

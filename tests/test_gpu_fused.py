@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent(
     import torch.nn.functional as F
     from services.engine.core.kernels.gpu_fused import GpuFused
     from services.engine.core.kernels.paged_decode_attention import store_kv
-    from services.engine.core.model import RMSNorm
+    from services.engine.core.models.blocks import RMSNorm
     from services.engine.core.rope import RotaryEmbedding, apply_rotary
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

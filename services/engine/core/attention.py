@@ -197,8 +197,12 @@ class PagedAttention(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Args: q ``[T, H, D]``, k/v ``[T, KVH, D]``, caches ``[NB, BS, KVH, D]``.
+        """Args: q ``[T, H, D]``, k/v ``[T, KVH, D]``, caches ``[NB, BS, KVH, D]``; ``window``:
+        a query at position p sees keys at ``p - window < k <= p`` only (sliding-window layers);
+        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax.
 
         Returns: ``[T, H, D]`` attention output for the new tokens.
         """
@@ -225,8 +229,13 @@ class TorchPagedAttention(PagedAttention):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        if window is not None or softcap is not None:
+            # a kernel that does not take these options yet: the reference below, masked
+            return _windowed_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         if not meta.is_prefill:
             return self.decode(q, k_cache, v_cache, meta, scale)
         split = meta.mixed
@@ -314,3 +323,61 @@ class TorchPagedAttention(PagedAttention):
             enable_gqa=True,
         )
         return out.squeeze(2)
+
+
+def _windowed_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The reference for sliding-window and soft-capped layers, any step kind: each sequence's
+    new queries against its whole context read back from the cache (this step's K/V are stored),
+    under a mask that is causal and, with ``window``, drops keys ``window`` or more positions
+    back. One sequence at a time: plain and obviously right, the yardstick for the kernels."""
+    out = torch.empty_like(q)
+    start = 0
+    block_size = k_cache.shape[1]
+    for seq, (n_new, ctx) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        if not meta.is_prefill:
+            n_new = 1
+        blocks = meta.block_tables[seq, : -(-ctx // block_size)]
+        keys = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        values = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        query_pos = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        rows = slice(start, start + n_new)
+        out[rows] = _attend(q[rows].transpose(0, 1), keys, values, visible, scale, softcap)
+        start += n_new
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q ``[H, n, D]`` over keys/values ``[KVH, L, D]`` where ``visible`` ``[n, L]`` → ``[n, H, D]``."""
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=visible, scale=scale, enable_gqa=True
+        )[0]
+        return out.transpose(0, 1)
+    group = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    scores = torch.matmul(q, keys.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).transpose(0, 1)

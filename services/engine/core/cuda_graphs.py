@@ -34,7 +34,7 @@ import torch
 
 from services.engine.core.attention import AttentionMetadata
 from services.engine.core.kv_cache import KVPool
-from services.engine.core.model import LlamaForCausalLM
+from services.engine.core.models import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv: KVPool,
         *,
         max_batch: int,

@@ -26,7 +26,7 @@ from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import Int8Rows, int8_rows, pack_linears, pack_plan
 from services.engine.core.loaders import LoadedModel
-from services.engine.core.model import LlamaForCausalLM
+from services.engine.core.models import CausalLM
 from services.engine.core.sampler import Sampler, SamplerOutput
 from services.engine.core.scheduler import ScheduledBatch
 from services.engine.core.sequence import Sequence
@@ -202,15 +202,15 @@ class ModelRunner:
         model.decode_layers_regimes = regimes
 
 
-def _graph_safe(model: LlamaForCausalLM) -> bool:
+def _graph_safe(model: CausalLM) -> bool:
     """Whether the model's attention decodes from tensors alone (``graph_safe``: the Triton
     backend), so its steps can be captured, and the fused Triton ops run with it."""
     backend = model.layers[0].self_attn.backend if model.layers else None
     graph_safe = getattr(backend, "graph_safe", None)
-    return graph_safe is not None and graph_safe()
+    return graph_safe is not None and graph_safe() and model.graph_safe()
 
 
-def _share_tied_table(model: LlamaForCausalLM) -> None:
+def _share_tied_table(model: CausalLM) -> None:
     """A tied quantized table is held once: the embedding reads the head's kernel tiles."""
     embed, head = model.embed_tokens, model.lm_head
     if not model.config.tie_word_embeddings or embed.quant is None:

@@ -1,5 +1,11 @@
-"""Rotary position embeddings in the Hugging Face (``rotate_half``) layout, with Llama-3
-frequency scaling. The cos/sin table is computed once per model and indexed by position."""
+"""Rotary position embeddings in the Hugging Face (``rotate_half``) layout, with Llama-3, linear
+and LongRoPE (Phi-3) frequency scaling and partial rotation (the first ``dim`` of each head's
+dims). The cos/sin table is computed once per model and indexed by position.
+
+LongRoPE has two sets of frequencies: ``short_factor`` for positions below
+``original_max_position_embeddings`` and ``long_factor`` from there on. Hugging Face switches the
+whole sequence once it grows past that length; here, as in vLLM, each position takes the table
+of its own range, so K already in the paged cache never needs recomputing."""
 
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
+    if scaling.rope_type == "linear":
+        return inv / scaling.factor
+    if scaling.rope_type == "longrope":  # the short factors; the long ones: longrope_tables
+        return inv / torch.tensor(scaling.short_factor, dtype=torch.float32)
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -50,9 +60,18 @@ class RotaryEmbedding(torch.nn.Module):
         """(Re)compute the float32 tables on the buffers' device."""
         inv = inverse_frequencies(self.head_dim, self.theta, self.scaling).float()
         positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv).to(self.cos.device)
-        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
-        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        freqs = torch.outer(positions, inv)
+        scaling = self.scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            long_inv = inv * torch.tensor(scaling.short_factor) / torch.tensor(scaling.long_factor)
+            beyond = positions >= scaling.original_max_position_embeddings
+            freqs[beyond] = torch.outer(positions[beyond], long_inv)
+        freqs = freqs.to(self.cos.device)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling is not None and scaling.rope_type == "longrope":
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        self.cos = torch.cat((cos, cos), dim=-1)
+        self.sin = torch.cat((-sin, sin), dim=-1)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -65,5 +84,9 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[T, heads, head_dim]`` with tables from :meth:`lookup`."""
+    """Rotate ``x`` of shape ``[T, heads, head_dim]`` with tables from :meth:`lookup`; tables
+    narrower than the head rotate its leading dims and pass the rest through (partial rotary)."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

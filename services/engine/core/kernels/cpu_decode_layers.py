@@ -6,7 +6,7 @@ norm weights) as plain descriptors — this module knows tensors, not ``nn.Modul
 residual stream, the rotary tables and the step's attention metadata. The result is the same bits
 as the per-op kernel path (the C file is a unity build of those kernels, chained in the same
 order); the model still decides per batch size whether to use it (see
-:meth:`~services.engine.core.model.LlamaForCausalLM.use_decode_layers`).
+:meth:`~services.engine.core.models.base.CausalLM.use_decode_layers`).
 
 :func:`load_cpu_decode_layers` builds it once per process for the selected instruction set, or
 returns ``None`` (one log line saying why); ``TANDEM_CPU_KERNELS=0`` turns it off.

@@ -276,10 +276,17 @@ class CpuPagedAttention(TorchPagedAttention):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """A decode step the kernel takes stores K/V and attends in one call."""
-        if meta.is_prefill or not self._kernel_takes(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        if (
+            meta.is_prefill
+            or window is not None
+            or softcap is not None
+            or not self._kernel_takes(q, k_cache)
+        ):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
         return cpu_paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale,
             new_kv=(k, v, meta.slot_blocks, meta.slot_offsets),

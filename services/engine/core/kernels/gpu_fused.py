@@ -5,7 +5,7 @@ RMSNorm, the rotary embedding, SwiGLU's ``silu(gate) * up``) touches a few kilob
 3-8 PyTorch kernels each. Inside a CUDA graph a kernel still costs its few microseconds, and a
 32-layer model runs hundreds of them per step: at batch 1 that is a third of the step. Each op
 here is one kernel, with the same roundings as the PyTorch reference ops in
-:mod:`services.engine.core.model` (float32 arithmetic, each intermediate the reference rounds to
+:mod:`services.engine.core.models.blocks` (float32 arithmetic, each intermediate the reference rounds to
 the model's dtype rounded here too), so the two agree to the last bit but for the order of the
 norm's sum.
 

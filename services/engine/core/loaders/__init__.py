@@ -49,7 +49,7 @@ from services.engine.core.loaders.gguf_file import (
 )
 from services.engine.core.loaders.hf_folder import hf_weight_dtypes, iter_hf_weights, read_hf_config
 from services.engine.core.loaders.weights import empty_model, load_weights
-from services.engine.core.model import LlamaForCausalLM
+from services.engine.core.models import CausalLM
 from services.common.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class LoadedModel:
 
     source: ModelSource
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     dtype: torch.dtype  # activations and KV cache
     weight_format: str = "float32"  # a name from DTYPE_CHOICES other than auto
 
@@ -171,6 +171,9 @@ def load_model(
         source.name, config.architecture, config.num_layers, weight_format,
         " from --dtype auto" if name == "auto" else "", device,
     )  # fmt: skip
+    gaps = net.fast_path_gaps()
+    if gaps:
+        logger.info("%s models do not take yet: %s", config.architecture, "; ".join(gaps))
     return LoadedModel(
         source=source, config=config, model=net, dtype=compute, weight_format=weight_format
     )

@@ -1,8 +1,8 @@
-"""Build a :class:`LlamaForCausalLM` and fill it from ``(hf_name, tensor)`` pairs.
+"""Build a model of the checkpoint's family and fill it from ``(hf_name, tensor)`` pairs.
 
 Every loader (HF safetensors, GGUF, dummy) yields weights under Hugging Face names; this module
 maps them onto Tandem's fused parameters (``q/k/v_proj`` → ``qkv_proj``, ``gate/up_proj`` →
-``gate_up_proj``) and checks nothing is missing. The model is built on the ``meta`` device first,
+``gate_up_proj``, an MoE expert's too) and checks nothing is missing. The model is built on the ``meta`` device first,
 so no memory is spent initialising weights that are about to be overwritten.
 
 Quantized models (``quantize="q8_0"`` or ``"q4"``): linear and embedding weights arrive as
@@ -24,7 +24,7 @@ from services.common.errors import ModelLoadError
 from services.engine.core.attention import PagedAttention
 from services.engine.core.embedding import Embedding
 from services.engine.core.linear import Linear
-from services.engine.core.model import LlamaForCausalLM
+from services.engine.core.models import CausalLM, model_class
 from services.common.model_config import ModelConfig
 from services.engine.core.quant.quantized_weight import (
     GROUP,
@@ -37,17 +37,18 @@ from services.engine.core.quant.quantized_weight import (
 Weight = torch.Tensor | QuantizedWeight
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# the last two name parts of a fused part -> (the fused parameter's, which part, of how many);
+# whatever precedes them (``self_attn.``, ``mlp.``, ``mlp.experts.7.``) carries over
 _FUSED = {
-    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
-    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
-    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
-    "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", 0),
-    "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", 1),
-    "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", 2),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+    "q_proj.weight": ("qkv_proj.weight", 0, 3),
+    "k_proj.weight": ("qkv_proj.weight", 1, 3),
+    "v_proj.weight": ("qkv_proj.weight", 2, 3),
+    "q_proj.bias": ("qkv_proj.bias", 0, 3),
+    "k_proj.bias": ("qkv_proj.bias", 1, 3),
+    "v_proj.bias": ("qkv_proj.bias", 2, 3),
+    "gate_proj.weight": ("gate_up_proj.weight", 0, 2),
+    "up_proj.weight": ("gate_up_proj.weight", 1, 2),
 }
-_PARTS = {"self_attn.qkv_proj.weight": 3, "self_attn.qkv_proj.bias": 3, "mlp.gate_up_proj.weight": 2}
 
 
 def empty_model(
@@ -57,7 +58,7 @@ def empty_model(
     backend: PagedAttention | None = None,
     *,
     quantized: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """An uninitialised model of ``dtype`` on ``device`` (rope tables computed).
 
     With ``quantized`` the linear and embedding weights are left empty (they arrive quantized).
@@ -66,7 +67,7 @@ def empty_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, backend)
+            model = model_class(config)(config, backend)
             if quantized:
                 for module in model.modules():
                     if isinstance(module, Linear | Embedding):
@@ -74,7 +75,8 @@ def empty_model(
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    model.rope.reset_tables()
+    for rope in model.rotary_embeddings():
+        rope.reset_tables()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         model.embed_tokens.weight._tandem_shared = True  # type: ignore[attr-defined]
@@ -82,7 +84,7 @@ def empty_model(
 
 
 def load_weights(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     weights: Iterable[tuple[str, Weight]],
     quantize: str | None = None,
 ) -> None:
@@ -98,14 +100,14 @@ def load_weights(
         target = _target_name(name)
         if target is None:
             continue
-        dest_name, part = target
+        dest_name, part, count = target
         if part is None:
             _place(model, params, dest_name, tensor, quantize)
             loaded.add(dest_name)
             continue
         parts = pending.setdefault(dest_name, {})
         parts[part] = tensor
-        if len(parts) == _PARTS[dest_name.split(".", 2)[2]]:
+        if len(parts) == count:
             _place(model, params, dest_name, _fuse([parts[i] for i in range(len(parts))]), quantize)
             loaded.add(dest_name)
             del pending[dest_name]
@@ -121,21 +123,25 @@ def load_weights(
         raise ModelLoadError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
 
-def _target_name(name: str) -> tuple[str, int | None] | None:
+def _target_name(name: str) -> tuple[str, int | None, int] | None:
+    """Where a checkpoint weight goes: (parameter, part of a fused one or None, parts)."""
     if name == "lm_head.weight":
-        return "lm_head.weight", None
+        return "lm_head.weight", None, 1
     if name.startswith("model.") and not name.startswith("model.layers."):
-        return name.removeprefix("model."), None
+        return name.removeprefix("model."), None, 1
     match = _LAYER.match(name)
     if match is None:
         return None
     layer, rest = match.groups()
-    if rest in _FUSED:
-        dest, part = _FUSED[rest]
-        return f"layers.{layer}.{dest}", part
+    parts = rest.rsplit(".", 2)
+    leaf = ".".join(parts[-2:])
+    if leaf in _FUSED:
+        dest, part, count = _FUSED[leaf]
+        prefix = parts[0] + "." if len(parts) == 3 else ""
+        return f"layers.{layer}.{prefix}{dest}", part, count
     if rest.endswith("rotary_emb.inv_freq"):
         return None
-    return f"layers.{layer}.{rest}", None
+    return f"layers.{layer}.{rest}", None, 1
 
 
 def _fuse(parts: list[Weight]) -> Weight:

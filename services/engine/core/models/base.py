@@ -1,0 +1,219 @@
+"""What every family's causal LM shares: the embedding, the rotary tables, the stack of decoder
+layers over a paged KV cache, the final norm and the LM head, and the switches of the CPU and
+GPU fast paths.
+
+Tokens of all sequences in a step are flattened into one ``[T]`` batch (vLLM style);
+:class:`~services.engine.core.attention.AttentionMetadata` tells attention which token belongs
+where. A family subclass says how one decoder layer is built (:meth:`CausalLM.make_layer`) and
+what it adds around the stack (Gemma's embedding scale, Gemma 2's final soft-cap).
+
+Fast paths: decode-sized float32 batches on CPU run the residual add + RMSNorm, ``silu(gate) *
+up`` and the rotary embedding as one fused C call each where a layer is Llama's
+(:meth:`CausalLM.use_fused`); a decode step of up to 32 sequences whose every layer is Llama's
+and every op has a native kernel runs all layers as one C call (:meth:`CausalLM.use_decode_layers`):
+the same kernels in the same order, so the same bits. :meth:`CausalLM.fast_path_gaps` says which
+of them a family does not take yet, for the worker's start-up line.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.common.model_config import ModelConfig
+from services.engine.core.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
+from services.engine.core.embedding import Embedding
+from services.engine.core.kernels.autotune import KernelRegimes
+from services.engine.core.kernels.cpu_decode_layers import (
+    CpuDecodeLayers,
+    DecodeLayersCall,
+    DecodeShape,
+    LayerWeights,
+)
+from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS
+from services.engine.core.kv_cache import KVPool
+from services.engine.core.linear import Linear
+from services.engine.core.models.blocks import Attention, FusedOps, GatedMLP, RMSNorm, Rope, make_norm
+from services.engine.core.rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """One layer: ``forward(x, rope, k_cache, v_cache, meta) -> x``. Families subclass it."""
+
+    self_attn: Attention
+    fused: FusedOps | None = None
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def llama_like(self) -> bool:
+        """Whether the layer is exactly Llama's (pre-norm, plain attention, SwiGLU), which the
+        one-call C decode layers compute."""
+        return False
+
+
+class CausalLM(nn.Module):
+    """A decoder-only causal LM over a paged KV cache; families subclass :meth:`make_layer`."""
+
+    def __init__(self, config: ModelConfig, backend: PagedAttention | None = None) -> None:
+        super().__init__()
+        self.config = config
+        backend = backend or TorchPagedAttention()
+        self.rope = RotaryEmbedding(
+            config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling,
+        )  # fmt: skip
+        # sliding layers with their own rope base (Gemma 3: 10k local, 1M global)
+        self.local_rope = (
+            RotaryEmbedding(config.rotary_dim, config.max_position_embeddings,
+                            config.local_rope_theta, None)
+            if config.local_rope_theta is not None and config.local_rope_theta != config.rope_theta
+            else None
+        )  # fmt: skip
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden)
+        self.layers = nn.ModuleList(
+            self.make_layer(config, backend, i) for i in range(config.num_layers)
+        )
+        self.norm: RMSNorm = make_norm(config, config.hidden_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.decode_layers: DecodeLayersCall | None = None
+        self.decode_layers_rows = 0  # decode batches of up to this many sequences may use it
+        # per batch size, whether the one-call layers beat the per-op path (the runner measures)
+        self.decode_layers_regimes = KernelRegimes(
+            rows=DECODE_LAYER_ROWS, use_kernel=(True,) * len(DECODE_LAYER_ROWS)
+        )
+
+    def make_layer(self, config: ModelConfig, backend: PagedAttention, index: int) -> DecoderLayer:
+        raise NotImplementedError
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        """Every rope table of the model (the loader computes them after building on ``meta``)."""
+        return [self.rope] + ([self.local_rope] if self.local_rope is not None else [])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: KVPool,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run ``[T]`` flattened tokens; return final hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # as Hugging Face: the scale rounded to the dtype
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = self.rope.lookup(positions, x.dtype)
+        local = self.local_rope.lookup(positions, x.dtype) if self.local_rope is not None else rope
+        rows = x.shape[0]
+        call = self.decode_layers
+        if (
+            call is not None
+            and not meta.is_prefill
+            and rows <= self.decode_layers_rows
+            and self.decode_layers_regimes.kernel_for(rows)
+        ):
+            if call.caches_of is not kv:
+                call.set_caches([kv.layer(i) for i in range(len(self.layers))], kv)
+            x = call(
+                x.contiguous(), rope[0].view(rows, -1), rope[1].view(rows, -1), meta.block_tables,
+                meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets,
+            )  # fmt: skip
+            return self.norm.forward(x)
+        for index, layer in enumerate(self.layers):
+            k_cache, v_cache = kv.layer(index)
+            layer_rope = local if layer.self_attn.window is not None else rope
+            x = layer.forward(x, layer_rope, k_cache, v_cache, meta)
+        return self.norm.forward(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def use_fused(self, fused: FusedOps | None) -> None:
+        """Run the batches ``fused.applies`` to through ``fused`` ops: the CPU's for
+        decode-sized float32 ones, the GPU's for all (``None``: PyTorch ops only, which also
+        turns the one-call decode layers off: they compute the fused ops). Each block takes the
+        ops it has a use for."""
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = fused  # type: ignore[assignment]
+        if fused is None:
+            self.use_decode_layers(None)
+
+    def use_decode_layers(self, kernel: CpuDecodeLayers | None) -> int:
+        """Run float32 decode steps of up to N sequences through ``kernel``, all layers in one
+        call, where every layer is Llama's and every op of it has chosen its native kernel for
+        that batch size (the fused ops too: :meth:`use_fused` first). Returns N (0: never;
+        ``None`` turns it off)."""
+        self.decode_layers, self.decode_layers_rows = None, 0
+        if kernel is None or not self.layers or self.embed_scale is not None:
+            return 0
+        if not all(layer.llama_like() for layer in self.layers):
+            return 0
+        rows = 0
+        while rows < MAX_ROWS and all(_all_native(layer, rows + 1) for layer in self.layers):
+            rows += 1
+        if not rows:
+            return 0
+        weights = [_layer_weights(layer) for layer in self.layers]
+        config = self.config
+        first = self.layers[0]
+        shape = DecodeShape(
+            hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size,
+            eps=first.input_layernorm.eps, scale=first.self_attn.scale,
+        )  # fmt: skip
+        self.decode_layers, self.decode_layers_rows = kernel.bind(shape, weights), rows
+        return rows
+
+    def graph_safe(self) -> bool:
+        """Whether a decode step is tensors alone (no per-step Python masks), so CUDA graphs can
+        capture it: not yet for sliding-window or soft-capped layers."""
+        return all(
+            layer.self_attn.window is None and layer.self_attn.softcap is None
+            for layer in self.layers
+        )
+
+    def fast_path_gaps(self) -> list[str]:
+        """The fast paths this model does not take yet, in words (empty for Llama)."""
+        gaps = []
+        if not all(layer.llama_like() for layer in self.layers) or self.embed_scale is not None:
+            gaps.append("the one-call C decode layers (Llama-shaped layers only)")
+        if not self.graph_safe():
+            gaps.append("CUDA graphs (sliding-window / soft-capped attention runs eagerly)")
+        if any(layer.self_attn.q_norm is not None for layer in self.layers):
+            gaps.append("the fused rope (q/k norms rotate in PyTorch)")
+        return gaps
+
+
+def _all_native(layer: DecoderLayer, rows: int) -> bool:
+    """Whether every op of a Llama-shaped ``layer`` runs its native kernel for ``rows`` rows."""
+    attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(mlp, GatedMLP)
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return (
+        layer.fused is not None and attn.fused is not None and mlp.fused is not None
+        and rows <= MAX_ROWS and attn.backend.native_decode(rows)
+        and all(linear.kernel_tiles(rows) is not None for linear in linears)
+        and all(norm.dtype == torch.float32 for norm in norms)
+    )  # fmt: skip
+
+
+def _layer_weights(layer: DecoderLayer) -> LayerWeights:
+    """What the one-call decode layers read of ``layer`` (checked by :func:`_all_native`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    tiles = [linear.kernel_tiles(1) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                   mlp.down_proj)]  # fmt: skip
+    qkv, o, gate_up, down = (t for t in tiles if t is not None)
+    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+    return LayerWeights(norms[0].contiguous(), norms[1].contiguous(), qkv, o, gate_up, down)
