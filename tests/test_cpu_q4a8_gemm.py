@@ -16,8 +16,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
@@ -25,7 +27,7 @@ from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
 from services.engine.core.linear import Linear, PackPlan, int8_rows, pack_linears
-from services.engine.core.quant.quantized_weight import QuantizedWeight
+from services.engine.core.quant.quantized_weight import QuantizedWeight, from_gguf_blocks
 from tests.conftest import native_kernel_or_skip
 
 ROWS = [1, 2, 3, 5, 33, 70]  # register blocks of 4 (AVX-512) or 3 rows (AVX2, generic: 2), 1-row tails
@@ -161,8 +163,8 @@ class SlowQ4A8(CpuQ4A8Gemm):
 
     calls = 0
 
-    def bind(self, packed, bias, out_features):  # type: ignore[no-untyped-def]
-        call = super().bind(packed, bias, out_features)
+    def bind(self, packed, bias, out_features, fmt="q4"):  # type: ignore[no-untyped-def]
+        call = super().bind(packed, bias, out_features, fmt)
 
         def slow(x: torch.Tensor) -> torch.Tensor:
             SlowQ4A8.calls += 1
@@ -224,7 +226,8 @@ def test_the_int8_kernel_follows_an_instruction_set_switch(monkeypatch: pytest.M
         for isa in supported_isas()[-2:]:  # the 1B shapes: q_proj / o_proj, fused qkv, gate_up
             monkeypatch.setenv("TANDEM_CPU_ISA", isa)
             forget_loaded_kernels()
-            plan = pack_plan(torch.device("cpu"), torch.float32, autotune=False, int8_activations=True)
+            cpu = torch.device("cpu")
+            plan = pack_plan(cpu, torch.float32, autotune=False, int8_activations=True)
             assert plan is not None and plan.a8kernel is not None and plan.qkernel is not None
             for out, inputs in ((2048, 2048), (3072, 2048), (2048, 8192)):
                 layer, weight = _q4_linear(out, out, inputs)
@@ -238,3 +241,50 @@ def test_the_int8_kernel_follows_an_instruction_set_switch(monkeypatch: pytest.M
     finally:
         monkeypatch.undo()
         forget_loaded_kernels()  # later tests get the selected set's builds again
+
+
+def _q4_k_weight(seed: int, out: int, inputs: int) -> QuantizedWeight:
+    """Random Q4_K super-blocks (random scales, mins and nibbles, small float16 d and dmin)."""
+    rng = np.random.default_rng(seed)
+    n = out * inputs // 256
+    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    for offset in (0, 2):
+        d = (rng.random((n, 1)) * 1e-3).astype(np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8)
+    weight = from_gguf_blocks(blocks, GGMLQuantizationType.Q4_K, (out, inputs))
+    assert weight is not None and weight.format == "q4_k"
+    return weight
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_q4_k_tiles_equal_the_int8_reference(isa: str, rows: int) -> None:
+    """Q4_K kept as stored (``q4_k`` tiles: scales d * sc and offsets -dmin * m per group, made in
+    the kernel) is read by the same integer path as q4."""
+    qgemv, gemm = _kernels(isa)
+    weight = _q4_k_weight(rows, OUT, 512)
+    packed = qgemv.tile_weight(weight)
+    bias = torch.randn(OUT)
+    x = torch.randn(rows, 512) * torch.logspace(-2, 1, 512)
+    call = gemm.bind(packed, qgemv.tile_bias(bias), OUT, "q4_k")
+    got = call(x)
+    expected = reference(x, weight, bias)
+    assert (got.double() - expected).abs().max() < 1e-4 * expected.abs().max(), isa
+    assert torch.equal(call(x[-1:]), got[-1:])  # a row alone, the same bits
+    with pytest.raises(ValueError, match="do not hold"):
+        gemm.bind(packed, None, OUT, "q4")  # q4_k blocks are not q4 blocks
+    with pytest.raises(ValueError, match="reads"):
+        gemm.bind(packed, None, OUT, "q6_k")
+
+
+def test_a_q4_k_linear_rounds_prompt_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    plan = PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=cpu_q4a8_gemm.load_cpu_q4a8_gemm())
+    layer = Linear(512, 96)
+    layer.set_quantized(_q4_k_weight(4, 96, 512))
+    pack_linears(nn.Sequential(layer), plan, free_dense=True)
+    assert layer.int8_activations and layer.weight_format == "q4_k"
+    x = torch.randn(9, 512)
+    with torch.inference_mode(), int8_rows(True):
+        assert torch.equal(layer(x), layer.int8_forward(x))
+        assert not torch.equal(layer(x), layer.float_forward(x))

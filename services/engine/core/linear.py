@@ -5,7 +5,7 @@ rows runs a GEMV that reads the weight well below the socket's bandwidth. :meth:
 lays the weight out once, after loading:
 
 * With a native kernel (:mod:`services.engine.core.kernels.cpu_gemv` for float32,
-  :mod:`services.engine.core.kernels.cpu_qgemv` for ``q8_0`` / ``q4`` weights) the weight becomes the
+  :mod:`services.engine.core.kernels.cpu_qgemv` for quantized weights) the weight becomes the
   kernel's tiles and the kernel computes the product; a row's result then does not depend on the
   other rows of the batch.
 * Without one (no C compiler, not Linux, ``TANDEM_CPU_KERNELS=0``) a float32 weight becomes
@@ -21,7 +21,7 @@ same way), so there is never a second resident copy of the weight.
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
 
-With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer also binds
+With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer (``q4`` or ``q4_k``) also binds
 :mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles (kept where it measured
 faster than the weight-only path at a prefill chunk), and runs it for the rows the caller marks
 with :func:`int8_rows`; the rest, and every row by default, take the float32 path. The model
@@ -45,9 +45,10 @@ from torch import nn
 from services.engine.core.kernels.autotune import MARGIN, REGIME_ROWS, KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import LinearTiles
 from services.engine.core.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
+from services.engine.core.kernels.cpu_q4a8_gemm import FORMATS as INT8_ACTIVATION_FORMATS
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, load_cpu_q4a8_gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
-from services.engine.core.quant.quantized_weight import FORMAT_Q4, QuantizedWeight
+from services.engine.core.quant.quantized_weight import QuantizedWeight
 
 # rows a matmul may round to int8: all (True), none (False), or (prompt rows, other rows)
 Int8Rows = bool | tuple[torch.Tensor, torch.Tensor]
@@ -99,7 +100,8 @@ class Linear(nn.Linear):
 
     @property
     def weight_format(self) -> str:
-        """``"q8_0"`` / ``"q4"`` for quantized weights, else the float dtype's name."""
+        """The quantized format (``"q8_0"``, ``"q4"``, ``"q4_k"``, ...), else the float dtype's
+        name."""
         if self.quant is not None:
             return self.quant.format
         return self._packed_format or str(self.weight.dtype).removeprefix("torch.")
@@ -130,8 +132,10 @@ class Linear(nn.Linear):
             self._qcall = plan.qkernel.bind(
                 self.packed, self._packed_format, self.packed_bias, self.out_features
             )
-            if plan.a8kernel is not None and self._packed_format == FORMAT_Q4:
-                self._a8call = plan.a8kernel.bind(self.packed, self.packed_bias, self.out_features)
+            if plan.a8kernel is not None and self._packed_format in INT8_ACTIVATION_FORMATS:
+                self._a8call = plan.a8kernel.bind(
+                    self.packed, self.packed_bias, self.out_features, self._packed_format
+                )
             return
         if self.weight.dtype != torch.float32:
             return

@@ -14,7 +14,9 @@
  * uncancelled (measured on SmolLM2: layer outputs 2-7x further from float32, KL 0.02 instead of
  * 0.004). This still changes the numbers: --dtype q4_a8 (auto's pick for 4-bit GGUFs), never q4.
  *
- * Weights are cpu_qgemv.c's q4 tiles, read as they are: a thread repacks one tile at a time into
+ * Weights are cpu_qgemv.c's q4 or q4_k tiles, read as they are (q4_k: each group's scale and offset
+ * are d * sc and -dmin * m, multiplied once per group; its nibbles are laid out as q4's, a
+ * super-block's 8 groups one after another): a thread repacks one tile at a time into
  * a panel (per group: [8 k-quads][TILE outputs][4 inputs] bytes, the order vpmaddubsw pairs them
  * in) in its own buffer, then runs every row block over it. The repack costs a few instructions
  * per 64 weights once per call; the panel (in / 32 * 512 bytes on AVX2) stays in L1/L2 while
@@ -31,6 +33,9 @@
 
 #define GROUP 32
 #define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
+#define Q4K_NIBBLES (20 * TILE)                     /* cpu_qgemv.c's q4_k block: */
+#define Q4K_BLOCK (Q4K_NIBBLES + 8 * GROUP * TILE / 2) /* f16 d, dmin; u8 sc[8], m[8]; nibbles */
+enum { FORMAT_Q4 = 1, FORMAT_Q4_K = 6 }; /* cpu_qgemv.c's format codes */
 #define PANEL_GROUP (GROUP * TILE) /* one group of a tile's panel: [8][TILE][4] bytes */
 #ifndef KSTEP_UNROLL
 #define KSTEP_UNROLL 2 /* measured on Zen 3 (AVX2): 3 rows x by 2 150 GMAC/s; by 1 119, by 7 101 */
@@ -132,12 +137,42 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t in,
     }
 }
 
-/* One q4 tile's values, all groups, into the panel order: panel[g][k][c][j] = q[g][4k + j][c]
- * (k-quad k, output c of the tile, input j of the quad). A q4 block row holds output c in the
+/* Bytes of one tile: groups (tile, group) blocks, or groups / 8 super-blocks. */
+static int64_t tile_bytes(int format, int64_t groups) {
+    return format == FORMAT_Q4_K ? groups / 8 * Q4K_BLOCK : groups * Q4_BLOCK;
+}
+
+/* Group g's nibbles in a tile ([32][TILE / 2] bytes, the same order in both formats). */
+static inline const uint8_t *group_nibbles(int format, const uint8_t *tile, int64_t g) {
+    if (format == FORMAT_Q4_K)
+        return tile + g / 8 * Q4K_BLOCK + Q4K_NIBBLES + g % 8 * (GROUP * TILE / 2);
+    return tile + g * Q4_BLOCK + 8 * TILE;
+}
+
+/* Group g's scale and offset per output: q4's float32s, or q4_k's d * sc and -(dmin * m) (exact
+ * products of an f16 and a 6-bit integer). */
+static inline void group_scale(int format, const uint8_t *tile, int64_t g, vec *sc, vec *mn) {
+    if (format == FORMAT_Q4_K) {
+        const uint8_t *block = tile + g / 8 * Q4K_BLOCK;
+        const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
+        const uint8_t *s = block + 4 * TILE + g % 8 * TILE, *m = s + 8 * TILE;
+        for (int v = 0; v < 2; v++) {
+            sc[v] = f16_to_float(d + v * LANES) * __builtin_convertvector(widen_u8(s + v * LANES), vec);
+            mn[v] = -(f16_to_float(dmin + v * LANES) *
+                      __builtin_convertvector(widen_u8(m + v * LANES), vec));
+        }
+        return;
+    }
+    const float *scale = (const float *)(tile + g * Q4_BLOCK), *min = scale + TILE;
+    for (int v = 0; v < 2; v++) sc[v] = load_vec(scale + v * LANES), mn[v] = load_vec(min + v * LANES);
+}
+
+/* One tile's values, all groups, into the panel order: panel[g][k][c][j] = q[g][4k + j][c]
+ * (k-quad k, output c of the tile, input j of the quad). A block row holds output c in the
  * low nibble of byte c and output c + LANES in the high nibble. */
-static void pack_tile(const uint8_t *tile, int64_t groups, uint8_t *panel) {
+static void pack_tile(int format, const uint8_t *tile, int64_t groups, uint8_t *panel) {
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *q = tile + g * Q4_BLOCK + 8 * TILE;
+        const uint8_t *q = group_nibbles(format, tile, g);
         uint8_t *p = panel + g * PANEL_GROUP;
 #if defined(__AVX2__) && !defined(__AVX512F__)
         /* 4 rows of 8 bytes: nibbles split, dwords (row, 4 outputs) regrouped per 128-bit lane,
@@ -183,8 +218,9 @@ static void pack_tile(const uint8_t *tile, int64_t groups, uint8_t *panel) {
 
 /* R rows x one tile (two integer vectors of LANES outputs) over all groups. */
 static inline __attribute__((always_inline)) void rows_tile(
-    int R, const uint8_t *panel, const uint8_t *tile, int64_t groups, const int8_t *q, int64_t in,
-    const float *d, const float *s, const float *bias, float *y, int64_t ldy, int64_t cols) {
+    int R, int format, const uint8_t *panel, const uint8_t *tile, int64_t groups, const int8_t *q,
+    int64_t in, const float *d, const float *s, const float *bias, float *y, int64_t ldy,
+    int64_t cols) {
     vec acc[Q8_ROWS][2];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 2; v++) acc[r][v] = bias ? load_vec(bias + v * LANES) : splat(0.0f);
@@ -210,9 +246,8 @@ static inline __attribute__((always_inline)) void rows_tile(
                 part[r][1] = add_i16(part[r][1], maddubs(w1, a));
             }
         }
-        const float *scale = (const float *)(tile + g * Q4_BLOCK), *min = scale + TILE;
-        const vec sc[2] = {load_vec(scale), load_vec(scale + LANES)};
-        const vec mn[2] = {load_vec(min), load_vec(min + LANES)};
+        vec sc[2], mn[2];
+        group_scale(format, tile, g, sc, mn);
         for (int r = 0; r < R; r++) {
             const vec dr = splat(d[r * groups + g]), sr = splat(s[r * groups + g]);
             for (int v = 0; v < 2; v++) {
@@ -232,12 +267,14 @@ static inline __attribute__((always_inline)) void rows_tile(
     }
 }
 
-/* x [rows, in] float32 (row stride ldx), w cpu_qgemv.c's q4 tiles [ceil(out / TILE), in / 32,
- * Q4_BLOCK], bias [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32.
- * Returns 0, or -1 when a buffer can't be allocated or in is not a multiple of 32. */
-int tandem_q4a8_gemm(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y,
-                     int64_t rows, int64_t in, int64_t out, int threads) {
-    if (in % GROUP || rows < 0) return -1;
+/* x [rows, in] float32 (row stride ldx), w cpu_qgemv.c's tiles of format (FORMAT_Q4: [ceil(out /
+ * TILE), in / 32, Q4_BLOCK]; FORMAT_Q4_K: [ceil(out / TILE), in / 256, Q4K_BLOCK]), bias
+ * [n_tiles * TILE] or NULL, y [rows, out] contiguous. Returns 0, or -1 for another format, when a
+ * buffer can't be allocated, or when in is not a multiple of the format's block inputs. */
+int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, const float *bias,
+                     float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    if ((format != FORMAT_Q4 && format != FORMAT_Q4_K) || rows < 0) return -1;
+    if (in % (format == FORMAT_Q4_K ? 8 * GROUP : GROUP)) return -1;
     if (rows == 0) return 0; /* no tile to repack for nothing */
     const int64_t groups = in / GROUP, n_tiles = (out + TILE - 1) / TILE;
     int8_t *q = malloc((size_t)(rows * in) + 64);
@@ -260,17 +297,17 @@ int tandem_q4a8_gemm(const float *x, int64_t ldx, const uint8_t *w, const float 
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_tiles; t++) {
             if (!panel) continue;
-            const uint8_t *tile = w + t * groups * Q4_BLOCK;
+            const uint8_t *tile = w + t * tile_bytes(format, groups);
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-            pack_tile(tile, groups, panel);
+            pack_tile(format, tile, groups, panel);
             int64_t r = 0;
             for (; r + Q8_ROWS <= rows; r += Q8_ROWS)
-                rows_tile(Q8_ROWS, panel, tile, groups, q + r * in, in, d + r * groups,
+                rows_tile(Q8_ROWS, format, panel, tile, groups, q + r * in, in, d + r * groups,
                           s + r * groups, bt, y + r * out + t * TILE, out, cols);
             for (; r < rows; r++)
-                rows_tile(1, panel, tile, groups, q + r * in, in, d + r * groups, s + r * groups, bt,
-                          y + r * out + t * TILE, out, cols);
+                rows_tile(1, format, panel, tile, groups, q + r * in, in, d + r * groups,
+                          s + r * groups, bt, y + r * out + t * TILE, out, cols);
         }
         free(panel);
     }
@@ -281,6 +318,9 @@ int tandem_q4a8_gemm(const float *x, int64_t ldx, const uint8_t *w, const float 
 
 int tandem_q4a8_tile(void) { return TILE; }
 
-int64_t tandem_q4a8_block_bytes(void) { return Q4_BLOCK; }
+/* Bytes of one (tile, block) unit of format, or -1 for another format. */
+int64_t tandem_q4a8_block_bytes(int format) {
+    return format == FORMAT_Q4 ? Q4_BLOCK : format == FORMAT_Q4_K ? Q4K_BLOCK : -1;
+}
 
 const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }

@@ -1,8 +1,8 @@
 """Python side of the 4-bit-weight x 8-bit-activation CPU GEMM (``cpu_q4a8_gemm.c``).
 
 ``--dtype q4_a8`` runs prompt tokens' rows through this kernel: each row of the input is rounded
-to int8 per group of 32 inputs (llama.cpp's activation scheme) and multiplied by the q4 tiles of
-:class:`~services.engine.core.kernels.cpu_qgemv.CpuQGemv` in integer arithmetic. It reads the
+to int8 per group of 32 inputs (llama.cpp's activation scheme) and multiplied by the ``q4`` or
+``q4_k`` tiles of :class:`~services.engine.core.kernels.cpu_qgemv.CpuQGemv` in integer arithmetic. It reads the
 same tiles as the weight-only kernel (no second copy of the weight). Its results differ from
 float32's by the activations' rounding, measured in the README; ``--dtype q4`` (float32
 activations throughout) is the exact alternative.
@@ -20,64 +20,82 @@ from pathlib import Path
 
 import torch
 
-from services.engine.core.kernels.cpu_qgemv import matmul_input
+from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES, matmul_input
 from services.engine.core.kernels.native_build import load_kernel
-from services.engine.core.quant.quantized_weight import GROUP
+from services.engine.core.quant.quantized_weight import FORMAT_Q4, FORMAT_Q4_K, GROUP, SUPER
 
 SOURCE = Path(__file__).with_name("cpu_q4a8_gemm.c")
 
 
+FORMATS = {FORMAT_Q4: GROUP, FORMAT_Q4_K: SUPER}  # the tile formats it reads: inputs per block
+
+
 class CpuQ4A8Gemm:
-    """``y = x @ W.T + b`` for float32 ``x`` ``[rows, in]`` over q4 tiles, x rounded to int8."""
+    """``y = x @ W.T + b`` for float32 ``x`` ``[rows, in]`` over q4 / q4_k tiles, x rounded to
+    int8."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemm = library.tandem_q4a8_gemm
         self._gemm.restype = ctypes.c_int
         self._gemm.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
         ]  # fmt: skip
         self.tile = int(library.tandem_q4a8_tile())
         block_bytes = library.tandem_q4a8_block_bytes
         block_bytes.restype = ctypes.c_int64
-        self.block_bytes = int(block_bytes())
+        block_bytes.argtypes = [ctypes.c_int]
+        self.block_bytes = {fmt: int(block_bytes(FORMAT_CODES[fmt])) for fmt in FORMATS}
         isa = library.tandem_q4a8_isa
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
         self.build = Path(str(library._name)).name
 
-    def bind(self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> Q4A8Call:
-        """One layer's call over its q4 tiles (``CpuQGemv.tile_weight``'s ``[tiles, in / 32,
-        block]``) and tiled bias."""
-        if (packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != self.block_bytes
+    def bind(
+        self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+        fmt: str = FORMAT_Q4,
+    ) -> Q4A8Call:
+        """One layer's call over its ``fmt`` tiles (``CpuQGemv.tile_weight``'s ``[tiles, in /
+        block inputs, block]``) and tiled bias.
+
+        Raises:
+            ValueError: a format it does not read, or tiles that do not fit this build.
+        """
+        if fmt not in FORMATS:
+            raise ValueError(f"the q4 x int8 kernel reads {sorted(FORMATS)} tiles, not {fmt}")
+        block = self.block_bytes[fmt]
+        if (packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != block
                 or packed.shape[0] * self.tile < out_features):
             raise ValueError(
-                f"q4 tiles {tuple(packed.shape)} do not hold {out_features} outputs for the "
+                f"{fmt} tiles {tuple(packed.shape)} do not hold {out_features} outputs for the "
                 f"{self.isa} build of the q4 x int8 kernel (tiles of {self.tile} outputs, "
-                f"{self.block_bytes}-byte blocks)"
-            )
-        return Q4A8Call(self._gemm, packed, bias, packed.shape[1] * GROUP, out_features)
+                f"{block}-byte blocks)"
+            )  # fmt: skip
+        in_features = packed.shape[1] * FORMATS[fmt]
+        return Q4A8Call(self._gemm, FORMAT_CODES[fmt], packed, bias, in_features, out_features)
 
     def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+        fmt: str = FORMAT_Q4,
     ) -> torch.Tensor:
-        return self.bind(packed, bias, out_features)(x)
+        return self.bind(packed, bias, out_features, fmt)(x)
 
 
 class Q4A8Call:
-    """``y = x @ W.T + b`` for one layer's q4 tiles; per call only the input is checked."""
+    """``y = x @ W.T + b`` for one layer's tiles; per call only the input is checked."""
 
-    __slots__ = ("_fn", "_packed", "_bias", "in_features", "out_features")
+    __slots__ = ("_fn", "_format", "_packed", "_bias", "in_features", "out_features")
 
     def __init__(
         self,
         fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        format_code: int,
         packed: torch.Tensor,
         bias: torch.Tensor | None,
         in_features: int,
         out_features: int,
     ) -> None:
-        self._fn, self._packed, self._bias = fn, packed, bias
+        self._fn, self._format, self._packed, self._bias = fn, format_code, packed, bias
         self.in_features, self.out_features = in_features, out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +103,7 @@ class Q4A8Call:
         rows, in_features = x.shape
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         status = self._fn(
-            x.data_ptr(), x.stride(0), self._packed.data_ptr(),
+            self._format, x.data_ptr(), x.stride(0), self._packed.data_ptr(),
             None if self._bias is None else self._bias.data_ptr(), y.data_ptr(), rows,
             in_features, self.out_features, torch.get_num_threads(),
         )  # fmt: skip

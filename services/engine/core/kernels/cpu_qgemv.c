@@ -1,19 +1,34 @@
-/* Weight-only y = x @ W^T (+ bias) for CPUs: 8-bit, 4-bit and 16-bit float weights, float32 rows.
+/* Weight-only y = x @ W^T (+ bias) for CPUs: 8-, 6-, 5- and 4-bit and 16-bit float weights,
+ * float32 rows.
  *
- * Decode on CPU streams every weight once per token; reading 4- or 8-bit weights instead of
- * float32 ones cuts those bytes 4-6x (GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K, as llama.cpp serves
- * them), bfloat16 / float16 weights 2x. The weights stay compact in memory and become floats in
- * registers right before the multiply-adds; activations stay float32 (no activation quantization).
+ * Decode on CPU streams every weight once per token; reading 4- to 8-bit weights instead of
+ * float32 ones cuts those bytes 4-7x (GGUF's Q8_0, Q6_K, Q5_0/Q5_1/Q5_K, Q4_0/Q4_1/Q4_K, kept as
+ * llama.cpp serves them), bfloat16 / float16 weights 2x. The weights stay compact in memory and
+ * become floats in registers right before the multiply-adds; activations stay float32 (no
+ * activation quantization).
  *
- * Both formats keep GGUF's groups of 32 inputs with one scale (and for 4-bit one offset) per
- * output feature and group: w[o, i] = q[o, i] * scale[o, g] + min[o, g], g = i / 32. Tiled like
- * cpu_gemv.c, TILE output features at a time, each (tile, group) one contiguous block:
+ * Every format is a value per weight and a scale (and for some an offset) per group of SUB inputs
+ * of one output feature: w[o, i] = q[o, i] * scale[o, g] + min[o, g]. Tiled like cpu_gemv.c, TILE
+ * output features at a time, each (tile, block of SPAN inputs) one contiguous block; "nibbles"
+ * below are [inputs][TILE / 2] bytes, byte c of an input row holding column c in its low nibble
+ * and column c + TILE / 2 in its high one:
  *
- *   q4:   float scale[TILE], float min[TILE], uint8 q[32][TILE / 2]   byte c of an input row holds
- *         column c in its low nibble and column c + TILE / 2 in its high nibble
- *   q8_0: float scale[TILE], int8 q[32][TILE]
+ *   q8_0: float scale[TILE], int8 q[32][TILE]                                   SPAN = SUB = 32
+ *   q4:   float scale[TILE], float min[TILE], nibbles[32]                       SPAN = SUB = 32
+ *   q5:   float scale[TILE], float min[TILE], uint32 high[TILE], nibbles[32]    SPAN = SUB = 32
+ *         (bit 4 of each value: one word per column, input j's at bit j)
+ *   q6_k: f16 d[TILE], int8 sc[16][TILE], uint32 high[16][TILE], nibbles[256]   SPAN 256, SUB 16
+ *         (bits 4-5 of each value, input j's at bits 2 (j % 16) of word j / 16; the value is
+ *         (q - 32) * d * sc, llama.cpp's Q6_K super-block kept as it is: 6.5625 bits a weight)
+ *   q4_k: f16 d[TILE], f16 dmin[TILE], uint8 sc[8][TILE], uint8 m[8][TILE], nibbles[256]
+ *   q5_k: q4_k's scales, uint32 high[8][TILE] (as q5, per group of 32), nibbles[256]
+ *         (q * d * sc - dmin * m: Q4_K / Q5_K super-blocks with each 6-bit scale in a byte)
  *
- * bfloat16 and float16 weights use the same (tile, group) blocks without scales: uint16 q[32][TILE],
+ * The super-block formats (SPAN 256) keep the file's f16 super-block scales and small integer
+ * sub-block scales, and multiply them in the kernel once per group (exact in float32: an f16
+ * times an integer below 2^7), so they hold about the file's bytes, not a float32 per group.
+ *
+ * bfloat16 and float16 weights use (tile, group) blocks without scales: uint16 q[32][TILE],
  * each value widened to float32 exactly (bf16: a shift; f16: vcvtph2ps or its bit-exact emulation).
  *
  * The scale and offset are factored out of each group, as llama.cpp does:
@@ -25,7 +40,7 @@
  * block; a single row takes several tiles at a time (four with AVX2, two with AVX-512), for
  * enough independent accumulators. More rows than one register block (batched decode, prefill)
  * walk a tile group by group: each group's values
- * are converted once into a small float32 scratch block (GROUP x TILE, in L1) that every row block
+ * are converted once into a small float32 scratch block (SUB x TILE, in L1) that every row block
  * then reads, and the rows' accumulators wait in a per-thread buffer between groups. The
  * conversion is paid once per group and tile, not once per row block, and the tile's values, the
  * rows' group of inputs and the accumulators all stay in L1 while the row blocks run.
@@ -37,23 +52,117 @@
 
 #include "tandem_simd.h"
 
-#define GROUP 32
-#define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
-#define Q8_BLOCK (4 * TILE + GROUP * TILE)
+#define GROUP 32  /* inputs per group of q8_0, q4, q5 and the 16-bit formats */
+#define SUPER 256 /* inputs per super-block of the K formats */
+
+/* Per format NAME: NAME_BLOCK bytes per (tile, block), NAME_SPAN inputs per block, NAME_SUB inputs
+ * per scale (one multiply-add chain per output, then the scale). */
+#define q8_SPAN GROUP
+#define q8_SUB GROUP
+#define q8_BLOCK (4 * TILE + GROUP * TILE)
+#define q4_SPAN GROUP
+#define q4_SUB GROUP
+#define q4_BLOCK (8 * TILE + GROUP * TILE / 2)
+#define q5_SPAN GROUP
+#define q5_SUB GROUP
+#define q5_BLOCK (12 * TILE + GROUP * TILE / 2)
+#define Q6K_HIGH (18 * TILE)  /* offsets in a q6_k block: the high-bit words, the nibbles */
+#define Q6K_NIBBLES (82 * TILE)
+#define q6k_SPAN SUPER
+#define q6k_SUB 16
+#define q6k_BLOCK (Q6K_NIBBLES + SUPER * TILE / 2) /* 210 * TILE: Q6_K's 210 bytes per 256 */
+#define Q4K_NIBBLES (20 * TILE)
+#define q4k_SPAN SUPER
+#define q4k_SUB GROUP
+#define q4k_BLOCK (Q4K_NIBBLES + SUPER * TILE / 2) /* 148 * TILE (Q4_K: 144) */
+#define Q5K_NIBBLES (52 * TILE)
+#define q5k_SPAN SUPER
+#define q5k_SUB GROUP
+#define q5k_BLOCK (Q5K_NIBBLES + SUPER * TILE / 2) /* 180 * TILE (Q5_K: 176) */
 #define HALF_BLOCK (2 * GROUP * TILE)
+#define bf16_SPAN GROUP
+#define bf16_SUB GROUP
+#define bf16_BLOCK HALF_BLOCK
+#define f16_SPAN GROUP
+#define f16_SUB GROUP
+#define f16_BLOCK HALF_BLOCK
+/* The formats whose high bits come from a shift by the input's place: their group's inputs fully
+ * unrolled, so every shift count is a constant and a word is loaded once per group (left to the
+ * compiler, a variable count and a branch per input measured 2-4x slower). The others: the
+ * compiler's choice, as before. */
+#define PRAGMA(text) _Pragma(#text)
+#define UNROLL(n) PRAGMA(GCC unroll n)
+#define q5_UNROLL UNROLL(32)
+#define q5k_UNROLL UNROLL(32)
+#define q6k_UNROLL UNROLL(16)
+#define q8_UNROLL
+#define q4_UNROLL
+#define q4k_UNROLL
+#define bf16_UNROLL
+#define f16_UNROLL
 
-enum { FORMAT_Q8_0 = 0, FORMAT_Q4 = 1, FORMAT_BF16 = 2, FORMAT_F16 = 3, N_FORMATS = 4 };
+enum {
+    FORMAT_Q8_0 = 0, FORMAT_Q4 = 1, FORMAT_BF16 = 2, FORMAT_F16 = 3, FORMAT_Q5 = 4,
+    FORMAT_Q6_K = 5, FORMAT_Q4_K = 6, FORMAT_Q5_K = 7, N_FORMATS = 8
+};
 
-/* Input j of one group block: its integer values (no scale, no offset) as two float vectors
+/* unaligned, aliasing 32-bit words (a q5 / q6_k block's high bits) */
+typedef int32_t qwords_u __attribute__((vector_size(LANES * 4), aligned(1), may_alias));
+
+static inline int_vec load_words(const uint8_t *p) { return *(const qwords_u *)p; }
+
+static inline vec int_to_vec(int_vec v) { return __builtin_convertvector(v, vec); }
+
+/* Input j of one block: its integer values (no scale, no offset) as two float vectors
  * (columns 0..LANES-1 and LANES..TILE-1). Exact: every value is a small integer. */
 static inline void q4_values(const uint8_t *block, int j, vec *w) {
     nibbles_to_float(block + 8 * TILE + j * LANES, &w[0], &w[1]);
+}
+
+static inline void q4k_values(const uint8_t *block, int j, vec *w) {
+    nibbles_to_float(block + Q4K_NIBBLES + j * LANES, &w[0], &w[1]);
 }
 
 static inline void q8_values(const uint8_t *block, int j, vec *w) {
     const int8_t *q = (const int8_t *)(block + 4 * TILE + j * TILE);
     w[0] = s8_to_float(q);
     w[1] = s8_to_float(q + LANES);
+}
+
+/* Bit 4 of 5-bit values from a word per column holding a group's 32 fifth bits, input j's at bit
+ * j: one shift and one mask put it in place. */
+static inline int_vec fifth_bit(int_vec word, int j) {
+    return (j >= 4 ? word >> (j - 4) : word << (4 - j)) & 16;
+}
+
+/* A nibbles row (input j) and the words of its fifth bits: 5-bit values 0..31. */
+static inline void five_bits(const uint8_t *row, const uint8_t *words, int j, vec *w) {
+    const int_vec wide = widen_u8(row);
+    w[0] = int_to_vec((wide & 15) | fifth_bit(load_words(words), j));
+    w[1] = int_to_vec((wide >> 4) | fifth_bit(load_words(words + 4 * LANES), j));
+}
+
+static inline void q5_values(const uint8_t *block, int j, vec *w) {
+    five_bits(block + 12 * TILE + j * LANES, block + 8 * TILE, j, w);
+}
+
+static inline void q5k_values(const uint8_t *block, int j, vec *w) {
+    five_bits(block + Q5K_NIBBLES + j * LANES, block + 20 * TILE + (j / GROUP) * 4 * TILE,
+              j % GROUP, w);
+}
+
+/* Bits 4-5 of 6-bit values from a word per column holding 16 inputs' pairs, input k's at bits
+ * 2k..2k+1: one shift and one mask put them in place. */
+static inline int_vec high_pair(int_vec word, int k) {
+    return (k >= 2 ? word >> (2 * k - 4) : word << (4 - 2 * k)) & 0x30;
+}
+
+/* q6_k: the unsigned values 0..63 (the offset of -32 is the group's min, -32 * scale). */
+static inline void q6k_values(const uint8_t *block, int j, vec *w) {
+    const int_vec wide = widen_u8(block + Q6K_NIBBLES + j * LANES);
+    const uint8_t *words = block + Q6K_HIGH + (j / 16) * 4 * TILE;
+    w[0] = int_to_vec((wide & 15) | high_pair(load_words(words), j % 16));
+    w[1] = int_to_vec((wide >> 4) | high_pair(load_words(words + 4 * LANES), j % 16));
 }
 
 /* 16-bit floats: the values themselves (no scale, no offset). */
@@ -69,23 +178,65 @@ static inline void f16_values(const uint8_t *block, int j, vec *w) {
     w[1] = f16_to_float(q + LANES);
 }
 
-/* The end of one group: acc += scale * part (+ min * sum of the group's inputs, for 4-bit). */
-static inline void q4_finish(const uint8_t *block, const vec *part, float sum, vec *acc) {
-    const float *scale = (const float *)block, *min = scale + TILE;
+/* The scale and offset of group s of a block, per column (two vectors each). Exact: a float32
+ * scale as stored, or an f16 times an integer below 2^7 (and -32 times that for q6_k). */
+static inline void q8_scale(const uint8_t *block, int s, vec *scale, vec *min) {
+    (void)s;
+    for (int c = 0; c < VECS; c++)
+        scale[c] = load_vec((const float *)block + c * LANES), min[c] = splat(0.0f);
+}
+
+static inline void q4_scale(const uint8_t *block, int s, vec *scale, vec *min) {
+    (void)s;
+    const float *f = (const float *)block;
+    for (int c = 0; c < VECS; c++)
+        scale[c] = load_vec(f + c * LANES), min[c] = load_vec(f + TILE + c * LANES);
+}
+#define q5_scale q4_scale
+
+static inline void q6k_scale(const uint8_t *block, int s, vec *scale, vec *min) {
+    const int8_t *sc = (const int8_t *)(block + 2 * TILE + s * TILE);
     for (int c = 0; c < VECS; c++) {
-        acc[c] += part[c] * load_vec(scale + c * LANES);
-        acc[c] += sum * load_vec(min + c * LANES);
+        scale[c] = f16_to_float((const uint16_t *)block + c * LANES) * s8_to_float(sc + c * LANES);
+        min[c] = scale[c] * splat(-32.0f);
     }
 }
 
-static inline void q8_finish(const uint8_t *block, const vec *part, float sum, vec *acc) {
-    (void)sum;
+static inline void q4k_scale(const uint8_t *block, int s, vec *scale, vec *min) {
+    const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
+    const uint8_t *sc = block + 4 * TILE + s * TILE, *m = block + 12 * TILE + s * TILE;
+    for (int c = 0; c < VECS; c++) {
+        scale[c] = f16_to_float(d + c * LANES) * int_to_vec(widen_u8(sc + c * LANES));
+        min[c] = -(f16_to_float(dmin + c * LANES) * int_to_vec(widen_u8(m + c * LANES)));
+    }
+}
+#define q5k_scale q4k_scale
+
+/* The end of one group: acc += scale * part (+ min * sum of the group's inputs). */
+#define DEFINE_FINISH(NAME)                                                                       \
+    static inline void NAME##_finish(const uint8_t *block, int s, const vec *part, float sum,     \
+                                     vec *acc) {                                                  \
+        vec scale[VECS], min[VECS];                                                               \
+        NAME##_scale(block, s, scale, min);                                                       \
+        for (int c = 0; c < VECS; c++) {                                                          \
+            acc[c] += part[c] * scale[c];                                                         \
+            acc[c] += sum * min[c];                                                               \
+        }                                                                                         \
+    }
+DEFINE_FINISH(q4)
+DEFINE_FINISH(q5)
+DEFINE_FINISH(q6k)
+DEFINE_FINISH(q4k)
+DEFINE_FINISH(q5k)
+
+static inline void q8_finish(const uint8_t *block, int s, const vec *part, float sum, vec *acc) {
+    (void)s, (void)sum;
     const float *scale = (const float *)block;
     for (int c = 0; c < VECS; c++) acc[c] += part[c] * load_vec(scale + c * LANES);
 }
 
-static inline void half_finish(const uint8_t *block, const vec *part, float sum, vec *acc) {
-    (void)block, (void)sum;
+static inline void half_finish(const uint8_t *block, int s, const vec *part, float sum, vec *acc) {
+    (void)block, (void)s, (void)sum;
     for (int c = 0; c < VECS; c++) acc[c] += part[c];
 }
 #define bf16_finish half_finish
@@ -101,64 +252,70 @@ static inline void store_cols(float *y, const vec *acc, int64_t cols) {
     memcpy(y, tmp, (size_t)cols * sizeof(float));
 }
 
-/* Sums of each row's groups of 32 inputs, sums[r * groups + g], each one fixed chain (vector adds
- * in input order, then hsum's tree): the 4-bit offset term is min * sum, once per group. */
-static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, float *sums) {
-    const int64_t groups = in / GROUP;
+/* Sums of each row's groups of sub inputs (16 or 32), sums[r * (in / sub) + g], each one fixed
+ * chain (vector adds in input order, then hsum's tree): the offset term is min * sum, once per
+ * group. */
+static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, int sub,
+                       float *sums) {
+    const int64_t groups = in / sub;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
-            const float *xg = x + r * ldx + g * GROUP;
+            const float *xg = x + r * ldx + g * sub;
             vec v = load_vec(xg);
-            for (int k = LANES; k < GROUP; k += LANES) v += load_vec(xg + k);
+            for (int k = LANES; k < sub; k += LANES) v += load_vec(xg + k);
             sums[r * groups + g] = hsum(v);
         }
 }
 
 /* R rows over one quantized tile, its values converted in registers. Per output and group, one
  * chain: part = sum_j x[j] * q[j] (fused multiply-adds in input order, from zero), then
- * acc += scale * part and, for 4-bit, acc += min * sum(x over the group); acc starts at the bias.
+ * acc += scale * part and acc += min * sum(x over the group); acc starts at the bias.
  * Factoring the scale and offset out of the group halves the vector work per weight compared
  * with dequantizing each weight first, and the chain is the same as DEFINE_QGROUP's (many rows),
- * so a row's result never depends on its batch mates. */
-#define DEFINE_QROWS(NAME, BLOCK, R)                                                              \
+ * so a row's result never depends on its batch mates. sums: [R][in / SUB]. */
+#define DEFINE_QROWS(NAME, R)                                                                     \
     static void NAME##_rows_##R(const float *x, int64_t ldx, const float *sums, const uint8_t *w, \
                                 int64_t in, const float *bias, float *y, int64_t ldy,             \
                                 int64_t cols) {                                                   \
-        const int64_t groups = in / GROUP;                                                        \
+        const int64_t blocks = in / NAME##_SPAN, subs = in / NAME##_SUB;                          \
         vec acc[R][VECS];                                                                         \
         for (int r = 0; r < R; r++)                                                               \
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : (vec){0}; \
-        for (int64_t g = 0; g < groups; g++) {                                                    \
-            const uint8_t *block = w + g * BLOCK;                                                 \
-            vec part[R][VECS];                                                                    \
-            for (int r = 0; r < R; r++)                                                           \
-                for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                             \
-            for (int j = 0; j < GROUP; j++) {                                                     \
-                vec wv[VECS];                                                                     \
-                NAME##_values(block, j, wv);                                                      \
-                for (int r = 0; r < R; r++) {                                                     \
-                    const float xv = x[r * ldx + g * GROUP + j];                                  \
-                    for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                      \
+        for (int64_t b = 0; b < blocks; b++) {                                                    \
+            const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
+                const int64_t i0 = b * NAME##_SPAN + s * NAME##_SUB;                              \
+                vec part[R][VECS];                                                                \
+                for (int r = 0; r < R; r++)                                                       \
+                    for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                         \
+                NAME##_UNROLL for (int j = 0; j < NAME##_SUB; j++) {                              \
+                    vec wv[VECS];                                                                 \
+                    NAME##_values(block, s * NAME##_SUB + j, wv);                                 \
+                    for (int r = 0; r < R; r++) {                                                 \
+                        const float xv = x[r * ldx + i0 + j];                                     \
+                        for (int c = 0; c < VECS; c++) part[r][c] += xv * wv[c];                  \
+                    }                                                                             \
                 }                                                                                 \
+                for (int r = 0; r < R; r++)                                                       \
+                    NAME##_finish(block, s, part[r], sums[r * subs + i0 / NAME##_SUB], acc[r]);   \
             }                                                                                     \
-            for (int r = 0; r < R; r++)                                                           \
-                NAME##_finish(block, part[r], sums[r * groups + g], acc[r]);                      \
         }                                                                                         \
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
     }
 
-/* One group of R rows over values converted once (float32 [GROUP][TILE], the scratch block):
- * the same part chain as NAME##_rows_R, then the same finish into the rows' accumulators, which
- * wait in memory between groups (accm [R][TILE]). */
+/* One group of R rows over values converted once (float32 [SUB][TILE], the scratch block): the
+ * same part chain as NAME##_rows_R, then the same finish into the rows' accumulators, which wait
+ * in memory between groups (accm [R][TILE]). i0: the group's first input; s: its index in the
+ * block; sums: [R][subs]. */
 #define DEFINE_QGROUP(NAME, R)                                                                    \
-    static void NAME##_group_##R(const float *x, int64_t ldx, const float *sums,                 \
-                                 int64_t groups, int64_t g, const uint8_t *block,                 \
-                                 const float *values, float *accm) {                              \
+    static void NAME##_group_##R(const float *x, int64_t ldx, const float *sums, int64_t subs,   \
+                                 int64_t i0, const uint8_t *block, int s, const float *values,    \
+                                 float *accm) {                                                   \
         vec part[R][VECS];                                                                        \
         for (int r = 0; r < R; r++)                                                               \
             for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                                 \
-        const float *xg = x + g * GROUP;                                                          \
-        for (int j = 0; j < GROUP; j++) {                                                         \
+        const float *xg = x + i0;                                                                 \
+        for (int j = 0; j < NAME##_SUB; j++) {                                                    \
             const vec wv[VECS] = {load_vec(values + j * TILE), load_vec(values + j * TILE + LANES)}; \
             for (int r = 0; r < R; r++) {                                                         \
                 const float xv = xg[r * ldx + j];                                                 \
@@ -168,7 +325,7 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
         for (int r = 0; r < R; r++) {                                                             \
             vec acc[VECS];                                                                        \
             for (int c = 0; c < VECS; c++) acc[c] = load_vec(accm + r * TILE + c * LANES);        \
-            NAME##_finish(block, part[r], sums[r * groups + g], acc);                             \
+            NAME##_finish(block, s, part[r], sums[r * subs + i0 / NAME##_SUB], acc);              \
             for (int c = 0; c < VECS; c++) store_vec(accm + r * TILE + c * LANES, acc[c]);        \
         }                                                                                         \
     }
@@ -195,149 +352,163 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, fl
 #define GROUP_WIDE(NAME) NAME##_group_4 /* listed twice: the 4-row entry comes next */
 #endif
 #define GROUP_NAME(NAME, R) NAME##_group_##R
-#define DEFINE_QBLOCKS(NAME, BLOCK)                                                               \
-    DEFINE_QROWS(NAME, BLOCK, 1)                                                                  \
-    DEFINE_QROWS(NAME, BLOCK, 2)                                                                  \
-    DEFINE_QROWS(NAME, BLOCK, 4)                                                                  \
-    DEFINE_QROWS(NAME, BLOCK, 8)                                                                  \
-    DEFINE_QGROUP(NAME, 1)                                                                        \
-    DEFINE_QGROUP(NAME, 2)                                                                        \
-    DEFINE_QGROUP(NAME, 4)                                                                        \
-    DEFINE_QGROUP_WIDE(NAME)
-DEFINE_QBLOCKS(q4, Q4_BLOCK)
-DEFINE_QBLOCKS(q8, Q8_BLOCK)
-DEFINE_QBLOCKS(bf16, HALF_BLOCK)
-DEFINE_QBLOCKS(f16, HALF_BLOCK)
 
-/* One row over N consecutive tiles at once (tile n at w + n * groups * BLOCK, its bias and
- * outputs TILE further along each): the same chain per output as NAME##_rows_1, with N times the
+/* One row over N consecutive tiles at once (tile n at w + n * tile bytes, its bias and outputs
+ * TILE further along each): the same chain per output as NAME##_rows_1, with N times the
  * independent accumulators. A single row has only VECS of them per tile, too few to hide the
  * multiply-add latency; N tiles' worth keep the vector units busy. cols_last: the last tile's
  * width (the others are whole). */
-#define DEFINE_QTILES(NAME, BLOCK, N)                                                             \
+#define DEFINE_QTILES(NAME, N)                                                                    \
     static void NAME##_tiles_##N(const float *x, const float *sums, const uint8_t *w, int64_t in, \
                                  const float *bias, float *y, int64_t cols_last) {                \
-        const int64_t groups = in / GROUP, tile_bytes = groups * BLOCK;                           \
+        const int64_t blocks = in / NAME##_SPAN, tile_bytes = blocks * NAME##_BLOCK;              \
         vec acc[N][VECS];                                                                         \
         for (int n = 0; n < N; n++)                                                               \
             for (int c = 0; c < VECS; c++)                                                        \
                 acc[n][c] = bias ? load_vec(bias + n * TILE + c * LANES) : (vec){0};              \
-        for (int64_t g = 0; g < groups; g++) {                                                    \
-            const uint8_t *block = w + g * BLOCK;                                                 \
-            vec part[N][VECS];                                                                    \
-            for (int n = 0; n < N; n++)                                                           \
-                for (int c = 0; c < VECS; c++) part[n][c] = (vec){0};                             \
-            for (int j = 0; j < GROUP; j++) {                                                     \
-                const float xv = x[g * GROUP + j];                                                \
-                for (int n = 0; n < N; n++) {                                                     \
-                    vec wv[VECS];                                                                 \
-                    NAME##_values(block + n * tile_bytes, j, wv);                                 \
-                    for (int c = 0; c < VECS; c++) part[n][c] += xv * wv[c];                      \
+        for (int64_t b = 0; b < blocks; b++) {                                                    \
+            const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
+                const int64_t i0 = b * NAME##_SPAN + s * NAME##_SUB;                              \
+                vec part[N][VECS];                                                                \
+                for (int n = 0; n < N; n++)                                                       \
+                    for (int c = 0; c < VECS; c++) part[n][c] = (vec){0};                         \
+                NAME##_UNROLL for (int j = 0; j < NAME##_SUB; j++) {                              \
+                    const float xv = x[i0 + j];                                                   \
+                    for (int n = 0; n < N; n++) {                                                 \
+                        vec wv[VECS];                                                             \
+                        NAME##_values(block + n * tile_bytes, s * NAME##_SUB + j, wv);            \
+                        for (int c = 0; c < VECS; c++) part[n][c] += xv * wv[c];                  \
+                    }                                                                             \
                 }                                                                                 \
+                for (int n = 0; n < N; n++)                                                       \
+                    NAME##_finish(block + n * tile_bytes, s, part[n], sums[i0 / NAME##_SUB],      \
+                                  acc[n]);                                                        \
             }                                                                                     \
-            for (int n = 0; n < N; n++)                                                           \
-                NAME##_finish(block + n * tile_bytes, part[n], sums[g], acc[n]);                  \
         }                                                                                         \
         for (int n = 0; n < N; n++) store_cols(y + n * TILE, acc[n], n < N - 1 ? TILE : cols_last); \
     }
 /* Tiles per one-row call: 4 on AVX2 and the generic build (16 registers: 8 accumulators, the
  * converted weights and the broadcast input fit), 2 on AVX-512, whose wider vectors already
- * give 2 tiles x 2 vectors x 16 lanes in flight. */
+ * give 2 tiles x 2 vectors x 16 lanes in flight. The 5- and 6-bit formats take 2 everywhere:
+ * each tile's high-bit words want registers too (4 tiles of q5 spilled to the stack ~400 times
+ * per call's loop body on AVX2). */
 #if LANES == 16
 #define ONE_ROW_TILES 2
 #else
 #define ONE_ROW_TILES 4
 #endif
-#define DEFINE_QTILE_SETS(NAME, BLOCK)                                                            \
-    DEFINE_QTILES(NAME, BLOCK, 2)                                                                 \
-    DEFINE_QTILES(NAME, BLOCK, 4)
+#define q8_ROW_TILES ONE_ROW_TILES
+#define q4_ROW_TILES ONE_ROW_TILES
+#define q4k_ROW_TILES ONE_ROW_TILES
+#define bf16_ROW_TILES ONE_ROW_TILES
+#define f16_ROW_TILES ONE_ROW_TILES
+#define q5_ROW_TILES 2
+#define q5k_ROW_TILES 2
+#define q6k_ROW_TILES 2
 
-DEFINE_QTILE_SETS(q4, Q4_BLOCK)
-DEFINE_QTILE_SETS(q8, Q8_BLOCK)
-DEFINE_QTILE_SETS(bf16, HALF_BLOCK)
-DEFINE_QTILE_SETS(f16, HALF_BLOCK)
+#define DEFINE_FORMAT(NAME)                                                                       \
+    DEFINE_QROWS(NAME, 1)                                                                         \
+    DEFINE_QROWS(NAME, 2)                                                                         \
+    DEFINE_QROWS(NAME, 4)                                                                         \
+    DEFINE_QROWS(NAME, 8)                                                                         \
+    DEFINE_QGROUP(NAME, 1)                                                                        \
+    DEFINE_QGROUP(NAME, 2)                                                                        \
+    DEFINE_QGROUP(NAME, 4)                                                                        \
+    DEFINE_QGROUP_WIDE(NAME)                                                                      \
+    DEFINE_QTILES(NAME, 2)                                                                        \
+    DEFINE_QTILES(NAME, 4)
+DEFINE_FORMAT(q8)
+DEFINE_FORMAT(q4)
+DEFINE_FORMAT(q5)
+DEFINE_FORMAT(q6k)
+DEFINE_FORMAT(q4k)
+DEFINE_FORMAT(q5k)
+DEFINE_FORMAT(bf16)
+DEFINE_FORMAT(f16)
 
 typedef void (*qrows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t,
                          const float *, float *, int64_t, int64_t);
-typedef void (*qgroup_fn)(const float *, int64_t, const float *, int64_t, int64_t, const uint8_t *,
-                          const float *, float *);
+typedef void (*qgroup_fn)(const float *, int64_t, const float *, int64_t, int64_t,
+                          const uint8_t *, int, const float *, float *);
 typedef void (*qtiles_fn)(const float *, const float *, const uint8_t *, int64_t, const float *,
                           float *, int64_t);
+typedef void (*values_fn)(const uint8_t *, int, vec *);
+typedef void (*scale_fn)(const uint8_t *, int, vec *, vec *);
 
-/* Per format code: the register row blocks of 8, 4, 2, 1 rows, the group blocks of GROUP_ROWS,
- * 4, 2, 1 rows and the one-row calls over 4 and 2 tiles. */
-static const qrows_fn REGISTER_FNS[N_FORMATS][4] = {
-    [FORMAT_Q8_0] = {q8_rows_8, q8_rows_4, q8_rows_2, q8_rows_1},
-    [FORMAT_Q4] = {q4_rows_8, q4_rows_4, q4_rows_2, q4_rows_1},
-    [FORMAT_BF16] = {bf16_rows_8, bf16_rows_4, bf16_rows_2, bf16_rows_1},
-    [FORMAT_F16] = {f16_rows_8, f16_rows_4, f16_rows_2, f16_rows_1},
-};
-#define GROUP_FNS_OF(NAME) {GROUP_WIDE(NAME), NAME##_group_4, NAME##_group_2, NAME##_group_1}
-static const qgroup_fn GROUP_FNS[N_FORMATS][4] = {
-    [FORMAT_Q8_0] = GROUP_FNS_OF(q8), [FORMAT_Q4] = GROUP_FNS_OF(q4),
-    [FORMAT_BF16] = GROUP_FNS_OF(bf16), [FORMAT_F16] = GROUP_FNS_OF(f16),
-};
-static const qtiles_fn TILES_FNS[N_FORMATS][2] = {
-    [FORMAT_Q8_0] = {q8_tiles_4, q8_tiles_2}, [FORMAT_Q4] = {q4_tiles_4, q4_tiles_2},
-    [FORMAT_BF16] = {bf16_tiles_4, bf16_tiles_2}, [FORMAT_F16] = {f16_tiles_4, f16_tiles_2},
+/* Per format code: its block's bytes and inputs, inputs per scale, whether it has scales (not the
+ * 16-bit floats) and offsets, and its functions: the register row blocks of 8, 4, 2, 1 rows, the
+ * group blocks of GROUP_ROWS, 4, 2, 1 rows, the one-row calls over 4 and 2 tiles, the values of
+ * one input and the scales of one group. */
+typedef struct {
+    int64_t block, span;
+    int sub, scaled, offset, row_tiles;
+    qrows_fn rows[4];
+    qgroup_fn groups[4];
+    qtiles_fn tiles[2];
+    values_fn values;
+    scale_fn scale;
+} qformat;
+
+#define FORMAT_OF(NAME, SCALED, OFFSET, SCALE)                                                    \
+    {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, SCALED, OFFSET, NAME##_ROW_TILES,                     \
+     {NAME##_rows_8, NAME##_rows_4, NAME##_rows_2, NAME##_rows_1},                                \
+     {GROUP_WIDE(NAME), NAME##_group_4, NAME##_group_2, NAME##_group_1},                          \
+     {NAME##_tiles_4, NAME##_tiles_2}, NAME##_values, SCALE}
+static const qformat FORMATS[N_FORMATS] = {
+    [FORMAT_Q8_0] = FORMAT_OF(q8, 1, 0, q8_scale),
+    [FORMAT_Q4] = FORMAT_OF(q4, 1, 1, q4_scale),
+    [FORMAT_BF16] = FORMAT_OF(bf16, 0, 0, NULL),
+    [FORMAT_F16] = FORMAT_OF(f16, 0, 0, NULL),
+    [FORMAT_Q5] = FORMAT_OF(q5, 1, 1, q5_scale),
+    [FORMAT_Q6_K] = FORMAT_OF(q6k, 1, 1, q6k_scale),
+    [FORMAT_Q4_K] = FORMAT_OF(q4k, 1, 1, q4k_scale),
+    [FORMAT_Q5_K] = FORMAT_OF(q5k, 1, 1, q5k_scale),
 };
 
-/* Bytes of one (tile, group) block, or -1 for an unknown format. */
-int64_t tandem_qgemv_block_bytes(int format) {
-    switch (format) {
-    case FORMAT_Q8_0: return Q8_BLOCK;
-    case FORMAT_Q4: return Q4_BLOCK;
-    case FORMAT_BF16: case FORMAT_F16: return HALF_BLOCK;
-    default: return -1;
-    }
+static const qformat *format_of(int format) {
+    return format >= 0 && format < N_FORMATS ? &FORMATS[format] : NULL;
 }
 
-/* Input j of one (tile, group) block as two float vectors: the integer values, or with scaled
- * (and offset), GGUF's dequantization (w = q * scale + min, one fused multiply-add, exact for
- * every GGUF format: see quantized_weight.py); 16-bit floats: their values either way. */
-static inline void input_values(int format, const uint8_t *block, int j, int scaled, vec *w) {
-    const float *scale = (const float *)block;
-    if (format == FORMAT_BF16) {
-        bf16_values(block, j, w);
-    } else if (format == FORMAT_F16) {
-        f16_values(block, j, w);
-    } else if (format == FORMAT_Q4) {
-        q4_values(block, j, w);
-        if (scaled)
-            for (int c = 0; c < VECS; c++)
-                w[c] = w[c] * load_vec(scale + c * LANES) + load_vec(scale + TILE + c * LANES);
-    } else {
-        q8_values(block, j, w);
-        if (scaled)
-            for (int c = 0; c < VECS; c++) w[c] = w[c] * load_vec(scale + c * LANES);
-    }
+/* Bytes of one (tile, block) unit, or -1 for an unknown format. */
+int64_t tandem_qgemv_block_bytes(int format) {
+    const qformat *f = format_of(format);
+    return f ? f->block : -1;
+}
+
+/* Inputs of one (tile, block) unit (32, or 256 for the K formats), or -1 for an unknown format. */
+int64_t tandem_qgemv_block_inputs(int format) {
+    const qformat *f = format_of(format);
+    return f ? f->span : -1;
 }
 
 /* All rows over one tile, group by group (more rows than a register block): each group's values
- * converted once into values [GROUP][TILE], every row block run over them, the rows'
+ * converted once into values [SUB][TILE], every row block run over them, the rows'
  * accumulators (accm [rows][TILE], starting at the bias) kept between groups. */
-static void tile_by_groups(int format, const float *x, int64_t ldx, const float *sums,
+static void tile_by_groups(const qformat *f, const float *x, int64_t ldx, const float *sums,
                            const uint8_t *w, int64_t in, const float *bias, float *y, int64_t ldy,
                            int64_t cols, int64_t rows, float *accm) {
-    const int64_t block = tandem_qgemv_block_bytes(format), groups = in / GROUP;
+    const int64_t blocks = in / f->span, subs = in / f->sub;
     const int64_t sizes[4] = {GROUP_ROWS, 4, 2, 1};
-    const qgroup_fn *fns = GROUP_FNS[format];
     float values[GROUP * TILE] __attribute__((aligned(64)));
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < VECS; c++)
             store_vec(accm + r * TILE + c * LANES, bias ? load_vec(bias + c * LANES) : (vec){0});
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *group_block = w + g * block;
-        for (int j = 0; j < GROUP; j++) {
-            vec wv[VECS];
-            input_values(format, group_block, j, 0, wv);
-            for (int c = 0; c < VECS; c++) store_vec(values + j * TILE + c * LANES, wv[c]);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * f->block;
+        for (int s = 0; s < f->span / f->sub; s++) {
+            const int64_t i0 = b * f->span + s * f->sub;
+            for (int j = 0; j < f->sub; j++) {
+                vec wv[VECS];
+                f->values(block, s * f->sub + j, wv);
+                for (int c = 0; c < VECS; c++) store_vec(values + j * TILE + c * LANES, wv[c]);
+            }
+            int64_t r = 0;
+            for (int k = 0; k < 4; k++)
+                for (const int64_t n = sizes[k]; r + n <= rows; r += n)
+                    f->groups[k](x + r * ldx, ldx, sums + r * subs, subs, i0, block, s, values,
+                                 accm + r * TILE);
         }
-        int64_t r = 0;
-        for (int k = 0; k < 4; k++)
-            for (const int64_t n = sizes[k]; r + n <= rows; r += n)
-                fns[k](x + r * ldx, ldx, sums + r * groups, groups, g, group_block, values,
-                       accm + r * TILE);
     }
     for (int64_t r = 0; r < rows; r++) {
         vec acc[VECS];
@@ -346,31 +517,50 @@ static void tile_by_groups(int format, const float *x, int64_t ldx, const float 
     }
 }
 
+/* Inputs j0..j0+n of one (tile, block) unit dequantized, dst[j * ld + column] for TILE columns:
+ * w = q * scale (+ min), one fused multiply-add, exact for every GGUF format (the product is
+ * exact, so only the offset's add rounds, as in gguf's reference; see quantized_weight.py);
+ * 16-bit floats: their values. */
+static void dequant_inputs(const qformat *f, const uint8_t *block, int j0, int n, float *dst,
+                           int64_t ld) {
+    vec scale[VECS], min[VECS];
+    for (int j = j0; j < j0 + n; j++) {
+        vec wv[VECS];
+        f->values(block, j, wv);
+        if (f->scaled) {
+            if (j == j0 || j % f->sub == 0) f->scale(block, j / f->sub, scale, min);
+            for (int c = 0; c < VECS; c++)
+                wv[c] = f->offset ? wv[c] * scale[c] + min[c] : wv[c] * scale[c];
+        }
+        for (int c = 0; c < VECS; c++) store_vec(dst + (j - j0) * ld + c * LANES, wv[c]);
+    }
+}
+
 /* The whole weight transposed to float32 wt [in, out] (row stride out), for a BLAS GEMM over many
- * rows: llama.cpp, too, hands prefill-sized batches to BLAS after dequantizing. Walked group by
- * group, every tile of a group before the next group: each thread fills whole rows of wt (32 at
- * a time, a region that stays in L2) while it reads each (tile, group) block once, front to back.
+ * rows: llama.cpp, too, hands prefill-sized batches to BLAS after dequantizing. Walked group of 32
+ * inputs by group, every tile of a group before the next group: each thread fills whole rows of wt
+ * (32 at a time, a region that stays in L2) while it reads each block's part once, front to back.
  * Returns 0, or -1 for an unknown format. */
 int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, float *wt,
                       int threads) {
-    const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
-    if (block < 0 || in % GROUP) return -1;
-    const int64_t groups = in / GROUP;
+    const qformat *f = format_of(format);
+    if (!f || in % f->span) return -1;
+    const int64_t n_tiles = (out + TILE - 1) / TILE, groups = in / GROUP, blocks = in / f->span;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
+        const int64_t b = g * GROUP / f->span;
+        const int j0 = (int)(g * GROUP % f->span);
         for (int64_t t = 0; t < n_tiles; t++) {
-            const uint8_t *group_block = w + (t * groups + g) * block;
+            const uint8_t *block = w + (t * blocks + b) * f->block;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-            for (int j = 0; j < GROUP; j++) {
-                vec wv[VECS];
-                input_values(format, group_block, j, 1, wv);
-                float *dst = wt + (g * GROUP + j) * out + t * TILE;
-                if (cols == TILE) { /* whole tiles: two vector stores, not a memcpy call */
-                    store_vec(dst, wv[0]);
-                    store_vec(dst + LANES, wv[1]);
-                } else {
-                    store_cols(dst, wv, cols);
-                }
+            float *dst = wt + g * GROUP * out + t * TILE;
+            if (cols == TILE) { /* whole tiles: straight into wt, not through a copy */
+                dequant_inputs(f, block, j0, GROUP, dst, out);
+            } else {
+                float part[GROUP * TILE];
+                dequant_inputs(f, block, j0, GROUP, part, TILE);
+                for (int j = 0; j < GROUP; j++)
+                    memcpy(dst + j * out, part + j * TILE, (size_t)cols * sizeof(float));
             }
         }
     }
@@ -379,40 +569,47 @@ int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, flo
 
 /* Rows index[0..n) of a tiled weight [out_features, in], dequantized into dst [n, in] (float32,
  * contiguous): an embedding lookup on a tied head's tiles, exactly the values tandem_qdequant_t
- * gives (each q * scale is exact in float32, so only the offset's add rounds). Only the column of
- * each (tile, group) block that holds the row is read. Returns 0, or -1 for an unknown format or
- * an index out of range. */
+ * gives. q8_0, q4 and the 16-bit floats read only the column of each block that holds the row;
+ * the other formats dequantize a group of the tile at a time and keep the row's column. Returns 0,
+ * or -1 for an unknown format or an index out of range. */
 int tandem_qgather_rows(int format, const uint8_t *w, int64_t in, int64_t out_features,
                         const int64_t *index, int64_t n, float *dst) {
-    const int64_t block = tandem_qgemv_block_bytes(format), groups = in / GROUP;
-    if (block < 0 || in % GROUP) return -1;
+    const qformat *f = format_of(format);
+    if (!f || in % f->span) return -1;
+    const int64_t blocks = in / f->span;
     for (int64_t r = 0; r < n; r++)
         if (index[r] < 0 || index[r] >= out_features) return -1;
     for (int64_t r = 0; r < n; r++) {
         const int64_t t = index[r] / TILE, c = index[r] % TILE;
-        const uint8_t *tile = w + t * groups * block;
+        const uint8_t *tile = w + t * blocks * f->block;
         float *row = dst + r * in;
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *b = tile + g * block;
-            const float *scale = (const float *)b;
-            float *out = row + g * GROUP;
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block = tile + b * f->block;
+            const float *scale = (const float *)block;
+            float *out = row + b * f->span;
             if (format == FORMAT_Q8_0) {
-                const int8_t *q = (const int8_t *)(b + 4 * TILE);
+                const int8_t *q = (const int8_t *)(block + 4 * TILE);
                 for (int j = 0; j < GROUP; j++) out[j] = (float)q[j * TILE + c] * scale[c];
             } else if (format == FORMAT_Q4) {
-                const uint8_t *q = b + 8 * TILE;
+                const uint8_t *q = block + 8 * TILE;
                 const int64_t half = TILE / 2, shift = c < half ? 0 : 4;
                 for (int j = 0; j < GROUP; j++) {
                     const int value = (q[j * half + c % half] >> shift) & 15;
                     out[j] = (float)value * scale[c] + scale[TILE + c];
                 }
-            } else { /* 16-bit floats: gather the column, widen a vector at a time */
-                const uint16_t *q = (const uint16_t *)b;
+            } else if (!f->scaled) { /* 16-bit floats: gather the column, widen a vector at a time */
+                const uint16_t *q = (const uint16_t *)block;
                 uint16_t column[GROUP];
                 for (int j = 0; j < GROUP; j++) column[j] = q[j * TILE + c];
                 for (int j = 0; j < GROUP; j += LANES)
                     store_vec(out + j, format == FORMAT_BF16 ? bf16_to_float(column + j)
                                                              : f16_to_float(column + j));
+            } else {
+                for (int j0 = 0; j0 < f->span; j0 += GROUP) {
+                    float part[GROUP * TILE];
+                    dequant_inputs(f, block, j0, GROUP, part, TILE);
+                    for (int j = 0; j < GROUP; j++) out[j0 + j] = part[j * TILE + c];
+                }
             }
         }
     }
@@ -424,51 +621,49 @@ int tandem_qgemv_tile(void) { return TILE; }
 const char *tandem_qgemv_isa(void) { return TANDEM_ISA; }
 
 /* One row: the tiles split evenly over the threads, a pair at a time (a thread's share is whole
- * pairs); each thread walks its share ONE_ROW_TILES tiles per call, then a pair, then the last
- * odd tile alone. */
-static void one_row(int format, const float *x, const float *sums, const uint8_t *w,
+ * pairs); each thread walks its share row_tiles (4 or 2) tiles per call, then a pair, then the
+ * last odd tile alone. */
+static void one_row(const qformat *f, const float *x, const float *sums, const uint8_t *w,
                     const float *bias, float *y, int64_t in, int64_t out, int threads) {
-    const int64_t tile_bytes = (in / GROUP) * tandem_qgemv_block_bytes(format);
+    const int64_t tile_bytes = (in / f->span) * f->block;
     const int64_t n_tiles = (out + TILE - 1) / TILE, pairs = (n_tiles + 1) / 2;
-    const qtiles_fn *tiles = TILES_FNS[format];
-    const qrows_fn single = REGISTER_FNS[format][3];
 #pragma omp parallel num_threads(threads)
     {
         const int64_t n = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t last_pair = 2 * (pairs * (id + 1) / n);
         const int64_t end = last_pair < n_tiles ? last_pair : n_tiles;
         for (int64_t t = 2 * (pairs * id / n); t < end;) {
-            const int64_t k = end - t >= ONE_ROW_TILES ? ONE_ROW_TILES : end - t >= 2 ? 2 : 1;
+            const int64_t k = end - t >= f->row_tiles ? f->row_tiles : end - t >= 2 ? 2 : 1;
             const int64_t rest = out - (t + k - 1) * TILE, cols_last = rest < TILE ? rest : TILE;
             const float *bt = bias ? bias + t * TILE : NULL;
             if (k == 1)
-                single(x, in, sums, w + t * tile_bytes, in, bt, y + t * TILE, out, cols_last);
+                f->rows[3](x, in, sums, w + t * tile_bytes, in, bt, y + t * TILE, out, cols_last);
             else
-                tiles[k == 4 ? 0 : 1](x, sums, w + t * tile_bytes, in, bt, y + t * TILE, cols_last);
+                f->tiles[k == 4 ? 0 : 1](x, sums, w + t * tile_bytes, in, bt, y + t * TILE, cols_last);
             t += k;
         }
     }
 }
 
-/* x [rows, in] float32 (row stride ldx), w [n_tiles, in / 32, block] as above, bias
- * [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of 32. Returns 0, or -1 for an
- * unknown format or when the rows' accumulator buffer can't be allocated. */
+/* x [rows, in] float32 (row stride ldx), w [n_tiles, in / span, block] as above, bias
+ * [n_tiles * TILE] or NULL, y [rows, out] contiguous; in a multiple of the format's block inputs.
+ * Returns 0, or -1 for an unknown format or when the rows' buffers can't be allocated. */
 int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, const float *bias,
                  float *y, int64_t rows, int64_t in, int64_t out, int threads) {
-    const int64_t block = tandem_qgemv_block_bytes(format), n_tiles = (out + TILE - 1) / TILE;
-    if (block < 0 || in % GROUP) return -1;
+    const qformat *f = format_of(format);
+    if (!f || in % f->span) return -1;
+    const int64_t n_tiles = (out + TILE - 1) / TILE, tile_bytes = (in / f->span) * f->block;
     const int by_groups = rows > REGISTER_ROWS;
     const int64_t sizes[4] = {8, 4, 2, 1};
-    const qrows_fn *fns = REGISTER_FNS[format];
-    const int64_t groups = in / GROUP;
+    const int64_t subs = in / f->sub;
     float small[8 * 64];
-    float *sums = rows * groups <= (int64_t)(sizeof small / sizeof *small)
+    float *sums = rows * subs <= (int64_t)(sizeof small / sizeof *small)
                       ? small
-                      : malloc((size_t)(rows * groups) * sizeof(float));
+                      : malloc((size_t)(rows * subs) * sizeof(float));
     if (!sums) return -1;
-    group_sums(x, ldx, rows, in, sums);
+    group_sums(x, ldx, rows, in, f->sub, sums);
     if (rows == 1) {
-        one_row(format, x, sums, w, bias, y, in, out, threads);
+        one_row(f, x, sums, w, bias, y, in, out, threads);
         if (sums != small) free(sums);
         return 0;
     }
@@ -482,18 +677,18 @@ int tandem_qgemv(int format, const float *x, int64_t ldx, const uint8_t *w, cons
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_tiles; t++) {
-            const uint8_t *wt = w + t * groups * block;
+            const uint8_t *wt = w + t * tile_bytes;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             float *yt = y + t * TILE;
             if (by_groups) {
-                if (accm) tile_by_groups(format, x, ldx, sums, wt, in, bt, yt, out, cols, rows, accm);
+                if (accm) tile_by_groups(f, x, ldx, sums, wt, in, bt, yt, out, cols, rows, accm);
                 continue;
             }
             int64_t r = 0;
             for (int k = 0; k < 4; k++)
                 for (const int64_t n = sizes[k]; r + n <= rows; r += n)
-                    fns[k](x + r * ldx, ldx, sums + r * groups, wt, in, bt, yt + r * out, out, cols);
+                    f->rows[k](x + r * ldx, ldx, sums + r * subs, wt, in, bt, yt + r * out, out, cols);
         }
         free(accm);
     }

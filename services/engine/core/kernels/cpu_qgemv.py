@@ -1,11 +1,12 @@
 """Python side of the weight-only CPU matmul kernel (``cpu_qgemv.c``): tiling and calls.
 
-A :class:`~services.engine.core.quant.quantized_weight.QuantizedWeight` (``q8_0`` or ``q4``, groups of
-32 inputs; or ``bfloat16`` / ``float16`` values) is re-laid once, after loading, into the
-kernel's tiles: ``[n_tiles, in / 32, block]`` bytes, one contiguous block per (tile of ``TILE``
-output features, group) holding that group's float32 scales (and offsets) followed by its 8- or
-4-bit values, or its 16-bit floats alone. Nothing is expanded to float32 in memory; the kernel
-does that in registers. For many rows (prefill) :meth:`CpuQGemv.dequantize_t`
+A :class:`~services.engine.core.quant.quantized_weight.QuantizedWeight` (``q8_0``, ``q4``, ``q5``,
+``q4_k``, ``q5_k``, ``q6_k``; or ``bfloat16`` / ``float16`` values) is re-laid once, after
+loading, into the kernel's tiles: ``[n_tiles, in / span, block]`` bytes, one contiguous block per
+(tile of ``TILE`` output features, ``span`` inputs: 32, or a 256-input super-block for the K
+formats) holding that block's scales (and offsets) followed by its values' bits, or its 16-bit
+floats alone (``cpu_qgemv.c`` draws each layout). Nothing is expanded to float32 in memory; the
+kernel does that in registers. For many rows (prefill) :meth:`CpuQGemv.dequantize_t`
 expands one weight into a transient float32 buffer for PyTorch's GEMM, as llama.cpp hands large
 batches to BLAS; :meth:`CpuQGemv.untile` turns tiles back into the canonical form.
 
@@ -26,14 +27,40 @@ from services.engine.core.quant.quantized_weight import (
     FORMAT_BF16,
     FORMAT_F16,
     FORMAT_Q4,
+    FORMAT_Q4_K,
+    FORMAT_Q5,
+    FORMAT_Q5_K,
+    FORMAT_Q6_K,
     FORMAT_Q8_0,
-    GROUP,
     HALF_FORMATS,
+    LAYOUTS,
     QuantizedWeight,
 )
 
 SOURCE = Path(__file__).with_name("cpu_qgemv.c")
-FORMAT_CODES = {FORMAT_Q8_0: 0, FORMAT_Q4: 1, FORMAT_BF16: 2, FORMAT_F16: 3}
+FORMAT_CODES = {
+    FORMAT_Q8_0: 0, FORMAT_Q4: 1, FORMAT_BF16: 2, FORMAT_F16: 3, FORMAT_Q5: 4, FORMAT_Q6_K: 5,
+    FORMAT_Q4_K: 6, FORMAT_Q5_K: 7,
+}  # fmt: skip
+_F32, _F16, _I32 = torch.float32, torch.float16, torch.int32
+_NIBBLES = "nibbles"  # the values' low 4 bits, two columns a byte
+# Per format, a block's parts in order (cpu_qgemv.c's layouts): the canonical tensor each comes
+# from, its dtype in the tiles and the inputs one of its entries covers; per part a block holds
+# [span / that][TILE] entries. "qh" is read as 32-bit words (a group's fifth bits, or 16 inputs'
+# bits 4-5), the nibbles [span][TILE / 2] bytes, column c low and c + TILE / 2 high.
+_PARTS: dict[str, list[tuple[str, torch.dtype, int]]] = {
+    FORMAT_Q8_0: [("scales", _F32, 32), ("qs", torch.int8, 1)],
+    FORMAT_Q4: [("scales", _F32, 32), ("mins", _F32, 32), (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q5: [("scales", _F32, 32), ("mins", _F32, 32), ("qh", _I32, 32),
+                (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q6_K: [("d", _F16, 256), ("scales", torch.int8, 16), ("qh", _I32, 16),
+                  (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q4_K: [("d", _F16, 256), ("dmin", _F16, 256), ("scales", torch.uint8, 32),
+                  ("mins", torch.uint8, 32), (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q5_K: [("d", _F16, 256), ("dmin", _F16, 256), ("scales", torch.uint8, 32),
+                  ("mins", torch.uint8, 32), ("qh", _I32, 32), (_NIBBLES, torch.uint8, 1)],
+    **{fmt: [("qs", torch.int16, 1)] for fmt in HALF_FORMATS},
+}  # fmt: skip
 
 
 class CpuQGemv:
@@ -51,6 +78,10 @@ class CpuQGemv:
         block_bytes.restype = ctypes.c_int64
         block_bytes.argtypes = [ctypes.c_int]
         self.block_bytes = {fmt: int(block_bytes(code)) for fmt, code in FORMAT_CODES.items()}
+        block_inputs = library.tandem_qgemv_block_inputs
+        block_inputs.restype = ctypes.c_int64
+        block_inputs.argtypes = [ctypes.c_int]
+        self.block_inputs = {fmt: int(block_inputs(code)) for fmt, code in FORMAT_CODES.items()}
         self._dequant_t = library.tandem_qdequant_t
         self._dequant_t.restype = ctypes.c_int
         self._dequant_t.argtypes = [
@@ -69,73 +100,70 @@ class CpuQGemv:
         self.build = Path(str(library._name)).name  # the cached library's file name
 
     def tile_weight(self, weight: QuantizedWeight) -> torch.Tensor:
-        """Canonical ``[out, in]`` weight → uint8 ``[ceil(out / tile), in / 32, block]`` tiles."""
-        out_features, in_features = weight.shape
-        tiles, tile, groups = -(-out_features // self.tile), self.tile, in_features // GROUP
-        pad = tiles * tile - out_features
+        """Canonical ``[out, in]`` weight → uint8 ``[ceil(out / tile), in / span, block]`` tiles.
 
-        def lay(t: torch.Tensor) -> torch.Tensor:  # [out, groups, k] → [tiles, groups, tile, k]
-            t = t.reshape(out_features, groups, -1)
-            if pad:
-                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-            return t.reshape(tiles, tile, groups, -1).permute(0, 2, 1, 3)
+        Raises:
+            ValueError: ``in`` is not a multiple of the format's block inputs.
+        """
+        fmt, (out_features, in_features) = weight.format, weight.shape
+        span = self.block_inputs[fmt]
+        if in_features % span:
+            raise ValueError(f"{fmt} tiles need a multiple of {span} inputs, got {in_features}")
+        tiles, blocks = -(-out_features // self.tile), in_features // span
+        packed = []
+        for name, dtype, _ in _PARTS[fmt]:
+            if name == _NIBBLES:
+                qs = weight.qs
+                low = torch.stack([qs & 0x0F, qs >> 4], dim=-1).reshape(out_features, in_features)
+                q = self._columns(low, blocks)  # [T, B, span, tile]
+                half = self.tile // 2
+                packed.append((q[..., :half] | (q[..., half:] << 4)).reshape(tiles, blocks, -1))
+                continue
+            source = getattr(weight, name).contiguous().view(dtype)
+            part = self._columns(source, blocks).contiguous().view(torch.uint8)
+            packed.append(part.reshape(tiles, blocks, -1))
+        tiled = torch.cat(packed, dim=-1).contiguous()
+        if tiled.shape[-1] != self.block_bytes[fmt]:  # pragma: no cover - layout bug
+            raise RuntimeError(f"tiled block is {tiled.shape[-1]} bytes, kernel expects "
+                               f"{self.block_bytes[fmt]}")  # fmt: skip
+        return tiled
 
-        def floats(t: torch.Tensor) -> torch.Tensor:  # per-group float32 → bytes [tiles, groups, 4 * tile]
-            return lay(t.contiguous()).contiguous().view(torch.uint8).reshape(tiles, groups, -1)
-
-        if weight.format in HALF_FORMATS:  # [T, G, 32, tile] 16-bit values, no scales
-            q = lay(weight.qs.view(torch.int16)).transpose(2, 3)
-            packed = q.contiguous().view(torch.uint8).reshape(tiles, groups, -1)
-            self._check_block(packed, weight.format)
-            return packed
-        assert weight.scales is not None
-        parts = [floats(weight.scales)]
-        if weight.format == FORMAT_Q4:
-            assert weight.mins is not None
-            parts.append(floats(weight.mins))
-            values = torch.stack([weight.qs & 0x0F, weight.qs >> 4], dim=-1)  # [out, in/2, 2]
-            q = lay(values.reshape(out_features, in_features)).transpose(2, 3)  # [T, G, 32, tile]
-            half = tile // 2
-            parts.append((q[..., :half] | (q[..., half:] << 4)).reshape(tiles, groups, -1))
-        else:
-            q = lay(weight.qs).transpose(2, 3)  # [T, G, 32, tile] int8
-            parts.append(q.contiguous().view(torch.uint8).reshape(tiles, groups, -1))
-        packed = torch.cat(parts, dim=-1).contiguous()
-        self._check_block(packed, weight.format)
-        return packed
-
-    def _check_block(self, packed: torch.Tensor, fmt: str) -> None:
-        if packed.shape[-1] != self.block_bytes[fmt]:  # pragma: no cover - layout bug
-            raise RuntimeError(f"tiled block is {packed.shape[-1]} bytes, kernel expects "
-                               f"{self.block_bytes[fmt]}")
+    def _columns(self, t: torch.Tensor, blocks: int) -> torch.Tensor:
+        """``[out, blocks * k]`` → ``[tiles, blocks, k, tile]`` (rows padded to whole tiles)."""
+        out_features = t.shape[0]
+        tiles = -(-out_features // self.tile)
+        t = t.reshape(out_features, blocks, -1)
+        pad = tiles * self.tile - out_features
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+        return t.reshape(tiles, self.tile, blocks, -1).permute(0, 2, 3, 1)
 
     def untile(self, packed: torch.Tensor, fmt: str, out_features: int) -> QuantizedWeight:
         """The inverse of :meth:`tile_weight` (padding rows dropped)."""
-        tiles, groups, _ = packed.shape
-        tile = self.tile
+        tiles, blocks, _ = packed.shape
+        tile, span = self.tile, self.block_inputs[fmt]
 
-        def unlay(t: torch.Tensor) -> torch.Tensor:  # [tiles, groups, tile, k] → [out, groups * k]
-            rows = t.permute(0, 2, 1, 3).reshape(tiles * tile, -1)
+        def unlay(t: torch.Tensor) -> torch.Tensor:  # [tiles, blocks, k, tile] → [out, blocks * k]
+            rows = t.permute(0, 3, 1, 2).reshape(tiles * tile, -1)
             return rows[:out_features].contiguous()
 
-        def floats(start: int) -> torch.Tensor:
-            raw = packed[..., start : start + 4 * tile].contiguous().view(torch.float32)
-            return unlay(raw.reshape(tiles, groups, tile, 1))
-
-        if fmt in HALF_FORMATS:
-            q = packed.contiguous().view(torch.int16).reshape(tiles, groups, GROUP, tile)
-            values = unlay(q.transpose(2, 3)).view(HALF_FORMATS[fmt])
-            return QuantizedWeight(fmt, values, None, None)
-        scales = floats(0)
-        if fmt == FORMAT_Q4:
-            mins = floats(4 * tile)
-            q = packed[..., 8 * tile :].reshape(tiles, groups, GROUP, tile // 2)
-            q = torch.cat([q & 0x0F, q >> 4], dim=-1).transpose(2, 3)  # [T, G, tile, 32]
-            values = unlay(q).reshape(out_features, -1, 2)  # even, odd inputs
-            return QuantizedWeight(fmt, values[..., 0] | (values[..., 1] << 4), scales, mins)
-        q = packed[..., 4 * tile :].contiguous().view(torch.int8)
-        q = q.reshape(tiles, groups, GROUP, tile).transpose(2, 3)
-        return QuantizedWeight(fmt, unlay(q), scales, None)
+        tensors: dict[str, torch.Tensor] = {}
+        start = 0
+        for name, dtype, per in _PARTS[fmt]:
+            if name == _NIBBLES:
+                q = packed[..., start : start + span * tile // 2].reshape(tiles, blocks, span, -1)
+                values = unlay(torch.cat([q & 0x0F, q >> 4], dim=-1)).reshape(out_features, -1, 2)
+                tensors["qs"] = values[..., 0] | (values[..., 1] << 4)
+                start += span * tile // 2
+                continue
+            size = span // per * tile * dtype.itemsize
+            raw = packed[..., start : start + size].contiguous().view(dtype)
+            canonical = LAYOUTS[fmt][name][0]
+            tensors[name] = unlay(raw.reshape(tiles, blocks, span // per, tile)).view(canonical)
+            start += size
+        return QuantizedWeight(fmt, **tensors, **{  # type: ignore[arg-type]
+            name: None for name in ("scales", "mins", "qh", "d", "dmin") if name not in tensors
+        })  # fmt: skip
 
     def dequantize_t(self, packed: torch.Tensor, fmt: str, out_features: int) -> torch.Tensor:
         """The float32 weight transposed, ``[in, out]``, dequantized by the C kernel (a transient
@@ -143,7 +171,7 @@ class CpuQGemv:
         tiles, groups, block = packed.shape
         if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
             raise ValueError(f"{fmt} tiles {tuple(packed.shape)} do not hold {out_features} outputs")
-        in_features = groups * GROUP
+        in_features = groups * self.block_inputs[fmt]
         wt = torch.empty(in_features, out_features, dtype=torch.float32)
         self._dequant_t(
             FORMAT_CODES[fmt], packed.data_ptr(), in_features, out_features, wt.data_ptr(),
@@ -165,14 +193,15 @@ class CpuQGemv:
         if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
             raise ValueError(f"{fmt} tiles {tuple(packed.shape)} do not hold {out_features} outputs")
         flat = index.reshape(-1).to(torch.int64).contiguous()
-        rows = torch.empty(flat.numel(), groups * GROUP, dtype=torch.float32)
+        in_features = groups * self.block_inputs[fmt]
+        rows = torch.empty(flat.numel(), in_features, dtype=torch.float32)
         status = self._gather(
-            FORMAT_CODES[fmt], packed.data_ptr(), groups * GROUP, out_features, flat.data_ptr(),
+            FORMAT_CODES[fmt], packed.data_ptr(), in_features, out_features, flat.data_ptr(),
             flat.numel(), rows.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise IndexError(f"a token id outside [0, {out_features}) in an embedding lookup")
-        return rows.reshape(*index.shape, groups * GROUP)
+        return rows.reshape(*index.shape, in_features)
 
     def tile_bias(self, bias: torch.Tensor) -> torch.Tensor:
         """The bias padded to a whole number of tiles (the kernel loads whole tiles)."""
@@ -197,7 +226,8 @@ class CpuQGemv:
         tiles, groups, block = packed.shape
         if block != self.block_bytes.get(fmt) or tiles * self.tile < out_features:
             raise ValueError(f"a {fmt} weight of {out_features} outputs does not fit tiles {tuple(packed.shape)}")
-        return QGemvCall(self._qgemv, FORMAT_CODES[fmt], packed, bias, groups * GROUP, out_features)
+        in_features = groups * self.block_inputs[fmt]
+        return QGemvCall(self._qgemv, FORMAT_CODES[fmt], packed, bias, in_features, out_features)
 
 
 class QGemvCall:

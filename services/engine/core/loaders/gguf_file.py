@@ -94,7 +94,9 @@ def _dequantized(tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _quantized(tensor: Any, shape: tuple[int, ...], quantize: str) -> QuantizedWeight:
-    """The tensor's own blocks when the kernel reads them, else Q8_0 from its float32 values."""
+    """The tensor's own blocks, kept as stored, when the kernels read them (Q8_0, Q4_0, Q4_1,
+    Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: :data:`SUPPORTED_GGML_TYPES`) and ``quantize`` is not
+    ``"q8_0"``; else Q8_0 from its float32 values (``"q8_0"`` re-quantizes every type)."""
     if tensor.tensor_type in SUPPORTED_GGML_TYPES:
         try:
             weight = from_gguf_blocks(tensor.data, tensor.tensor_type, (shape[0], shape[1]))

@@ -1,28 +1,36 @@
-"""A compact ``[out, in]`` weight (quantized, or 16-bit floats) in one canonical, row-major form,
-and its converters.
+"""A compact ``[out, in]`` weight (quantized, or 16-bit floats) in one canonical, row-major form
+per format, and its converters.
 
-Every quantized format is stored the same way, per group of :data:`GROUP` inputs of one row::
+Formats and their tensors (every tensor ``[out, ...]``, row ``o`` for output ``o``; a value's
+4-bit low part in ``qs``, element ``i`` of a row in byte ``i // 2``, the low nibble when ``i`` is
+even; groups are 32 inputs unless said)::
 
-    value[o, i] = qs[o, i] * scales[o, i // 32] + mins[o, i // 32]      (mins absent -> 0)
-
-* ``"q8_0"``: ``qs`` int8 ``[out, in]``, ``scales`` float32, ``mins`` None.
-* ``"q4"``: ``qs`` uint8 ``[out, in // 2]`` holding 4-bit values 0..15; element ``i`` of a row
-  is in byte ``i // 2``, the low nibble when ``i`` is even and the high one when it is odd;
-  ``scales`` and ``mins`` float32 ``[out, in // 32]``.
+    q8_0:  value = qs * scales[g]                   qs int8 [out, in]; scales float32 per 32
+    q4:    value = qs * scales[g] + mins[g]          qs 0..15; scales, mins float32 per 32
+    q5:    value = q * scales[g] + mins[g]           q = qs | qh << 4 (0..31), qh bit i % 8 of
+                                                     byte i // 8; scales, mins float32 per 32
+    q4_k:  value = q * (d * scales[g]) - dmin * mins[g]    q 0..15; scales, mins uint8 (6-bit)
+    q5_k:  the same with q5's 5-bit q                      per 32; d, dmin float16 per 256
+    q6_k:  value = (q - 32) * (d * scales[g])        q = qs | qh << 4 (0..63), qh bits 2 (i % 4)
+                                                     of byte i // 4; scales int8 per 16;
+                                                     d float16 per 256
 
 The 16-bit float formats hold the values themselves: ``"bfloat16"`` / ``"float16"``: ``qs`` is a
-``torch.bfloat16`` / ``torch.float16`` ``[out, in]`` tensor, ``scales`` and ``mins`` None. On CPU
-they are weight-only formats: half the bytes of float32 per decode step, float32 arithmetic (the
-kernel widens each value in registers, exactly), so they ride the same tiles, kernel and
-autotune as the quantized ones.
+``torch.bfloat16`` / ``torch.float16`` ``[out, in]`` tensor and nothing else. On CPU they are
+weight-only formats: half the bytes of float32 per decode step, float32 arithmetic (the kernel
+widens each value in registers, exactly), so they ride the same tiles, kernel and autotune as the
+quantized ones.
 
-Why one form: GGUF spreads the same information over several block layouts (Q4_0 and Q4_1
-put element ``j`` and ``j + 16`` of a block in one byte; Q4_K packs 8 sub-blocks with 6-bit
-scales into 256-element super-blocks). Converting them once at load time means a matmul kernel
-(which re-tiles this form for itself) and the plain torch reference handle two formats, not
-four. The conversion is exact: every canonical scale and min is a float16 value times a small
-integer, which float32 holds without rounding, so :meth:`QuantizedWeight.dequantize` gives
-bit for bit what ``gguf.quants.dequantize`` gives.
+Why these forms: GGUF spreads the same information over many block layouts (Q4_0 and Q4_1 put
+element ``j`` and ``j + 16`` of a block in one byte; Q5 keeps the fifth bits as a 32-bit mask;
+the K types pack sub-block scales under float16 super-block scales). Converting them once at load
+time (:mod:`~services.engine.core.quant.gguf_blocks`) leaves the matmul kernels (which re-tile
+these forms for themselves) and the plain torch reference a few regular layouts. The K formats
+keep their integer sub-block scales and float16 super-block scales, not a float32 per group, so
+they hold about the file's bytes (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K: 6.5625,
+the file's). The conversion is exact: every scale and offset is a float16 value times a small
+integer, which float32 holds without rounding, and so is a value times its scale, so
+:meth:`QuantizedWeight.dequantize` gives bit for bit what ``gguf.quants.dequantize`` gives.
 
 Conversion is vectorised over whole tensors (no Python loop over blocks) and touches only
 byte-sized temporaries, never a float32 copy of the weight.
@@ -31,96 +39,109 @@ byte-sized temporaries, never a float32 copy of the weight.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
+
+from services.engine.core.quant.gguf_blocks import CANONICAL_FORMATS, unpack_blocks
 
 GROUP = 32  # inputs per quantization group (one scale and one min per group)
+SUPER = 256  # inputs per K-format super-block
 FORMAT_Q8_0 = "q8_0"
 FORMAT_Q4 = "q4"
+FORMAT_Q5 = "q5"
+FORMAT_Q4_K = "q4_k"
+FORMAT_Q5_K = "q5_k"
+FORMAT_Q6_K = "q6_k"
 FORMAT_BF16 = "bfloat16"
 FORMAT_F16 = "float16"
 HALF_FORMATS: dict[str, torch.dtype] = {FORMAT_BF16: torch.bfloat16, FORMAT_F16: torch.float16}
-FORMATS = frozenset({FORMAT_Q8_0, FORMAT_Q4, *HALF_FORMATS})
 
-SUPPORTED_GGML_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    {
-        GGMLQuantizationType.Q8_0,
-        GGMLQuantizationType.Q4_0,
-        GGMLQuantizationType.Q4_1,
-        GGMLQuantizationType.Q4_K,
-    }
-)
+_U8, _F32, _F16 = torch.uint8, torch.float32, torch.float16
+# per format: each tensor it holds, with its dtype and how many inputs one of its elements covers
+# (a row of it has in_features // that elements)
+LAYOUTS: dict[str, dict[str, tuple[torch.dtype, int]]] = {
+    FORMAT_Q8_0: {"qs": (torch.int8, 1), "scales": (_F32, GROUP)},
+    FORMAT_Q4: {"qs": (_U8, 2), "scales": (_F32, GROUP), "mins": (_F32, GROUP)},
+    FORMAT_Q5: {"qs": (_U8, 2), "qh": (_U8, 8), "scales": (_F32, GROUP), "mins": (_F32, GROUP)},
+    FORMAT_Q4_K: {
+        "qs": (_U8, 2), "scales": (_U8, GROUP), "mins": (_U8, GROUP), "d": (_F16, SUPER),
+        "dmin": (_F16, SUPER),
+    },
+    FORMAT_Q5_K: {
+        "qs": (_U8, 2), "qh": (_U8, 8), "scales": (_U8, GROUP), "mins": (_U8, GROUP),
+        "d": (_F16, SUPER), "dmin": (_F16, SUPER),
+    },
+    FORMAT_Q6_K: {"qs": (_U8, 2), "qh": (_U8, 4), "scales": (torch.int8, 16), "d": (_F16, SUPER)},
+    **{fmt: {"qs": (dtype, 1)} for fmt, dtype in HALF_FORMATS.items()},
+}  # fmt: skip
+FORMATS = frozenset(LAYOUTS)
+SUPPORTED_GGML_TYPES: frozenset[GGMLQuantizationType] = frozenset(CANONICAL_FORMATS)
 
 _QUANTIZE_CHUNK = 1 << 22  # elements per slice in quantize_q8_0, to bound float32 temporaries
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """value[o, i] = qs[o, i] * scales[o, i // 32] + mins[o, i // 32]  (mins absent = 0), or
-    for the 16-bit float formats value[o, i] = qs[o, i].
+    """An ``[out, in]`` weight in one of :data:`FORMATS` (the module docstring gives each one's
+    values); every tensor has one row per output feature.
 
     Attributes:
-        format: ``"q8_0"``, ``"q4"``, ``"bfloat16"`` or ``"float16"``.
-        qs: q8_0: int8 ``[out, in]``; q4: uint8 ``[out, in // 2]``, element ``i`` of a row in
-            byte ``i // 2``, low nibble when ``i`` is even, high nibble when odd (values 0..15);
-            bfloat16 / float16: the values, ``[out, in]`` of that dtype.
-        scales: float32 ``[out, in // 32]``; None for the 16-bit float formats.
-        mins: q4: float32 ``[out, in // 32]``; otherwise None.
+        format: a name from :data:`FORMATS`.
+        qs: the values' low 4 bits (q4, q5, K formats: uint8 ``[out, in // 2]``), the values
+            (q8_0: int8 ``[out, in]``; bfloat16 / float16: ``[out, in]`` of that dtype).
+        scales: per group: float32 (q8_0, q4, q5), uint8 (q4_k, q5_k), int8 per 16 (q6_k).
+        mins: per group: float32 (q4, q5), uint8 (q4_k, q5_k); otherwise None.
+        qh: the values' high bits, uint8 (q5, q5_k: ``[out, in // 8]``; q6_k: ``[out, in // 4]``).
+        d: float16 ``[out, in // 256]`` super-block scales (q4_k, q5_k, q6_k).
+        dmin: float16 ``[out, in // 256]`` super-block offset scales (q4_k, q5_k).
     """
 
     format: str
     qs: torch.Tensor
     scales: torch.Tensor | None
     mins: torch.Tensor | None
+    qh: torch.Tensor | None = None
+    d: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
+        layout = LAYOUTS.get(self.format)
+        if layout is None:
             raise ValueError(f"unknown format {self.format!r}; expected one of {sorted(FORMATS)}")
-        if self.format in HALF_FORMATS:
-            dtype = HALF_FORMATS[self.format]
-            if self.qs.dim() != 2 or self.qs.dtype != dtype:
+        qs_dtype, per_qs = layout["qs"]
+        if self.qs.dim() != 2 or self.qs.dtype != qs_dtype:
+            raise ValueError(
+                f"{self.format} qs must be a 2-D {qs_dtype} tensor, got {self.qs.dtype} "
+                f"{list(self.qs.shape)}"
+            )
+        out, n_in = int(self.qs.shape[0]), int(self.qs.shape[1]) * per_qs
+        for name in _TENSORS[1:]:
+            tensor = getattr(self, name)
+            if name not in layout:
+                if tensor is not None:
+                    raise ValueError(f"{self.format} weights have no {name}")
+                continue
+            if tensor is None:
+                raise ValueError(f"{self.format} weights need {name}")
+            dtype, per = layout[name]
+            if n_in % per or tensor.dtype != dtype or tuple(tensor.shape) != (out, n_in // per):
                 raise ValueError(
-                    f"{self.format} values must be a 2-D {dtype} tensor, got "
-                    f"{self.qs.dtype} {list(self.qs.shape)}"
+                    f"{self.format} {name} must be {dtype} [{out}, {n_in // per}] for qs "
+                    f"{list(self.qs.shape)} (in_features a multiple of {per}), got "
+                    f"{tensor.dtype} {list(tensor.shape)}"
                 )
-            if self.scales is not None or self.mins is not None:
-                raise ValueError(f"{self.format} weights have no scales or mins")
-            return
-        if self.scales is None:
-            raise ValueError(f"{self.format} weights need scales")
-        if self.qs.dim() != 2 or self.scales.dim() != 2:
-            raise ValueError(
-                f"qs and scales must be 2-D, got {list(self.qs.shape)}, {list(self.scales.shape)}"
-            )
-        if self.scales.dtype != torch.float32:
-            raise ValueError(f"scales must be float32, got {self.scales.dtype}")
-        out, groups = self.scales.shape
-        per_row = groups * GROUP if self.format == FORMAT_Q8_0 else groups * GROUP // 2
-        qs_dtype = torch.int8 if self.format == FORMAT_Q8_0 else torch.uint8
-        if self.qs.dtype != qs_dtype or tuple(self.qs.shape) != (out, per_row):
-            raise ValueError(
-                f"{self.format} qs must be {qs_dtype} [{out}, {per_row}] for scales "
-                f"[{out}, {groups}], got {self.qs.dtype} {list(self.qs.shape)}"
-            )
-        if self.format == FORMAT_Q8_0:
-            if self.mins is not None:
-                raise ValueError("q8_0 weights have no mins")
-        elif (
-            self.mins is None
-            or self.mins.dtype != torch.float32
-            or self.mins.shape != self.scales.shape
-        ):
-            raise ValueError(f"q4 mins must be float32 [{out}, {groups}]")
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(out_features, in_features)`` of the weight this stands for."""
-        if self.scales is None:
-            return int(self.qs.shape[0]), int(self.qs.shape[1])
-        return int(self.scales.shape[0]), int(self.scales.shape[1]) * GROUP
+        return int(self.qs.shape[0]), int(self.qs.shape[1]) * LAYOUTS[self.format]["qs"][1]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this format holds, by field name (``qs`` first)."""
+        return {name: getattr(self, name) for name in LAYOUTS[self.format]}
 
     def require_shape(self, shape: tuple[int, int], what: str) -> None:
         """ValueError unless this weight is ``shape`` (``[out, in]``) for ``what``."""
@@ -129,7 +150,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight (exactly what ``gguf.quants.dequantize`` gives)."""
-        return _dequantize(self.format, self.qs, self.scales, self.mins)
+        return _dequantize(self)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Dequantized float32 rows ``index`` only, shaped ``[*index.shape, in]``.
@@ -137,25 +158,21 @@ class QuantizedWeight:
         An embedding lookup on the quantized table: only the selected rows are expanded.
         """
         flat = index.reshape(-1)
-        scales = None if self.scales is None else self.scales[flat]
-        mins = None if self.mins is None else self.mins[flat]
-        picked = _dequantize(self.format, self.qs[flat], scales, mins)
+        picked = _dequantize(self.map_rows(lambda t: t[flat]))
         return picked.reshape(*index.shape, self.shape[1])
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
-        """A new weight with ``fn`` applied to ``qs``, ``scales`` and ``mins``.
+        """A new weight with ``fn`` applied to every tensor it holds.
 
         ``fn`` must act along dim 0 only (a row permutation or selection, a device move), so the
-        three tensors stay aligned row for row.
+        tensors stay aligned row for row.
         """
-        scales = None if self.scales is None else fn(self.scales)
-        mins = None if self.mins is None else fn(self.mins)
-        return QuantizedWeight(self.format, fn(self.qs), scales, mins)
+        return QuantizedWeight(self.format, **{k: fn(v) for k, v in self.tensors().items()},
+                               **_absent(self.format))  # fmt: skip
 
     def nbytes(self) -> int:
-        """Bytes held by ``qs``, ``scales`` and ``mins``."""
-        held = [t for t in (self.qs, self.scales, self.mins) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
+        """Bytes held by all its tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     @staticmethod
     def cat(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
@@ -173,12 +190,16 @@ class QuantizedWeight:
                     f"cannot concatenate {part.format} {part.shape} onto {first.format} "
                     f"{first.shape}: formats and in_features must match"
                 )
-        scales = mins = None
-        if first.scales is not None:
-            scales = torch.cat([p.scales for p in parts if p.scales is not None])
-        if first.mins is not None:
-            mins = torch.cat([p.mins for p in parts if p.mins is not None])
-        return QuantizedWeight(first.format, torch.cat([p.qs for p in parts]), scales, mins)
+        joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in first.tensors()}
+        return QuantizedWeight(first.format, **joined, **_absent(first.format))
+
+
+_TENSORS = tuple(f.name for f in fields(QuantizedWeight) if f.name != "format")
+
+
+def _absent(fmt: str) -> dict[str, None]:
+    """The tensor fields ``fmt`` does not hold, as None (the rest are keyword arguments)."""
+    return {name: None for name in _TENSORS if name not in LAYOUTS[fmt]}
 
 
 def to_half(weight: torch.Tensor | QuantizedWeight, fmt: str) -> QuantizedWeight:
@@ -191,21 +212,53 @@ def to_half(weight: torch.Tensor | QuantizedWeight, fmt: str) -> QuantizedWeight
     return QuantizedWeight(fmt, weight.to(HALF_FORMATS[fmt]).contiguous(), None, None)
 
 
-def _dequantize(
-    fmt: str, qs: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None
-) -> torch.Tensor:
-    """``q * scale + min`` in float32, broadcasting each group's scale over its 32 inputs (the
-    16-bit float formats: the values widened to float32)."""
-    if scales is None:
-        return qs.to(torch.float32)
-    out = qs.shape[0]
-    if fmt == FORMAT_Q4:
-        qs = torch.stack([qs & 0x0F, qs >> 4], dim=-1)  # [out, in // 2, 2]: even, odd elements
-    q = qs.reshape(out, -1, GROUP).to(torch.float32)
-    values = q * scales.unsqueeze(-1)
+def _dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The values in float32, in gguf's order of operations: the scale (an exact product for the
+    K formats) times the value, plus the offset; the 16-bit float formats widened."""
+    if weight.format in HALF_FORMATS:
+        return weight.qs.to(torch.float32)
+    out = weight.qs.shape[0]
+    if weight.format == FORMAT_Q8_0:
+        q = weight.qs.to(torch.float32)
+    else:
+        q = unpack_values(weight).to(torch.float32)
+    scales, mins = group_scales(weight)
+    if weight.format == FORMAT_Q6_K:
+        q -= 32.0  # exact: (q - 32) * (d * sc), as gguf computes it
+    values = q.reshape(out, scales.shape[1], -1) * scales.unsqueeze(-1)
     if mins is not None:
         values += mins.unsqueeze(-1)
     return values.reshape(out, -1)
+
+
+def unpack_values(weight: QuantizedWeight) -> torch.Tensor:
+    """The integer values of a 4-, 5- or 6-bit weight, uint8 ``[out, in]`` (no scale, no offset;
+    q6_k's 0..63 before its -32)."""
+    out = weight.qs.shape[0]
+    q = torch.stack([weight.qs & 0x0F, weight.qs >> 4], dim=-1).reshape(out, -1)
+    if weight.qh is not None:
+        if weight.format == FORMAT_Q6_K:
+            shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+            high = (weight.qh.unsqueeze(-1) >> shifts) & 3
+        else:
+            high = (weight.qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        q |= high.reshape(out, -1) << 4
+    return q
+
+
+def group_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 scale and offset per group (of 32 inputs; of 16 for q6_k) and output: the stored
+    ones, or the K formats' ``d * sc`` and ``-(dmin * m)`` (exact products). q6_k's offset is
+    left to the caller (its values are ``q - 32``)."""
+    assert weight.scales is not None
+    if weight.d is None:
+        return weight.scales, weight.mins
+    per = weight.scales.shape[1] // weight.d.shape[1]
+    scales = weight.d.to(torch.float32).repeat_interleave(per, dim=1) * weight.scales
+    if weight.dmin is None or weight.mins is None:
+        return scales, None
+    dmin = weight.dmin.to(torch.float32).repeat_interleave(per, dim=1)
+    return scales, -(dmin * weight.mins)
 
 
 def from_gguf_blocks(
@@ -219,89 +272,19 @@ def from_gguf_blocks(
         shape: ``(out, in)`` in PyTorch order (GGUF lists dimensions the other way round).
 
     Returns:
-        The canonical weight (Q8_0 -> ``"q8_0"``; Q4_0, Q4_1, Q4_K -> ``"q4"``), or None when
-        ``ggml_type`` is not in :data:`SUPPORTED_GGML_TYPES`.
+        The canonical weight (Q8_0 -> ``"q8_0"``; Q4_0, Q4_1 -> ``"q4"``; Q5_0, Q5_1 -> ``"q5"``;
+        Q4_K, Q5_K, Q6_K -> ``"q4_k"``, ``"q5_k"``, ``"q6_k"``), or None when ``ggml_type`` is
+        not in :data:`SUPPORTED_GGML_TYPES`.
 
     Raises:
         ValueError: ``in`` is not a multiple of the block size, or ``raw`` has the wrong size.
     """
-    if ggml_type not in SUPPORTED_GGML_TYPES:
+    unpacked = unpack_blocks(raw, ggml_type, shape)
+    if unpacked is None:
         return None
-    ggml_type = GGMLQuantizationType(ggml_type)
-    out, n_in = (int(d) for d in shape)
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    if n_in % block_size != 0:
-        raise ValueError(
-            f"{ggml_type.name} rows need a multiple of {block_size} inputs, got {n_in}"
-        )
-    n_blocks = out * (n_in // block_size)
-    data = np.asarray(raw).view(np.uint8).reshape(-1)
-    if data.size != n_blocks * type_size:
-        raise ValueError(
-            f"{ggml_type.name} [{out}, {n_in}] needs {n_blocks * type_size} bytes, got {data.size}"
-        )
-    blocks = data.reshape(n_blocks, type_size)
-    groups = n_in // GROUP
-    if ggml_type == GGMLQuantizationType.Q8_0:
-        qs = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(out, n_in)
-        scales_q8 = torch.from_numpy(_f16(blocks[:, 0:2]).reshape(out, groups))
-        return QuantizedWeight(FORMAT_Q8_0, torch.from_numpy(qs), scales_q8, None)
-    if ggml_type == GGMLQuantizationType.Q4_0:
-        scales = _f16(blocks[:, 0:2])
-        mins = scales * np.float32(-8.0)  # (q - 8) * d == q * d + (-8 * d), exactly
-        qs = _repack_nibbles(blocks[:, 2:])
-    elif ggml_type == GGMLQuantizationType.Q4_1:
-        scales = _f16(blocks[:, 0:2])
-        mins = _f16(blocks[:, 2:4])
-        qs = _repack_nibbles(blocks[:, 4:])
-    else:  # Q4_K: 8 sub-blocks of 32 per 256-element super-block
-        d = _f16(blocks[:, 0:2])
-        dmin = _f16(blocks[:, 2:4])
-        sc, m = _q4_k_scale_min(blocks[:, 4:16])
-        scales = d * sc.astype(np.float32)  # f16 (11 bits) * 6-bit integer: exact in float32
-        mins = -(dmin * m.astype(np.float32))
-        qs = _repack_nibbles(blocks[:, 16:].reshape(-1, 32))
-    return QuantizedWeight(
-        FORMAT_Q4,
-        torch.from_numpy(qs.reshape(out, n_in // 2)),
-        torch.from_numpy(scales.reshape(out, groups)),
-        torch.from_numpy(mins.reshape(out, groups)),
-    )
-
-
-def _f16(pairs: np.ndarray) -> np.ndarray:
-    """Little-endian float16 values from ``[n, 2]`` bytes, as float32 ``[n, 1]``."""
-    return np.ascontiguousarray(pairs).view(np.float16).astype(np.float32)
-
-
-def _repack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """GGUF nibble order to the canonical one, chunk by chunk.
-
-    Each row of ``packed`` (``[n, w]`` bytes) holds ``2 * w`` values: value ``j`` is the low
-    nibble of byte ``j`` and value ``j + w`` the high nibble. The result has the same shape
-    with value ``k`` in byte ``k // 2`` (low nibble if ``k`` is even): its first half pairs up
-    the low nibbles of neighbouring bytes, its second half their high nibbles.
-    """
-    even = packed[:, 0::2]
-    odd = packed[:, 1::2]
-    low = (even & np.uint8(0x0F)) | ((odd & np.uint8(0x0F)) << np.uint8(4))
-    high = (even >> np.uint8(4)) | (odd & np.uint8(0xF0))
-    return np.concatenate([low, high], axis=1)
-
-
-def _q4_k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 8 six-bit scales and mins of each Q4_K super-block (llama.cpp ``get_scale_min_k4``).
-
-    For sub-block ``j < 4``: ``sc = s[j] & 63``, ``m = s[j + 4] & 63``; for ``j >= 4``:
-    ``sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4``, ``m = (s[j + 4] >> 4) | (s[j] >> 6) << 4``.
-    """
-    lo, mid, hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    six, four, low6 = np.uint8(6), np.uint8(4), np.uint8(63)
-    sc_high = (hi & np.uint8(15)) | ((lo >> six) << four)
-    m_high = (hi >> four) | ((mid >> six) << four)
-    sc = np.concatenate([lo & low6, sc_high], axis=1)
-    m = np.concatenate([mid & low6, m_high], axis=1)
-    return sc, m
+    fmt, arrays = unpacked
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+    return QuantizedWeight(fmt, **tensors, **_absent(fmt))  # type: ignore[arg-type]
 
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantizedWeight:
