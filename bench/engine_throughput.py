@@ -117,9 +117,12 @@ def memory_bandwidth_gbs() -> tuple[float, float]:
     return read / 1e9, copy / 1e9
 
 
-def tandem_decode(loaded: LoadedModel, batch: int, new_tokens: int) -> float:
+def tandem_decode(
+    loaded: LoadedModel, batch: int, new_tokens: int, kv_cache_dtype: str = "auto"
+) -> float:
     """Aggregate decode tokens/s: time of the steps after every sequence has its first token."""
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(batch, 1), num_blocks=2048))
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(batch, 1), num_blocks=2048,
+                                            kv_cache_dtype=kv_cache_dtype))
     params = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
     for attempt in range(2):  # the first round warms up allocators and caches
         for i, prompt in enumerate(random_prompts(batch, 32)):
@@ -135,17 +138,19 @@ def tandem_decode(loaded: LoadedModel, batch: int, new_tokens: int) -> float:
     return produced / elapsed
 
 
-def tandem_prefill(loaded: LoadedModel, length: int) -> float:
+def tandem_prefill(loaded: LoadedModel, length: int, kv_cache_dtype: str = "auto") -> float:
     engine = LLMEngine(loaded, EngineConfig(num_blocks=2048, max_num_batched_tokens=length,
-                                            enable_prefix_caching=False))
+                                            enable_prefix_caching=False,
+                                            kv_cache_dtype=kv_cache_dtype))
     params = SamplingParams(temperature=0, max_tokens=1)
     prompt = random_prompts(1, length)[0]
     return length / _best(lambda: engine.generate([prompt], params), repeats=3)
 
 
 def tandem_row(loaded: LoadedModel, args: argparse.Namespace) -> Row:
-    row: Row = {f"decode b={b}": tandem_decode(loaded, b, args.decode_tokens) for b in args.batches}
-    row["prefill"] = tandem_prefill(loaded, args.prefill_length)
+    row: Row = {f"decode b={b}": tandem_decode(loaded, b, args.decode_tokens, args.kv_cache_dtype)
+                for b in args.batches}
+    row["prefill"] = tandem_prefill(loaded, args.prefill_length, args.kv_cache_dtype)
     return row
 
 
@@ -407,6 +412,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prefill-length", type=int, default=512)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        default="auto", help="the engine's KV cache dtype (default auto, as served)")
     parser.add_argument("--isa", choices=ISAS, nargs="+", action="extend",
                         help="instruction set variants to measure (default: all the CPU supports)")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -73,6 +73,7 @@ class LaunchConfig:
     device: str | None = None
     kv_cache_gib: float | None = None
     num_blocks: int | None = None
+    kv_cache_dtype: str | None = None
     kv_transport: str | None = None
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
@@ -187,6 +188,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 extra += ["--kv-cache-gib", f"{config.kv_cache_gib:g}"]
             if config.num_blocks is not None:
                 extra += ["--num-blocks", str(config.num_blocks)]
+            if config.kv_cache_dtype is not None:
+                extra += ["--kv-cache-dtype", config.kv_cache_dtype]
             if config.kv_transport is not None:
                 extra += ["--kv-transport", config.kv_transport]
             grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from services.common import ports
 from services.common.errors import UnavailableError
 from services.cpu_plan import parse_threads, usable_cpus
-from services.engine.runtime.worker_options import KV_TRANSPORTS
+from services.engine.runtime.worker_options import KV_CACHE_DTYPE_CHOICES, KV_TRANSPORTS
 from services.launch_plan import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STOP_TIMEOUT_S,
@@ -116,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "auto: the workers' own default, env TANDEM_DEVICE)")
     add("--kv-cache-gib", type=float, default=None, help="KV cache size of each worker")
     add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
+    add("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=None,
+        help="KV cache dtype of every prefill and decode worker: auto | float32 | bfloat16 | "
+             "float16 (default: the workers' own, auto)")
     add("--kv-transport", choices=KV_TRANSPORTS, default=None,
         help="how KV payloads travel from prefill to decode, passed to every worker: grpc | "
              "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc (CUDA "
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         kv_cache_gib=args.kv_cache_gib,
         num_blocks=args.num_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_transport=args.kv_transport,
         worker_args=tuple(shlex.split(args.worker_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),

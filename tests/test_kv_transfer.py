@@ -72,7 +72,7 @@ def test_plan_chunks_whole_blocks_and_split_blocks() -> None:
     assert plan_chunks(0, 100, 40) == []
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_payload_roundtrip_whole_and_partial(dtype: str) -> None:
     layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     src = KVPool(8, layout)
@@ -126,10 +126,14 @@ class Pair:
         self, tiny: LoadedModel, *, decode_blocks: int = 64, lease_seconds: float = 30.0,
         park_seconds: float = 30.0, corrupt: Callable[[int, bytes], bytes] | None = None,
         endpoint: object | None = None, max_chunk_bytes: int = 4096,
+        kv_cache_dtypes: tuple[str | None, str | None] = (None, None),
     ) -> None:
         self.metrics = TandemMetrics(process_metrics=False)
-        self.prefill = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64)), metrics=self.metrics)
-        self.decode = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=decode_blocks)))
+        prefill_kv, decode_kv = kv_cache_dtypes
+        self.prefill = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64, kv_cache_dtype=prefill_kv)),
+                                  metrics=self.metrics)
+        self.decode = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=decode_blocks,
+                                                              kv_cache_dtype=decode_kv)))
         self.receiver = KVReceiver(self.decode, park_seconds=park_seconds, reap_interval=0.05)
         transport = InProcessTransport({DECODE: endpoint or self.receiver})  # type: ignore[dict-item]
         self.sender = KVSender(self.prefill, transport, lease_seconds=lease_seconds,
@@ -223,6 +227,41 @@ async def test_layout_mismatch_is_refused_before_allocating(tiny: LoadedModel) -
         assert pair.receiver.state("fp") is None
         failures = pair.metrics.kv_transfer_failures.labels(reason="layout")._value.get()
         assert failures == 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_a_16bit_cache_moves_half_the_bytes_and_decodes_as_one_engine(
+    tiny: LoadedModel, dtype: str
+) -> None:
+    """A 16-bit pool hands over its own bytes (half a float32 pool's), exactly: decode then
+    continues as a single engine with that cache does."""
+    prompt = prompt_of(37)
+    reference = LLMEngine(tiny, EngineConfig(num_blocks=64, kv_cache_dtype=dtype)).generate(
+        [prompt], GREEDY)[0]  # fmt: skip
+    sent = {}
+    for kv_dtype in ("float32", dtype):
+        async with Pair(tiny, kv_cache_dtypes=(kv_dtype, kv_dtype)) as pair:
+            assert pair.decode.engine.kv.data.dtype == getattr(torch, kv_dtype)
+            sent[kv_dtype] = await pair.prefill_and_send("h1", prompt)
+            ready = await pair.receiver.claim("h1", 1.0)
+            tokens: list[int] = []
+            async for out in pair.decode.generate_prefilled(
+                "h1", ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
+            ):
+                tokens += out.new_token_ids
+            if kv_dtype == dtype:
+                assert tokens == reference.new_token_ids
+            await pair.idle()
+    assert sent[dtype].num_bytes * 2 == sent["float32"].num_bytes  # type: ignore[attr-defined]
+    assert sent[dtype].num_blocks == sent["float32"].num_blocks  # type: ignore[attr-defined]
+
+
+async def test_a_kv_cache_dtype_mismatch_is_refused(tiny: LoadedModel) -> None:
+    async with Pair(tiny, kv_cache_dtypes=("bfloat16", "float32")) as pair:
+        with pytest.raises(FailedPreconditionError, match="dtype 'bfloat16' != 'float32'.*--kv-cache-dtype"):
+            await pair.prefill_and_send("mm", prompt_of(20))
+        await pair.idle()
+        assert pair.receiver.state("mm") is None
 
 
 async def test_no_room_on_decode_is_refused_cleanly(tiny: LoadedModel) -> None:

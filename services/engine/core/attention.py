@@ -256,9 +256,10 @@ class TorchPagedAttention(PagedAttention):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        """Write this step's K/V into their slots (shared by every backend)."""
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        """Write this step's K/V into their slots (shared by every backend), rounded to the
+        cache's dtype (a 16-bit cache under a float32 model: ``--kv-cache-dtype``)."""
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
 
     def prefill(
         self,
@@ -276,6 +277,8 @@ class TorchPagedAttention(PagedAttention):
         from the cache through its block table (this step's were just stored), under the step's
         ``prefill_mask`` (built once in :meth:`AttentionMetadata.build` for every layer)."""
         if len(meta.query_lens) == 1 and meta.context_lens[0] == meta.query_lens[0]:
+            if k_cache.dtype != k.dtype:  # attend to K/V as the cache holds them, as later steps do
+                k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
             # 4-D on purpose: PyTorch's fused CPU (flash) kernel takes grouped K/V only with a
             # batch dimension; 3-D inputs fall back to the math path, which builds the whole
             # [H, T, T] score matrix (3-4x slower at 512 tokens)
@@ -289,8 +292,8 @@ class TorchPagedAttention(PagedAttention):
         assert mask is not None
         batch, max_q, keys_len = mask.shape[0], mask.shape[2], mask.shape[3]
         table = meta.block_tables[:, : keys_len // k_cache.shape[1]]
-        keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        keys = k_cache[table].to(q.dtype).flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
+        values = v_cache[table].to(q.dtype).flatten(1, 2).transpose(1, 2)
         queries = q.new_zeros(batch, max_q, *q.shape[1:])
         queries[meta.token_seqs, meta.token_rows] = q
         out = F.scaled_dot_product_attention(
@@ -308,8 +311,8 @@ class TorchPagedAttention(PagedAttention):
     ) -> torch.Tensor:
         """One query per sequence: q ``[B, H, D]`` over its context in the cache → ``[B, H, D]``."""
         batch = q.shape[0]
-        keys = k_cache[meta.block_tables].flatten(1, 2)  # [B, L, KVH, D]
-        values = v_cache[meta.block_tables].flatten(1, 2)
+        keys = k_cache[meta.block_tables].to(q.dtype).flatten(1, 2)  # [B, L, KVH, D]
+        values = v_cache[meta.block_tables].to(q.dtype).flatten(1, 2)
         mask = meta.decode_mask
         if batch == 1:  # no padding: attend to exactly the context, no mask
             ctx = meta.context_lens[0]
@@ -347,8 +350,8 @@ def _windowed_forward(
         if not meta.is_prefill:
             n_new = 1
         blocks = meta.block_tables[seq, : -(-ctx // block_size)]
-        keys = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-        values = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        keys = k_cache[blocks].to(q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        values = v_cache[blocks].to(q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
         query_pos = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = key_pos <= query_pos

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
-from services.engine.core.kv_cache import KVLayout, KVPool
+from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention, auto_cache_dtype
+from services.engine.core.kv_cache import KVLayout, KVPool, kv_cache_dtype
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.model_runner import ModelRunner
 from services.engine.core.sampler import (
@@ -45,11 +49,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Cache and batching limits. ``num_blocks`` wins over ``kv_cache_bytes`` when set."""
+    """Cache and batching limits. ``num_blocks`` wins over ``kv_cache_bytes`` when set.
+    ``kv_cache_dtype``: one of :data:`~services.engine.core.kv_cache.KV_CACHE_DTYPES` (the
+    workers' ``--kv-cache-dtype``, ``auto`` by default), or None for the model's own dtype: the
+    parity reference, so the library's default."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
+    kv_cache_dtype: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
@@ -103,15 +111,20 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.loaded = loaded
         model_cfg = loaded.config
+        device = next(loaded.model.parameters()).device
+        kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, loaded.dtype,
+                                  _auto_kv_dtype(loaded, device))  # fmt: skip
+        if kv_dtype != loaded.dtype:
+            logger.info("KV cache in %s (the model computes in %s; kv cache dtype %s)",
+                        _name(kv_dtype), _name(loaded.dtype), self.config.kv_cache_dtype)  # fmt: skip
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
             block_size=self.config.block_size,
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
-            dtype=str(loaded.dtype).removeprefix("torch."),
+            dtype=_name(kv_dtype),
         )
         num_blocks = self.config.num_blocks or max(2, self.config.kv_cache_bytes // self.layout.block_bytes)
-        device = next(loaded.model.parameters()).device
         graphs = self.config.cuda_graphs and device.type == "cuda"
         # a CUDA graph's padding rows write into one more block, which no sequence ever owns
         self.kv = KVPool(num_blocks + int(graphs), self.layout, device=device)
@@ -368,3 +381,18 @@ class LLMEngine:
                 outputs.append(RequestOutput(seq.request_id, finished=True, finish_reason="length",
                                              num_prompt_tokens=len(seq.prompt_token_ids)))
         return outputs
+
+
+def _auto_kv_dtype(loaded: LoadedModel, device: torch.device) -> Callable[[], torch.dtype] | None:
+    """What ``--kv-cache-dtype auto`` asks for a float32 model on CPU whose attention runs the C
+    kernels: the cache dtype they read at least as fast as float32 on this instruction set; None
+    elsewhere (the model's own dtype)."""
+    layers = loaded.model.layers
+    backend = layers[0].self_attn.backend if layers else None
+    if not isinstance(backend, CpuPagedAttention) or device.type != "cpu" or loaded.dtype != torch.float32:
+        return None
+    return auto_cache_dtype
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

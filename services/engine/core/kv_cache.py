@@ -8,13 +8,56 @@ Layout (one row per block; a block is the unit of the prefill→decode hand-off)
 Layer ``l`` sees strided views ``data[:, l, 0]`` (K) and ``data[:, l, 1]`` (V) of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; attention indexes them with block tables.
 Which blocks belong to whom is the pure-Python :class:`BlockManager`'s business, not this file's.
+
+The pool's dtype is the model's compute dtype, or a 16-bit one under a float32 model
+(``--kv-cache-dtype``, :func:`kv_cache_dtype`): K/V are rounded to it as they are stored and
+widened back as attention reads them, for half the memory per token and half the bytes per
+hand-off. A block's bytes are the pool's own, whatever its dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from services.common.errors import InvalidArgumentError
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def kv_cache_dtype(
+    requested: str | None,
+    compute: torch.dtype,
+    auto: Callable[[], torch.dtype] | None = None,
+) -> torch.dtype:
+    """The pool dtype ``--kv-cache-dtype requested`` means for a model computing in ``compute``.
+
+    None is the compute dtype (the parity reference). ``auto`` is ``auto()`` where the caller
+    gives one (the CPU attention backend's choice for a float32 model), else the compute dtype. A
+    named dtype is the compute dtype, or a 16-bit one under a float32 model; a cache wider than
+    the model computes, or another 16-bit type than the model's, is refused
+    (InvalidArgumentError).
+    """
+    if requested is None:
+        return compute
+    if requested not in KV_CACHE_DTYPES:
+        raise InvalidArgumentError(
+            f"unknown KV cache dtype {requested!r}; choose one of {', '.join(KV_CACHE_DTYPES)}",
+            param="kv_cache_dtype",
+        )
+    if requested == "auto":
+        return auto() if auto is not None else compute
+    dtype = getattr(torch, requested)
+    if dtype != compute and compute != torch.float32:
+        compute_name = str(compute).removeprefix("torch.")
+        raise InvalidArgumentError(
+            f"--kv-cache-dtype {requested} with a model that computes in {compute_name}: the "
+            f"cache holds the model's dtype ({compute_name}), or a 16-bit one under float32",
+            param="kv_cache_dtype",
+        )
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ class ModelRunner:
             if isinstance(backend, CpuPagedAttention) and plan.autotune:
                 backend.tune(
                     self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
-                    self.block_size,
+                    self.block_size, kv.data.dtype,
                 )  # fmt: skip
             rows = self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:

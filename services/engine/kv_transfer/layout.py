@@ -4,7 +4,9 @@ A receiver refuses KV it cannot use (FAILED_PRECONDITION) instead of decoding ga
 fingerprint (weights' shape and architecture), dtype, block size, layer count, KV heads and head
 dim must all match exactly. The bytes of one block are ``KVPool.data[block_id]``, C-contiguous,
 ``[num_layers, 2 (K then V), block_size, num_kv_heads, head_dim]`` elements of ``dtype``; both
-ends are Tandem engines with the same pool layout, so equal fields mean equal bytes.
+ends are Tandem engines with the same pool layout, so equal fields mean equal bytes. The dtype is
+the pool's (``--kv-cache-dtype``): a 16-bit cache moves half a float32 cache's bytes, and a
+worker holding another dtype is refused, not converted.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def check_layout(remote: common_pb2.KVLayout, local: common_pb2.KVLayout) -> Non
         for name in _FIELDS
         if getattr(remote, name) != getattr(local, name)
     ]
+    if remote.dtype != local.dtype:  # the one a flag decides: say which
+        diffs.append("start prefill and decode workers with the same --kv-cache-dtype")
     if diffs:
         raise FailedPreconditionError(
             "KV layout does not match this worker (sender vs receiver): " + ", ".join(diffs),

@@ -15,7 +15,7 @@ import sys
 
 from services.common.model_source import resolve_model
 from services.common.sampling_params import SamplingParams
-from services.engine.runtime.worker_options import DTYPE_CHOICES
+from services.engine.runtime.worker_options import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto (default) | float32 | bfloat16 | float16 | q8_0 | q4")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                        help="auto (default) | float32 | bfloat16 | float16, as for the workers")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     parser.set_defaults(inputs=[])
 
@@ -79,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
             prompts.append(tokenizer.encode_chat(messages, add_generation_prompt=True))
         else:
             prompts.append(tokenizer.encode(text))
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, len(prompts))),
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, len(prompts)),
+                                            kv_cache_dtype=args.kv_cache_dtype),
                        eos_token_ids=tokenizer.eos_token_ids or None)
     with torch.inference_mode():
         outputs = engine.generate(prompts, params, output_filter=OutputText(tokenizer))

@@ -2,8 +2,8 @@
 builds every subcommand's parser, so importing this must stay cheap.
 
 Environment variables supply defaults (``TANDEM_MODEL``, ``TANDEM_DTYPE``, ``TANDEM_DEVICE``,
-``TANDEM_KV_TRANSPORT``), read in :func:`add_worker_arguments` when the parser is built, never at
-import.
+``TANDEM_KV_CACHE_DTYPE``, ``TANDEM_KV_TRANSPORT``), read in :func:`add_worker_arguments` when
+the parser is built, never at import.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ GIB = 1 << 30
 DEFAULT_GRACE_SECONDS = 5.0
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8")
+# the names services.engine.core.kv_cache.KV_CACHE_DTYPES accepts (kept here for the same reason)
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # --kv-transport: how a request's KV payload travels from prefill to decode (docs/kv-handoff.md)
 KV_TRANSPORTS = ("grpc", "distributed", "cuda-ipc", "auto")
 
@@ -43,6 +45,10 @@ class WorkerOptions:
         worker_id: stable id reported in stats and logs.
         advertise_address: ``host:port`` others should use; default the bound address.
         kv_cache_gib / num_blocks: KV pool size (``num_blocks`` wins when set).
+        kv_cache_dtype: the KV pool's dtype, one of :data:`KV_CACHE_DTYPE_CHOICES`: ``auto`` (a
+            16-bit cache for a float32 model on CPUs where the attention kernel reads it at least
+            as fast, else the model's dtype), or a dtype (16-bit ones under a float32 model).
+            Prefill and decode workers must agree on it to hand KV over.
         block_size / max_num_seqs / max_batched_tokens / enable_prefix_caching: engine limits.
         threads: intra-op threads of the engine (PyTorch and the native kernels); None keeps
             PyTorch's default (one per core it may run on).
@@ -64,6 +70,7 @@ class WorkerOptions:
     advertise_address: str | None = None
     kv_cache_gib: float = 1.0
     num_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
     max_batched_tokens: int = 1024
@@ -94,6 +101,7 @@ class WorkerOptions:
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             kv_cache_bytes=int(self.kv_cache_gib * GIB),
+            kv_cache_dtype=self.kv_cache_dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -122,6 +130,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV pool size in blocks (overrides --kv-cache-gib)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
+                        default=env("TANDEM_KV_CACHE_DTYPE", "auto"),
+                        help="KV cache dtype: auto (default: 16-bit for a float32 model on CPUs "
+                             "whose attention kernel reads it at least as fast, else the model's "
+                             "dtype) | float32 | bfloat16 | float16 (16-bit under a float32 "
+                             "model: half the memory per token and half the bytes per hand-off; "
+                             "prefill and decode workers must agree) (env TANDEM_KV_CACHE_DTYPE)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch")
     parser.add_argument("--max-batched-tokens", type=int, default=1024,
@@ -190,7 +205,8 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         worker_id=args.worker_id or f"{role}-{args.port}",
         advertise_address=args.advertise_address, kv_cache_gib=args.kv_cache_gib,
-        num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         threads=args.threads, cpus=args.cpus, grace=args.grace, kv_transport=args.kv_transport,

@@ -10,7 +10,8 @@
  * It is a unity build of the kernels it chains (the files below), so it computes exactly what the
  * per-op path computes, bit for bit: the same matmul chains (cpu_gemv.c / cpu_qgemv.c), the same
  * fused norm, SwiGLU and rotary loops (cpu_fused.c), the same attention and K/V store
- * (cpu_paged_attention.c), and the same residual adds in the same order.
+ * (cpu_paged_attention.c: a float32, bfloat16 or float16 cache), and the same residual adds in
+ * the same order.
  */
 #include <stdlib.h>
 
@@ -32,12 +33,13 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] RMSNorm weights */
     tandem_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
+    void *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
 } tandem_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; /* cache strides, the same for every layer */
+    int64_t kv_dtype; /* the cache's element type (KV_FLOAT32, KV_BFLOAT16, KV_FLOAT16) */
     float eps, scale;
 } tandem_decode_shape;
 
@@ -78,9 +80,9 @@ int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layer
         tandem_rope(qkv, qkv_out, cos, sin, rows, s->heads + s->kv_heads, d);
         tandem_paged_decode_attention(
             qkv, qkv_out, d, l->k_cache, s->k_sb, s->k_ss, s->k_sh, l->v_cache, s->v_sb, s->v_ss,
-            s->v_sh, tables, t_sb, lens, attn, rows, s->heads, s->kv_heads, d, s->block_size,
-            s->scale, threads, qkv + q_size, qkv_out, d, qkv + q_size + kv_size, qkv_out, d,
-            slot_blocks, slot_offsets);
+            s->v_sh, (int)s->kv_dtype, tables, t_sb, lens, attn, rows, s->heads, s->kv_heads, d,
+            s->block_size, s->scale, 0, 0.f, threads, qkv + q_size, qkv_out, d,
+            qkv + q_size + kv_size, qkv_out, d, slot_blocks, slot_offsets);
         if ((status = linear(&l->o, attn, h, rows, threads))) break;
         /* stream = x + h (the post-attention residual), normed = RMSNorm(stream) */
         tandem_add_rmsnorm(x, h, stream, l->post_norm, normed, rows, hidden, s->eps);

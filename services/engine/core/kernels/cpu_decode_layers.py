@@ -1,4 +1,5 @@
-"""Python side of ``cpu_decode_layers.c``: all decoder layers of a float32 decode step in one call.
+"""Python side of ``cpu_decode_layers.c``: all decoder layers of a float32 decode step in one call
+(over a float32, bfloat16 or float16 KV cache).
 
 The model hands :meth:`CpuDecodeLayers.bind` its layers' weights once (the kernels' tiles, the
 norm weights) as plain descriptors — this module knows tensors, not ``nn.Module`` — and gets back a
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core.kernels.cpu_paged_attention import KV_DTYPE_CODES
 from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES
 from services.engine.core.kernels.native_build import load_kernel
 
@@ -44,7 +46,8 @@ class _Layer(ctypes.Structure):
 class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
-                                     "block_size", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh")),
+                                     "block_size", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
+                                     "kv_dtype")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
     ]  # fmt: skip
 
@@ -144,22 +147,24 @@ class DecodeLayersCall:
         return [t for w in self._layers_py for t in (w.qkv, w.o, w.gate_up, w.down)]
 
     def set_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]], owner: object) -> None:
-        """Each layer's ``(k_cache, v_cache)`` ``[blocks, block_size, kv_heads, head_dim]`` float32
-        views (strides shared by every layer, head dimension contiguous), taken from ``owner``."""
+        """Each layer's ``(k_cache, v_cache)`` ``[blocks, block_size, kv_heads, head_dim]`` views
+        (float32, bfloat16 or float16, all one dtype; strides shared by every layer, head
+        dimension contiguous), taken from ``owner``."""
         if len(caches) != len(self._layers):
             raise ValueError(f"{len(caches)} cache pairs for {len(self._layers)} layers")
         k0, v0 = caches[0]
         for k, v in caches:
             if (
-                k.dtype != torch.float32 or v.dtype != torch.float32
+                k.dtype not in KV_DTYPE_CODES or k.dtype != k0.dtype or v.dtype != k0.dtype
                 or k.stride() != k0.stride() or v.stride() != v0.stride()
                 or k.shape != k0.shape or v.shape != k0.shape or k.stride(-1) != 1 or v.stride(-1) != 1
             ):  # fmt: skip
-                raise ValueError("KV caches must be float32 views of one shape and layout")
+                raise ValueError("KV caches must be float32 views (or bfloat16 or float16 ones) "
+                                 "of one dtype, shape and layout")
         s = self._decode_shape
         self._shape = _Shape(
             s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, k0.shape[1],
-            *k0.stride()[:3], *v0.stride()[:3], s.eps, s.scale,
+            *k0.stride()[:3], *v0.stride()[:3], KV_DTYPE_CODES[k0.dtype], s.eps, s.scale,
         )  # fmt: skip
         for entry, (k, v) in zip(self._layers, caches, strict=True):
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()

@@ -1,4 +1,4 @@
-/* Float32 attention over the paged KV cache, for CPUs: batched decode, and (below) prefill.
+/* Attention over the paged KV cache, for CPUs: batched decode, and (below) prefill.
  *
  * The torch reference gathers every sequence's blocks into a padded [B, L, KVH, D] copy (twice:
  * K and V), builds a padding mask and calls scaled_dot_product_attention, which is a quarter of
@@ -7,6 +7,17 @@
  * heads (grouped-query attention: query head h uses KV head h / (H / KVH)) score the block's
  * slots, keep a running max and sum (online softmax, as in FlashAttention and vLLM's paged
  * attention) and accumulate the weighted values. Nothing is copied and nothing is padded.
+ *
+ * The cache holds float32, bfloat16 or float16 values (kv_dtype); queries, scores, weights and
+ * outputs are float32. A 16-bit cache is widened as it is read (bfloat16: a shift; float16:
+ * vcvtph2ps where the set has F16C), into a small float32 scratch that stays in L1: one block's
+ * rows at a time for decode, a sequence's keys and values once per task for prefill. New K/V
+ * rows are rounded to the cache's type as they are stored (to nearest even, as PyTorch's casts
+ * round), so a row reads back the same bits whichever path stored it.
+ *
+ * Two options of some families' layers: ``window`` > 0 (sliding-window layers) lets a query at
+ * position p see only keys p - window < k <= p: blocks wholly before the window are not read;
+ * ``softcap`` > 0 (Gemma 2) turns each score s into softcap * tanh(s / softcap) before the softmax.
  *
  * Tasks run on OpenMP (PyTorch's own runtime; see native_build.py). Built at run time,
  * once per instruction set by services/engine/core/kernels/native_build.py (vector width from
@@ -17,107 +28,283 @@
 
 #include "tandem_simd.h"
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    vec acc = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES) acc += load_vec(a + d) * load_vec(b + d);
-    float sum = hsum(acc);
-    for (; d < n; d++) sum += a[d] * b[d];
-    return sum;
+/* the cache's element type (cpu_paged_attention.py's KV_DTYPE_CODES) */
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+
+static inline int64_t kv_bytes(int kv_dtype) { return kv_dtype == KV_FLOAT32 ? 4 : 2; }
+
+/* Element ``index`` of a cache of type kv_dtype (strides count elements, not bytes). */
+static inline void *kv_at(void *cache, int64_t index, int kv_dtype) {
+    return (char *)cache + index * kv_bytes(kv_dtype);
 }
 
-/* acc[0:NV * LANES] = acc * rescale + sum_s p[s] * v[s * v_ss + 0:NV * LANES], the NV vectors of
- * one head in registers across the block's slots (independent chains, not one per chunk). */
+/* n values of a 16-bit cache row as floats (a tail shorter than a vector through a copy). */
+static void kv_widen(float *dst, const uint16_t *src, int64_t n, int kv_dtype) {
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES)
+        store_vec(dst + d, kv_dtype == KV_BFLOAT16 ? bf16_to_float(src + d) : f16_to_float(src + d));
+    if (d < n) {
+        uint16_t tail[LANES] = {0};
+        float wide[LANES];
+        memcpy(tail, src + d, (size_t)(n - d) * sizeof(uint16_t));
+        store_vec(wide, kv_dtype == KV_BFLOAT16 ? bf16_to_float(tail) : f16_to_float(tail));
+        memcpy(dst + d, wide, (size_t)(n - d) * sizeof(float));
+    }
+}
+
+/* float32 -> bfloat16, to nearest even; a NaN becomes the quiet NaN 0x7fc0 (as PyTorch rounds). */
+static inline uint16_t kv_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (x != x) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* float32 -> IEEE float16, to nearest even, overflowing to infinity: F16C's vcvtps2ph, else the
+ * FP16 library's fp16_ieee_from_fp32_value (the conversion PyTorch uses), which lets the float
+ * unit round: scaling by 2^112 then 2^-110 leaves the bits float16 keeps, rounded. */
+static inline uint16_t kv_to_f16(float x) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(x, 0); /* 0: round to nearest even */
+#else
+    uint32_t w, bits;
+    float base = (fabsf(x) * 0x1p+112f) * 0x1p-110f;
+    memcpy(&w, &x, sizeof w);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float bias_float;
+    memcpy(&bias_float, &bias_bits, sizeof bias_float);
+    base = bias_float + base;
+    memcpy(&bits, &base, sizeof bits);
+    const uint32_t nonsign = ((bits >> 13) & 0x00007c00u) + (bits & 0x00000fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+#endif
+}
+
+/* n floats into a cache row of type kv_dtype. */
+static void kv_store(void *dst, const float *src, int64_t n, int kv_dtype) {
+    if (kv_dtype == KV_FLOAT32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *h = dst;
+    for (int64_t d = 0; d < n; d++)
+        h[d] = kv_dtype == KV_BFLOAT16 ? kv_to_bf16(src[d]) : kv_to_f16(src[d]);
+}
+
+/* tanh of LANES floats as 1 - 2 / (exp(2y) + 1), y clamped to +-9 (tanh(9) is 1 in float32,
+ * and vexp's input stays in range): within ~1e-7 of tanh, absolute. */
+static inline vec vtanh(vec y) {
+    const vec top = splat(9.f), bottom = splat(-9.f);
+    y = vselect(y > top, top, y);
+    y = vselect(y < bottom, bottom, y);
+    return splat(1.f) - splat(2.f) / (vexp(y + y) + splat(1.f));
+}
+
+/* x[0:n] = cap * tanh(x / cap): attention-logit soft-capping (Gemma 2). */
+static void soft_cap(float *x, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) store_vec(x + i, splat(cap) * vtanh(load_vec(x + i) * inv));
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] * inv);
+}
+
+/* LANES values of a cache of type kv from element i, as floats (kv a constant: inlined per type). */
+static inline __attribute__((always_inline)) vec load_kv(const void *cache, int64_t i, const int kv) {
+    if (kv == KV_FLOAT32) return load_vec((const float *)cache + i);
+    if (kv == KV_BFLOAT16) return bf16_to_float((const uint16_t *)cache + i);
+    return f16_to_float((const uint16_t *)cache + i);
+}
+
+/* One value of a cache of type kv, as a float (the tail of a head size that is not whole vectors). */
+static inline __attribute__((always_inline)) float load_kv1(const void *cache, int64_t i,
+                                                            const int kv) {
+    if (kv == KV_FLOAT32) return ((const float *)cache)[i];
+    uint16_t h[LANES] = {0};
+    float wide[LANES];
+    h[0] = ((const uint16_t *)cache)[i];
+    store_vec(wide, kv == KV_BFLOAT16 ? bf16_to_float(h) : f16_to_float(h));
+    return wide[0];
+}
+
+#if defined(__AVX2__)
+/* The sums of 8 vectors' lanes as one vector (lane r: the sum of a[r]), by pairwise adds that
+ * transpose as they go: 7 horizontal adds and a swap of halves instead of 8 separate sums. */
+static inline __m256 sum_lanes8(const __m256 *a) {
+    const __m256 ab = _mm256_hadd_ps(a[0], a[1]), cd = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 ef = _mm256_hadd_ps(a[4], a[5]), gh = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd), efgh = _mm256_hadd_ps(ef, gh);
+    return _mm256_add_ps(_mm256_permute2f128_ps(abcd, efgh, 0x20),
+                         _mm256_permute2f128_ps(abcd, efgh, 0x31));
+}
+
+/* The sums of LANES vectors' lanes as one vector. */
+static inline vec sum_lanes(const vec *a) {
+#if LANES == 16
+    __m256 halves[16];
+    for (int r = 0; r < 16; r++)
+        halves[r] = _mm256_add_ps(_mm512_castps512_ps256((__m512)a[r]),
+                                  _mm512_extractf32x8_ps((__m512)a[r], 1));
+    return (vec)_mm512_insertf32x8(_mm512_castps256_ps512(sum_lanes8(halves)),
+                                   sum_lanes8(halves + 8), 1);
+#else
+    return (vec)sum_lanes8((const __m256 *)a);
+#endif
+}
+#endif
+
+/* pg[0:slots] = scale * (q . K[s]) for the slots' keys (rows from element k0, stride ks). Where
+ * the head is whole vectors, LANES keys at a time: LANES independent multiply-add chains, summed
+ * across lanes together (sum_lanes); a single key's chain would wait on each add's latency and
+ * then sum its lanes alone. */
+static inline __attribute__((always_inline)) void score_slots(
+    float *pg, const float *q, const void *k, int64_t k0, int64_t ks, int64_t slots, int64_t head_dim,
+    float scale, const int kv) {
+    int64_t s = 0;
+#if defined(__AVX2__)
+    if (head_dim % LANES == 0)
+        for (; s + LANES <= slots; s += LANES) {
+            vec acc[LANES];
+            for (int r = 0; r < LANES; r++) acc[r] = (vec){0};
+            for (int64_t d = 0; d < head_dim; d += LANES) {
+                const vec qd = load_vec(q + d);
+                for (int r = 0; r < LANES; r++) acc[r] += qd * load_kv(k, k0 + (s + r) * ks + d, kv);
+            }
+            store_vec(pg + s, sum_lanes(acc) * scale);
+        }
+#endif
+    for (; s < slots; s++) {
+        vec acc = {0};
+        int64_t d = 0;
+        for (; d + LANES <= head_dim; d += LANES)
+            acc += load_vec(q + d) * load_kv(k, k0 + s * ks + d, kv);
+        float sum = hsum(acc);
+        for (; d < head_dim; d++) sum += q[d] * load_kv1(k, k0 + s * ks + d, kv);
+        pg[s] = scale * sum;
+    }
+}
+
+/* acc[0:NV * LANES] = acc * rescale + sum_s p[s] * V[s][0:NV * LANES] (rows from element v0,
+ * stride vs), the NV vectors of one head in registers across the block's slots (independent
+ * chains, not one per chunk). */
 static inline __attribute__((always_inline)) void weighted_values(
-    float *acc, const float *v, int64_t v_ss, const float *p, int64_t slots, float rescale,
-    const int nv) {
+    float *acc, const void *v, int64_t v0, int64_t vs, const float *p, int64_t slots, float rescale,
+    const int nv, const int kv) {
     vec a[nv];
     for (int c = 0; c < nv; c++) a[c] = load_vec(acc + c * LANES) * rescale;
     for (int64_t s = 0; s < slots; s++) {
         const float ps = p[s];
-        for (int c = 0; c < nv; c++) a[c] += ps * load_vec(v + s * v_ss + c * LANES);
+        for (int c = 0; c < nv; c++) a[c] += ps * load_kv(v, v0 + s * vs + c * LANES, kv);
     }
     for (int c = 0; c < nv; c++) store_vec(acc + c * LANES, a[c]);
 }
 
-/* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] (strides *_sb, *_ss, *_sh; D
- * contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64, out [B, H, D] contiguous.
- * When new_k is not NULL, each task first writes its sequence's new K and V rows (new_k, new_v
- * [B, KVH, D], strides nk_* and nv_*; D contiguous) for its KV head into slot (slot_blocks[b],
- * slot_offsets[b]): the step's store and attention in one call. */
+/* One decode task of tandem_paged_decode_attention (sequence b, KV head kh), for a cache of type
+ * kv (a constant: compiled once per type). */
+static inline __attribute__((always_inline)) void decode_task(
+    const float *q, int64_t q_sb, int64_t q_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+    const int64_t *tables, int64_t t_sb, int64_t len, float *out,
+    int64_t b, int64_t kh, int64_t heads, int64_t group, int64_t head_dim, int64_t block_size,
+    float scale, int64_t window, float softcap, const int kv) {
+    float acc[group * head_dim], running_max[group], total[group], scores[group * block_size];
+    memset(acc, 0, sizeof acc);
+    for (int64_t g = 0; g < group; g++) running_max[g] = -INFINITY, total[g] = 0.f;
+    /* the query (position len - 1) sees positions first .. len - 1 */
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    for (int64_t start = first - first % block_size; start < len; start += block_size) {
+        const int64_t block = tables[b * t_sb + start / block_size];
+        const int64_t skip = first > start ? first - start : 0; /* slots before the window */
+        const int64_t slots = (len - start < block_size ? len - start : block_size) - skip;
+        const int64_t k0 = block * k_sb + skip * k_ss + kh * k_sh;
+        const int64_t v0 = block * v_sb + skip * v_ss + kh * v_sh;
+        for (int64_t g = 0; g < group; g++) {
+            float *pg = scores + g * block_size, block_max = -INFINITY;
+            const float *qg = q + b * q_sb + (kh * group + g) * q_sh;
+            score_slots(pg, qg, k, k0, k_ss, slots, head_dim, scale, kv);
+            if (softcap > 0.f) soft_cap(pg, slots, softcap);
+            for (int64_t s = 0; s < slots; s++) block_max = pg[s] > block_max ? pg[s] : block_max;
+            const float new_max = block_max > running_max[g] ? block_max : running_max[g];
+            const float rescale = expf(running_max[g] - new_max);  /* 0 on the first block */
+            running_max[g] = new_max;
+            int64_t s = 0;
+            vec totals = {0};
+            for (; s + LANES <= slots; s += LANES) {
+                const vec e = vexp(load_vec(pg + s) - new_max);
+                store_vec(pg + s, e);
+                totals += e;
+            }
+            float block_total = hsum(totals);
+            for (; s < slots; s++) block_total += pg[s] = expf(pg[s] - new_max);
+            total[g] = total[g] * rescale + block_total;
+            float *ag = acc + g * head_dim;
+            if (head_dim == 64) {
+                weighted_values(ag, v, v0, v_ss, pg, slots, rescale, 64 / LANES, kv);
+            } else if (head_dim == 128) {
+                weighted_values(ag, v, v0, v_ss, pg, slots, rescale, 128 / LANES, kv);
+            } else { /* acc = acc * rescale + sum_s p[s] * V[s], one chunk of D at a time */
+                int64_t d = 0;
+                for (; d + LANES <= head_dim; d += LANES) {
+                    vec a = load_vec(ag + d) * rescale;
+                    for (int64_t t = 0; t < slots; t++) a += pg[t] * load_kv(v, v0 + t * v_ss + d, kv);
+                    store_vec(ag + d, a);
+                }
+                for (; d < head_dim; d++) {
+                    float a = ag[d] * rescale;
+                    for (int64_t t = 0; t < slots; t++)
+                        a += pg[t] * load_kv1(v, v0 + t * v_ss + d, kv);
+                    ag[d] = a;
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *og = out + (b * heads + kh * group + g) * head_dim;
+        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        for (int64_t d = 0; d < head_dim; d++) og[d] = acc[g * head_dim + d] * inv;
+    }
+}
+
+/* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
+ * *_ss, *_sh in elements; D contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64,
+ * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, each
+ * task first writes its sequence's new K and V rows (new_k, new_v [B, KVH, D] float32, strides
+ * nk_* and nv_*; D contiguous) for its KV head into slot (slot_blocks[b], slot_offsets[b]): the
+ * step's store and attention in one call. */
 void tandem_paged_decode_attention(
     const float *q, int64_t q_sb, int64_t q_sh,
-    float *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
-    float *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh, int kv_dtype,
     const int64_t *tables, int64_t t_sb, const int64_t *lens, float *out,
     int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int threads,
+    float scale, int64_t window, float softcap, int threads,
     const float *new_k, int64_t nk_sb, int64_t nk_sh,
     const float *new_v, int64_t nv_sb, int64_t nv_sh,
     const int64_t *slot_blocks, const int64_t *slot_offsets) {
     const int64_t group = heads / kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
-        const int64_t b = task / kv_heads, kh = task % kv_heads, len = lens[b];
+        const int64_t b = task / kv_heads, kh = task % kv_heads;
         if (new_k) {
             const int64_t block = slot_blocks[b], offset = slot_offsets[b];
-            memcpy(k + block * k_sb + offset * k_ss + kh * k_sh,
-                   new_k + b * nk_sb + kh * nk_sh, (size_t)head_dim * sizeof(float));
-            memcpy(v + block * v_sb + offset * v_ss + kh * v_sh,
-                   new_v + b * nv_sb + kh * nv_sh, (size_t)head_dim * sizeof(float));
+            kv_store(kv_at(k, block * k_sb + offset * k_ss + kh * k_sh, kv_dtype),
+                     new_k + b * nk_sb + kh * nk_sh, head_dim, kv_dtype);
+            kv_store(kv_at(v, block * v_sb + offset * v_ss + kh * v_sh, kv_dtype),
+                     new_v + b * nv_sb + kh * nv_sh, head_dim, kv_dtype);
         }
-        float acc[group * head_dim], running_max[group], total[group], scores[group * block_size];
-        memset(acc, 0, sizeof acc);
-        for (int64_t g = 0; g < group; g++) running_max[g] = -INFINITY, total[g] = 0.f;
-        for (int64_t start = 0; start < len; start += block_size) {
-            const int64_t block = tables[b * t_sb + start / block_size];
-            const int64_t slots = len - start < block_size ? len - start : block_size;
-            const float *kb = k + block * k_sb + kh * k_sh, *vb = v + block * v_sb + kh * v_sh;
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + b * q_sb + (kh * group + g) * q_sh;
-                float *pg = scores + g * block_size, block_max = -INFINITY;
-                for (int64_t s = 0; s < slots; s++) {
-                    pg[s] = scale * dot(qg, kb + s * k_ss, head_dim);
-                    block_max = pg[s] > block_max ? pg[s] : block_max;
-                }
-                const float new_max = block_max > running_max[g] ? block_max : running_max[g];
-                const float rescale = expf(running_max[g] - new_max);  /* 0 on the first block */
-                running_max[g] = new_max;
-                int64_t s = 0;
-                vec totals = {0};
-                for (; s + LANES <= slots; s += LANES) {
-                    const vec e = vexp(load_vec(pg + s) - new_max);
-                    store_vec(pg + s, e);
-                    totals += e;
-                }
-                float block_total = hsum(totals);
-                for (; s < slots; s++) block_total += pg[s] = expf(pg[s] - new_max);
-                total[g] = total[g] * rescale + block_total;
-                float *ag = acc + g * head_dim;
-                if (head_dim == 64) {
-                    weighted_values(ag, vb, v_ss, pg, slots, rescale, 64 / LANES);
-                } else if (head_dim == 128) {
-                    weighted_values(ag, vb, v_ss, pg, slots, rescale, 128 / LANES);
-                } else { /* acc = acc * rescale + sum_s p[s] * V[s], one chunk of D at a time */
-                    int64_t d = 0;
-                    for (; d + LANES <= head_dim; d += LANES) {
-                        vec a = load_vec(ag + d) * rescale;
-                        for (int64_t t = 0; t < slots; t++) a += pg[t] * load_vec(vb + t * v_ss + d);
-                        store_vec(ag + d, a);
-                    }
-                    for (; d < head_dim; d++) {
-                        float a = ag[d] * rescale;
-                        for (int64_t t = 0; t < slots; t++) a += pg[t] * vb[t * v_ss + d];
-                        ag[d] = a;
-                    }
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *og = out + (b * heads + kh * group + g) * head_dim;
-            const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-            for (int64_t d = 0; d < head_dim; d++) og[d] = acc[g * head_dim + d] * inv;
-        }
+#define DECODE_TASK(KV)                                                                          \
+    decode_task(q, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables, t_sb, lens[b], out, \
+                b, kh, heads, group, head_dim, block_size, scale, window, softcap, KV)
+        if (kv_dtype == KV_BFLOAT16)
+            DECODE_TASK(KV_BFLOAT16);
+        else if (kv_dtype == KV_FLOAT16)
+            DECODE_TASK(KV_FLOAT16);
+        else
+            DECODE_TASK(KV_FLOAT32);
+#undef DECODE_TASK
     }
 }
 
@@ -135,8 +322,10 @@ void tandem_paged_decode_attention(
  *   out    [nq, D]       = out * rescale + P [nq, KEY_TILE] . V  (ROW_BLOCK queries x TILE of D)
  *
  * with an online softmax between them (running max and sum per query vector, as FlashAttention).
- * A query row sees the positions up to its own (causal), keys past it get no weight. Tasks run
- * on OpenMP, the ones with the most keys first. */
+ * A query row sees the positions up to its own (causal; with a window, only the last window of
+ * them), keys past it get no weight; key tiles wholly before every row's window are skipped. A
+ * 16-bit cache's keys are widened while being transposed, its values into a float32 copy laid
+ * out the same way. Tasks run on OpenMP, the ones with the most keys first. */
 #define PREFILL_ROWS 16
 #define KEY_TILE 64
 /* query vectors per register block: ATTN_ROWS x VECS accumulators, 12 of AVX2's 16 registers
@@ -189,12 +378,16 @@ static inline __attribute__((always_inline)) void value_block(
         for (int c = 0; c < nv; c++) store_vec(o + r * head_dim + d + c * LANES, acc[r][c]);
 }
 
-/* Online-softmax step for one query vector's scores px[0:seen] of a key tile (seen >= 1): updates
- * its running max and total, turns px into the tile's weights (zeros from seen to KEY_TILE) and
- * returns the factor the vector's earlier output is scaled by. */
-static inline float softmax_tile(float *px, int64_t seen, float *running_max, float *total) {
+/* Online-softmax step for one query vector's scores px[lo:seen] of a key tile (lo < seen; the
+ * others are outside its causal window), soft-capped first when softcap > 0: updates its running
+ * max and total, turns px into the tile's weights (zeros outside lo..seen - 1) and returns the
+ * factor the vector's earlier output is scaled by. */
+static inline float softmax_tile(float *px, int64_t lo, int64_t seen, float *running_max, float *total,
+                                 float softcap) {
+    if (softcap > 0.f) soft_cap(px + lo, seen - lo, softcap);
+    for (int64_t s = 0; s < lo; s++) px[s] = 0.f;
     vec maxes = splat(-INFINITY);
-    int64_t s = 0;
+    int64_t s = lo;
     for (; s + LANES <= seen; s += LANES) {
         const vec x = load_vec(px + s);
         maxes = vselect(x > maxes, x, maxes);
@@ -207,7 +400,7 @@ static inline float softmax_tile(float *px, int64_t seen, float *running_max, fl
     const float rescale = expf(*running_max - new_max); /* 0 on the first tile */
     *running_max = new_max;
     vec totals = {0};
-    for (s = 0; s + LANES <= seen; s += LANES) {
+    for (s = lo; s + LANES <= seen; s += LANES) {
         const vec e = vexp(load_vec(px + s) - new_max);
         store_vec(px + s, e);
         totals += e;
@@ -224,17 +417,18 @@ static inline float softmax_tile(float *px, int64_t seen, float *running_max, fl
 static inline int64_t key_stride(int64_t len) { return (len + KEY_TILE - 1) / KEY_TILE * KEY_TILE + 16; }
 
 /* q [T, H, D] (strides q_st, q_sh; T = the step's new tokens, sequence after sequence), caches
- * [NB, BS, KVH, D] (strides *_sb, *_ss, *_sh; D contiguous) already holding the step's K/V,
- * tables [B, *] (row stride t_sb), context_lens and query_lens [B] as int64 (sequence b's query
- * rows sit at positions context_lens[b] - query_lens[b] ...), out [T, H, D] contiguous.
- * head_dim must be a multiple of LANES. */
+ * [NB, BS, KVH, D] of type kv_dtype (strides *_sb, *_ss, *_sh in elements; D contiguous) already
+ * holding the step's K/V, tables [B, *] (row stride t_sb), context_lens and query_lens [B] as
+ * int64 (sequence b's query rows sit at positions context_lens[b] - query_lens[b] ...), out
+ * [T, H, D] contiguous; window and softcap as for decode (0: off). head_dim must be a multiple
+ * of LANES. */
 void tandem_paged_prefill_attention(
     const float *q, int64_t q_st, int64_t q_sh,
-    const float *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
-    const float *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh, int kv_dtype,
     const int64_t *tables, int64_t t_sb, const int64_t *context_lens, const int64_t *query_lens,
     float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int threads) {
+    int64_t block_size, float scale, int64_t window, float softcap, int threads) {
     const int64_t group = heads / kv_heads;
     /* each sequence's keys, transposed once for all its tasks: [KVH, D, ldk] from kt_start[b] */
     int64_t blocks = 0, kt_size = 0; /* query blocks of all sequences; floats of transposed keys */
@@ -245,6 +439,9 @@ void tandem_paged_prefill_attention(
         kt_size += kv_heads * head_dim * key_stride(context_lens[b]);
     }
     float *kt_all = malloc(sizeof(float) * (size_t)(kt_size > 0 ? kt_size : 1));
+    /* a 16-bit cache's values as float32 rows: [KVH, len, D] from kt_start[b] (fits: len <= ldk) */
+    float *v_all = kv_dtype == KV_FLOAT32 ? NULL
+                                          : malloc(sizeof(float) * (size_t)(kt_size > 0 ? kt_size : 1));
     /* block i -> (sequence, first row of the sequence's tokens, first query row of the block);
      * ordered by the block's last position, descending, so the longest tasks start first */
     int64_t *seq_of = malloc(sizeof(int64_t) * 3 * (size_t)(blocks > 0 ? blocks : 1));
@@ -272,8 +469,18 @@ void tandem_paged_prefill_attention(
             const int64_t b = task / kv_heads, kh = task % kv_heads, len = context_lens[b];
             const int64_t ldk = key_stride(len);
             float *kt = kt_all + kt_start[b] + kh * head_dim * ldk;
+            float row[head_dim]; /* one key of a 16-bit cache, widened */
             for (int64_t pos = 0; pos < len; pos++) {
-                const float *kr = k + tables[b * t_sb + pos / block_size] * k_sb + (pos % block_size) * k_ss + kh * k_sh;
+                const int64_t block = tables[b * t_sb + pos / block_size], slot = pos % block_size;
+                const float *kr = (const float *)k + block * k_sb + slot * k_ss + kh * k_sh;
+                if (kv_dtype != KV_FLOAT32) {
+                    kv_widen(row, kv_at(k, block * k_sb + slot * k_ss + kh * k_sh, kv_dtype), head_dim,
+                             kv_dtype);
+                    kv_widen(v_all + kt_start[b] + kh * head_dim * ldk + pos * head_dim,
+                             kv_at(v, block * v_sb + slot * v_ss + kh * v_sh, kv_dtype), head_dim,
+                             kv_dtype);
+                    kr = row;
+                }
                 for (int64_t d = 0; d < head_dim; d++) kt[d * ldk + pos] = kr[d];
             }
             for (int64_t d = 0; d < head_dim; d++)
@@ -288,6 +495,7 @@ void tandem_paged_prefill_attention(
             const int64_t last_pos = first_pos + rows - 1;
             const int64_t ldk = key_stride(context_lens[b]);
             const float *kt = kt_all + kt_start[b] + kh * head_dim * ldk;
+            const float *vt = v_all ? v_all + kt_start[b] + kh * head_dim * ldk : NULL;
             float qs[PREFILL_ROWS * group * head_dim], o[PREFILL_ROWS * group * head_dim];
             float p[PREFILL_ROWS * group * KEY_TILE];
             float running_max[PREFILL_ROWS * group], total[PREFILL_ROWS * group];
@@ -300,12 +508,16 @@ void tandem_paged_prefill_attention(
                            (size_t)head_dim * sizeof(float));
             memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
             for (int64_t x = 0; x < nq; x++) running_max[x] = -INFINITY, total[x] = 0.f;
-            for (int64_t ks = 0; ks <= last_pos; ks += KEY_TILE) {
+            /* the first key any row of the block sees: tiles before it are skipped */
+            const int64_t first_key = window > 0 && first_pos >= window ? first_pos - window + 1 : 0;
+            for (int64_t ks = first_key - first_key % KEY_TILE; ks <= last_pos; ks += KEY_TILE) {
                 const int64_t slots = last_pos + 1 - ks < KEY_TILE ? last_pos + 1 - ks : KEY_TILE;
                 const int64_t chunks = (slots + TILE - 1) / TILE; /* TILE keys per score block */
                 for (int64_t s = 0; s < slots; s++) {
                     const int64_t pos = ks + s;
-                    vrows[s] = v + tables[b * t_sb + pos / block_size] * v_sb + (pos % block_size) * v_ss + kh * v_sh;
+                    vrows[s] = vt ? vt + pos * head_dim
+                                  : (const float *)v + tables[b * t_sb + pos / block_size] * v_sb
+                                        + (pos % block_size) * v_ss + kh * v_sh;
                 }
                 for (int64_t c = 0; c < chunks; c++) {
                     const float *kc = kt + ks + c * TILE;
@@ -318,15 +530,19 @@ void tandem_paged_prefill_attention(
                 }
                 int64_t used = 0; /* the most keys any query vector of the tile sees */
                 for (int64_t x = 0; x < nq; x++) {
-                    int64_t seen = first_pos + x / group + 1 - ks; /* keys ks .. its position */
+                    const int64_t pos = first_pos + x / group;
+                    int64_t seen = pos + 1 - ks; /* keys ks .. its position */
                     seen = seen > slots ? slots : seen;
-                    if (seen <= 0) { /* the whole tile is past this row: no weight, nothing rescaled */
+                    int64_t lo = window > 0 ? pos - window + 1 - ks : 0; /* its window's first key */
+                    lo = lo > 0 ? lo : 0;
+                    if (seen <= lo) { /* the tile is past this row or before its window: no weight */
                         memset(p + x * KEY_TILE, 0, sizeof(float) * KEY_TILE);
                         rescale[x] = 1.f;
                         continue;
                     }
                     used = seen > used ? seen : used;
-                    rescale[x] = softmax_tile(p + x * KEY_TILE, seen, running_max + x, total + x);
+                    rescale[x] = softmax_tile(p + x * KEY_TILE, lo, seen, running_max + x, total + x,
+                                              softcap);
                 }
                 int64_t d = 0;
                 for (; d + TILE <= head_dim; d += TILE) {
@@ -358,6 +574,7 @@ void tandem_paged_prefill_attention(
         }
     }
     free(seq_of);
+    free(v_all);
     free(kt_all);
     free(kt_start);
 }

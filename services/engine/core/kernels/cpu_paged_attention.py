@@ -1,21 +1,27 @@
 """Python side of the CPU paged-attention kernels (``cpu_paged_attention.c``): decode and prefill.
 
 :class:`CpuPagedAttention` is the :class:`~services.engine.core.attention.PagedAttention` backend that
-``auto`` picks on CPU. Float32 decode steps go through the decode kernel, which reads K/V in place
-from the paged pool (no gathered copy, no padding mask). Float32 prefill steps go through the
-prefill kernel: causal attention of every prompt's rows over the cache (a cached prefix and
-several prompts included, none padded), as blocked GEMMs with an online softmax; PyTorch's
-fused CPU attention takes one uncached prompt at a time and pads the rest under a mask.
-Caches in other dtypes, and machines where the kernels can't be built, use the torch reference
-it inherits. :func:`load_cpu_attention` / :func:`load_cpu_prefill_attention` build the kernels
-once per process (for the selected instruction set) or return ``None`` (one log line saying
-why); ``TANDEM_CPU_KERNELS=0`` turns them off.
+``auto`` picks on CPU. Decode steps go through the decode kernel, which reads K/V in place from
+the paged pool (no gathered copy, no padding mask). Prefill steps go through the prefill kernel:
+causal attention of every prompt's rows over the cache (a cached prefix and several prompts
+included, none padded), as blocked GEMMs with an online softmax; PyTorch's fused CPU attention
+takes one uncached prompt at a time and pads the rest under a mask. Both take float32 queries
+over a float32, bfloat16 or float16 cache (``--kv-cache-dtype``: widened to float32 as they are
+read, rounded to the cache's type as the decode kernel stores them), and the options of
+sliding-window and soft-capped layers (``window``, ``softcap``). Queries in other dtypes, and
+machines where the kernels can't be built, use the torch reference it inherits.
+:func:`load_cpu_attention` / :func:`load_cpu_prefill_attention` build the kernels once per
+process (for the selected instruction set) or return ``None`` (one log line saying why);
+``TANDEM_CPU_KERNELS=0`` turns them off.
 
 Like the matmul kernels they prove themselves: :meth:`CpuPagedAttention.tune` (called by the model
 runner once the model is loaded) times the decode kernel against the torch reference on the
-model's head shape at batch 1, 8 and 32 over a 256-token context, and the prefill kernel on one
-prompt of 64 and of 512 tokens (:mod:`services.engine.core.kernels.autotune`, cached); wherever
-the reference was faster, the reference runs.
+model's head shape and cache dtype at batch 1, 8 and 32 over a 256-token context, and the
+prefill kernel on one prompt of 64 and of 512 tokens (:mod:`services.engine.core.kernels.autotune`,
+cached); wherever the reference was faster, the reference runs (but for windowed or soft-capped
+layers, whose reference is a slow per-sequence loop). :func:`auto_cache_dtype` is what
+``--kv-cache-dtype auto`` means here: a 16-bit cache on the instruction sets where the decode
+kernel was measured to read one at least as fast as a float32 one.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _windowed_forward
 from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.native_build import load_kernel, selected_isa
 
@@ -35,6 +41,13 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # the prefill kernel walks the head dimension in whole vectors of the widest set (AVX-512's 16
 # floats); other head sizes take the torch reference
 KERNEL_HEAD_DIM_MULTIPLE = 16
+# the cache dtypes the kernels read, as the C file's KV_FLOAT32 / KV_BFLOAT16 / KV_FLOAT16
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# --kv-cache-dtype auto per instruction set: a 16-bit cache where the decode kernel read it at
+# least as fast as float32 in bench/kv_cache_dtype.py (docs/benchmarks.md), float32 where none did
+# or none was measured. A rule, not a timing at start-up: a prefill and a decode worker must
+# agree on the dtype to hand KV over, and two timings of a near tie need not.
+AUTO_CACHE_DTYPES: dict[str, torch.dtype] = {"avx2": torch.float16}
 
 
 @functools.cache
@@ -51,10 +64,10 @@ def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-define
     fn.argtypes = [
         _PTR, _I64, _I64,
         _PTR, _I64, _I64, _I64,
-        _PTR, _I64, _I64, _I64,
+        _PTR, _I64, _I64, _I64, ctypes.c_int,
         _PTR, _I64, _PTR, _PTR,
         _I64, _I64, _I64, _I64, _I64,
-        ctypes.c_float, ctypes.c_int,
+        ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int,
         _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR,
     ]  # fmt: skip
     prefill = library.tandem_paged_prefill_attention
@@ -62,10 +75,10 @@ def load_cpu_attention() -> ctypes._CFuncPtr | None:  # type: ignore[name-define
     prefill.argtypes = [
         _PTR, _I64, _I64,
         _PTR, _I64, _I64, _I64,
-        _PTR, _I64, _I64, _I64,
+        _PTR, _I64, _I64, _I64, ctypes.c_int,
         _PTR, _I64, _PTR, _PTR,
         _PTR, _I64, _I64, _I64, _I64,
-        _I64, ctypes.c_float, ctypes.c_int,
+        _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int,
     ]  # fmt: skip
     fn._tandem_prefill = prefill
     return fn
@@ -76,6 +89,27 @@ def load_cpu_prefill_attention() -> ctypes._CFuncPtr | None:  # type: ignore[nam
     return getattr(load_cpu_attention(), "_tandem_prefill", None)
 
 
+def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The caches' dtype code, once q is float32, the caches share a dtype the kernels read and
+    every head dimension is contiguous (a ValueError otherwise)."""
+    if q.dtype != torch.float32 or q.stride(-1) != 1:
+        raise ValueError("q must be float32 with a contiguous head dimension")
+    if k_cache.dtype not in KV_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
+        raise ValueError("the caches must both be float32, bfloat16 or float16")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the caches' head dimension must be contiguous")
+    return KV_DTYPE_CODES[k_cache.dtype]
+
+
+def _options(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """``window`` and ``softcap`` as the C kernels take them (0: off)."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return window or 0, softcap or 0.0
+
+
 def cpu_paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -84,20 +118,23 @@ def cpu_paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q ``[B, H, D]``, caches ``[NB, BS, KVH, D]`` (strided views; D contiguous), int64
-    ``block_tables [B, max_blocks]`` and ``context_lens [B]`` → ``[B, H, D]`` float32.
+    """q ``[B, H, D]`` float32, caches ``[NB, BS, KVH, D]`` (float32, bfloat16 or float16;
+    strided views; D contiguous), int64 ``block_tables [B, max_blocks]`` and ``context_lens [B]``
+    → ``[B, H, D]`` float32. ``window``/``softcap``: as :meth:`PagedAttention.forward` takes them.
 
-    ``new_kv`` = (k and v ``[B, KVH, D]`` with D contiguous, int64 slot blocks ``[B]``, slot
-    offsets ``[B]``): write this step's K/V into the cache first, in the same call."""
+    ``new_kv`` = (k and v ``[B, KVH, D]`` float32 with D contiguous, int64 slot blocks ``[B]``,
+    slot offsets ``[B]``): write this step's K/V into the cache first (rounded to its dtype), in
+    the same call."""
     fn = load_cpu_attention()
     if fn is None:
         raise RuntimeError("the CPU decode-attention kernel is not available")
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be float32 with a contiguous head dimension")
+    code = _check_inputs(q, k_cache, v_cache)
+    window_, softcap_ = _options(window, softcap)
     tables, lens = _int64(block_tables), _int64(context_lens)
     store: tuple[int | None, ...] = (None, 0, 0, None, 0, 0, None, None)
     if new_kv is not None:
@@ -116,10 +153,10 @@ def cpu_paged_decode_attention(
     fn(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), code,
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
         batch, heads, kv_heads, head_dim, block_size,
-        scale, torch.get_num_threads(), *store,
+        scale, window_, softcap_, torch.get_num_threads(), *store,
     )  # fmt: skip
     return out
 
@@ -132,19 +169,21 @@ def cpu_paged_prefill_attention(
     context_lens: list[int],
     query_lens: list[int],
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prefill step's queries over the paged cache, which already holds
-    the step's K/V: q ``[T, H, D]`` (strided; D contiguous; sequence after sequence, ``query_lens``
-    rows each, at the last positions of its ``context_lens``), caches ``[NB, BS, KVH, D]``,
-    int64 ``block_tables [B, max_blocks]`` → ``[T, H, D]`` float32."""
+    the step's K/V: q ``[T, H, D]`` float32 (strided; D contiguous; sequence after sequence,
+    ``query_lens`` rows each, at the last positions of its ``context_lens``), caches
+    ``[NB, BS, KVH, D]`` (float32, bfloat16 or float16), int64 ``block_tables [B, max_blocks]`` →
+    ``[T, H, D]`` float32. ``window``/``softcap``: as :meth:`PagedAttention.forward` takes them."""
     fn = load_cpu_prefill_attention()
     if fn is None:
         raise RuntimeError("the CPU prefill-attention kernel is not available")
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be float32 with a contiguous head dimension")
+    code = _check_inputs(q, k_cache, v_cache)
+    window_, softcap_ = _options(window, softcap)
     if head_dim % KERNEL_HEAD_DIM_MULTIPLE:
         raise ValueError(f"head_dim must be a multiple of {KERNEL_HEAD_DIM_MULTIPLE}")
     if sum(query_lens) != tokens or len(context_lens) != len(query_lens):
@@ -157,12 +196,20 @@ def cpu_paged_prefill_attention(
     fn(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), code,
         tables.data_ptr(), tables.stride(0), lens[0].data_ptr(), lens[1].data_ptr(),
         out.data_ptr(), len(query_lens), heads, kv_heads, head_dim,
-        block_size, scale, torch.get_num_threads(),
+        block_size, scale, window_, softcap_, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def auto_cache_dtype() -> torch.dtype:
+    """The cache dtype ``--kv-cache-dtype auto`` means for a float32 model on this CPU
+    (:data:`AUTO_CACHE_DTYPES` for the selected instruction set; float32 without the kernels)."""
+    if load_cpu_attention() is None:
+        return torch.float32
+    return AUTO_CACHE_DTYPES.get(selected_isa(), torch.float32)
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
@@ -170,8 +217,9 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Float32 decode steps through the C kernel (built at the first one); the rest, and
-    everything when the kernel can't be built here, through the torch reference."""
+    """Float32 queries through the C kernels (built at the first step) over a float32, bfloat16
+    or float16 cache; the rest, and everything when the kernels can't be built here, through the
+    torch reference."""
 
     regimes = KernelRegimes()  # kernel for every batch until tune() measures
     prefill_regimes = KernelRegimes(rows=(64, 512), use_kernel=(True, True))
@@ -179,25 +227,19 @@ class CpuPagedAttention(TorchPagedAttention):
     TUNE_CONTEXT = 256
     TUNE_PROMPTS = (64, 512)
 
-    def tune(self, heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
-        """Time the kernel against the torch reference for this head shape (once per build)."""
+    def tune(
+        self, heads: int, kv_heads: int, head_dim: int, block_size: int,
+        cache_dtype: torch.dtype = torch.float32,
+    ) -> None:  # fmt: skip
+        """Time the kernels against the torch reference for this head shape and cache dtype
+        (once per build)."""
         fn = load_cpu_attention()
-        if fn is None or self.regimes.measured:
+        if fn is None or self.regimes.measured or cache_dtype not in KV_DTYPE_CODES:
             return
         context, batches = self.TUNE_CONTEXT, self.TUNE_BATCHES
-        per_seq = -(-context // block_size)
-        blocks = per_seq * max(batches) + 1
-        gen = torch.Generator().manual_seed(0)
-        k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
-        v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen)
-        metas = {}
-        for batch in batches:
-            tables = [[1 + b * per_seq + i for i in range(per_seq)] for b in range(batch)]
-            metas[batch] = AttentionMetadata.build(
-                is_prefill=False, query_lens=[1] * batch, context_lens=[context] * batch,
-                block_tables=tables, block_size=block_size,
-            )  # fmt: skip
-        queries = {b: torch.randn(b, heads, head_dim, generator=gen) for b in batches}
+        k_cache, v_cache, metas, queries = _decode_case(
+            heads, kv_heads, head_dim, block_size, context, batches, cache_dtype
+        )
         scale = head_dim**-0.5
 
         def runner(kernel: bool):  # type: ignore[no-untyped-def]
@@ -213,17 +255,19 @@ class CpuPagedAttention(TorchPagedAttention):
             return run
 
         self.regimes = choose_regimes(
-            "decode-attention",
+            _tune_name("decode-attention", cache_dtype),
             isa=selected_isa(),
-            build=Path(str(getattr(fn, "_tandem_build", "?"))).name,
+            build=_build_name(),
             shapes=[(heads, kv_heads, head_dim, block_size, context)],
             run_kernel=runner(True),
             run_torch=runner(False),
             rows=batches,
         )
-        self._tune_prefill(heads, kv_heads, head_dim, block_size)
+        self._tune_prefill(heads, kv_heads, head_dim, block_size, cache_dtype)
 
-    def _tune_prefill(self, heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    def _tune_prefill(
+        self, heads: int, kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype
+    ) -> None:
         """Time the prefill kernel against the torch reference on one uncached prompt of each of
         :attr:`TUNE_PROMPTS` tokens (PyTorch's fused attention takes that case directly)."""
         fn = load_cpu_prefill_attention()
@@ -232,8 +276,9 @@ class CpuPagedAttention(TorchPagedAttention):
         prompts = self.TUNE_PROMPTS
         blocks = -(-max(prompts) // block_size)
         gen = torch.Generator().manual_seed(0)
-        k_cache = torch.randn(blocks + 1, block_size, kv_heads, head_dim, generator=gen)
-        v_cache = torch.randn(blocks + 1, block_size, kv_heads, head_dim, generator=gen)
+        shape = (blocks + 1, block_size, kv_heads, head_dim)
+        k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+        v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
         cases = {}
         for n in prompts:
             meta = AttentionMetadata.build(
@@ -258,9 +303,9 @@ class CpuPagedAttention(TorchPagedAttention):
             return run
 
         self.prefill_regimes = choose_regimes(
-            "prefill-attention",
+            _tune_name("prefill-attention", cache_dtype),
             isa=selected_isa(),
-            build=Path(str(getattr(load_cpu_attention(), "_tandem_build", "?"))).name,
+            build=_build_name(),
             shapes=[(heads, kv_heads, head_dim, block_size)],
             run_kernel=runner(True),
             run_torch=runner(False),
@@ -279,18 +324,31 @@ class CpuPagedAttention(TorchPagedAttention):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """A decode step the kernel takes stores K/V and attends in one call."""
-        if (
-            meta.is_prefill
-            or window is not None
-            or softcap is not None
-            or not self._kernel_takes(q, k_cache)
-        ):
+        """A decode step the kernel takes stores K/V and attends in one call; a prefill step
+        stores them, then its prompts attend through the prefill kernel and its one-token rows
+        (a mixed step) through the decode kernel, where each takes them."""
+        kernel = load_cpu_attention() is not None
+        if q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPE_CODES or not kernel:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
-        return cpu_paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale,
-            new_kv=(k, v, meta.slot_blocks, meta.slot_offsets),
-        )  # fmt: skip
+        special = window is not None or softcap is not None
+        if not meta.is_prefill and (special or self.regimes.kernel_for(q.shape[0])):
+            return cpu_paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale,
+                new_kv=(k, v, meta.slot_blocks, meta.slot_offsets), window=window, softcap=softcap,
+            )  # fmt: skip
+        self.store_kv(k, v, k_cache, v_cache, meta)
+        if not meta.is_prefill:
+            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        split = meta.mixed
+        if split is None:
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        out = torch.empty_like(q)  # K/V of every row are stored: the halves only read the cache
+        out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, split.decode,
+                                              scale, window, softcap)  # fmt: skip
+        rows = split.prefill_rows
+        out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill,
+                                  scale, window, softcap)  # fmt: skip
+        return out
 
     def prefill(
         self,
@@ -303,28 +361,7 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float,
     ) -> torch.Tensor:
         """The step's prompts through the prefill kernel (K/V already stored), when it takes them."""
-        if (
-            q.dtype != torch.float32
-            or k_cache.dtype != torch.float32
-            or q.shape[-1] % KERNEL_HEAD_DIM_MULTIPLE
-            or not self.prefill_regimes.kernel_for(q.shape[0])
-            or load_cpu_prefill_attention() is None
-        ):
-            return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return cpu_paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_lens, scale
-        )
-
-    def native_decode(self, batch: int) -> bool:
-        return self.regimes.kernel_for(batch) and load_cpu_attention() is not None
-
-    def _kernel_takes(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (
-            q.dtype == torch.float32
-            and k_cache.dtype == torch.float32
-            and self.regimes.kernel_for(q.shape[0])
-            and load_cpu_attention() is not None
-        )
+        return self._prefill(q, k, v, k_cache, v_cache, meta, scale, None, None)
 
     def decode(
         self,
@@ -334,8 +371,92 @@ class CpuPagedAttention(TorchPagedAttention):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not self._kernel_takes(q, k_cache):
-            return super().decode(q, k_cache, v_cache, meta, scale)
-        return cpu_paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
-        )
+        return self._decode(q, k_cache, v_cache, meta, scale, None, None)
+
+    def native_decode(self, batch: int) -> bool:
+        return self.regimes.kernel_for(batch) and load_cpu_attention() is not None
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        special = window is not None or softcap is not None
+        if (
+            q.dtype == torch.float32
+            and k_cache.dtype in KV_DTYPE_CODES
+            and q.shape[-1] % KERNEL_HEAD_DIM_MULTIPLE == 0
+            and (special or self.prefill_regimes.kernel_for(q.shape[0]))
+            and load_cpu_prefill_attention() is not None
+        ):
+            return cpu_paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
+                                               meta.context_lens, meta.query_lens, scale, window,
+                                               softcap)  # fmt: skip
+        if special:
+            return _windowed_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        special = window is not None or softcap is not None
+        if (
+            q.dtype == torch.float32
+            and k_cache.dtype in KV_DTYPE_CODES
+            and (special or self.regimes.kernel_for(q.shape[0]))
+            and load_cpu_attention() is not None
+        ):
+            return cpu_paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                              meta.decode_context_lens(), scale, window=window,
+                                              softcap=softcap)  # fmt: skip
+        if special:  # the reference reads only the cache: q stands in for the stored k and v
+            return _windowed_forward(q, q, q, k_cache, v_cache, meta, scale, window, softcap)
+        return super().decode(q, k_cache, v_cache, meta, scale)
+
+
+def _decode_case(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, context: int,
+    batches: tuple[int, ...], dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, AttentionMetadata], dict[int, torch.Tensor]]:
+    """Random caches of ``dtype`` and, per batch size, decode metadata (every sequence
+    ``context`` tokens long, in blocks of its own) and queries: what the decode timings run."""
+    per_seq = -(-context // block_size)
+    blocks = per_seq * max(batches) + 1
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    metas = {}
+    for batch in batches:
+        tables = [[1 + b * per_seq + i for i in range(per_seq)] for b in range(batch)]
+        metas[batch] = AttentionMetadata.build(
+            is_prefill=False, query_lens=[1] * batch, context_lens=[context] * batch,
+            block_tables=tables, block_size=block_size,
+        )  # fmt: skip
+    queries = {b: torch.randn(b, heads, head_dim, generator=gen) for b in batches}
+    return k_cache, v_cache, metas, queries
+
+
+def _tune_name(kind: str, cache_dtype: torch.dtype) -> str:
+    """The autotune format name: ``kind`` for a float32 cache (the decisions cached before
+    16-bit caches existed stay valid), ``kind`` and the dtype for the others."""
+    if cache_dtype == torch.float32:
+        return kind
+    return f"{kind} ({str(cache_dtype).removeprefix('torch.')} cache)"
+
+
+def _build_name() -> str:
+    return Path(str(getattr(load_cpu_attention(), "_tandem_build", "?"))).name
