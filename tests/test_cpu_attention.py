@@ -219,3 +219,65 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(fallback.decode(q, cache, cache, meta, 0.25), expected)
     finally:
         cpu_paged_attention.load_cpu_attention.cache_clear()
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [None, 1, 7, 40])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block", "query_lens", "context_lens"),
+    [
+        (4, 2, 16, 4, [1, 1, 1, 1], [3, 7, 50, 41]),  # decode: contexts on both sides of a window
+        (9, 3, 64, 16, [1, 1], [200, 12]),  # decode: SmolLM2's shape
+        (8, 8, 24, 4, [1, 1], [30, 5]),  # decode: head_dim not whole vectors
+        (9, 3, 64, 16, [150, 20], [150, 20]),  # prefill: prompts longer and shorter than windows
+        (4, 2, 16, 4, [37, 1, 70], [150, 9, 170]),  # mixed: cached prefixes and a decode row
+        (4, 2, 128, 16, [65], [130]),  # prefill: head_dim 128, past a key tile
+    ],
+)
+def test_window_and_softcap_match_the_reference(
+    heads: int, kv_heads: int, dim: int, block: int, query_lens: list[int],
+    context_lens: list[int], window: int | None, softcap: float | None,
+) -> None:  # fmt: skip
+    """Sliding windows (a query at p sees keys p - window < k <= p) and soft-capped scores go
+    through the kernels, never the per-sequence reference, and equal it."""
+    if window is None and softcap is None:
+        pytest.skip("the plain case: the tests above")
+    torch.manual_seed(sum(context_lens) + dim)
+    prefill = query_lens != [1] * len(query_lens)
+    if prefill:
+        q, k, v, k_cache, v_cache, pool, meta = _prefill_step(heads, kv_heads, dim, block, query_lens,
+                                                              context_lens)  # fmt: skip
+    else:
+        pool = torch.randn(64, 3, 2, block, kv_heads, dim)
+        k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+        tables, next_id = [], 1
+        for n in context_lens:
+            tables.append(list(range(next_id, next_id + -(-n // block)))[::-1])
+            next_id += -(-n // block)
+        meta = AttentionMetadata.build(is_prefill=False, query_lens=query_lens,
+                                       context_lens=context_lens, block_tables=tables,
+                                       block_size=block)  # fmt: skip
+        q = torch.randn(len(query_lens), heads, dim) * 3  # larger scores: the cap bites
+        k, v = torch.randn(len(query_lens), kv_heads, dim), torch.randn(len(query_lens), kv_heads, dim)
+    before = pool.clone()
+    expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5, window,
+                                             softcap)  # fmt: skip
+    stored = pool.clone()
+    pool.copy_(before)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_paged_attention, "_windowed_forward", None)  # the kernels, or a TypeError
+        got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, dim**-0.5, window, softcap)
+    assert torch.allclose(got, expected, atol=2e-6), (got - expected).abs().max()
+    assert torch.equal(pool, stored)
+
+
+def test_a_window_the_kernel_does_not_take_runs_the_reference() -> None:
+    """head_dim 24 is no prefill-kernel shape: the windowed prompt goes to the reference."""
+    q, k, v, k_cache, v_cache, _, meta = _prefill_step(8, 8, 24, 4, [30], [30])
+    expected = TorchPagedAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.2, 5)
+    got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.2, 5)
+    assert torch.allclose(got, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="window"):
+        cpu_paged_attention.cpu_paged_decode_attention(
+            q[:1], k_cache, v_cache, meta.block_tables, torch.tensor([30]), 0.2, window=0
+        )
