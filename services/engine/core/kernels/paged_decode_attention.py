@@ -18,12 +18,19 @@ attention v2 and FlashDecoding):
 The partition size depends only on the batch size, the KV heads and the block table's width, so
 a CUDA graph captured for a batch size replays the same grid whatever the contexts' lengths.
 Float32 caches use IEEE float32 products (the parity path); bfloat16 / float16 ones multiply in
-their type and accumulate in float32. Offsets into the pool are 64-bit: a pool of a large model
-passes 2**31 elements.
+their type and accumulate in float32 (under float32 queries, a 16-bit cache is widened as it is
+read: ``--kv-cache-dtype``). Offsets into the pool are 64-bit: a pool of a large model passes
+2**31 elements.
+
+Sliding-window layers (``window``: the query at position p sees keys p - window < k <= p) skip the
+partitions wholly before the window, and the reduce kernel starts at the first one that is not;
+soft-capped layers (``softcap``, Gemma 2) turn each score s into softcap * tanh(s / softcap)
+before the softmax.
 
 Launched by :class:`TritonPagedAttention` for decode steps; prefill steps use the torch reference
 (:class:`~services.engine.core.attention.TorchPagedAttention`), whose SDPA call is compute-bound
-and already fused.
+and already fused (and, for windowed or soft-capped layers, the reference of
+:func:`~services.engine.core.attention._windowed_forward`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
+from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _windowed_forward
 
 BLOCK_N = 64
 """Token slots one loop iteration of the partition kernel scores."""
@@ -45,7 +52,7 @@ REDUCE_CHUNK = 16
 @triton.jit
 def _partition_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, max_ptr, sum_ptr,
-    scale,
+    scale, window, softcap,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -53,15 +60,18 @@ def _partition_kernel(
     num_heads, num_parts,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     length = tl.load(lens_ptr + seq)
+    # the first position the query sees (window 0: no window)
+    seen = tl.where(window > 0, tl.maximum(length - window, 0), 0)
     start = part * PARTITION
-    if start < length:
+    if (start < length) & (start + PARTITION > seen):
         end = tl.minimum(start + PARTITION, length)
+        start = tl.maximum(start, seen)
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + rows
         live = rows < GROUP
@@ -80,13 +90,17 @@ def _partition_kernel(
             offset = pos % BLOCK_SIZE
             k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
                         + kv_head * stride_kh + dims[None, :], mask=valid[:, None], other=0.0)
+            k = k.to(q.dtype)  # a 16-bit cache under float32 queries: widened
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if SOFTCAP:  # softcap * tanh(scores / softcap), tanh(y) = 2 sigmoid(2y) - 1
+                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
                         + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             total = total * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -98,7 +112,7 @@ def _partition_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    acc_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr,
+    acc_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr, window,
     stride_ob, stride_oh,
     num_heads, num_parts,
     PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
@@ -107,18 +121,20 @@ def _reduce_kernel(
     head = tl.program_id(1)
     length = tl.load(lens_ptr + seq)
     used = tl.cdiv(length, PARTITION)
+    # partitions wholly before the window (they wrote nothing)
+    skipped = tl.where(window > 0, tl.maximum(length - window, 0) // PARTITION, 0)
     base = (seq * num_heads + head) * num_parts
     idx = tl.arange(0, CHUNK)
     dims = tl.arange(0, HEAD_DIM)
     top = tl.full([CHUNK], float("-inf"), tl.float32)
-    for first in range(0, used, CHUNK):
+    for first in range(skipped, used, CHUNK):
         parts = first + idx
         top = tl.maximum(top, tl.load(max_ptr + base + parts, mask=parts < used,
                                       other=float("-inf")))
     best = tl.max(top, axis=0)
     total = tl.zeros([CHUNK], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for first in range(0, used, CHUNK):
+    for first in range(skipped, used, CHUNK):
         parts = first + idx
         inside = parts < used
         weight = tl.exp(tl.load(max_ptr + base + parts, mask=inside, other=float("-inf")) - best)
@@ -132,11 +148,19 @@ def _reduce_kernel(
 
 
 @triton.jit
+def _bf16_rne(x):
+    """float32 -> bfloat16, rounded to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, blocks_ptr, offsets_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TO_BF16: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -145,6 +169,10 @@ def _store_kv_kernel(
     offset = tl.load(offsets_ptr + token).to(tl.int64)
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dims)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dims)
+    if TO_BF16:  # float32 into a bfloat16 cache, to nearest even as PyTorch rounds (spelled out:
+        # Triton's interpreter truncates)
+        k = _bf16_rne(k)
+        v = _bf16_rne(v)
     tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + head * stride_ch + dims, k)
     tl.store(v_cache_ptr + block * stride_db + offset * stride_ds + head * stride_dh + dims, v)
 
@@ -167,7 +195,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim,
+        HEAD_DIM=head_dim, TO_BF16=k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16,
     )  # fmt: skip
 
 
@@ -199,9 +227,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Decode attention: q ``[B, H, D]`` (any strides but the last), caches ``[NB, BS, KVH, D]`` (strided views are fine),
-    ``block_tables [B, max_blocks]``, ``context_lens [B]`` (each at least 1) → ``[B, H, D]``.
+    """Decode attention: q ``[B, H, D]`` (any strides but the last), caches ``[NB, BS, KVH, D]``
+    (strided views are fine; q's dtype or, under float32 queries, 16-bit), ``block_tables
+    [B, max_blocks]``, ``context_lens [B]`` (each at least 1) → ``[B, H, D]``; ``window`` /
+    ``softcap``: as :meth:`~services.engine.core.attention.PagedAttention.forward` takes them.
 
     Block tables and lengths already in int32 are used as they are (no conversion kernel: a
     CUDA graph's static inputs are kept so)."""
@@ -211,6 +243,10 @@ def paged_decode_attention(
         raise ValueError("the head dimension must be contiguous")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two of at least 16, got {head_dim}")
+    if k_cache.dtype != q.dtype and q.dtype != torch.float32:
+        raise ValueError(f"a {k_cache.dtype} cache under {q.dtype} queries")
+    if window is not None and window < 1 or softcap is not None and not softcap > 0:
+        raise ValueError(f"window must be at least 1 and softcap positive, got {window}, {softcap}")
     group = heads // kv_heads
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
@@ -224,7 +260,7 @@ def paged_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
     _partition_kernel[(batch, kv_heads, parts)](
         q, k_cache, v_cache, tables, lens, acc, maxes, sums,
-        scale,
+        scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -232,10 +268,11 @@ def paged_decode_attention(
         heads, parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, PARTITION=partition, BLOCK_N=BLOCK_N, PRECISION=precision,
+        SOFTCAP=softcap is not None,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _reduce_kernel[(batch, heads)](
-        acc, maxes, sums, lens, out,
+        acc, maxes, sums, lens, out, window or 0,
         out.stride(0), out.stride(1),
         heads, parts,
         PARTITION=partition, HEAD_DIM=head_dim, CHUNK=REDUCE_CHUNK,
@@ -244,8 +281,42 @@ def paged_decode_attention(
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """Decode steps and K/V stores through the Triton kernels; prefill attention through the
-    torch reference."""
+    """Decode steps and K/V stores through the Triton kernels (sliding windows and soft-capping
+    included); prefill attention through the torch reference."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Windowed or soft-capped layers: decode rows (a decode step's, a mixed step's) through
+        the kernel, prompts through the reference; the rest as the torch backend splits them."""
+        if window is None and softcap is None:
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        self.store_kv(k, v, k_cache, v_cache, meta)
+        if not meta.is_prefill:
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                          meta.decode_context_lens(), scale, window, softcap)  # fmt: skip
+        split = meta.mixed
+        if split is None:
+            return _windowed_forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        out = torch.empty_like(q)
+        decode = split.decode
+        out[split.decode_rows] = paged_decode_attention(
+            q[split.decode_rows], k_cache, v_cache, decode.block_tables,
+            decode.decode_context_lens(), scale, window, softcap,
+        )  # fmt: skip
+        rows = split.prefill_rows
+        out[rows] = _windowed_forward(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill,
+                                      scale, window, softcap)  # fmt: skip
+        return out
 
     @staticmethod
     def store_kv(
