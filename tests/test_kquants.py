@@ -105,7 +105,8 @@ def test_blocks_dequantize_exactly(ggml_type: T) -> None:
 )  # fmt: skip
 def test_k_formats_hold_about_the_files_bytes(ggml_type: T, bits: float) -> None:
     """The K formats keep their integer sub-block scales: Q6_K's bytes exactly, Q4_K / Q5_K
-    one byte per 32 more (their 6-bit scales and mins unpacked); q5 has float32 scales."""
+    one byte per 32 more (their 6-bit scales and mins a byte each; the kernel's tiles pack them
+    back); q5 has float32 scales."""
     weight = _weight(ggml_type)
     assert weight.nbytes() * 8 == bits * OUT * IN
 
@@ -212,6 +213,8 @@ def test_tiles_hold_every_bit(isa: str, ggml_type: T) -> None:
     weight = _weight(ggml_type, seed=6)
     packed = qgemv.tile_weight(weight)
     assert packed.shape[1] == IN // qgemv.block_inputs[weight.format]
+    bits = {T.Q5_0: 7.0, T.Q5_1: 7.0, T.Q4_K: 4.5, T.Q5_K: 5.5, T.Q6_K: 6.5625}[ggml_type]
+    assert packed.numel() * 8 == bits * packed.shape[0] * qgemv.tile * IN  # K types: the file's
     back = qgemv.untile(packed, weight.format, OUT)
     for name, tensor in weight.tensors().items():
         assert torch.equal(getattr(back, name).view(torch.uint8), tensor.view(torch.uint8)), name

@@ -14,9 +14,10 @@
  * uncancelled (measured on SmolLM2: layer outputs 2-7x further from float32, KL 0.02 instead of
  * 0.004). This still changes the numbers: --dtype q4_a8 (auto's pick for 4-bit GGUFs), never q4.
  *
- * Weights are cpu_qgemv.c's q4 or q4_k tiles, read as they are (q4_k: each group's scale and offset
- * are d * sc and -dmin * m, multiplied once per group; its nibbles are laid out as q4's, a
- * super-block's 8 groups one after another): a thread repacks one tile at a time into
+ * Weights are cpu_qgemv.c's q4 or q4_k tiles, read as they are (q4_k: each group's scale d * sc
+ * and offset -dmin * m are unpacked into float32s next to the panel, once per tile, so the row
+ * blocks run q4's code; its nibbles are laid out as q4's, a super-block's 8 groups one after
+ * another): a thread repacks one tile at a time into
  * a panel (per group: [8 k-quads][TILE outputs][4 inputs] bytes, the order vpmaddubsw pairs them
  * in) in its own buffer, then runs every row block over it. The repack costs a few instructions
  * per 64 weights once per call; the panel (in / 32 * 512 bytes on AVX2) stays in L1/L2 while
@@ -33,8 +34,8 @@
 
 #define GROUP 32
 #define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
-#define Q4K_NIBBLES (20 * TILE)                     /* cpu_qgemv.c's q4_k block: */
-#define Q4K_BLOCK (Q4K_NIBBLES + 8 * GROUP * TILE / 2) /* f16 d, dmin; u8 sc[8], m[8]; nibbles */
+#define Q4K_NIBBLES (16 * TILE)                     /* cpu_qgemv.c's q4_k block: f16 d, dmin, */
+#define Q4K_BLOCK (Q4K_NIBBLES + 8 * GROUP * TILE / 2) /* 12 bytes of 6-bit scales, nibbles */
 enum { FORMAT_Q4 = 1, FORMAT_Q4_K = 6 }; /* cpu_qgemv.c's format codes */
 #define PANEL_GROUP (GROUP * TILE) /* one group of a tile's panel: [8][TILE][4] bytes */
 #ifndef KSTEP_UNROLL
@@ -149,22 +150,32 @@ static inline const uint8_t *group_nibbles(int format, const uint8_t *tile, int6
     return tile + g * Q4_BLOCK + 8 * TILE;
 }
 
-/* Group g's scale and offset per output: q4's float32s, or q4_k's d * sc and -(dmin * m) (exact
- * products of an f16 and a 6-bit integer). */
-static inline void group_scale(int format, const uint8_t *tile, int64_t g, vec *sc, vec *mn) {
-    if (format == FORMAT_Q4_K) {
+/* A q4_k tile's scale and offset per group and output, float32 [groups][2][TILE] as a q4 block
+ * starts (its scales, then its offsets): d * sc and -(dmin * m), exact products of an f16 and a
+ * 6-bit integer, sc and m unpacked from the column's 12 bytes [12][TILE] as cpu_qgemv.c's
+ * k_scale_min does. Made once per tile with its panel, so the row blocks read them as q4's. */
+static void k_scales(const uint8_t *tile, int64_t groups, float *out) {
+    for (int64_t g = 0; g < groups; g++) {
         const uint8_t *block = tile + g / 8 * Q4K_BLOCK;
         const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
-        const uint8_t *s = block + 4 * TILE + g % 8 * TILE, *m = s + 8 * TILE;
+        const int s = (int)(g % 8);
         for (int v = 0; v < 2; v++) {
-            sc[v] = f16_to_float(d + v * LANES) * __builtin_convertvector(widen_u8(s + v * LANES), vec);
-            mn[v] = -(f16_to_float(dmin + v * LANES) *
-                      __builtin_convertvector(widen_u8(m + v * LANES), vec));
+            const uint8_t *p = block + 4 * TILE + v * LANES;
+            int_vec scale, min;
+            if (s < 4) {
+                scale = widen_u8(p + s * TILE) & 63;
+                min = widen_u8(p + (s + 4) * TILE) & 63;
+            } else {
+                const int_vec low = widen_u8(p + (s + 4) * TILE);
+                scale = (low & 15) | ((widen_u8(p + (s - 4) * TILE) >> 6) << 4);
+                min = (low >> 4) | ((widen_u8(p + s * TILE) >> 6) << 4);
+            }
+            float *sm = out + g * 2 * TILE + v * LANES;
+            store_vec(sm, f16_to_float(d + v * LANES) * __builtin_convertvector(scale, vec));
+            const vec dm = f16_to_float(dmin + v * LANES);
+            store_vec(sm + TILE, -(dm * __builtin_convertvector(min, vec)));
         }
-        return;
     }
-    const float *scale = (const float *)(tile + g * Q4_BLOCK), *min = scale + TILE;
-    for (int v = 0; v < 2; v++) sc[v] = load_vec(scale + v * LANES), mn[v] = load_vec(min + v * LANES);
 }
 
 /* One tile's values, all groups, into the panel order: panel[g][k][c][j] = q[g][4k + j][c]
@@ -217,10 +228,12 @@ static void pack_tile(int format, const uint8_t *tile, int64_t groups, uint8_t *
 }
 
 /* R rows x one tile (two integer vectors of LANES outputs) over all groups. */
+/* sm: group g's float32 scales [TILE] and offsets [TILE] at sm + g * sm_stride bytes (a q4 tile's
+ * blocks, or k_scales' buffer). */
 static inline __attribute__((always_inline)) void rows_tile(
-    int R, int format, const uint8_t *panel, const uint8_t *tile, int64_t groups, const int8_t *q,
-    int64_t in, const float *d, const float *s, const float *bias, float *y, int64_t ldy,
-    int64_t cols) {
+    int R, const uint8_t *panel, const uint8_t *sm, int64_t sm_stride, int64_t groups,
+    const int8_t *q, int64_t in, const float *d, const float *s, const float *bias, float *y,
+    int64_t ldy, int64_t cols) {
     vec acc[Q8_ROWS][2];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < 2; v++) acc[r][v] = bias ? load_vec(bias + v * LANES) : splat(0.0f);
@@ -246,8 +259,9 @@ static inline __attribute__((always_inline)) void rows_tile(
                 part[r][1] = add_i16(part[r][1], maddubs(w1, a));
             }
         }
-        vec sc[2], mn[2];
-        group_scale(format, tile, g, sc, mn);
+        const float *scale = (const float *)(sm + g * sm_stride), *min = scale + TILE;
+        const vec sc[2] = {load_vec(scale), load_vec(scale + LANES)};
+        const vec mn[2] = {load_vec(min), load_vec(min + LANES)};
         for (int r = 0; r < R; r++) {
             const vec dr = splat(d[r * groups + g]), sr = splat(s[r * groups + g]);
             for (int v = 0; v < 2; v++) {
@@ -289,7 +303,10 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        uint8_t *panel = malloc((size_t)(groups * PANEL_GROUP));
+        /* the panel, then for q4_k its scales and offsets (k_scales) */
+        const int64_t k_bytes =
+            format == FORMAT_Q4_K ? groups * 2 * TILE * (int64_t)sizeof(float) : 0;
+        uint8_t *panel = malloc((size_t)(groups * PANEL_GROUP + k_bytes));
         if (!panel) {
 #pragma omp atomic write
             failed = 1;
@@ -301,12 +318,19 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             pack_tile(format, tile, groups, panel);
+            const uint8_t *sm = tile;
+            int64_t sm_stride = Q4_BLOCK;
+            if (format == FORMAT_Q4_K) {
+                k_scales(tile, groups, (float *)(panel + groups * PANEL_GROUP));
+                sm = panel + groups * PANEL_GROUP;
+                sm_stride = 2 * TILE * (int64_t)sizeof(float);
+            }
             int64_t r = 0;
             for (; r + Q8_ROWS <= rows; r += Q8_ROWS)
-                rows_tile(Q8_ROWS, format, panel, tile, groups, q + r * in, in, d + r * groups,
+                rows_tile(Q8_ROWS, panel, sm, sm_stride, groups, q + r * in, in, d + r * groups,
                           s + r * groups, bt, y + r * out + t * TILE, out, cols);
             for (; r < rows; r++)
-                rows_tile(1, format, panel, tile, groups, q + r * in, in, d + r * groups,
+                rows_tile(1, panel, sm, sm_stride, groups, q + r * in, in, d + r * groups,
                           s + r * groups, bt, y + r * out + t * TILE, out, cols);
         }
         free(panel);

@@ -20,13 +20,14 @@
  *   q6_k: f16 d[TILE], int8 sc[16][TILE], uint32 high[16][TILE], nibbles[256]   SPAN 256, SUB 16
  *         (bits 4-5 of each value, input j's at bits 2 (j % 16) of word j / 16; the value is
  *         (q - 32) * d * sc, llama.cpp's Q6_K super-block kept as it is: 6.5625 bits a weight)
- *   q4_k: f16 d[TILE], f16 dmin[TILE], uint8 sc[8][TILE], uint8 m[8][TILE], nibbles[256]
+ *   q4_k: f16 d[TILE], f16 dmin[TILE], uint8 scales[12][TILE], nibbles[256]
  *   q5_k: q4_k's scales, uint32 high[8][TILE] (as q5, per group of 32), nibbles[256]
- *         (q * d * sc - dmin * m: Q4_K / Q5_K super-blocks with each 6-bit scale in a byte)
+ *         (q * d * sc - dmin * m: Q4_K / Q5_K super-blocks, each column's 8 six-bit scales sc and
+ *         mins m packed in 12 bytes as llama.cpp packs them: 4.5 and 5.5 bits a weight)
  *
  * The super-block formats (SPAN 256) keep the file's f16 super-block scales and small integer
  * sub-block scales, and multiply them in the kernel once per group (exact in float32: an f16
- * times an integer below 2^7), so they hold about the file's bytes, not a float32 per group.
+ * times an integer below 2^7), so they hold the file's bytes, not a float32 per group.
  *
  * bfloat16 and float16 weights use (tile, group) blocks without scales: uint16 q[32][TILE],
  * each value widened to float32 exactly (bf16: a shift; f16: vcvtph2ps or its bit-exact emulation).
@@ -71,14 +72,14 @@
 #define q6k_SPAN SUPER
 #define q6k_SUB 16
 #define q6k_BLOCK (Q6K_NIBBLES + SUPER * TILE / 2) /* 210 * TILE: Q6_K's 210 bytes per 256 */
-#define Q4K_NIBBLES (20 * TILE)
+#define Q4K_NIBBLES (16 * TILE)
 #define q4k_SPAN SUPER
 #define q4k_SUB GROUP
-#define q4k_BLOCK (Q4K_NIBBLES + SUPER * TILE / 2) /* 148 * TILE (Q4_K: 144) */
-#define Q5K_NIBBLES (52 * TILE)
+#define q4k_BLOCK (Q4K_NIBBLES + SUPER * TILE / 2) /* 144 * TILE: Q4_K's 144 bytes per 256 */
+#define Q5K_NIBBLES (48 * TILE)
 #define q5k_SPAN SUPER
 #define q5k_SUB GROUP
-#define q5k_BLOCK (Q5K_NIBBLES + SUPER * TILE / 2) /* 180 * TILE (Q5_K: 176) */
+#define q5k_BLOCK (Q5K_NIBBLES + SUPER * TILE / 2) /* 176 * TILE: Q5_K's 176 bytes per 256 */
 #define HALF_BLOCK (2 * GROUP * TILE)
 #define bf16_SPAN GROUP
 #define bf16_SUB GROUP
@@ -147,7 +148,7 @@ static inline void q5_values(const uint8_t *block, int j, vec *w) {
 }
 
 static inline void q5k_values(const uint8_t *block, int j, vec *w) {
-    five_bits(block + Q5K_NIBBLES + j * LANES, block + 20 * TILE + (j / GROUP) * 4 * TILE,
+    five_bits(block + Q5K_NIBBLES + j * LANES, block + 16 * TILE + (j / GROUP) * 4 * TILE,
               j % GROUP, w);
 }
 
@@ -202,12 +203,27 @@ static inline void q6k_scale(const uint8_t *block, int s, vec *scale, vec *min) 
     }
 }
 
+/* Sub-block s's six-bit scale and min of LANES columns from the 12 bytes per column p[12][TILE]
+ * (llama.cpp's get_scale_min_k4): s < 4: p[s] & 63, p[s + 4] & 63; s >= 4: the low nibble (scale)
+ * and high nibble (min) of p[s + 4], their top two bits from p[s - 4] and p[s]. */
+static inline void k_scale_min(const uint8_t *p, int s, int_vec *sc, int_vec *m) {
+    if (s < 4) {
+        *sc = widen_u8(p + s * TILE) & 63;
+        *m = widen_u8(p + (s + 4) * TILE) & 63;
+        return;
+    }
+    const int_vec low = widen_u8(p + (s + 4) * TILE);
+    *sc = (low & 15) | ((widen_u8(p + (s - 4) * TILE) >> 6) << 4);
+    *m = (low >> 4) | ((widen_u8(p + s * TILE) >> 6) << 4);
+}
+
 static inline void q4k_scale(const uint8_t *block, int s, vec *scale, vec *min) {
     const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
-    const uint8_t *sc = block + 4 * TILE + s * TILE, *m = block + 12 * TILE + s * TILE;
     for (int c = 0; c < VECS; c++) {
-        scale[c] = f16_to_float(d + c * LANES) * int_to_vec(widen_u8(sc + c * LANES));
-        min[c] = -(f16_to_float(dmin + c * LANES) * int_to_vec(widen_u8(m + c * LANES)));
+        int_vec sc, m;
+        k_scale_min(block + 4 * TILE + c * LANES, s, &sc, &m);
+        scale[c] = f16_to_float(d + c * LANES) * int_to_vec(sc);
+        min[c] = -(f16_to_float(dmin + c * LANES) * int_to_vec(m));
     }
 }
 #define q5k_scale q4k_scale

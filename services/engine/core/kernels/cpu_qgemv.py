@@ -44,10 +44,12 @@ FORMAT_CODES = {
 }  # fmt: skip
 _F32, _F16, _I32 = torch.float32, torch.float16, torch.int32
 _NIBBLES = "nibbles"  # the values' low 4 bits, two columns a byte
+_K_SCALES = "k_scales"  # a K super-block's 8 six-bit scales and mins in 12 bytes, as in the file
 # Per format, a block's parts in order (cpu_qgemv.c's layouts): the canonical tensor each comes
 # from, its dtype in the tiles and the inputs one of its entries covers; per part a block holds
 # [span / that][TILE] entries. "qh" is read as 32-bit words (a group's fifth bits, or 16 inputs'
-# bits 4-5), the nibbles [span][TILE / 2] bytes, column c low and c + TILE / 2 high.
+# bits 4-5), the nibbles [span][TILE / 2] bytes, column c low and c + TILE / 2 high; the K
+# scales [12][TILE] bytes per super-block, made from the canonical scales and mins.
 _PARTS: dict[str, list[tuple[str, torch.dtype, int]]] = {
     FORMAT_Q8_0: [("scales", _F32, 32), ("qs", torch.int8, 1)],
     FORMAT_Q4: [("scales", _F32, 32), ("mins", _F32, 32), (_NIBBLES, torch.uint8, 1)],
@@ -55,10 +57,10 @@ _PARTS: dict[str, list[tuple[str, torch.dtype, int]]] = {
                 (_NIBBLES, torch.uint8, 1)],
     FORMAT_Q6_K: [("d", _F16, 256), ("scales", torch.int8, 16), ("qh", _I32, 16),
                   (_NIBBLES, torch.uint8, 1)],
-    FORMAT_Q4_K: [("d", _F16, 256), ("dmin", _F16, 256), ("scales", torch.uint8, 32),
-                  ("mins", torch.uint8, 32), (_NIBBLES, torch.uint8, 1)],
-    FORMAT_Q5_K: [("d", _F16, 256), ("dmin", _F16, 256), ("scales", torch.uint8, 32),
-                  ("mins", torch.uint8, 32), ("qh", _I32, 32), (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q4_K: [("d", _F16, 256), ("dmin", _F16, 256), (_K_SCALES, torch.uint8, 256),
+                  (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q5_K: [("d", _F16, 256), ("dmin", _F16, 256), (_K_SCALES, torch.uint8, 256),
+                  ("qh", _I32, 32), (_NIBBLES, torch.uint8, 1)],
     **{fmt: [("qs", torch.int16, 1)] for fmt in HALF_FORMATS},
 }  # fmt: skip
 
@@ -119,7 +121,11 @@ class CpuQGemv:
                 half = self.tile // 2
                 packed.append((q[..., :half] | (q[..., half:] << 4)).reshape(tiles, blocks, -1))
                 continue
-            source = getattr(weight, name).contiguous().view(dtype)
+            if name == _K_SCALES:
+                assert weight.scales is not None and weight.mins is not None
+                source = pack_k_scales(weight.scales, weight.mins)
+            else:
+                source = getattr(weight, name).contiguous().view(dtype)
             part = self._columns(source, blocks).contiguous().view(torch.uint8)
             packed.append(part.reshape(tiles, blocks, -1))
         tiled = torch.cat(packed, dim=-1).contiguous()
@@ -155,6 +161,11 @@ class CpuQGemv:
                 values = unlay(torch.cat([q & 0x0F, q >> 4], dim=-1)).reshape(out_features, -1, 2)
                 tensors["qs"] = values[..., 0] | (values[..., 1] << 4)
                 start += span * tile // 2
+                continue
+            if name == _K_SCALES:
+                raw = packed[..., start : start + 12 * tile].reshape(tiles, blocks, 12, tile)
+                tensors["scales"], tensors["mins"] = unpack_k_scales(unlay(raw))
+                start += 12 * tile
                 continue
             size = span // per * tile * dtype.itemsize
             raw = packed[..., start : start + size].contiguous().view(dtype)
@@ -263,6 +274,28 @@ class QGemvCall:
         if status != 0:
             raise MemoryError("the CPU quantized matmul kernel could not allocate its buffers")
         return y
+
+
+def pack_k_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Six-bit scales and mins (uint8 ``[out, 8 n]``) packed 12 bytes per 8 (``[out, 12 n]``), as
+    Q4_K / Q5_K store them: bytes 0-3 ``sc[j] | (sc[j + 4] >> 4) << 6``, 4-7 ``m[j] | (m[j + 4] >>
+    4) << 6``, 8-11 ``(sc[j + 4] & 15) | (m[j + 4] & 15) << 4`` (``j < 4``)."""
+    sc, m = scales.reshape(scales.shape[0], -1, 8), mins.reshape(mins.shape[0], -1, 8)
+    packed = torch.cat([
+        (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+        (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+        (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
+    ], dim=-1)  # fmt: skip
+    return packed.reshape(scales.shape[0], -1)
+
+
+def unpack_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_k_scales` (llama.cpp's ``get_scale_min_k4``)."""
+    p = packed.reshape(packed.shape[0], -1, 12)
+    lo, mid, hi = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    m = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc.reshape(packed.shape[0], -1), m.reshape(packed.shape[0], -1)
 
 
 def matmul_input(x: torch.Tensor, in_features: int, kernel: str) -> torch.Tensor:

@@ -27,8 +27,9 @@ the K types pack sub-block scales under float16 super-block scales). Converting 
 time (:mod:`~services.engine.core.quant.gguf_blocks`) leaves the matmul kernels (which re-tile
 these forms for themselves) and the plain torch reference a few regular layouts. The K formats
 keep their integer sub-block scales and float16 super-block scales, not a float32 per group, so
-they hold about the file's bytes (Q4_K: 4.625 bits a weight against the file's 4.5; Q6_K: 6.5625,
-the file's). The conversion is exact: every scale and offset is a float16 value times a small
+they hold about the file's bytes (here Q4_K is 4.625 bits a weight, its 6-bit scales a byte each;
+the kernel's tiles pack them back: the file's 4.5; Q6_K is 6.5625 bits, the file's, in both).
+The conversion is exact: every scale and offset is a float16 value times a small
 integer, which float32 holds without rounding, and so is a value times its scale, so
 :meth:`QuantizedWeight.dequantize` gives bit for bit what ``gguf.quants.dequantize`` gives.
 
