@@ -11,15 +11,17 @@ Weight dtypes (``--dtype``):
   measured, even with AVX512-BF16 (docs/benchmarks.md);
 * ``q8_0``: 8-bit weights in groups of 32 (a GGUF's Q8_0 blocks as stored; any other weight,
   HF and float ones included, quantized to Q8_0 at load);
-* ``q4``: a GGUF's 4-bit blocks (Q4_0, Q4_1, Q4_K) as stored, its Q8_0 blocks as stored, any
-  other matrix as Q8_0; HF folders have no 4-bit weights to keep, so ``q4`` needs a GGUF;
+* ``q4``: a GGUF's blocks as stored — Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 (the name
+  is older than the 5- and 6-bit kernels) — any other matrix as Q8_0; HF folders have no such
+  blocks to keep, so ``q4`` needs a GGUF;
 * ``q4_a8``: ``q4``'s weights, and prompt tokens' rows round their activations to int8 per
   group of 32 for the 4-bit matrices, as llama.cpp does: integer multiply-adds, about twice the
   float32 rate on AVX2; generated tokens' rows stay float32 (also when recomputed). It moves the logits by the
   activations' rounding (measured in the README), the trade llama.cpp makes for every matmul;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
   or AVX-512, the format the checkpoint already stores: ``q4_a8`` for 4-bit GGUFs (``q4`` when the
-  8-bit-activation kernel doesn't build), ``q8_0`` for other quantized ones, ``bfloat16`` /
+  8-bit-activation kernel doesn't build), ``q4`` (as stored) for GGUFs of 5- and 6-bit blocks
+  without 4-bit ones, ``q8_0`` for other quantized ones, ``bfloat16`` /
   ``float16`` (weight-only) for matrices stored in that 16-bit type (HF folders or GGUF), so no
   weight is rounded and none is widened in memory; float32
   otherwise (the ``generic`` build's 4-wide kernel measured slower than float32 PyTorch on x86,
@@ -61,6 +63,7 @@ QUANT_DTYPES = ("q8_0", "q4")
 INT8_ACTIVATION_DTYPES = {"q4_a8": "q4"}
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES, *INT8_ACTIVATION_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
+_KEPT_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}  # held as stored by ``q4`` too
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 _HALF_TYPES = {"BF16": "bfloat16", "F16": "float16"}  # GGUF and safetensors spell them alike
 
@@ -125,6 +128,8 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
         from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
 
         return "q4_a8" if load_cpu_q4a8_gemm() is not None else "q4"
+    if quantized & _KEPT_TYPES:
+        return "q4"
     if quantized:
         return "q8_0"
     return half.pop()
