@@ -3,11 +3,18 @@ process: the CPU kernel's time per decode step (one layer) and the bytes it read
 
     python bench/kv_cache_dtype.py [--shapes 9,3,64 32,8,64 16,8,128] [--batches 1 8]
         [--contexts 1024 4096] [--rounds 7] [--threads N]
+    python bench/kv_cache_dtype.py --accuracy [--model default] [--dtype float32]
 
 A shape is ``heads,kv_heads,head_dim`` (SmolLM2-135M, Llama-3.2-1B, Qwen3-1.7B by default);
 every sequence of a batch is ``context`` tokens long, in blocks of 16 scattered over the pool
 as a serving engine's are. Each row prints the best time per dtype and the 16-bit caches' speed
 against float32's (above 1: faster). Force an instruction set with ``TANDEM_CPU_ISA``.
+
+``--accuracy`` measures what a 16-bit cache costs a model instead (the default model's weights as
+``--dtype``, the 8 chats of tests/test_quantized_model.py, 64 greedy tokens each): greedy
+tokens equal to a float32 cache's at the same position, and, teacher-forced on the float32
+cache's tokens (the chat and its continuation as one prefill, whose attention reads the rounded
+cache as decode does), the largest logit difference and how many argmaxes agree.
 """
 
 from __future__ import annotations
@@ -61,6 +68,44 @@ def bench_case(heads: int, kv_heads: int, dim: int, batch: int, context: int, ro
     return best
 
 
+def accuracy(model: str, dtype: str) -> None:
+    """Greedy and teacher-forced agreement of 16-bit caches with a float32 one (see above)."""
+    from services.common.sampling_params import SamplingParams
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.kv_cache import KVLayout, KVPool
+    from services.engine.core.loaders import load_model
+    from tests.test_quantized_model import CHATS, NEW_TOKENS, agreement
+
+    loaded = load_model(model, dtype)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens = {}
+    for kv in ("float32", "bfloat16", "float16"):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=256, kv_cache_dtype=kv))
+        tokens[kv] = [out.new_token_ids for out in engine.generate(CHATS, greedy)]
+    c = loaded.config
+
+    @torch.inference_mode()
+    def logits(ids: list[int], kv: str) -> torch.Tensor:
+        blocks = -(-len(ids) // BLOCK)
+        pool = KVPool(blocks + 1, KVLayout(c.num_layers, BLOCK, c.num_kv_heads, c.head_dim, kv))
+        meta = AttentionMetadata.build(is_prefill=True, query_lens=[len(ids)], context_lens=[len(ids)],
+                                       block_tables=[list(range(1, blocks + 1))], block_size=BLOCK)  # fmt: skip
+        return loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.arange(len(ids)), pool, meta))
+
+    total = len(CHATS) * NEW_TOKENS
+    print(f"{model} weights as {dtype}, {len(CHATS)} chats x {NEW_TOKENS} greedy tokens")
+    for kv in ("bfloat16", "float16"):
+        same, prefixes = agreement(tokens[kv], tokens["float32"])
+        worst, argmax = 0.0, 0
+        for chat, continuation in zip(CHATS, tokens["float32"], strict=True):
+            ids = chat + continuation[:-1]
+            ref, got = logits(ids, "float32")[len(chat) - 1 :], logits(ids, kv)[len(chat) - 1 :]
+            worst = max(worst, (got - ref).abs().max().item())
+            argmax += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        print(f"{kv:>9}: greedy {same} / {total} equal (common prefixes {prefixes}); "
+              f"teacher-forced argmax {argmax} / {total}, logits max abs diff {worst:.3g}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["9,3,64", "32,8,64", "16,8,128"])
@@ -68,9 +113,15 @@ def main() -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="default: PyTorch's")
+    parser.add_argument("--accuracy", action="store_true", help="a model's tokens, not speed")
+    parser.add_argument("--model", default="default", help="--accuracy: the model")
+    parser.add_argument("--dtype", default="float32", help="--accuracy: its weights' dtype")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.accuracy:
+        accuracy(args.model, args.dtype)
+        return
     if load_cpu_attention() is None:
         sys.exit("the CPU attention kernel can't be built here")
     print(f"ISA {selected_isa()}, {torch.get_num_threads()} threads; time per step and layer")
