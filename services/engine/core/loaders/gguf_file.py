@@ -1,17 +1,33 @@
 """Load a GGUF file: model shape from its metadata, weights renamed to Hugging Face names,
 dequantized to float32 with the ``gguf`` package or, for a quantized model (``quantize``), kept as
-the file stores them (:func:`~services.engine.core.quant.quantized_weight.from_gguf_blocks`: Q8_0,
-Q4_0, Q4_1, Q4_K; other types are re-quantized to Q8_0 from their float32 values).
+the file stores them where the kernels read that type (:func:`_quantized`; other types are
+re-quantized to Q8_0 from their float32 values).
 
-For Llama models llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` for its rotary layout
-(interleaved pairs); we undo it so the weights match the Hugging Face ``rotate_half`` layout:
-``w.reshape(heads, head_dim // 2, 2, in).swapaxes(1, 2).reshape(out, in)``.
+Names go through the ``gguf`` package's own tables, the ones llama.cpp's ``convert_hf_to_gguf.py``
+wrote the file with: each family lists the Hugging Face modules its checkpoint has
+(:data:`HF_MODULES`), ``gguf.TensorNameMap`` for the file's ``general.architecture`` turns each
+into its GGUF name, and the loader reads that map backwards. Tensors the model has no module for
+(``rope_freqs``, Phi-3's ``rope_factors_*``: :func:`~services.common.config_reader.gguf_config`
+reads those) are skipped.
+
+Values, where the converter changed them:
+
+* Llama: ``attn_q`` / ``attn_k`` rows are permuted for llama.cpp's interleaved rotary layout; we
+  undo it so the weights match the Hugging Face ``rotate_half`` layout:
+  ``w.reshape(heads, head_dim // 2, 2, in).swapaxes(1, 2).reshape(out, in)``;
+* Gemma 2/3: every RMSNorm weight (``attn_norm``, ``post_attention_norm``, ``ffn_norm``,
+  ``post_ffw_norm``, ``attn_q_norm``, ``attn_k_norm``, ``output_norm``) is stored as ``1 + w``
+  (``Gemma2Model`` / ``Gemma3Model.modify_tensors``); the model scales by ``1 + w`` itself, so
+  1 is subtracted here (exact in float32);
+* Qwen3-MoE: each expert's matrices are stacked in one 3-D tensor per layer
+  (``ffn_gate_exps`` ...); they are yielded per expert, as ``mlp.experts.{e}.gate_proj.weight``
+  (the Hugging Face checkpoint's names), each a slice of the file's blocks.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -19,7 +35,7 @@ import torch
 
 from services.common.errors import ModelLoadError
 from services.engine.core.loaders.progress import progress
-from services.common.config_reader import field_value, gguf_config, open_gguf
+from services.common.config_reader import GGUF_ARCHITECTURES, field_value, gguf_config, open_gguf
 from services.common.model_config import ModelConfig
 from services.engine.core.quant.quantized_weight import (
     FORMAT_Q8_0,
@@ -31,56 +47,137 @@ from services.engine.core.quant.quantized_weight import (
 )
 
 __all__ = [
-    "field_value", "gguf_config", "gguf_weight_types", "iter_gguf_weights", "open_gguf", "unpermute",
+    "HF_MODULES", "field_value", "gguf_config", "gguf_weight_types", "hf_names", "iter_gguf_weights",
+    "open_gguf", "unpermute",
 ]
 
-_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+_LLAMA_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_QK_NORM = ("self_attn.q_norm", "self_attn.k_norm")
+_GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_GEMMA_NORMS = (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+# Per GGUF architecture: the Hugging Face modules of one decoder layer (``model.layers.{i}.``).
+HF_MODULES: dict[str, tuple[str, ...]] = {
+    "llama": ("input_layernorm", *_LLAMA_ATTENTION, "post_attention_layernorm", *_GATED_MLP),
+    "qwen2": ("input_layernorm", *_LLAMA_ATTENTION, "post_attention_layernorm", *_GATED_MLP),
+    "qwen3": (
+        "input_layernorm", *_LLAMA_ATTENTION, *_QK_NORM, "post_attention_layernorm", *_GATED_MLP,
+    ),
+    "gemma2": (*_GEMMA_NORMS, *_LLAMA_ATTENTION, *_GATED_MLP),
+    "gemma3": (*_GEMMA_NORMS, *_LLAMA_ATTENTION, *_QK_NORM, *_GATED_MLP),
+    "phi3": (
+        "input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
+        "mlp.gate_up_proj", "mlp.down_proj",
+    ),
+    "qwen3moe": (
+        "input_layernorm", *_LLAMA_ATTENTION, *_QK_NORM, "post_attention_layernorm", "mlp.gate",
+        "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",
+    ),
 }
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_TOP = ("model.embed_tokens", "model.norm", "lm_head")
+_EXPERTS = ".mlp.experts."
+_GEMMA = ("gemma2", "gemma3")
 
 
 def iter_gguf_weights(
     reader: Any, config: ModelConfig, quantize: str | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Yield weights under Hugging Face names, q/k un-permuted: float32 tensors, or with
-    ``quantize`` (``"q8_0"`` / ``"q4"``) matrices as :class:`QuantizedWeight` (``"q8_0"`` turns
-    4-bit blocks into Q8_0 too)."""
+    """Yield weights under Hugging Face names, converted back where llama.cpp's converter changed
+    them (this module's docstring): float32 tensors, or with ``quantize`` (``"q8_0"`` / ``"q4"``)
+    matrices as :class:`QuantizedWeight` (``"q8_0"`` turns 4-bit blocks into Q8_0 too)."""
+    arch = field_value(reader, "general.architecture")
+    names = hf_names(arch, config.num_layers)
     total = sum(int(t.n_bytes) for t in reader.tensors)
     with progress(total, "loading GGUF") as bar:
         for tensor in reader.tensors:
-            name = _hf_name(tensor.name)
+            name = names.get(tensor.name)
             if name is None:
+                bar.update(int(tensor.n_bytes))
                 continue
-            shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            weight: torch.Tensor | QuantizedWeight
-            if quantize and len(shape) == 2 and shape[1] % GROUP == 0:
-                weight = _quantized(tensor, shape, quantize)
+            if _EXPERTS in name:
+                yield from _experts(tensor, name, quantize)
             else:
-                weight = _dequantized(tensor, shape)
-            if config.architecture == "llama":  # only llama.cpp's LlamaModel permutes q/k
-                if name.endswith(("q_proj.weight", "q_proj.bias")):
-                    weight = _rows(weight, lambda t: unpermute(t, config.num_heads))
-                elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                    weight = _rows(weight, lambda t: unpermute(t, config.num_kv_heads))
+                yield name, _weight(tensor, config, name, quantize)
             bar.update(int(tensor.n_bytes))
-            yield name, weight
+
+
+def hf_names(arch: str, layers: int) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name for a file of ``general.architecture`` ``arch``,
+    from ``gguf.TensorNameMap`` (see the module docstring)."""
+    if arch not in HF_MODULES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in GGUF; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    return dict(_hf_names(arch, layers))
+
+
+@lru_cache(maxsize=8)
+def _hf_names(arch: str, layers: int) -> tuple[tuple[str, str], ...]:
+    import gguf
+
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    table = gguf.TensorNameMap(model_arch, layers)
+    modules = list(_HF_TOP) + [
+        f"model.layers.{i}.{module}" for i in range(layers) for module in HF_MODULES[arch]
+    ]
+    found: dict[str, str] = {}
+    for module in modules:
+        gguf_name = table.get_name(module)
+        if gguf_name is None:  # not in this architecture's files (Gemma 2 has no untied head)
+            continue
+        for suffix in (".weight", ".bias"):
+            if found.setdefault(gguf_name + suffix, module + suffix) != module + suffix:
+                raise ModelLoadError(  # pragma: no cover - two modules, one GGUF name
+                    f"{module} and {found[gguf_name + suffix]} share the GGUF name {gguf_name}"
+                )
+    return tuple(found.items())
+
+
+def _weight(
+    tensor: Any, config: ModelConfig, name: str, quantize: str | None
+) -> torch.Tensor | QuantizedWeight:
+    """One tensor under its Hugging Face name, its values as the Hugging Face checkpoint has them."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    weight: torch.Tensor | QuantizedWeight
+    if quantize and len(shape) == 2 and shape[1] % GROUP == 0:
+        weight = _quantized(tensor, shape, quantize)
+    else:
+        weight = _dequantized(tensor, shape)
+    if config.architecture == "llama":  # only llama.cpp's LlamaModel permutes q/k
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = _rows(weight, lambda t: unpermute(t, config.num_heads))
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = _rows(weight, lambda t: unpermute(t, config.num_kv_heads))
+    elif config.architecture in _GEMMA and name.endswith("norm.weight"):
+        assert isinstance(weight, torch.Tensor)  # norms are 1-D, never quantized
+        weight = weight - 1.0  # stored as 1 + w
+    return weight
+
+
+def _experts(
+    tensor: Any, name: str, quantize: str | None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A stacked ``[experts, out, in]`` tensor as one ``mlp.experts.{e}.<proj>.weight`` each."""
+    if len(tensor.shape) != 3:
+        raise ModelLoadError(f"{tensor.name} should stack the experts' matrices in 3 dimensions")
+    layer, proj = name.split(_EXPERTS)
+    cols, rows, experts = (int(d) for d in tensor.shape.tolist())
+    for e in range(experts):
+        part = tensor._replace(
+            name=f"{tensor.name}[{e}]",
+            shape=np.array([cols, rows], dtype=np.uint64),
+            n_elements=cols * rows,
+            n_bytes=int(tensor.n_bytes) // experts,
+            data=tensor.data[e],
+        )
+        expert: torch.Tensor | QuantizedWeight
+        if quantize and cols % GROUP == 0:
+            expert = _quantized(part, (rows, cols), quantize)
+        else:
+            expert = _dequantized(part, (rows, cols))
+        yield f"{layer}{_EXPERTS}{e}.{proj}", expert
 
 
 def _dequantized(tensor: Any, shape: tuple[int, ...]) -> torch.Tensor:
@@ -120,15 +217,7 @@ def unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def _hf_name(name: str) -> str | None:
-    if name in _NAMES:
-        return _NAMES[name]
-    match = _BLOCK.match(name)
-    if match is None or match.group(2) not in _BLOCK_NAMES:
-        return None
-    return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
-
-
 def gguf_weight_types(reader: Any) -> set[str]:
-    """Names of the GGML types of the file's 2-D weights (e.g. ``{"Q4_1", "Q8_0"}``)."""
-    return {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    """Names of the GGML types of the file's matrices, stacked experts' included (e.g.
+    ``{"Q4_1", "Q8_0"}``)."""
+    return {t.tensor_type.name for t in reader.tensors if len(t.shape) in (2, 3)}
