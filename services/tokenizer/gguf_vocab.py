@@ -14,8 +14,19 @@ Supported ``tokenizer.ggml.model`` values:
   maps to a split regex (``llama-bpe``, ``qwen2``, ``gpt-4o``, ``tekken``, ...) get that regex,
   every other name (``smollm``, ``default``, ``gpt2``, ...) gets the plain GPT-2 byte-level
   regex, as in transformers.
-- ``"llama"``: SentencePiece-style BPE with byte fallback and a ``▁`` metaspace, merges taken from
-  the file or rebuilt from the token scores.
+- ``"llama"``: SentencePiece-style BPE with byte fallback, merges taken from the file or rebuilt
+  from the vocabulary, in three flavours by ``general.architecture``, as transformers builds them
+  (``GGUF_SENTENCEPIECE_BUILDERS``):
+
+  - Gemma (``gemma``, ``gemma2``, ``gemma3``): no prefix space; a normalizer spells spaces ``▁``.
+    Tokens of two or more spaces are stored as real spaces and are respelled ``▁▁...``, and the
+    rebuilt merges are ranked by the tokens' order in the file (Gemma's scores do not follow its
+    merge order). A file without ``tokenizer.chat_template`` gets Gemma's own template
+    (:data:`~services.tokenizer.chat_template.GEMMA_CHAT_TEMPLATE`), and ``<end_of_turn>``
+    ends generation too, as in Gemma's ``generation_config``;
+  - Phi-3: a normalizer prepends ``▁`` and spells spaces ``▁`` (no pre-tokenizer);
+  - the rest (Llama 2, Mistral, ...): a ``▁`` metaspace before the first piece, merges from the
+    token scores.
 
 Anything else raises :class:`ModelLoadError`.
 
@@ -39,11 +50,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from services.common.errors import ModelLoadError
+from services.tokenizer.chat_template import GEMMA_CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +111,8 @@ _SPECIAL_ID_KEYS: Mapping[str, str] = {
 }
 # Ids that end a turn in llama.cpp besides EOS ("end of turn", "end of message").
 _EXTRA_EOS_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +154,10 @@ def load_gguf_vocab(path: str | Path) -> GGUFVocab:
 
 def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The ``tokenizer.*`` keys, ``general.architecture`` and the context length, as values."""
-    from gguf import GGUFReader  # deferred: pulls in numpy, only needed for GGUF models
+    from services.common.config_reader import fast_gguf_reader  # deferred: pulls in numpy
 
     try:
-        reader = GGUFReader(str(path), "r")
+        reader = fast_gguf_reader()(str(path), "r")
         architecture = _field(reader, "general.architecture") or ""
         wanted = {"general.architecture", f"{architecture}.context_length"}
         return {
@@ -183,7 +197,13 @@ def build_gguf_vocab(meta: Mapping[str, Any], *, source: str = "<gguf>") -> GGUF
                 ]
             )
     elif model == "llama":
-        backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.merges"), meta, source)
+        merges = meta.get("tokenizer.ggml.merges")
+        if architecture in GEMMA_ARCHITECTURES:
+            backend = _gemma_bpe(tokens, merges)
+        else:
+            backend = _sentencepiece_bpe(tokens, merges, meta, source)
+            if architecture == "phi3":
+                _phi3_spacing(backend)
         # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
         add_bos = True if add_bos is None else add_bos
     else:
@@ -204,6 +224,12 @@ def build_gguf_vocab(meta: Mapping[str, Any], *, source: str = "<gguf>") -> GGUF
         for key in _EXTRA_EOS_KEYS
         if (token_id := _token_id(meta.get(key), len(tokens))) is not None
     )
+    chat_template = meta.get("tokenizer.chat_template")
+    if architecture in GEMMA_ARCHITECTURES:
+        end_of_turn = backend.token_to_id(GEMMA_END_OF_TURN)
+        if end_of_turn is not None and end_of_turn not in extra_eos:
+            extra_eos += (end_of_turn,)
+        chat_template = chat_template or GEMMA_CHAT_TEMPLATE
     context = meta.get(f"{architecture}.context_length")
     logger.debug("built %s tokenizer (pre=%s, %d tokens) from %s", model, pre, len(tokens), source)
     return GGUFVocab(
@@ -218,7 +244,7 @@ def build_gguf_vocab(meta: Mapping[str, Any], *, source: str = "<gguf>") -> GGUF
         extra_eos_token_ids=extra_eos,
         add_bos_token=add_bos,
         add_eos_token=add_eos,
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=chat_template,
         context_length=None if context is None else int(context),
     )
 
@@ -296,6 +322,38 @@ def _sentencepiece_bpe(
         ]
     )
     return backend
+
+
+def _gemma_bpe(tokens: list[str], merges: list[str] | None) -> BackendTokenizer:
+    """transformers' ``gemma_tokenizer`` + ``GemmaTokenizer``: no prefix space, spaces spelled
+    ``▁`` by the normalizer, all-space tokens respelled, merges ranked by file order."""
+    spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    if merges:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        pairs = merges_from_scores(spelled, [-float(i) for i in range(len(spelled))])
+    backend = BackendTokenizer(
+        BPE(
+            vocab=vocab, merges=pairs, fuse_unk=True, unk_token="<unk>", byte_fallback=True,
+            dropout=None,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+def _phi3_spacing(backend: BackendTokenizer) -> None:
+    """transformers' ``phi3_tokenizer``: the prefix space comes from a normalizer (so ``"  hi"``
+    keeps all its spaces), not from the metaspace pre-tokenizer."""
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    backend.pre_tokenizer = None
 
 
 def _merges(
