@@ -26,6 +26,7 @@ Values, where the converter changed them:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Any
@@ -37,6 +38,7 @@ from services.common.errors import ModelLoadError
 from services.engine.core.loaders.progress import progress
 from services.common.config_reader import GGUF_ARCHITECTURES, field_value, gguf_config, open_gguf
 from services.common.model_config import ModelConfig
+from services.engine.core.quant.type_summary import summarize_weight_types
 from services.engine.core.quant.quantized_weight import (
     FORMAT_Q8_0,
     GROUP,
@@ -80,6 +82,8 @@ _HF_TOP = ("model.embed_tokens", "model.norm", "lm_head")
 _EXPERTS = ".mlp.experts."
 _GEMMA = ("gemma2", "gemma3")
 
+logger = logging.getLogger(__name__)
+
 
 def iter_gguf_weights(
     reader: Any, config: ModelConfig, quantize: str | None = None
@@ -90,6 +94,7 @@ def iter_gguf_weights(
     arch = field_value(reader, "general.architecture")
     names = hf_names(arch, config.num_layers)
     total = sum(int(t.n_bytes) for t in reader.tensors)
+    held: list[tuple[Any, torch.Tensor | QuantizedWeight]] = []  # (GGML type, what it became)
     with progress(total, "loading GGUF") as bar:
         for tensor in reader.tensors:
             name = names.get(tensor.name)
@@ -97,10 +102,15 @@ def iter_gguf_weights(
                 bar.update(int(tensor.n_bytes))
                 continue
             if _EXPERTS in name:
-                yield from _experts(tensor, name, quantize)
+                for expert_name, weight in _experts(tensor, name, quantize):
+                    held.append((tensor.tensor_type, weight))
+                    yield expert_name, weight
             else:
-                yield name, _weight(tensor, config, name, quantize)
+                weight = _weight(tensor, config, name, quantize)
+                held.append((tensor.tensor_type, weight))
+                yield name, weight
             bar.update(int(tensor.n_bytes))
+    logger.info("GGUF tensor types: %s", summarize_weight_types(held))
 
 
 def hf_names(arch: str, layers: int) -> dict[str, str]:

@@ -14,7 +14,9 @@ next to a Q6_K-requantized ``v``) are re-quantized together to Q8_0, the format 
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -35,6 +37,7 @@ from services.engine.core.quant.quantized_weight import (
 )
 
 Weight = torch.Tensor | QuantizedWeight
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # the last two name parts of a fused part -> (the fused parameter's, which part, of how many);
@@ -96,6 +99,7 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     pending: dict[str, dict[int, Weight]] = {}
+    mixed: Counter[str] = Counter()  # fused projections whose parts came in different formats
     for name, tensor in weights:
         target = _target_name(name)
         if target is None:
@@ -108,7 +112,8 @@ def load_weights(
         parts = pending.setdefault(dest_name, {})
         parts[part] = tensor
         if len(parts) == count:
-            _place(model, params, dest_name, _fuse([parts[i] for i in range(len(parts))]), quantize)
+            _place(model, params, dest_name, _fuse([parts[i] for i in range(len(parts))], mixed),
+                   quantize)  # fmt: skip
             loaded.add(dest_name)
             del pending[dest_name]
     if model.config.tie_word_embeddings:
@@ -117,6 +122,9 @@ def load_weights(
             model.lm_head.set_quantized(model.embed_tokens.quant)
         else:
             model.lm_head.weight = model.embed_tokens.weight
+    if mixed:  # one matmul holds one format: these lose their exact blocks (and gain bytes)
+        logger.info("fused projections re-quantized to q8_0 (parts in different formats): %s",
+                    ", ".join(f"{kinds} x{n}" for kinds, n in mixed.most_common()))
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
@@ -144,8 +152,8 @@ def _target_name(name: str) -> tuple[str, int | None, int] | None:
     return f"layers.{layer}.{rest}", None, 1
 
 
-def _fuse(parts: list[Weight]) -> Weight:
-    """Concatenate fused parts along rows; mixed formats meet in Q8_0."""
+def _fuse(parts: list[Weight], mixed: Counter[str] | None = None) -> Weight:
+    """Concatenate fused parts along rows; mixed formats meet in Q8_0 (counted in ``mixed``)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts, dim=0)  # type: ignore[arg-type]
     if all(isinstance(p, QuantizedWeight) for p in parts):
@@ -153,6 +161,8 @@ def _fuse(parts: list[Weight]) -> Weight:
         if len(formats) == 1:
             return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
     dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts]
+    if mixed is not None:
+        mixed["+".join(p.format if isinstance(p, QuantizedWeight) else "float" for p in parts)] += 1
     return quantize_q8_0(torch.cat(dense, dim=0))
 
 
