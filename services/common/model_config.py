@@ -38,7 +38,6 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-SUPPORTED_ARCHITECTURES = ARCHITECTURES  # the name earlier code imports
 FAMILIES = frozenset(ARCHITECTURES.values())
 SLIDING, FULL = "sliding_attention", "full_attention"
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")

@@ -17,6 +17,8 @@ of them a family does not take yet, for the worker's start-up line.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -37,17 +39,18 @@ from services.engine.core.models.blocks import Attention, FusedOps, GatedMLP, RM
 from services.engine.core.rope import RotaryEmbedding
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module, ABC):
     """One layer: ``forward(x, rope, k_cache, v_cache, meta) -> x``. Families subclass it."""
 
     self_attn: Attention
     fused: FusedOps | None = None
 
+    @abstractmethod
     def forward(
         self, x: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
-        raise NotImplementedError
+        """Run the layer over the step's flattened tokens ``x`` ``[T, hidden]``."""
 
     def llama_like(self) -> bool:
         """Whether the layer is exactly Llama's (pre-norm, plain attention, SwiGLU), which the
@@ -55,7 +58,7 @@ class DecoderLayer(nn.Module):
         return False
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, ABC):
     """A decoder-only causal LM over a paged KV cache; families subclass :meth:`make_layer`."""
 
     def __init__(self, config: ModelConfig, backend: PagedAttention | None = None) -> None:
@@ -89,8 +92,9 @@ class CausalLM(nn.Module):
             rows=DECODE_LAYER_ROWS, use_kernel=(True,) * len(DECODE_LAYER_ROWS)
         )
 
+    @abstractmethod
     def make_layer(self, config: ModelConfig, backend: PagedAttention, index: int) -> DecoderLayer:
-        raise NotImplementedError
+        """Layer ``index`` of the family's stack."""
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
         """Every rope table of the model (the loader computes them after building on ``meta``)."""
