@@ -17,6 +17,8 @@ Without a CUDA device it says so and exits 0. Prints, for the device it runs on:
 4. **Prefill** of one prompt (4,096 tokens): tokens/s and achieved TFLOP/s (2 × parameters ×
    tokens + attention) next to the measured bf16 matrix rate.
 
+5. ``--profile``: where one batch-1 decode step's device time goes, kernel by kernel (PyTorch's
+   profiler over ten graph replays), for a family whose step is far over its roofline.
 The KV hand-off between workers (CUDA IPC and gRPC) is ``bench/kv_handoff_gpu.py``.
 """
 
@@ -204,17 +206,50 @@ def prefill_row(shape: str, gemm_tflops: float, tokens: int = 4096) -> str:
             f"{achieved:.0f} TFLOP/s | {achieved / gemm_tflops:.0%} of {gemm_tflops:.0f} |")
 
 
+def profile_step(shape: str, context: int, steps: int = 10, top: int = 18) -> str:
+    """The kernels of ``steps`` batch-1 decode steps (CUDA graphs), by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.common.sampling_params import SamplingParams
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.loaders import load_model
+
+    loaded = load_model(f"dummy:{shape}", "bfloat16", "cuda")
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=context // 16 + 8, max_num_seqs=1,
+                                            cuda_graphs=True))  # fmt: skip
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    engine.add_request("p", [1 + j % 1000 for j in range(context)], params)
+    for _ in range(-(-context // 2048) + 5):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+    engine.abort("p")
+    del engine, loaded
+    torch.cuda.empty_cache()
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3-8b", help="dummy model shape")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens per decode row")
     parser.add_argument("--quick", action="store_true", help="skip the prefill row")
+    parser.add_argument("--profile", action="store_true",
+                        help="only the kernels of ten batch-1 decode steps, by device time")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device here; nothing to measure")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.profile:
+        print(f"{args.shape}, batch 1, {args.context}-token context, ten steps:")
+        print(profile_step(args.shape, args.context))
+        return 0
     name = torch.cuda.get_device_name()
     copy_gbs, gemm_tflops = ceilings()
     print(f"device: {name}; torch {torch.__version__}")

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -114,7 +115,8 @@ def offline(folder: Path, concurrencies: list[int], prompt_len: int, out_len: in
     return results
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, mode: str) -> None:
+    """Until the gateway lists a decode worker (and, disaggregated, a prefill one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -122,7 +124,8 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None
         try:
             with urllib.request.urlopen(url + "/ready", timeout=2) as response:
                 ready = json.load(response)
-            if response.status == 200 and ready.get("prefill") and ready.get("decode"):
+            prefill = ready.get("prefill") or mode == "colocated"  # colocated: decode prefills
+            if response.status == 200 and prefill and ready.get("decode"):
                 return
         except Exception:  # noqa: BLE001 - not up yet
             pass
@@ -130,11 +133,27 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None
     raise RuntimeError("tandem up did not become ready")
 
 
+def _stop_group(up: subprocess.Popen[bytes]) -> None:
+    """SIGINT to ``tandem up``'s process group, then SIGKILL to whatever of it is left."""
+    try:
+        os.killpg(up.pid, 2)
+        up.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(up.pid, 9)  # workers still shutting down keep their ports
+    except ProcessLookupError:
+        pass
+
+
 def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int,
            prompts_per_level: int, out_dir: Path, kv_gib: float, device: str,
            mode: str) -> dict[int, dict[str, float]]:
     """``tandem up --device cuda`` + one ``tandem bench serve`` per concurrency; its summaries."""
     port = 18000
+    with socket.socket() as probe:  # a leftover stack would answer for this one
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is already serving: stop the old tandem up first")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "tandem_up.log", "wb")  # noqa: SIM115 - closed below
@@ -145,7 +164,7 @@ def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", up, timeout=600)
+        _wait_ready(f"http://127.0.0.1:{port}", up, timeout=600, mode=mode)
         for c in concurrencies:  # one sweep per level: at least 2 requests per slot
             cmd = [sys.executable, "-m", "services", "bench", "serve",
                    "--base-url", f"http://127.0.0.1:{port}/v1", "--tokenizer", str(folder),
@@ -155,11 +174,7 @@ def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int
                    "--output-dir", str(out_dir / f"serve-c{c}")]  # fmt: skip
             subprocess.run(cmd, cwd=REPO, env=env, check=True)
     finally:
-        os.killpg(up.pid, 2)
-        try:
-            up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, 9)
+        _stop_group(up)
         log.close()
     found: dict[int, dict[str, float]] = {}
     for c in concurrencies:
@@ -204,7 +219,7 @@ def main() -> int:
     results = {"offline": off}
     for mode in args.mode:
         on = served(folder, args.concurrency, args.input_tokens, args.output_tokens,
-                    args.prompts_per_level, args.work / mode, args.kv_cache_gib, args.device,
+                    args.prompts_per_level, args.out / mode, args.kv_cache_gib, args.device,
                     mode)  # fmt: skip
         results[mode] = on
         (args.out / "gpu_served.json").write_text(json.dumps(results, indent=1))

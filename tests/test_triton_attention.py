@@ -22,9 +22,11 @@ _SCRIPT = textwrap.dedent(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    # the last case spans many partitions and more than one chunk of the reduce kernel
+    # the last case spans many partitions and more than one chunk of the reduce kernel; 96 and
+    # 48 are head sizes that are not powers of two (Phi-3-mini's 96), padded inside the kernel
     for heads, kv_heads, dim, bs, lens in [(4, 2, 16, 4, [1, 7, 13, 4]), (6, 6, 32, 8, [20, 3]),
-                                           (9, 3, 64, 16, [40]), (8, 2, 32, 16, [1100, 5000, 1])]:
+                                           (9, 3, 64, 16, [40]), (8, 2, 32, 16, [1100, 5000, 1]),
+                                           (4, 2, 96, 8, [30, 300]), (2, 1, 48, 4, [9])]:
         nb = 2 + sum(-(-n // bs) for n in lens)
         pool = torch.randn(nb, 2, bs, kv_heads, dim, device=device)
         kc, vc = pool[:, 0], pool[:, 1]

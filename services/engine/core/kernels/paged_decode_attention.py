@@ -20,7 +20,8 @@ a CUDA graph captured for a batch size replays the same grid whatever the contex
 Float32 caches use IEEE float32 products (the parity path); bfloat16 / float16 ones multiply in
 their type and accumulate in float32 (under float32 queries, a 16-bit cache is widened as it is
 read: ``--kv-cache-dtype``). Offsets into the pool are 64-bit: a pool of a large model passes
-2**31 elements.
+2**31 elements. A head size that is not a power of two (Phi-3-mini's 96) is padded to the next
+one inside the kernel, the extra lanes masked.
 
 Sliding-window layers (``window``: the query at position p sees keys p - window < k <= p) skip the
 partitions wholly before the window, and the reduce kernel starts at the first one that is not;
@@ -59,8 +60,8 @@ def _partition_kernel(
     stride_tb,
     num_heads, num_parts,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -75,12 +76,13 @@ def _partition_kernel(
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * GROUP + rows
         live = rows < GROUP
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.arange(0, HEAD_PAD)  # a power of two; lanes past HEAD_DIM (Phi-3's 96) masked
+        real = dims < HEAD_DIM
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                    mask=live[:, None], other=0.0)
+                    mask=live[:, None] & real[None, :], other=0.0)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
         slots = tl.arange(0, BLOCK_N)
         for first in range(start, end, BLOCK_N):
             pos = first + slots
@@ -89,7 +91,8 @@ def _partition_kernel(
             block = block.to(tl.int64)  # pool offsets pass 2**31 elements
             offset = pos % BLOCK_SIZE
             k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
-                        + kv_head * stride_kh + dims[None, :], mask=valid[:, None], other=0.0)
+                        + kv_head * stride_kh + dims[None, :], mask=valid[:, None] & real[None, :],
+                        other=0.0)
             k = k.to(q.dtype)  # a 16-bit cache under float32 queries: widened
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if SOFTCAP:  # softcap * tanh(scores / softcap), tanh(y) = 2 sigmoid(2y) - 1
@@ -99,13 +102,15 @@ def _partition_kernel(
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
-                        + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+                        + kv_head * stride_vh + dims[None, :], mask=valid[:, None] & real[None, :],
+                        other=0.0)
             v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             total = total * alpha + tl.sum(p, axis=1)
             m = m_new
         row = (seq * num_heads + heads) * num_parts + part
-        tl.store(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=live[:, None] & real[None, :])
         tl.store(max_ptr + row, m, mask=live)
         tl.store(sum_ptr + row, total, mask=live)
 
@@ -115,7 +120,7 @@ def _reduce_kernel(
     acc_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr, window,
     stride_ob, stride_oh,
     num_heads, num_parts,
-    PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+    PARTITION: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -125,7 +130,8 @@ def _reduce_kernel(
     skipped = tl.where(window > 0, tl.maximum(length - window, 0) // PARTITION, 0)
     base = (seq * num_heads + head) * num_parts
     idx = tl.arange(0, CHUNK)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_PAD)
+    real = dims < HEAD_DIM
     top = tl.full([CHUNK], float("-inf"), tl.float32)
     for first in range(skipped, used, CHUNK):
         parts = first + idx
@@ -133,7 +139,7 @@ def _reduce_kernel(
                                       other=float("-inf")))
     best = tl.max(top, axis=0)
     total = tl.zeros([CHUNK], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([HEAD_PAD], tl.float32)
     for first in range(skipped, used, CHUNK):
         parts = first + idx
         inside = parts < used
@@ -141,10 +147,11 @@ def _reduce_kernel(
         weight = tl.where(inside, weight, 0.0)
         total += weight * tl.load(sum_ptr + base + parts, mask=inside, other=0.0)
         partial = tl.load(acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
-                          mask=inside[:, None], other=0.0)
+                          mask=inside[:, None] & real[None, :], other=0.0)
         acc += tl.sum(partial * weight[:, None], axis=0)
     out = acc / tl.sum(total, axis=0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=real)
 
 
 @triton.jit
@@ -199,13 +206,28 @@ def store_kv(
     )  # fmt: skip
 
 
-def partition_size(batch: int, kv_heads: int, max_tokens: int, multiprocessors: int) -> int:
-    """Context tokens per program: enough partitions that ``batch * kv_heads * partitions``
-    programs give every multiprocessor about four, never fewer than :data:`MIN_PARTITION`
-    tokens each (a power of two, so graph captures of a batch size agree)."""
+PARTIAL_BUDGET = 32 << 20
+"""Bytes the partial results (per sequence, head and partition: an output row, a max and a sum)
+may take before partitions are made longer."""
+
+
+def partition_size(batch: int, heads: int, kv_heads: int, head_dim: int, max_tokens: int,
+                   multiprocessors: int) -> int:
+    """Context tokens per program (a power of two, never below :data:`MIN_PARTITION`).
+
+    The grid covers the block table's whole width (a CUDA graph replays one grid whatever the
+    lengths), so a short context in a wide table has only its first partitions live: the smaller
+    they are, the more programs share its tokens and the sooner the step ends (a 1,024-token
+    context in a 40,960-token table was one 1,024-token program per KV head). Partitions are the
+    smallest whose partial results fit :data:`PARTIAL_BUDGET`, and no longer than it takes to
+    give every multiprocessor about four programs over the whole width."""
     wanted = max(1, -(-4 * multiprocessors // max(1, batch * kv_heads)))
-    size = triton.next_power_of_2(max(1, -(-max_tokens // wanted)))
-    return max(MIN_PARTITION, size)
+    spread = max(MIN_PARTITION, triton.next_power_of_2(max(1, -(-max_tokens // wanted))))
+    row = heads * (head_dim + 2) * 4  # float32 output row, max and sum per head
+    size = MIN_PARTITION
+    while size < spread and batch * -(-max_tokens // size) * row > PARTIAL_BUDGET:
+        size *= 2
+    return size
 
 
 _MULTIPROCESSORS: dict[int, int] = {}
@@ -241,8 +263,8 @@ def paged_decode_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("the head dimension must be contiguous")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two of at least 16, got {head_dim}")
+    if head_dim < 16 or head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16, got {head_dim}")
     if k_cache.dtype != q.dtype and q.dtype != torch.float32:
         raise ValueError(f"a {k_cache.dtype} cache under {q.dtype} queries")
     if window is not None and window < 1 or softcap is not None and not softcap > 0:
@@ -251,7 +273,7 @@ def paged_decode_attention(
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     lens = context_lens if context_lens.dtype == torch.int32 else context_lens.to(torch.int32)
     tables, lens = tables.contiguous(), lens.contiguous()
-    partition = partition_size(batch, kv_heads, tables.shape[1] * block_size,
+    partition = partition_size(batch, heads, kv_heads, head_dim, tables.shape[1] * block_size,
                                _multiprocessors(q.device))  # fmt: skip
     parts = -(-tables.shape[1] * block_size // partition)
     acc = torch.empty(batch, heads, parts, head_dim, dtype=torch.float32, device=q.device)
@@ -267,15 +289,16 @@ def paged_decode_attention(
         tables.stride(0),
         heads, parts,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, PARTITION=partition, BLOCK_N=BLOCK_N, PRECISION=precision,
-        SOFTCAP=softcap is not None,
+        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), PARTITION=partition,
+        BLOCK_N=BLOCK_N, PRECISION=precision, SOFTCAP=softcap is not None,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _reduce_kernel[(batch, heads)](
         acc, maxes, sums, lens, out, window or 0,
         out.stride(0), out.stride(1),
         heads, parts,
-        PARTITION=partition, HEAD_DIM=head_dim, CHUNK=REDUCE_CHUNK,
+        PARTITION=partition, HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
+        CHUNK=REDUCE_CHUNK,
     )  # fmt: skip
     return out
 

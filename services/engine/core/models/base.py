@@ -181,11 +181,10 @@ class CausalLM(nn.Module, ABC):
 
     def graph_safe(self) -> bool:
         """Whether a decode step is tensors alone (no per-step Python masks), so CUDA graphs can
-        capture it: not yet for sliding-window or soft-capped layers."""
-        return all(
-            layer.self_attn.window is None and layer.self_attn.softcap is None
-            for layer in self.layers
-        )
+        capture it. Dense families' are: sliding windows and soft-caps are per-layer constants the
+        Triton decode kernel takes as arguments (the backend says whether it is graph-safe); a
+        family whose step reads values on the host overrides this."""
+        return True
 
     def fast_path_gaps(self) -> list[str]:
         """The fast paths this model does not take yet, in words (empty for Llama)."""
@@ -193,7 +192,7 @@ class CausalLM(nn.Module, ABC):
         if not all(layer.llama_like() for layer in self.layers) or self.embed_scale is not None:
             gaps.append("the one-call C decode layers (Llama-shaped layers only)")
         if not self.graph_safe():
-            gaps.append("CUDA graphs (sliding-window / soft-capped attention runs eagerly)")
+            gaps.append("CUDA graphs (a decode step reads values on the host)")
         if any(layer.self_attn.q_norm is not None for layer in self.layers):
             gaps.append("the fused rope (q/k norms rotate in PyTorch)")
         return gaps

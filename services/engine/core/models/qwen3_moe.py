@@ -78,3 +78,8 @@ class Qwen3MoeForCausalLM(CausalLM):
     def make_layer(self, config: ModelConfig, backend: PagedAttention, index: int) -> DecoderLayer:
         mlp = SparseMoeBlock(config) if config.is_moe_layer(index) else None
         return LlamaDecoderLayer(config, backend, index, mlp)
+
+    def graph_safe(self) -> bool:
+        """No: each step reads the chosen experts' ids on the host (``tolist``) to run only their
+        weights, which a CUDA graph cannot capture; MoE decode steps run eagerly."""
+        return False
