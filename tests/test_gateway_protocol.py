@@ -231,8 +231,25 @@ BAD_CHAT: list[tuple[str, object, str | None]] = [
     ("top_logprobs negative", chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
     ("user not string", chat(user=1), "user"),
     ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("json mode", chat(response_format={"type": "json_object"}), "response_format"),
-    ("logit_bias", chat(logit_bias={"50256": -100}), "logit_bias"),
+    ("response_format not object", chat(response_format="json"), "response_format"),
+    ("response_format type", chat(response_format={"type": "xml"}), "response_format.type"),
+    ("json_schema missing", chat(response_format={"type": "json_schema"}),
+     "response_format.json_schema"),
+    ("schema rejected", chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}), "response_format"),
+    ("regex rejected", chat(structured_outputs={"regex": "a(b"}), "structured_outputs"),
+    ("lark rejected", chat(guided_grammar="start: foo"), "guided_grammar"),
+    ("choice empty", chat(guided_choice=[]), "guided_choice"),
+    ("two kinds in structured_outputs", chat(structured_outputs={"regex": "a", "choice": ["b"]}),
+     "structured_outputs"),
+    ("two constraints", chat(response_format={"type": "json_object"}, guided_regex="a+"),
+     "guided_regex"),
+    ("guided_json not json", chat(guided_json="{nope"), "guided_json"),
+    ("schema too large", chat(guided_json={"enum": ["x" * 1000] * 300}), "guided_json"),
+    ("logit_bias not object", chat(logit_bias=[1]), "logit_bias"),
+    ("logit_bias key", chat(logit_bias={"abc": 1}), "logit_bias"),
+    ("logit_bias value", chat(logit_bias={"5": 101}), "logit_bias"),
+    ("logit_bias value type", chat(logit_bias={"5": "1"}), "logit_bias.5"),
 ]
 
 
@@ -264,7 +281,33 @@ def test_error_messages_follow_openai_wording() -> None:
 
 def test_benign_extras_are_accepted() -> None:
     body = chat(response_format={"type": "text"}, logit_bias={}, tools=[], tool_choice="none")
-    parse_chat_request(body, served_models=SERVED)
+    req = parse_chat_request(body, served_models=SERVED)
+    assert req.sampling.grammar is None and req.sampling.logit_bias == ()
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                         "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}},
+    {"structured_outputs": {"json": {"type": "array"}}},
+    {"structured_outputs": {"regex": "[0-9]{3}"}},
+    {"structured_outputs": {"choice": ["yes", "no (really)"]}},
+    {"structured_outputs": {"grammar": 'start: "a"+'}},
+    {"guided_json": '{"type": "string"}'}, {"guided_regex": "x+"}, {"guided_choice": ["a"]},
+    {"guided_grammar": 'root ::= "yes" | "no"'},  # GBNF, converted to Lark
+], ids=lambda f: next(iter(f)) + ":" + json.dumps(next(iter(f.values())))[:24])
+def test_output_constraints_compile_to_a_grammar(fields: dict[str, object]) -> None:
+    import llguidance
+
+    for parse, body in ((parse_chat_request, chat(**fields)),
+                        (parse_completion_request, comp(**fields))):  # fmt: skip
+        grammar = parse(body, served_models=SERVED).sampling.grammar
+        assert grammar and not llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def test_logit_bias_is_parsed_sorted() -> None:
+    req = parse_chat_request(chat(logit_bias={"9": 5, "2": -100.0}), served_models=SERVED)
+    assert req.sampling.logit_bias == ((2, -100.0), (9, 5.0))
 
 
 # --------------------------------------------------------------------------- completions parsing

@@ -128,7 +128,12 @@ class Recording(dict):  # type: ignore[type-arg]
 SAMPLES: dict[str, Any] = {
     "model": MODEL, "messages": [USER], "stream_options": {"include_usage": True},
     "stop": ["###"], "stop_token_ids": [2], "prompt": "Once upon", "tools": [], "functions": [],
-    "response_format": {"type": "text"}, "logit_bias": {}, "suffix": "",
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}},
+    "logit_bias": {"7": -1.5}, "suffix": "",
+    # at most one output constraint per request: the other forms are looked up, and null
+    "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None,
     "content": "hi", "tokens": [1, 2],
 }  # fmt: skip
 # Fields that need another to be valid.

@@ -18,6 +18,9 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_STOP_STRINGS = 16
 MAX_N = 16
+MAX_GRAMMAR_BYTES = 256 * 1024  # a compiled response_format / structured_outputs grammar
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 SEED_MIN, SEED_END = -(2**63), 2**64  # a seed is 64 bits, signed or not: [SEED_MIN, SEED_END)
 
 
@@ -41,6 +44,10 @@ class SamplingParams:
         logprobs: None = no logprobs; k >= 0 returns the chosen token's logprob and the top-k.
         n: number of completions per prompt (handled by the gateway / engine as n sequences).
         skip_special_tokens: drop special tokens from the detokenized text.
+        grammar: constrained decoding, as an llguidance grammar (the gateway compiles
+            ``response_format`` / ``structured_outputs`` into one); None = unconstrained.
+        logit_bias: OpenAI's ``logit_bias`` as sorted ``(token id, bias)`` pairs, each bias in
+            [-100, 100], added to the logits before sampling.
     """
 
     temperature: float = 1.0
@@ -59,6 +66,8 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
+    grammar: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +114,25 @@ class SamplingParams:
             )
         if not 1 <= self.n <= MAX_N:
             raise InvalidArgumentError("n must be in [1, 16]", param="n")
+        if self.grammar is not None and not 0 < len(self.grammar.encode()) <= MAX_GRAMMAR_BYTES:
+            raise InvalidArgumentError(
+                f"the output grammar must be 1 to {MAX_GRAMMAR_BYTES} bytes", param="response_format"
+            )
+        self._validate_logit_bias()
         return self
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidArgumentError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens", param="logit_bias"
+            )
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidArgumentError("logit_bias keys must be token ids", param="logit_bias")
+            _finite(bias, "logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidArgumentError("logit_bias values must be in [-100, 100]",
+                                           param="logit_bias")  # fmt: skip
 
 
 def _finite(value: float, name: str) -> None:

@@ -56,6 +56,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         n=params.n,
         skip_special_tokens=params.skip_special_tokens,
+        grammar=params.grammar or "",
+        logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         seed = params.seed
@@ -88,6 +90,8 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         n=msg.n,
         skip_special_tokens=msg.skip_special_tokens,
+        grammar=msg.grammar or None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
     return params.validate()
 

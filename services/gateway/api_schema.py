@@ -16,7 +16,7 @@ Conventions:
 - ``null`` means "not set" for every optional field, so each optional field is nullable.
 - Unknown fields are ignored on ``/v1`` routes (``additionalProperties: true``: clients send
   many), refused with 400 ``unknown_parameter`` on ``/tokenize`` and ``/detokenize`` (as vLLM).
-- Refused features (``tools``, ``logit_bias``, ...) are declared with ``unsupported=True``: an
+- Refused features (``tools``, ``suffix``, ...) are declared with ``unsupported=True``: an
   empty value (``null``, ``""``, ``[]``, ``{}``) is accepted, anything else is 400
   ``unsupported_parameter``; the schema allows only the empty values.
 - Bounds the engine checks (``SamplingParams.validate``) come from ``sampling_params.py``; the
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -266,6 +268,55 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
 )  # fmt: skip
 
 
+_JSON_SCHEMA_VALUE: JsonSchema = {"anyOf": [{"type": "object"}, {"type": "boolean"}]}
+RESPONSE_FORMAT_SCHEMA: JsonSchema = {
+    "oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}},
+        {"type": "object", "required": ["type"],
+         "properties": {"type": {"const": "json_object"}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "schema": _JSON_SCHEMA_VALUE, "strict": {"type": ["boolean", "null"]}}}}},
+    ],
+}  # fmt: skip
+_CHOICES: JsonSchema = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+STRUCTURED_OUTPUTS_SCHEMA: JsonSchema = {
+    "type": "object", "minProperties": 1,
+    "description": "vLLM's structured_outputs: exactly one of json, regex, choice, grammar.",
+    "properties": {
+        "json": {"anyOf": [_JSON_SCHEMA_VALUE, {"type": "string"}]},
+        "regex": {"type": "string", "minLength": 1},
+        "choice": _CHOICES,
+        "grammar": {"type": "string", "minLength": 1},
+    },
+}  # fmt: skip
+
+STRUCTURED_FIELDS: tuple[Field, ...] = (
+    Field("response_format", "json", "Constrain the output: {\"type\": \"text\"} (none), "
+          "\"json_object\" (any JSON object) or \"json_schema\" with json_schema.schema (the "
+          "output validates against it). A schema the grammar library rejects is 400.",
+          schema=RESPONSE_FORMAT_SCHEMA),
+    Field("structured_outputs", "json", "vLLM's form: exactly one of json (a schema), regex, "
+          "choice (strings) and grammar (Lark, or GBNF). At most one output constraint per "
+          "request.", schema=STRUCTURED_OUTPUTS_SCHEMA),
+    Field("guided_json", "json", "vLLM's older form of structured_outputs.json.",
+          schema={"anyOf": [_JSON_SCHEMA_VALUE, {"type": "string"}]}),
+    Field("guided_regex", "string", "vLLM's older form of structured_outputs.regex."),
+    Field("guided_choice", "json", "vLLM's older form of structured_outputs.choice.",
+          schema=_CHOICES),
+    Field("guided_grammar", "string", "vLLM's older form of structured_outputs.grammar."),
+    Field("logit_bias", "json", f"Token id (as a string) -> a value in [-{MAX_LOGIT_BIAS:g}, "
+          f"{MAX_LOGIT_BIAS:g}] added to its logit before sampling; at most "
+          f"{MAX_LOGIT_BIAS_ENTRIES} tokens, each in the vocabulary.",
+          schema={"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+                  "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                  "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                           "maximum": MAX_LOGIT_BIAS}}),
+)  # fmt: skip
+
+
 def _unsupported(name: str, what: str, schema: JsonSchema | None = None) -> Field:
     return Field(name, "json", f"Not supported ({what}): any value but null or an empty one is "
                  "400 unsupported_parameter.", unsupported=True, schema=schema)  # fmt: skip
@@ -295,10 +346,7 @@ CHAT_COMPLETION = Body(
         _USER,
         _unsupported("tools", "tool calling"),
         _unsupported("functions", "function calling"),
-        _unsupported("response_format", "structured output; {\"type\": \"text\"} is accepted",
-                     {"type": "object", "required": ["type"],
-                      "properties": {"type": {"const": "text"}}}),
-        _unsupported("logit_bias", "logit bias"),
+        *STRUCTURED_FIELDS,
     ),
 )  # fmt: skip
 
@@ -330,7 +378,7 @@ COMPLETION = Body(
         *SAMPLING_FIELDS,
         _USER,
         _unsupported("suffix", "insertion"),
-        _unsupported("logit_bias", "logit bias"),
+        *STRUCTURED_FIELDS,
     ),
 )  # fmt: skip
 

@@ -18,7 +18,9 @@ Conventions shared with vLLM:
    :data:`UNBOUNDED_MAX_TOKENS` until the gateway caps it by the context left after the prompt.
    Completions default to 16 tokens, like OpenAI.
 4. Unknown fields are ignored (clients send many); features Tandem does not implement (tools,
-   structured output, logit bias, suffix, best_of) are rejected with 400 rather than ignored.
+   suffix, best_of) are rejected with 400 rather than ignored. Output constraints
+   (``response_format``, ``structured_outputs``, ``guided_*``) and ``logit_bias`` are
+   ``structured_outputs.py``'s.
 
 The fields, the refused features and the integer limits checked here are declared once in
 ``api_schema.py``, which ``GET /openapi.json`` documents (tests/test_openapi.py checks that the
@@ -59,6 +61,7 @@ from services.gateway.openai_fields import (
     parse_stop,
     require_object,
 )
+from services.gateway.structured_outputs import parse_logit_bias, parse_structured_output
 
 UNBOUNDED_MAX_TOKENS = MAX_INT32
 _SAMPLING = {f.name: f for f in SAMPLING_FIELDS}
@@ -316,6 +319,8 @@ def _parse_sampling(
         logprobs=logprobs,
         n=1 if n is None else n,
         skip_special_tokens=bool_or(obj, "skip_special_tokens", True),
+        grammar=parse_structured_output(obj),
+        logit_bias=parse_logit_bias(obj),
     ).validate()
 
 
@@ -341,8 +346,6 @@ def _reject_unsupported(obj: Mapping[str, object], keys: Sequence[str]) -> None:
     for key in keys:
         value = obj.get(key)
         if value is None or value == "" or value == [] or value == {}:
-            continue
-        if key == "response_format" and isinstance(value, dict) and value.get("type") == "text":
             continue
         raise InvalidArgumentError(
             f"Unsupported parameter: '{key}' is not supported by this server.",

@@ -212,6 +212,11 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- chat
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` library's JSON of this tokenizer (what llguidance builds its token
+        trie from for structured outputs)."""
+        return self._backend.to_str()
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

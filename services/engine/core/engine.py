@@ -30,6 +30,7 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
+from services.engine.core.grammar import GrammarCompiler, advance
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention, auto_cache_dtype
 from services.engine.core.kv_cache import KVLayout, KVPool, kv_cache_dtype
 from services.engine.core.loaders import LoadedModel
@@ -105,10 +106,14 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         eos_token_ids: Seq[int] | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """``eos_token_ids`` (default: the model config's) end a request unless ``ignore_eos``;
-        workers pass the tokenizer's, which may list more (e.g. a chat end-of-turn token)."""
+        workers pass the tokenizer's, which may list more (e.g. a chat end-of-turn token).
+        ``grammars``: the tokenizer's grammar compiler (requests with a ``grammar`` are refused
+        without one)."""
         self.config = config or EngineConfig()
+        self.grammars = grammars
         self.loaded = loaded
         model_cfg = loaded.config
         device = next(loaded.model.parameters()).device
@@ -177,6 +182,8 @@ class LLMEngine:
             if seq.num_tokens + len(outputs) >= self.max_model_len:
                 raise InvalidArgumentError("the prompt and the resumed output fill the context",
                                            param="output_token_ids")  # fmt: skip
+            if seq.sampling.matcher is not None:  # a migrated stream replays its tokens
+                advance(seq.sampling.matcher, outputs)
             seq.output_token_ids.extend(outputs)
             seq.logprobs.extend([None] * len(outputs))
             if seq.sampling.generator is not None:
@@ -251,6 +258,7 @@ class LLMEngine:
         if batch is None:
             outputs.extend(self._fail_unschedulable())
             return outputs
+        self.sampler.prepare([item.seq.sampling for item in batch.items if item.sample])
         sampled = self.runner.execute(batch)
         row = 0
         for item in batch.items:
@@ -332,6 +340,7 @@ class LLMEngine:
             prompt_token_ids=prompt_ids,
             output_token_ids=[],
             generator=make_generator(params.seed) if not params.greedy else None,
+            matcher=self._matcher(params),
         )
         return Sequence(
             request_id=request_id,
@@ -342,9 +351,22 @@ class LLMEngine:
             arrival_time=time.monotonic(),
         )
 
+    def _matcher(self, params: SamplingParams) -> object | None:
+        """The request's grammar matcher (None when unconstrained)."""
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgumentError("structured outputs need the model's tokenizer and "
+                                       "llguidance on the worker", param="response_format")  # fmt: skip
+        return self.grammars.matcher(params.grammar)
+
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprobs | None, out: RequestOutput
     ) -> None:
+        matcher = seq.sampling.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            logger.warning("request %s: token %d broke its grammar (%s)", seq.request_id, token,
+                           matcher.get_error())  # fmt: skip
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
         out.new_token_ids.append(token)
@@ -361,6 +383,9 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         produced = len(seq.output_token_ids)
+        matcher = seq.sampling.matcher
+        if matcher is not None and (matcher.is_stopped() or matcher.is_error()):
+            return "stop"  # the grammar is complete (or broken: nothing more can follow)
         if produced >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return "stop"

@@ -5,6 +5,9 @@ For each row, in this order:
 
 1. ``min_tokens``: while fewer than ``min_tokens`` tokens were generated, the EOS ids and the
    request's ``stop_token_ids`` are masked to -inf (whatever ``ignore_eos`` says).
+   ``logit_bias`` (OpenAI's) is added; a constrained row (``grammar``: its ``matcher``) masks
+   every token its grammar does not allow (the masks come from :class:`GrammarMasks`, started
+   on a helper thread when the step was scheduled).
 2. Repetition penalty (Hugging Face semantics) over prompt + output tokens: a positive logit is
    divided by the penalty, a negative one multiplied.
 3. Presence / frequency penalties (OpenAI semantics) over output tokens only:
@@ -35,11 +38,13 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
+from services.engine.core.grammar import GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +78,15 @@ class SamplingState:
         output_token_ids: tokens generated so far; the engine appends each sampled token.
         generator: from :func:`make_generator`; None for greedy rows. A sampling row left at
             None gets one (on the logits' device) on its first draw.
+        matcher: the request's ``llguidance.LLMatcher`` when it has a grammar (the engine
+            builds it and advances it by every token it appends), else None.
     """
 
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    matcher: Any = None
 
     @classmethod
     def create(
@@ -254,6 +262,12 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         self._argmax: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+        self.grammar_masks = GrammarMasks(vocab_size)
+
+    def prepare(self, states: Sequence[SamplingState]) -> None:
+        """A step with these sampled rows was scheduled: start its grammar masks (if any row is
+        constrained) so they are computed while the model runs."""
+        self.grammar_masks.prepare([state.matcher for state in states])
 
     def use_argmax(self, argmax: Callable[[torch.Tensor], torch.Tensor | None] | None) -> None:
         """Greedy batches take ``argmax(logits)`` (``torch.argmax``'s indices, or ``None`` for
@@ -295,6 +309,8 @@ class Sampler:
         """The full pipeline for any mix of rows; ``__call__``'s fast path must agree with it."""
         raw = logits[:, : self.vocab_size].float()
         work = self._apply_min_tokens(raw, states)
+        work = self._apply_logit_bias(work, states)
+        work = self._apply_grammar(work, states)
         work = self._apply_penalties(work, states)
         token_ids: list[int] = self._choose(work, states).tolist()
         return SamplerOutput(token_ids, self._logprobs(raw, token_ids, states))
@@ -308,6 +324,8 @@ class Sampler:
             and params.logprobs is None
             and not _has_penalties(params)
             and len(state.output_token_ids) >= params.min_tokens
+            and state.matcher is None
+            and not params.logit_bias
         )
 
     def _apply_min_tokens(
@@ -326,6 +344,39 @@ class Sampler:
         device = logits.device
         index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
         return logits.index_put(index, torch.tensor(_NEG_INF, device=device))
+
+    def _apply_logit_bias(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        rows: list[int] = []
+        columns: list[int] = []
+        values: list[float] = []
+        for row, state in enumerate(states):
+            for token, bias in state.params.logit_bias:
+                if token < self.vocab_size:
+                    rows.append(row)
+                    columns.append(token)
+                    values.append(bias)
+        if not rows:
+            return logits
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
+        return logits.index_put(index, torch.tensor(values, device=device, dtype=logits.dtype),
+                                accumulate=True)  # fmt: skip
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        """Mask what each constrained row's grammar forbids. A row whose grammar allows nothing
+        (a matcher in its error state) may still end: its EOS ids stay open."""
+        matchers = [state.matcher for state in states]
+        if all(m is None for m in matchers):
+            return logits
+        allowed = self.grammar_masks.take(matchers).to(logits.device)
+        dead = ~allowed.any(dim=1)
+        if bool(dead.any()) and self.eos_token_ids:
+            allowed[dead.nonzero().squeeze(1).unsqueeze(1), torch.tensor(self.eos_token_ids)] = True
+        return logits.masked_fill(~allowed, _NEG_INF)
 
     def _apply_penalties(
         self, logits: torch.Tensor, states: Sequence[SamplingState]

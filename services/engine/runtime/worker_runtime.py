@@ -33,6 +33,7 @@ from services.common.metrics import MetricsHttpServer, TandemMetrics, serve_metr
 from services.common.model_source import ModelSource
 from services.common.pb import prefix_cache_pb2_grpc
 from services.engine.core.engine import LLMEngine
+from services.engine.core.grammar import GrammarCompiler
 from services.engine.core.loaders import LoadedModel, load_model, parse_dtype
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.output_text import OutputText
@@ -115,7 +116,11 @@ def build_engine(
     if tokenizer is None and load_tokenizer_too:
         tokenizer = load_tokenizer(loaded.source)
     eos = (tokenizer.eos_token_ids or None) if tokenizer is not None else None  # none: the model's
-    engine = LLMEngine(loaded, options.engine_config(), eos_token_ids=eos)
+    grammars = GrammarCompiler.create(
+        tokenizer.to_json() if tokenizer is not None else None, loaded.config.vocab_size,
+        eos or loaded.config.eos_token_ids,
+    )  # fmt: skip
+    engine = LLMEngine(loaded, options.engine_config(), eos_token_ids=eos, grammars=grammars)
     return engine, OutputText(tokenizer) if tokenizer is not None else None
 
 
