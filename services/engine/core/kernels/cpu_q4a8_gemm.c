@@ -30,13 +30,12 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "tandem_simd.h"
+#include "cpu_qgemv.c" /* the tile layouts, format codes and scales this file reads */
 
 #define GROUP 32
 #define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
 #define Q4K_NIBBLES (16 * TILE)                     /* cpu_qgemv.c's q4_k block: f16 d, dmin, */
 #define Q4K_BLOCK (Q4K_NIBBLES + 8 * GROUP * TILE / 2) /* 12 bytes of 6-bit scales, nibbles */
-enum { FORMAT_Q4 = 1, FORMAT_Q4_K = 6 }; /* cpu_qgemv.c's format codes */
 #define PANEL_GROUP (GROUP * TILE) /* one group of a tile's panel: [8][TILE][4] bytes */
 #ifndef KSTEP_UNROLL
 #define KSTEP_UNROLL 2 /* measured on Zen 3 (AVX2): 3 rows x by 2 150 GMAC/s; by 1 119, by 7 101 */
@@ -348,3 +347,378 @@ int64_t tandem_q4a8_block_bytes(int format) {
 }
 
 const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
+
+/* ---- Decode rows (1 to a few) over int8 activations: tandem_a8_gemv ----------------------------
+ *
+ * The GEMM above repacks a whole tile into a panel once and runs every row over it; a decode step
+ * has one row (or a few), so a repack would cost as much as the multiply. This kernel reads the
+ * tiles of cpu_qgemv.c as they are (q8_0, q4, q5, q4_k, q5_k, q6_k) and puts each weight vector
+ * into vpmaddubsw's order in registers: 4 input rows of a tile ([4][TILE / 2] bytes of nibbles,
+ * one load) are transposed to [output][4 inputs] (vpermd + vpshufb on AVX2, the same on AVX-512),
+ * split into the low and high nibbles (outputs 0..LANES-1 and LANES..TILE-1), the 5- and 6-bit
+ * formats' high bits or-ed in, and multiplied by the row's 4 int8 inputs broadcast (vpmaddubsw:
+ * 2 products per 16-bit lane), summed in 16-bit lanes over as many 4-input steps as cannot
+ * overflow (SAFE: 8 for 4-bit values, 4 for 5-bit, 2 for 6-bit, 1 for q8_0's signed bytes, which
+ * take vpsignb / vpabsb: 2 * 128 * 127 < 2^15), then vpmaddwd widens to one int32 per output.
+ * Per group of SUB inputs (32; q6_k 16) and output:
+ *   y += (scale[o, g] * d[g]) * sum_j q[o, j] qx[j] + min[o, g] * (d[g] * sum_j qx[j])
+ * exactly the rounded row times the weight, as the GEMM: the rows are rounded by the same
+ * quantize_rows (d = max|x| / 127 per 32 inputs), and the offset takes the rounded inputs' sum.
+ *
+ * The 5- and 6-bit formats keep a group's high bits as one 32-bit word per output (bit j, or
+ * bits 2j..2j+1, for input j). Their 4-input steps take strided inputs (q5: k, k + 8, k + 16,
+ * k + 24; q6_k: k, k + 4, k + 8, k + 12 of a 16-input group), so each step's high bits are one
+ * shift and one mask of the word; the rounded row is permuted to match once per call (permute_rows).
+ *
+ * Every row runs the same chain per output whatever the row block (4, 2, 1 rows) and thread split,
+ * so a row's result never depends on its batch mates.
+ */
+#define A8_VEC_BYTES (4 * LANES) /* one ivec: 4 inputs x LANES outputs, or 4 rows of a tile's nibbles */
+
+/* 4 rows of LANES bytes ([row][column]) -> [column][row], the order vpmaddubsw pairs them in. */
+static inline ivec panel4(ivec raw) {
+#if defined(__AVX512F__)
+    const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i shuf = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, raw), shuf);
+#elif defined(__AVX2__)
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(raw, perm), shuf);
+#else
+    uint8_t in[A8_VEC_BYTES], out[A8_VEC_BYTES];
+    memcpy(in, &raw, sizeof in);
+    for (int c = 0; c < LANES; c++)
+        for (int r = 0; r < 4; r++) out[c * 4 + r] = in[r * LANES + c];
+    ivec v;
+    memcpy(&v, out, sizeof v);
+    return v;
+#endif
+}
+
+/* 4 rows of LANES bytes, row r at p + r * stride, as one vector [row][column]. */
+static inline ivec rows4(const uint8_t *p, int64_t stride) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    int64_t r[4];
+    for (int i = 0; i < 4; i++) memcpy(&r[i], p + i * stride, 8);
+    return _mm256_setr_epi64x(r[0], r[1], r[2], r[3]);
+#else
+    uint8_t buf[A8_VEC_BYTES];
+    for (int i = 0; i < 4; i++) memcpy(buf + i * LANES, p + i * stride, LANES);
+    ivec v;
+    memcpy(&v, buf, sizeof v);
+    return v;
+#endif
+}
+
+/* A panel vector's low and high nibbles: the values of outputs 0..LANES-1 and LANES..TILE-1. */
+static inline void split_nibbles(ivec v, ivec *w) {
+    w[0] = (ivec)((int_vec)v & 0x0F0F0F0F);
+    w[1] = (ivec)(((int_vec)v >> 4) & 0x0F0F0F0F);
+}
+
+/* Four steps' rows of nibbles, raw[i] = rows k0 + i + stride * (0, 1, 2, 3) ([row][column]):
+ * contiguous rows (stride 1) are one load a step; strided ones load the 4 vectors of 4 rows at
+ * p, p + stride rows, ... and transpose them by 8-byte rows (AVX2: 4 unpacks, 4 lane permutes). */
+static inline void steps_rows(const uint8_t *nibbles, int k0, int stride, ivec *raw) {
+    if (stride == 1) {
+        for (int i = 0; i < 4; i++) raw[i] = load_i(nibbles + 4 * (k0 + i) * LANES);
+        return;
+    }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const uint8_t *p = nibbles + k0 * LANES;
+    const __m256i a = load_i(p), b = load_i(p + stride * LANES), c = load_i(p + 2 * stride * LANES),
+                  d = load_i(p + 3 * stride * LANES);
+    const __m256i ab0 = _mm256_unpacklo_epi64(a, b), ab1 = _mm256_unpackhi_epi64(a, b);
+    const __m256i cd0 = _mm256_unpacklo_epi64(c, d), cd1 = _mm256_unpackhi_epi64(c, d);
+    raw[0] = _mm256_permute2x128_si256(ab0, cd0, 0x20);
+    raw[1] = _mm256_permute2x128_si256(ab1, cd1, 0x20);
+    raw[2] = _mm256_permute2x128_si256(ab0, cd0, 0x31);
+    raw[3] = _mm256_permute2x128_si256(ab1, cd1, 0x31);
+#else
+    for (int i = 0; i < 4; i++) raw[i] = rows4(nibbles + (k0 + i) * LANES, stride * LANES);
+#endif
+}
+
+/* u * s over signed weight bytes w: |w| times s with w's sign (vpabsb / vpsignb). */
+static inline ivec maddubs_signed(ivec w, ivec s) {
+#if defined(__AVX512F__)
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    return maddubs(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s));
+#elif defined(__AVX2__)
+    return maddubs(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+#else
+    int8_t a[A8_VEC_BYTES], b[A8_VEC_BYTES];
+    memcpy(a, &w, sizeof a);
+    memcpy(b, &s, sizeof b);
+    for (int i = 0; i < A8_VEC_BYTES; i++) {
+        b[i] = a[i] < 0 ? (int8_t)-b[i] : b[i];
+        a[i] = (int8_t)(a[i] < 0 ? -a[i] : a[i]);
+    }
+    ivec u, t;
+    memcpy(&u, a, sizeof u);
+    memcpy(&t, b, sizeof t);
+    return maddubs(u, t);
+#endif
+}
+
+/* Per format: SUB inputs per scale, SAFE 4-input steps summed in 16 bits, STRIDE of a step's
+ * inputs within a group (1: k*4..k*4+3; q5 8, q6_k 4: k, k + STRIDE, ...), OFFSET (whether it
+ * has one), NAME##_a8rows(block, g, k0, raw): four steps' rows of group g (steps_rows; q8_0: none),
+ * and NAME##_a8quad(block, g, k, raw, w): step k of group g as two panel vectors (outputs
+ * 0..LANES-1, LANES..TILE-1) from its raw rows. */
+#define q8_A8SAFE 1
+#define q4_A8SAFE 8
+#define q4k_A8SAFE 8
+#define q5_A8SAFE 4
+#define q5k_A8SAFE 4
+#define q6k_A8SAFE 2
+#define q8_A8STRIDE 1
+#define q4_A8STRIDE 1
+#define q4k_A8STRIDE 1
+#define q5_A8STRIDE 8
+#define q5k_A8STRIDE 8
+#define q6k_A8STRIDE 4
+#define q8_A8OFFSET 0
+#define q4_A8OFFSET 1
+#define q4k_A8OFFSET 1
+#define q5_A8OFFSET 1
+#define q5k_A8OFFSET 1
+#define q6k_A8OFFSET 1
+
+static inline void q8_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    (void)block, (void)g, (void)k0, (void)raw;
+}
+
+static inline void q8_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
+    (void)g, (void)raw;
+    const uint8_t *p = block + 4 * TILE + 4 * k * TILE;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    /* rows 4k, 4k+1 and 4k+2, 4k+3 in two loads; their halves paired as rows (0, 2, 1, 3) */
+    const __m256i a = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(p + 2 * TILE));
+    w[0] = panel4(_mm256_unpacklo_epi64(a, b));
+    w[1] = panel4(_mm256_unpackhi_epi64(a, b));
+#else
+    w[0] = panel4(rows4(p, TILE));
+    w[1] = panel4(rows4(p + LANES, TILE));
+#endif
+}
+
+static inline void q4_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    (void)g;
+    steps_rows(block + 8 * TILE, k0, 1, raw);
+}
+
+static inline void q4k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    steps_rows(block + Q4K_NIBBLES + g * GROUP * LANES, k0, 1, raw);
+}
+
+static inline void q4_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
+    (void)block, (void)g, (void)k;
+    split_nibbles(panel4(raw), w);
+}
+#define q4k_a8quad q4_a8quad
+
+/* Step k of a 32-input group: inputs k, k + 8, k + 16, k + 24, their fifth bits from the group's
+ * word per output (input j at bit j): byte i of output c's 32-bit lane is input k + 8i, bit
+ * k + 8i. */
+static inline void five_bit_quad(const uint8_t *words, int k, ivec raw, ivec *w) {
+    split_nibbles(panel4(raw), w);
+    for (int v = 0; v < 2; v++) {
+        const int_vec word = load_words(words + v * 4 * LANES);
+        w[v] = (ivec)((int_vec)w[v] | (((word >> k) & 0x01010101) << 4));
+    }
+}
+
+static inline void q5_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    (void)g;
+    steps_rows(block + 12 * TILE, k0, 8, raw);
+}
+
+static inline void q5_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
+    (void)g;
+    five_bit_quad(block + 8 * TILE, k, raw, w);
+}
+
+static inline void q5k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    steps_rows(block + Q5K_NIBBLES + g * GROUP * LANES, k0, 8, raw);
+}
+
+static inline void q5k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
+    five_bit_quad(block + 16 * TILE + g * 4 * TILE, k, raw, w);
+}
+
+/* Step k of a 16-input group: inputs k, k + 4, k + 8, k + 12, bits 4-5 from the group's word per
+ * output (input j at bits 2j..2j+1): byte i of output c's lane is input k + 4i, bits 2k + 8i. */
+static inline void q6k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    steps_rows(block + Q6K_NIBBLES + g * 16 * LANES, k0, 4, raw);
+}
+
+static inline void q6k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
+    split_nibbles(panel4(raw), w);
+    const uint8_t *words = block + Q6K_HIGH + g * 4 * TILE;
+    for (int v = 0; v < 2; v++) {
+        const int_vec word = load_words(words + v * 4 * LANES);
+        w[v] = (ivec)((int_vec)w[v] | (((word >> (2 * k)) & 0x03030303) << 4));
+    }
+}
+
+/* Where a group's inputs go in the permuted row: position 4k + i holds input k + STRIDE * i
+ * (q8_0 on AVX2: 4k + (0, 2, 1, 3)[i], the order its two loads pair the rows in). */
+static inline int a8_source(int stride, int sub, int p) {
+    (void)sub;
+    if (stride == 1) return p;
+    return p / 4 + stride * (p % 4);
+}
+
+/* R rows over one tile: the chain described above. q: [R][in] rounded rows (permuted for the
+ * format), d: [R][in / 32] their scales, s: [R][in / SUB] d times each group's sum. */
+#define DEFINE_A8ROWS(NAME, R)                                                                    \
+    static void NAME##_a8rows_##R(const int8_t *q, int64_t in, const float *d, const float *s,    \
+                                  const uint8_t *w, const float *bias, float *y, int64_t ldy,      \
+                                  int64_t cols) {                                                 \
+        const int64_t blocks = in / NAME##_SPAN, groups = in / GROUP, subs = in / NAME##_SUB;      \
+        vec acc[R][VECS];                                                                         \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : splat(0.0f); \
+        for (int64_t b = 0; b < blocks; b++) {                                                    \
+            const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
+                const int64_t i0 = b * NAME##_SPAN + g * NAME##_SUB;                              \
+                int_vec dot[R][VECS];                                                             \
+                for (int r = 0; r < R; r++)                                                       \
+                    for (int c = 0; c < VECS; c++) dot[r][c] = (int_vec){0};                      \
+                ivec part[R][VECS], raw[4];                                                       \
+                UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                              \
+                    ivec wv[VECS];                                                                \
+                    if (k % 4 == 0) NAME##_a8rows(block, g, k, raw);                              \
+                    NAME##_a8quad(block, g, k, raw[k % 4], wv);                                   \
+                    for (int r = 0; r < R; r++) {                                                 \
+                        const ivec a = quad_i(q + r * in + i0 + 4 * k);                           \
+                        for (int c = 0; c < VECS; c++) {                                          \
+                            const ivec p = NAME##_A8SAFE == 1 ? maddubs_signed(wv[c], a)          \
+                                                              : maddubs(wv[c], a);                \
+                            part[r][c] = k % NAME##_A8SAFE == 0 ? p : add_i16(part[r][c], p);     \
+                        }                                                                         \
+                    }                                                                             \
+                    if (k % NAME##_A8SAFE == NAME##_A8SAFE - 1)                                   \
+                        for (int r = 0; r < R; r++)                                               \
+                            for (int c = 0; c < VECS; c++) dot[r][c] += widen_pairs(part[r][c]);  \
+                }                                                                                 \
+                vec scale[VECS], min[VECS];                                                       \
+                NAME##_scale(block, g, scale, min);                                               \
+                for (int r = 0; r < R; r++) {                                                     \
+                    const vec dr = splat(d[r * groups + i0 / GROUP]);                             \
+                    const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                          \
+                    for (int c = 0; c < VECS; c++) {                                              \
+                        const vec part = __builtin_convertvector(dot[r][c], vec) * (scale[c] * dr); \
+                        acc[r][c] += NAME##_A8OFFSET ? part + min[c] * sr : part;                 \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
+    }
+
+#define DEFINE_A8FORMAT(NAME)                                                                     \
+    DEFINE_A8ROWS(NAME, 1)                                                                        \
+    DEFINE_A8ROWS(NAME, 2)                                                                        \
+    DEFINE_A8ROWS(NAME, 4)
+DEFINE_A8FORMAT(q8)
+DEFINE_A8FORMAT(q4)
+DEFINE_A8FORMAT(q5)
+DEFINE_A8FORMAT(q4k)
+DEFINE_A8FORMAT(q5k)
+DEFINE_A8FORMAT(q6k)
+
+typedef void (*a8rows_fn)(const int8_t *, int64_t, const float *, const float *, const uint8_t *,
+                          const float *, float *, int64_t, int64_t);
+typedef struct {
+    int64_t block, span, sub;
+    int stride;
+    a8rows_fn rows[3]; /* 4, 2, 1 rows */
+} a8format;
+#define A8FORMAT_OF(NAME)                                                                         \
+    {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, NAME##_A8STRIDE,                                      \
+     {NAME##_a8rows_4, NAME##_a8rows_2, NAME##_a8rows_1}}
+static const a8format A8FORMATS[N_FORMATS] = {
+    [FORMAT_Q8_0] = A8FORMAT_OF(q8), [FORMAT_Q4] = A8FORMAT_OF(q4),
+    [FORMAT_Q5] = A8FORMAT_OF(q5), [FORMAT_Q4_K] = A8FORMAT_OF(q4k),
+    [FORMAT_Q5_K] = A8FORMAT_OF(q5k), [FORMAT_Q6_K] = A8FORMAT_OF(q6k),
+};
+
+static const a8format *a8format_of(int format) {
+    return format >= 0 && format < N_FORMATS && A8FORMATS[format].rows[0] ? &A8FORMATS[format] : NULL;
+}
+
+/* Whether tandem_a8_gemv reads this format's tiles. */
+int tandem_a8_gemv_reads(int format) { return a8format_of(format) != NULL; }
+
+/* The rounded rows q [rows, in] put in the format's step order (a8_source), into out. */
+static void permute_rows(const a8format *f, int format, const int8_t *q, int64_t rows, int64_t in,
+                         int8_t *out) {
+    int source[GROUP];
+    const int sub = (int)f->sub;
+    for (int p = 0; p < sub; p++) {
+        source[p] = a8_source(f->stride, sub, p);
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        if (format == FORMAT_Q8_0) source[p] = p / 4 * 4 + (int[]){0, 2, 1, 3}[p % 4];
+#endif
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i0 = 0; i0 < in; i0 += sub)
+            for (int p = 0; p < sub; p++) out[r * in + i0 + p] = q[r * in + i0 + source[p]];
+}
+
+/* x [rows, in] float32 (row stride ldx) rounded to int8 per 32 inputs (quantize_rows), times w,
+ * cpu_qgemv.c's tiles of format [ceil(out / TILE), in / span, block], + bias [n_tiles * TILE] or
+ * NULL; y [rows, out] contiguous. Meant for decode rows (a few); any count works. Returns 0, or
+ * -1 for a format it does not read, in not a multiple of its block inputs, or no memory. */
+int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, const float *bias,
+                   float *y, int64_t rows, int64_t in, int64_t out, int threads) {
+    const a8format *f = a8format_of(format);
+    if (!f || in % f->span || rows < 0) return -1;
+    if (rows == 0) return 0;
+    const int64_t groups = in / GROUP, subs = in / f->sub;
+    const int64_t n_tiles = (out + TILE - 1) / TILE, tile_bytes = (in / f->span) * f->block;
+    int8_t *q = malloc((size_t)(2 * rows * in) + 64);
+    float *ds = malloc((size_t)(rows * (groups + groups + subs) + 1) * sizeof(float));
+    if (!q || !ds) {
+        free(q);
+        free(ds);
+        return -1;
+    }
+    int8_t *qp = q + rows * in;
+    float *d = ds, *s32 = ds + rows * groups, *s = s32 + rows * groups;
+    quantize_rows(x, ldx, rows, in, q, d, s32, rows > 1 ? threads : 1);
+    if (f->sub == GROUP) {
+        memcpy(s, s32, (size_t)(rows * groups) * sizeof(float));
+    } else { /* q6_k: d times each 16 inputs' sum */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < subs; g++) {
+                int32_t sum = 0;
+                for (int64_t j = 0; j < f->sub; j++) sum += q[r * in + g * f->sub + j];
+                s[r * subs + g] = d[r * groups + g * f->sub / GROUP] * (float)sum;
+            }
+    }
+    permute_rows(f, format, q, rows, in, qp);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n_tiles; t++) {
+        const uint8_t *wt = w + t * tile_bytes;
+        const float *bt = bias ? bias + t * TILE : NULL;
+        const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4)
+            f->rows[0](qp + r * in, in, d + r * groups, s + r * subs, wt, bt, y + r * out + t * TILE, out, cols);
+        for (; r + 2 <= rows; r += 2)
+            f->rows[1](qp + r * in, in, d + r * groups, s + r * subs, wt, bt, y + r * out + t * TILE, out, cols);
+        for (; r < rows; r++)
+            f->rows[2](qp + r * in, in, d + r * groups, s + r * subs, wt, bt, y + r * out + t * TILE, out, cols);
+    }
+    free(q);
+    free(ds);
+    return 0;
+}

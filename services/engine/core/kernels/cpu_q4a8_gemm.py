@@ -22,12 +22,24 @@ import torch
 
 from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES, matmul_input
 from services.engine.core.kernels.native_build import load_kernel
-from services.engine.core.quant.quantized_weight import FORMAT_Q4, FORMAT_Q4_K, GROUP, SUPER
+from services.engine.core.quant.quantized_weight import (
+    FORMAT_Q4,
+    FORMAT_Q4_K,
+    FORMAT_Q5,
+    FORMAT_Q5_K,
+    FORMAT_Q6_K,
+    FORMAT_Q8_0,
+    GROUP,
+    SUPER,
+)
 
 SOURCE = Path(__file__).with_name("cpu_q4a8_gemm.c")
 
 
-FORMATS = {FORMAT_Q4: GROUP, FORMAT_Q4_K: SUPER}  # the tile formats it reads: inputs per block
+FORMATS = {FORMAT_Q4: GROUP, FORMAT_Q4_K: SUPER}  # the tile formats the GEMM reads: inputs per block
+# the tile formats the decode-rows kernel (tandem_a8_gemv) reads: inputs per block
+DECODE_FORMATS = {FORMAT_Q8_0: GROUP, FORMAT_Q4: GROUP, FORMAT_Q5: GROUP, FORMAT_Q4_K: SUPER,
+                  FORMAT_Q5_K: SUPER, FORMAT_Q6_K: SUPER}  # fmt: skip
 
 
 class CpuQ4A8Gemm:
@@ -46,6 +58,13 @@ class CpuQ4A8Gemm:
         block_bytes.restype = ctypes.c_int64
         block_bytes.argtypes = [ctypes.c_int]
         self.block_bytes = {fmt: int(block_bytes(FORMAT_CODES[fmt])) for fmt in FORMATS}
+        self._gemv = library.tandem_a8_gemv
+        self._gemv.restype = ctypes.c_int
+        self._gemv.argtypes = self._gemm.argtypes
+        block_size = library.tandem_qgemv_block_bytes  # the unity build carries cpu_qgemv.c's
+        block_size.restype = ctypes.c_int64
+        block_size.argtypes = [ctypes.c_int]
+        self.decode_block_bytes = {fmt: int(block_size(FORMAT_CODES[fmt])) for fmt in DECODE_FORMATS}
         isa = library.tandem_q4a8_isa
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
@@ -79,6 +98,29 @@ class CpuQ4A8Gemm:
         fmt: str = FORMAT_Q4,
     ) -> torch.Tensor:
         return self.bind(packed, bias, out_features, fmt)(x)
+
+    def bind_decode(
+        self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, fmt: str
+    ) -> Q4A8Call:
+        """One layer's decode-rows call (``tandem_a8_gemv``: a few rows, each rounded to int8 per
+        32 inputs as the GEMM rounds them, times the tiles as stored) over ``fmt`` tiles.
+
+        Raises:
+            ValueError: a format it does not read, or tiles that do not fit this build.
+        """
+        if fmt not in DECODE_FORMATS:
+            raise ValueError(f"the int8-activation decode kernel reads {sorted(DECODE_FORMATS)} "
+                             f"tiles, not {fmt}")  # fmt: skip
+        block = self.decode_block_bytes[fmt]
+        if (packed.dtype != torch.uint8 or packed.dim() != 3 or packed.shape[2] != block
+                or packed.shape[0] * self.tile < out_features):
+            raise ValueError(
+                f"{fmt} tiles {tuple(packed.shape)} do not hold {out_features} outputs for the "
+                f"{self.isa} build of the int8-activation decode kernel (tiles of {self.tile} "
+                f"outputs, {block}-byte blocks)"
+            )  # fmt: skip
+        in_features = packed.shape[1] * DECODE_FORMATS[fmt]
+        return Q4A8Call(self._gemv, FORMAT_CODES[fmt], packed, bias, in_features, out_features)
 
 
 class Q4A8Call:

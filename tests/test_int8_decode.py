@@ -1,0 +1,140 @@
+"""The int8-activation decode kernel (``tandem_a8_gemv`` in ``cpu_q4a8_gemm.c``, ``--dtype q4_a8``'s
+decode rows), per instruction-set build this machine runs.
+
+Against a float64 reference of the same int8-quantized math: each row rounded per group of 32
+inputs as the kernel documents (``q = round_half_even(x * (127 / max|x|))``, ``d = max|x| / 127``,
+the prefill GEMM's rounding), times the weight dequantized exactly, so the comparison is to float32
+summation error, not to the rounding the kernel adds on purpose. Every format it reads (q8_0, q4
+from Q4_0 and Q4_1, q5 from Q5_0 and Q5_1, q4_k, q5_k, q6_k), a row's result whatever its batch
+mates and thread count, the rounding equal to the GEMM's, and bad arguments as errors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
+from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS, CpuQ4A8Gemm
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.native_build import load_library
+from services.engine.core.quant.quantized_weight import QuantizedWeight, from_gguf_blocks
+
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+F16_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of d (and dmin)
+OUT, IN = 70, 512  # a partial last tile for every width; 2 super-blocks, 16 groups of 32
+ROWS = [1, 2, 3, 4, 5, 7, 9]  # register blocks of 4, 2 and 1 rows
+
+
+@functools.cache
+def _kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
+    return (
+        CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
+        CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
+    )
+
+
+def _weight(ggml_type: T, seed: int = 0, out: int = OUT, n_in: int = IN) -> QuantizedWeight:
+    """Valid blocks: gguf's own quantizer where it has one, else random bytes with moderate
+    float16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    if ggml_type not in F16_OFFSETS:
+        weight = rng.standard_normal((out, n_in)).astype(np.float32) * 0.05
+        weight[3, 64:96] = 0.0  # an all-zero group
+        raw = quantize(weight, ggml_type)
+    else:
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        n = out * n_in // block_size
+        blocks = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
+        for offset in F16_OFFSETS[ggml_type]:
+            d = (rng.random(n) * 2e-3 - 1e-3).astype(np.float16)
+            blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(n, 2)
+        raw = blocks.reshape(out, -1)
+    weight = from_gguf_blocks(raw, ggml_type, (out, n_in))
+    assert weight is not None
+    return weight
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel rounds it, in float64: per row and group of 32, ``round_half_even(x *
+    (127 / max|x|)) * (max|x| / 127)`` (127 / max a float32 division; an all-zero group stays 0)."""
+    rows, inputs = x.shape
+    groups = x.reshape(rows, inputs // 32, 32)
+    peak = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(peak > 0, torch.full_like(peak, 127.0) / peak, torch.zeros_like(peak))
+    return (torch.round(groups * inverse).double() * (peak.double() / 127)).reshape(rows, inputs)
+
+
+def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64 of the kernel's math: the int8-rounded rows times the exactly dequantized weight."""
+    y = rounded_rows(x) @ weight.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+def _rows(rows: int, seed: int = 0, n_in: int = IN) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, n_in)  # groups of all sizes
+    x[0, :32] = 0.0  # an all-zero group (d = 0)
+    return x
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_equals_the_int8_reference(isa: str, ggml_type: T, rows: int) -> None:
+    qgemv, a8 = _kernels(isa)
+    weight = _weight(ggml_type, seed=rows)
+    bias = torch.randn(OUT)
+    call = a8.bind_decode(qgemv.tile_weight(weight), qgemv.tile_bias(bias), OUT, weight.format)
+    x = _rows(rows, seed=rows)
+    got = call(x).double()
+    expected = reference(x, weight, bias)
+    scale = rounded_rows(x).abs() @ weight.dequantize().double().abs().T  # the products' size
+    error = ((got - expected).abs() / (scale + 1e-30)).max().item()
+    assert error < 1e-5, (ggml_type.name, rows, error)  # float32 sums of ~16 groups
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T) -> None:
+    """Every row block (4, 2, 1 rows) and thread count runs the same chain per output: bit equal."""
+    qgemv, a8 = _kernels(isa)
+    weight = _weight(ggml_type, seed=3)
+    call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, weight.format)
+    x = _rows(9, seed=5)
+    previous = torch.get_num_threads()
+    try:
+        alone = torch.cat([call(x[i : i + 1]) for i in range(9)])
+        torch.set_num_threads(1)
+        assert torch.equal(call(x), alone)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(call(x[3:8]), alone[3:8])
+
+
+def test_rounding_equals_the_gemms(isa: str) -> None:
+    """Decode and prompt rows round their inputs alike: on q4 tiles the two kernels agree to
+    float32 summation error (their sums run in different orders)."""
+    qgemv, a8 = _kernels(isa)
+    weight = _weight(T.Q4_1, seed=7)
+    packed = qgemv.tile_weight(weight)
+    x = _rows(5, seed=9)
+    got, gemm = a8.bind_decode(packed, None, OUT, "q4")(x), a8(x, packed, None, OUT, "q4")
+    assert (got - gemm).abs().max().item() < 1e-4 * gemm.abs().max().item()
+
+
+def test_bad_arguments_are_errors(isa: str) -> None:
+    qgemv, a8 = _kernels(isa)
+    weight = _weight(T.Q4_K)
+    packed = qgemv.tile_weight(weight)
+    with pytest.raises(ValueError, match="reads"):
+        a8.bind_decode(packed, None, OUT, "bfloat16")
+    with pytest.raises(ValueError, match="do not hold"):
+        a8.bind_decode(packed, None, OUT + qgemv.tile, "q4_k")
+    with pytest.raises(ValueError, match="do not hold"):
+        a8.bind_decode(packed[..., :-1], None, OUT, "q4_k")
+    assert set(DECODE_FORMATS) == {"q8_0", "q4", "q5", "q4_k", "q5_k", "q6_k"}
