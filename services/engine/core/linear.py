@@ -45,6 +45,7 @@ from torch import nn
 from services.engine.core.kernels.autotune import MARGIN, REGIME_ROWS, KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import LinearTiles
 from services.engine.core.kernels.cpu_gemv import CpuGemv, load_cpu_gemv
+from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS as INT8_DECODE_FORMATS
 from services.engine.core.kernels.cpu_q4a8_gemm import FORMATS as INT8_ACTIVATION_FORMATS
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, load_cpu_q4a8_gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
@@ -71,13 +72,15 @@ class PackPlan:
     """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
     (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
     kernels against PyTorch on the model's shapes and keeps the faster path per row count;
-    ``a8kernel`` (``q4_a8``) runs 4-bit layers' prompt-token rows over int8 activations."""
+    ``a8kernel`` (``q4_a8``) runs 4-bit layers' prompt-token rows over int8 activations, and with
+    ``int8_decode`` every quantized layer's generated-token rows too (its decode kernel)."""
 
     splits: int = 0
     kernel: CpuGemv | None = None
     qkernel: CpuQGemv | None = None
     autotune: bool = False
     a8kernel: CpuQ4A8Gemm | None = None
+    int8_decode: bool = False
 
 
 class Linear(nn.Linear):
@@ -96,7 +99,8 @@ class Linear(nn.Linear):
         self.regimes = KernelRegimes()  # kernel everywhere until pack_linears measures
         self._packed_format = ""
         self._qcall: QGemvCall | None = None
-        self._a8call: Q4A8Call | None = None
+        self._a8call: Q4A8Call | None = None  # prompt tokens' rows over int8 (the GEMM)
+        self._a8gemv: Q4A8Call | None = None  # generated tokens' rows over int8 (decode kernel)
 
     @property
     def weight_format(self) -> str:
@@ -136,6 +140,11 @@ class Linear(nn.Linear):
                 self._a8call = plan.a8kernel.bind(
                     self.packed, self.packed_bias, self.out_features, self._packed_format
                 )
+            if (plan.a8kernel is not None and plan.int8_decode
+                    and self._packed_format in INT8_DECODE_FORMATS):  # fmt: skip
+                self._a8gemv = plan.a8kernel.bind_decode(
+                    self.packed, self.packed_bias, self.out_features, self._packed_format
+                )
             return
         if self.weight.dtype != torch.float32:
             return
@@ -169,19 +178,32 @@ class Linear(nn.Linear):
         """Whether the rows :func:`int8_rows` marks are rounded to int8 here."""
         return self._a8call is not None
 
+    @property
+    def int8_decode(self) -> bool:
+        """Whether the rows it does not mark (generated tokens') are rounded to int8 here."""
+        return self._a8gemv is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._a8call is not None and x.dim() == 2:
+        if (self._a8call is not None or self._a8gemv is not None) and x.dim() == 2:
             rows = _INT8_ROWS.get()
             if rows is True:
-                return self._a8call(x)
-            if isinstance(rows, tuple) and rows[0].numel():
-                prompt, others = rows
-                y = x.new_empty(x.shape[0], self.out_features)
-                y[prompt] = self._a8call(x[prompt])
-                if others.numel():
-                    y[others] = self.float_forward(x[others])
-                return y
+                return self._prompt_rows(x)
+            if rows is False:
+                return self._generated_rows(x)
+            prompt, others = rows
+            y = x.new_empty(x.shape[0], self.out_features)
+            if prompt.numel():
+                y[prompt] = self._prompt_rows(x[prompt])
+            if others.numel():
+                y[others] = self._generated_rows(x[others])
+            return y
         return self.float_forward(x)
+
+    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._a8call(x) if self._a8call is not None else self.float_forward(x)
+
+    def _generated_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._a8gemv(x) if self._a8gemv is not None else self.float_forward(x)
 
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The float32-activation path for ``x``'s row count (kernel or PyTorch, as measured)."""
@@ -205,6 +227,12 @@ class Linear(nn.Linear):
             raise RuntimeError("int8_forward on a layer without the 8-bit-activation kernel")
         return self._a8call(x)
 
+    def int8_decode_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The 8-bit-activation decode kernel (``pack`` must have bound it)."""
+        if self._a8gemv is None:
+            raise RuntimeError("int8_decode_forward on a layer without the int8 decode kernel")
+        return self._a8gemv(x)
+
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The PyTorch path: split ``bmm``, ``F.linear``, or dequantize-then-``F.linear``."""
         if self.split is not None and x.dim() == 2:
@@ -214,11 +242,14 @@ class Linear(nn.Linear):
         return F.linear(x, self.dequantized_weight(), self.bias)
 
     def kernel_tiles(self, rows: int) -> LinearTiles | None:
-        """This layer's kernel tiles, when ``rows`` rows run its native kernel (else ``None``)."""
-        if self.packed is None or self.kernel is None or not self.regimes.kernel_for(rows):
+        """This layer's kernel tiles, when ``rows`` generated tokens' rows run a native kernel
+        (else ``None``): the int8-activation decode kernel's where it is bound."""
+        if self.packed is None or self.kernel is None:
+            return None
+        if self._a8gemv is None and not self.regimes.kernel_for(rows):
             return None
         return LinearTiles(self._packed_format, self.packed, self.packed_bias, self.in_features,
-                           self.out_features)  # fmt: skip
+                           self.out_features, int8_activations=self._a8gemv is not None)  # fmt: skip
 
     @property
     def has_quantized_tiles(self) -> bool:
@@ -314,6 +345,11 @@ TUNE_BYTES = 64 << 20  # weight bytes all timing runs read, at most (one layer a
 LINEAR_MARGINS = (0.0,) * (len(REGIME_ROWS) - 1) + (MARGIN,)  # the last regime is the prefill one
 
 
+# decode batches the int8-activation decode kernel must win at (against float32 activations) to
+# be kept: it then serves every generated token's row, so it must not lose at either
+DECODE_TUNE_ROWS = REGIME_ROWS[:2]
+
+
 def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
     """Time one group of same-format, same-shape layers: the first always, more while their
     weights fit in ``budget`` bytes (so the runs read weights from memory, as real steps do)."""
@@ -354,6 +390,20 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
         if not int8.use_kernel[0]:
             for layer in layers:
                 layer._a8call = None  # slower than float32 activations here: never runs
+    if layers[0].int8_decode:
+        decode = choose_regimes(
+            f"{fmt} int8-activation decode {shape}",
+            isa=getattr(kernel, "isa", "?"),
+            build=plan.a8kernel.build if plan.a8kernel is not None else "?",
+            shapes=[(layer.out_features, layer.in_features) for layer in layers],
+            run_kernel=_runner(timed, Linear.int8_decode_forward),
+            run_torch=_runner(timed, Linear.float_forward),
+            rows=DECODE_TUNE_ROWS,
+            margin=0.0,
+        )
+        if not all(decode.use_kernel):  # one path for every decode batch: a row's result must
+            for layer in layers:  # not depend on how many sequences shared its step
+                layer._a8gemv = None
 
 
 def _runner(
@@ -391,4 +441,5 @@ def pack_plan(
         qkernel=load_cpu_qgemv(),
         autotune=autotune,
         a8kernel=load_cpu_q4a8_gemm() if int8_activations else None,
+        int8_decode=int8_activations,
     )

@@ -8,7 +8,8 @@
  * order from C, so the step pays that once instead of ~300 times.
  *
  * It is a unity build of the kernels it chains (the files below), so it computes exactly what the
- * per-op path computes, bit for bit: the same matmul chains (cpu_gemv.c / cpu_qgemv.c), the same
+ * per-op path computes, bit for bit: the same matmul chains (cpu_gemv.c / cpu_qgemv.c, and
+ * cpu_q4a8_gemm.c's int8-activation decode kernel for q4_a8's projections), the same
  * fused norm, SwiGLU and rotary loops (cpu_fused.c), the same attention and K/V store
  * (cpu_paged_attention.c: a float32, bfloat16 or float16 cache), and the same residual adds in
  * the same order.
@@ -18,16 +19,18 @@
 #include "cpu_fused.c"
 #include "cpu_gemv.c"
 #include "cpu_paged_attention.c"
-#include "cpu_qgemv.c"
+#include "cpu_q4a8_gemm.c" /* with cpu_qgemv.c */
 
 enum { FORMAT_FLOAT32 = -1 };
 
-/* One projection: float32 tiles (cpu_gemv.c) or quantized tiles (cpu_qgemv.c's format codes). */
+/* One projection: float32 tiles (cpu_gemv.c) or quantized tiles (cpu_qgemv.c's format codes),
+ * the latter's rows rounded to int8 when int8 is set (cpu_q4a8_gemm.c's decode kernel, q4_a8). */
 typedef struct {
     int64_t format;
     const void *weight;
     const float *bias; /* padded to whole tiles, or NULL */
     int64_t in, out;
+    int64_t int8;
 } tandem_linear;
 
 typedef struct {
@@ -48,6 +51,9 @@ static int linear(const tandem_linear *l, const float *x, float *y, int64_t rows
         tandem_gemv(x, l->in, (const float *)l->weight, l->bias, y, rows, l->in, l->out, threads);
         return 0;
     }
+    if (l->int8)
+        return tandem_a8_gemv((int)l->format, x, l->in, (const uint8_t *)l->weight, l->bias, y,
+                              rows, l->in, l->out, threads);
     return tandem_qgemv((int)l->format, x, l->in, (const uint8_t *)l->weight, l->bias, y, rows,
                         l->in, l->out, threads);
 }

@@ -1,5 +1,5 @@
 """Python side of ``cpu_decode_layers.c``: all decoder layers of a float32 decode step in one call
-(over a float32, bfloat16 or float16 KV cache).
+(over a float32, bfloat16 or float16 KV cache; ``q4_a8``'s projections over int8 activations).
 
 The model hands :meth:`CpuDecodeLayers.bind` its layers' weights once (the kernels' tiles, the
 norm weights) as plain descriptors — this module knows tensors, not ``nn.Module`` — and gets back a
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from services.engine.core.kernels.cpu_paged_attention import KV_DTYPE_CODES
+from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS
 from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES
 from services.engine.core.kernels.native_build import load_kernel
 
@@ -32,7 +33,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("format", _I64), ("weight", _PTR), ("bias", _PTR), ("in_", _I64), ("out", _I64)]
+    _fields_ = [("format", _I64), ("weight", _PTR), ("bias", _PTR), ("in_", _I64), ("out", _I64),
+                ("int8", _I64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -55,13 +57,15 @@ class _Shape(ctypes.Structure):
 @dataclass(frozen=True, slots=True)
 class LinearTiles:
     """One projection as a kernel reads it: ``format`` is ``"float32"`` (cpu_gemv tiles) or a
-    quantized format (cpu_qgemv tiles); ``bias`` is padded to whole tiles, or ``None``."""
+    quantized format (cpu_qgemv tiles); ``bias`` is padded to whole tiles, or ``None``;
+    ``int8_activations``: its rows are rounded to int8 (``cpu_q4a8_gemm.c``'s decode kernel)."""
 
     format: str
     packed: torch.Tensor
     bias: torch.Tensor | None
     in_features: int
     out_features: int
+    int8_activations: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,8 @@ class CpuDecodeLayers:
             for tiles in (weights.qkv, weights.o, weights.gate_up, weights.down):
                 if tiles.format != "float32" and tiles.format not in FORMAT_CODES:
                     raise ValueError(f"no decode-layers kernel for {tiles.format} weights")
+                if tiles.int8_activations and tiles.format not in DECODE_FORMATS:
+                    raise ValueError(f"no int8-activation decode kernel for {tiles.format} weights")
             for norm in (weights.input_norm, weights.post_norm):
                 if norm.dtype != torch.float32 or not norm.is_contiguous():
                     raise ValueError("RMSNorm weights must be contiguous float32")
@@ -114,7 +120,8 @@ class CpuDecodeLayers:
 def _linear(tiles: LinearTiles) -> _Linear:
     code = FLOAT32_CODE if tiles.format == "float32" else FORMAT_CODES[tiles.format]
     bias = None if tiles.bias is None else tiles.bias.data_ptr()
-    return _Linear(code, tiles.packed.data_ptr(), bias, tiles.in_features, tiles.out_features)
+    return _Linear(code, tiles.packed.data_ptr(), bias, tiles.in_features, tiles.out_features,
+                   int(tiles.int8_activations))
 
 
 class DecodeLayersCall:

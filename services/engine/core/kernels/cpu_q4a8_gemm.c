@@ -370,8 +370,9 @@ const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
  * k + 24; q6_k: k, k + 4, k + 8, k + 12 of a 16-input group), so each step's high bits are one
  * shift and one mask of the word; the rounded row is permuted to match once per call (permute_rows).
  *
- * Every row runs the same chain per output whatever the row block (4, 2, 1 rows) and thread split,
- * so a row's result never depends on its batch mates.
+ * One row keeps everything in registers; more rows put each group's weights in that order once
+ * into a scratch block and run every row over it. Both run the same chain per output (the integer
+ * sums are exact in any order), so a row's result never depends on its batch mates or threads.
  */
 #define A8_VEC_BYTES (4 * LANES) /* one ivec: 4 inputs x LANES outputs, or 4 rows of a tile's nibbles */
 
@@ -623,10 +624,63 @@ static inline int a8_source(int stride, int sub, int p) {
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
     }
 
+/* Many rows over one tile: each group's weights put in vpmaddubsw's order once, into a scratch
+ * block (SUB / 4 steps x 2 vectors, in L1), then every row's integer dot over it and the same
+ * float chain per output as NAME##_a8rows_1 (integer sums are exact in any order, and the float
+ * steps are the same expressions), the rows' accumulators waiting in accm [rows][TILE]. */
+#define DEFINE_A8GROUPS(NAME)                                                                     \
+    static void NAME##_a8groups(const int8_t *q, int64_t in, const float *d, const float *s,      \
+                                const uint8_t *w, const float *bias, float *y, int64_t ldy,        \
+                                int64_t cols, int64_t rows, float *accm) {                        \
+        const int64_t blocks = in / NAME##_SPAN, groups = in / GROUP, subs = in / NAME##_SUB;      \
+        for (int64_t r = 0; r < rows; r++)                                                        \
+            for (int c = 0; c < VECS; c++)                                                        \
+                store_vec(accm + r * TILE + c * LANES, bias ? load_vec(bias + c * LANES) : splat(0.0f)); \
+        for (int64_t b = 0; b < blocks; b++) {                                                    \
+            const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
+                const int64_t i0 = b * NAME##_SPAN + g * NAME##_SUB;                              \
+                ivec values[NAME##_SUB / 4][VECS], raw[4];                                        \
+                UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                              \
+                    if (k % 4 == 0) NAME##_a8rows(block, g, k, raw);                              \
+                    NAME##_a8quad(block, g, k, raw[k % 4], values[k]);                            \
+                }                                                                                 \
+                vec scale[VECS], min[VECS];                                                       \
+                NAME##_scale(block, g, scale, min);                                               \
+                for (int64_t r = 0; r < rows; r++) {                                              \
+                    int_vec dot[VECS] = {{0}};                                                    \
+                    ivec part[VECS];                                                              \
+                    UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                          \
+                        const ivec a = quad_i(q + r * in + i0 + 4 * k);                          \
+                        for (int c = 0; c < VECS; c++) {                                          \
+                            const ivec p = NAME##_A8SAFE == 1 ? maddubs_signed(values[k][c], a)   \
+                                                              : maddubs(values[k][c], a);         \
+                            part[c] = k % NAME##_A8SAFE == 0 ? p : add_i16(part[c], p);           \
+                        }                                                                         \
+                        if (k % NAME##_A8SAFE == NAME##_A8SAFE - 1)                               \
+                            for (int c = 0; c < VECS; c++) dot[c] += widen_pairs(part[c]);        \
+                    }                                                                             \
+                    const vec dr = splat(d[r * groups + i0 / GROUP]);                             \
+                    const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                          \
+                    for (int c = 0; c < VECS; c++) {                                              \
+                        vec acc = load_vec(accm + r * TILE + c * LANES);                          \
+                        const vec part = __builtin_convertvector(dot[c], vec) * (scale[c] * dr);  \
+                        acc += NAME##_A8OFFSET ? part + min[c] * sr : part;                       \
+                        store_vec(accm + r * TILE + c * LANES, acc);                              \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            vec acc[VECS];                                                                        \
+            for (int c = 0; c < VECS; c++) acc[c] = load_vec(accm + r * TILE + c * LANES);        \
+            store_cols(y + r * ldy, acc, cols);                                                   \
+        }                                                                                         \
+    }
+
 #define DEFINE_A8FORMAT(NAME)                                                                     \
     DEFINE_A8ROWS(NAME, 1)                                                                        \
-    DEFINE_A8ROWS(NAME, 2)                                                                        \
-    DEFINE_A8ROWS(NAME, 4)
+    DEFINE_A8GROUPS(NAME)
 DEFINE_A8FORMAT(q8)
 DEFINE_A8FORMAT(q4)
 DEFINE_A8FORMAT(q5)
@@ -636,14 +690,17 @@ DEFINE_A8FORMAT(q6k)
 
 typedef void (*a8rows_fn)(const int8_t *, int64_t, const float *, const float *, const uint8_t *,
                           const float *, float *, int64_t, int64_t);
+typedef void (*a8groups_fn)(const int8_t *, int64_t, const float *, const float *,
+                            const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
+                            float *);
 typedef struct {
     int64_t block, span, sub;
     int stride;
-    a8rows_fn rows[3]; /* 4, 2, 1 rows */
+    a8rows_fn row;       /* one row, in registers */
+    a8groups_fn groups;  /* more rows, group by group */
 } a8format;
 #define A8FORMAT_OF(NAME)                                                                         \
-    {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, NAME##_A8STRIDE,                                      \
-     {NAME##_a8rows_4, NAME##_a8rows_2, NAME##_a8rows_1}}
+    {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, NAME##_A8STRIDE, NAME##_a8rows_1, NAME##_a8groups}
 static const a8format A8FORMATS[N_FORMATS] = {
     [FORMAT_Q8_0] = A8FORMAT_OF(q8), [FORMAT_Q4] = A8FORMAT_OF(q4),
     [FORMAT_Q5] = A8FORMAT_OF(q5), [FORMAT_Q4_K] = A8FORMAT_OF(q4k),
@@ -651,7 +708,7 @@ static const a8format A8FORMATS[N_FORMATS] = {
 };
 
 static const a8format *a8format_of(int format) {
-    return format >= 0 && format < N_FORMATS && A8FORMATS[format].rows[0] ? &A8FORMATS[format] : NULL;
+    return format >= 0 && format < N_FORMATS && A8FORMATS[format].row ? &A8FORMATS[format] : NULL;
 }
 
 /* Whether tandem_a8_gemv reads this format's tiles. */
@@ -705,20 +762,27 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
             }
     }
     permute_rows(f, format, q, rows, in, qp);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < n_tiles; t++) {
-        const uint8_t *wt = w + t * tile_bytes;
-        const float *bt = bias ? bias + t * TILE : NULL;
-        const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4)
-            f->rows[0](qp + r * in, in, d + r * groups, s + r * subs, wt, bt, y + r * out + t * TILE, out, cols);
-        for (; r + 2 <= rows; r += 2)
-            f->rows[1](qp + r * in, in, d + r * groups, s + r * subs, wt, bt, y + r * out + t * TILE, out, cols);
-        for (; r < rows; r++)
-            f->rows[2](qp + r * in, in, d + r * groups, s + r * subs, wt, bt, y + r * out + t * TILE, out, cols);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *accm = rows > 1 ? malloc((size_t)(rows * TILE) * sizeof(float)) : NULL;
+        if (rows > 1 && !accm) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_tiles; t++) {
+            const uint8_t *wt = w + t * tile_bytes;
+            const float *bt = bias ? bias + t * TILE : NULL;
+            const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
+            if (rows == 1)
+                f->row(qp, in, d, s, wt, bt, y + t * TILE, out, cols);
+            else if (accm)
+                f->groups(qp, in, d, s, wt, bt, y + t * TILE, out, cols, rows, accm);
+        }
+        free(accm);
     }
     free(q);
     free(ds);
-    return 0;
+    return failed ? -1 : 0;
 }
