@@ -262,7 +262,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         self._argmax: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-        self.grammar_masks = GrammarMasks(vocab_size)
+        self.grammar_masks = GrammarMasks(vocab_size, self.eos_token_ids)
 
     def prepare(self, states: Sequence[SamplingState]) -> None:
         """A step with these sampled rows was scheduled: start its grammar masks (if any row is
@@ -367,15 +367,12 @@ class Sampler:
     def _apply_grammar(
         self, logits: torch.Tensor, states: Sequence[SamplingState]
     ) -> torch.Tensor:
-        """Mask what each constrained row's grammar forbids. A row whose grammar allows nothing
-        (a matcher in its error state) may still end: its EOS ids stay open."""
+        """Mask what each constrained row's grammar forbids (a row whose grammar allows nothing,
+        a matcher in its error state, keeps its EOS ids open: GrammarMasks)."""
         matchers = [state.matcher for state in states]
         if all(m is None for m in matchers):
             return logits
         allowed = self.grammar_masks.take(matchers).to(logits.device)
-        dead = ~allowed.any(dim=1)
-        if bool(dead.any()) and self.eos_token_ids:
-            allowed[dead.nonzero().squeeze(1).unsqueeze(1), torch.tensor(self.eos_token_ids)] = True
         return logits.masked_fill(~allowed, _NEG_INF)
 
     def _apply_penalties(

