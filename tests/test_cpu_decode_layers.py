@@ -96,6 +96,40 @@ def test_one_call_equals_the_per_op_path_bit_for_bit(
         assert not torch.equal(stored, start)
 
 
+def test_int8_activation_projections_equal_the_per_op_path(isa: str, tiny_llama_dir: Path) -> None:
+    """``q4_a8``'s decode rows: every projection over int8 activations (the decode kernel of
+    ``cpu_q4a8_gemm.c``), in one call and per op alike, bit for bit; and not the float32 path."""
+    from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
+
+    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, "q8_0")
+    model, a8 = loaded.model, load_cpu_q4a8_gemm()
+    assert a8 is not None and a8.isa == isa
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    torch.manual_seed(0)
+    pool = engine.kv.data
+    with torch.inference_mode():
+        pool.normal_()
+    start = pool.clone()
+    float_step = _decode_step(loaded, engine, 3, native=False)
+    for layer in linears:
+        layer._a8gemv = a8.bind_decode(layer.packed, layer.packed_bias, layer.out_features,
+                                       layer.weight_format)  # fmt: skip
+    assert model.use_decode_layers(load_cpu_decode_layers()) == MAX_ROWS
+    call = model.decode_layers
+    assert call is not None and all(t.int8_activations for t in call.tiles())
+    for rows in (1, 3, 8):
+        pool.copy_(start)
+        per_op = _decode_step(loaded, engine, rows, native=False)
+        stored = pool.clone()
+        pool.copy_(start)
+        one_call = _decode_step(loaded, engine, rows, native=True)
+        assert torch.equal(one_call, per_op), rows
+        assert torch.equal(pool, stored), rows
+        if rows == 3:  # rounded activations: close to the float32 path, not equal
+            assert not torch.equal(per_op, float_step)
+            assert (per_op - float_step).abs().max() < 0.1 * float_step.abs().max()
+
+
 def test_the_engine_decodes_the_same_tokens_through_it(tiny_llama_dir: Path) -> None:
     from services.common.sampling_params import SamplingParams
 

@@ -6,12 +6,16 @@ inputs as the kernel documents (``q = round_half_even(x * (127 / max|x|))``, ``d
 the prefill GEMM's rounding), times the weight dequantized exactly, so the comparison is to float32
 summation error, not to the rounding the kernel adds on purpose. Every format it reads (q8_0, q4
 from Q4_0 and Q4_1, q5 from Q5_0 and Q5_1, q4_k, q5_k, q6_k), a row's result whatever its batch
-mates and thread count, the rounding equal to the GEMM's, and bad arguments as errors.
+mates and thread count, the rounding equal to the GEMM's, and bad arguments as errors. In a
+:class:`Linear` (``PackPlan.int8_decode``, what ``q4_a8`` sets): generated tokens' rows take it,
+prompt tokens' the GEMM (or float32), and a decode kernel slower than float32 activations never runs.
 """
 
 from __future__ import annotations
 
 import functools
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,12 +23,15 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
+from torch import nn
 
 from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
 from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS, CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
+from services.engine.core.linear import Linear, PackPlan, int8_rows, pack_linears
 from services.engine.core.quant.quantized_weight import QuantizedWeight, from_gguf_blocks
+from tests.conftest import native_kernel_or_skip
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 F16_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of d (and dmin)
@@ -138,3 +145,85 @@ def test_bad_arguments_are_errors(isa: str) -> None:
     with pytest.raises(ValueError, match="do not hold"):
         a8.bind_decode(packed[..., :-1], None, OUT, "q4_k")
     assert set(DECODE_FORMATS) == {"q8_0", "q4", "q5", "q4_k", "q5_k", "q6_k"}
+
+
+# ------------------------------------------------------------------------------- in a Linear
+
+
+def _linear(ggml_type: T, seed: int, out: int = OUT, n_in: int = IN) -> tuple[Linear, QuantizedWeight]:
+    weight = _weight(ggml_type, seed, out, n_in)
+    layer = Linear(n_in, out)
+    layer.set_quantized(weight)
+    return layer, weight
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_0], ids=lambda t: t.name)
+def test_linear_rounds_generated_rows_with_the_decode_kernel(
+    ggml_type: T, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``q4_a8`` (``int8_decode``): generated tokens' rows (unmarked, or the others of a mixed
+    step) take the int8 decode kernel, prompt tokens' the GEMM where the format has one (q4_k),
+    else float32; with ``int8_decode`` off (``--dtype q4`` never sets it) nothing changes."""
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    qgemv, a8 = cpu_qgemv.load_cpu_qgemv(), cpu_q4a8_gemm.load_cpu_q4a8_gemm()
+    assert qgemv is not None and a8 is not None
+    layer, weight = _linear(ggml_type, 1)
+    pack_linears(nn.Sequential(layer), PackPlan(qkernel=qgemv, a8kernel=a8, int8_decode=True))
+    assert layer.int8_decode
+    decode = a8.bind_decode(layer.packed, None, OUT, weight.format)
+    big = _rows(40, seed=2)
+    with torch.inference_mode():
+        for rows in (1, 5, 40):
+            assert torch.equal(layer(big[:rows]), decode(big[:rows]))
+            with int8_rows(False):
+                assert torch.equal(layer(big[:rows]), decode(big[:rows]))
+        with int8_rows(True):
+            prompt_path = a8(big, layer.packed, None, OUT, weight.format) if layer.int8_activations \
+                else layer.float_forward(big)
+            assert torch.equal(layer(big), prompt_path)
+        order = torch.randperm(40)
+        with int8_rows((order[:7], order[7:])):
+            mixed = layer(big)
+        assert torch.equal(mixed[order[7:]], decode(big[order[7:]]))
+        assert torch.equal(mixed[order[:7]], prompt_path[order[:7]])
+    assert layer.kernel_tiles(1) is not None and layer.kernel_tiles(1).int8_activations
+
+    plain, _ = _linear(ggml_type, 1)  # the same weight without int8_decode: float32 rows
+    pack_linears(nn.Sequential(plain), PackPlan(qkernel=qgemv, a8kernel=a8))
+    assert not plain.int8_decode
+    with torch.inference_mode():
+        assert torch.equal(plain(big), plain.float_forward(big))
+    assert not plain.kernel_tiles(1).int8_activations
+
+
+class SlowDecode(CpuQ4A8Gemm):
+    """The real decode kernel, a few milliseconds late on every call."""
+
+    calls = 0
+
+    def bind_decode(self, packed, bias, out_features, fmt):  # type: ignore[no-untyped-def]
+        call = super().bind_decode(packed, bias, out_features, fmt)
+
+        def slow(x: torch.Tensor) -> torch.Tensor:
+            SlowDecode.calls += 1
+            time.sleep(0.05)
+            return call(x)
+
+        return slow
+
+
+def test_a_slower_decode_kernel_loses_its_autotune(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_kernel_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    slow = SlowDecode(load_library(cpu_q4a8_gemm.SOURCE))
+    slow.build = f"slow-{slow.build}"
+    layer, weight = _linear(T.Q6_K, 2, out=256, n_in=256)
+    pack_linears(nn.Sequential(layer), PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=slow,
+                                                autotune=True, int8_decode=True))  # fmt: skip
+    assert not layer.int8_decode
+    SlowDecode.calls = 0
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x), x @ weight.dequantize().T, atol=1e-4)
+    assert SlowDecode.calls == 0
