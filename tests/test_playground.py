@@ -188,6 +188,17 @@ def test_chat_streams_and_stop_cancels_in_chromium(
     if os.environ.get("TANDEM_UPDATE_SCREENSHOTS"):
         SCREENSHOT.write_bytes(png)
 
+    # JSON mode: the reply is one JSON object (response_format json_object).
+    driver.find_element(By.ID, "json-mode").click()
+    driver.find_element(By.ID, "prompt").send_keys("Describe Paris as JSON.", Keys.ENTER)
+    _until(driver, "the JSON reply", lambda: len(driver.find_elements(
+        By.CSS_SELECTOR, "#log li.assistant")) == 2, 10)  # fmt: skip
+    reply = _last_reply(driver)
+    _until(driver, "the JSON reply to finish",
+           lambda: reply.get_attribute("data-state") != "streaming", 120)  # fmt: skip
+    assert isinstance(json.loads(reply.find_element(By.CSS_SELECTOR, ".text").text), dict)
+    driver.find_element(By.ID, "json-mode").click()
+
     # Stop: a long reply is cancelled mid-stream; the worker frees its KV blocks at once.
     aborted_before = _metric(gateway, 'tandem:request_success_total{finished_reason="abort"}')
     _fill(driver.find_element(By.ID, "max-tokens"), "1024")
@@ -196,7 +207,7 @@ def test_chat_streams_and_stop_cancels_in_chromium(
     )
     driver.find_element(By.ID, "send").click()
     _until(driver, "the second reply", lambda: len(driver.find_elements(
-        By.CSS_SELECTOR, "#log li.assistant")) == 2, 10)  # fmt: skip
+        By.CSS_SELECTOR, "#log li.assistant")) == 3, 10)  # fmt: skip
     reply = _last_reply(driver)
     _until(driver, "a few streamed chunks",
            lambda: int(reply.get_attribute("data-chunks") or 0) >= 3, 120)  # fmt: skip
