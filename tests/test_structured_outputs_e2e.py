@@ -157,7 +157,7 @@ def test_vllm_forms_and_logit_bias(stack: Up) -> None:
     assert out.choices[0].text.startswith(" banana")
 
 
-def test_a_rejected_schema_is_a_400(stack: Up) -> None:
+def test_a_rejected_schema_or_bias_is_a_400(stack: Up) -> None:
     import openai
 
     client = _client(stack)
@@ -168,6 +168,9 @@ def test_a_rejected_schema_is_a_400(stack: Up) -> None:
                              "json_schema": {"name": "x", "schema": {"type": "strin"}}},
         )  # fmt: skip
     assert info.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as info:  # a token id outside the vocabulary
+        client.completions.create(model=MODEL, prompt="hi", logit_bias={"99999999": 5})
+    assert info.value.body["param"] == "logit_bias"
 
 
 def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:

@@ -83,6 +83,7 @@ async def _serve(request: web.Request, record: RequestRecord) -> web.StreamRespo
         else:
             parsed = parse_completion_request(body, served_models=state.served_names)
         record.model, record.stream = parsed.model, parsed.stream
+        check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
         await _check_input(state, parsed.texts(), _input_param(parsed))
         slot = state.admission.try_acquire()
         state.metrics.num_requests_running.inc()
