@@ -127,7 +127,7 @@ class Recording(dict):  # type: ignore[type-arg]
 # One valid value per composite field (scalars get theirs from the declaration).
 SAMPLES: dict[str, Any] = {
     "model": MODEL, "messages": [USER], "stream_options": {"include_usage": True},
-    "stop": ["###"], "stop_token_ids": [2], "prompt": "Once upon", "tools": [], "functions": [],
+    "stop": ["###"], "stop_token_ids": [2], "prompt": "Once upon", "tools": [], "functions": [], "tool_choice": "auto",
     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"type": "integer"}}}}},
     "logit_bias": {"7": -1.5}, "suffix": "",

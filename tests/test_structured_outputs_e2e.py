@@ -222,3 +222,73 @@ def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
     deadline = time.monotonic() + 120  # the launcher restarts it; leave the stack whole
     while time.monotonic() < deadline and f"restarted {victim} (pid " not in stack.stderr():
         time.sleep(0.5)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+                   "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_round_trip(stack: Up, stream: bool) -> None:
+    """required -> a call (its arguments valid), the tool's answer in the history, then a reply;
+    a named choice always calls that function. Streamed: the name comes first, then the
+    arguments, and the choice finishes with tool_calls."""
+    import jsonschema
+
+    client = _client(stack)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def ask(**kw: Any) -> tuple[str | None, list[dict[str, Any]], str]:
+        if not stream:
+            out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                 max_tokens=80, **kw)  # fmt: skip
+            message = out.choices[0].message
+            calls = [c.model_dump() for c in message.tool_calls or []]
+            return message.content, calls, out.choices[0].finish_reason
+        content, calls, reason, order = "", {}, "", []
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                    max_tokens=80, stream=True, **kw):  # fmt: skip
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"id": None, "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})
+                    if delta.id:
+                        call["id"] = delta.id
+                    if delta.function and delta.function.name:
+                        call["function"]["name"] += delta.function.name
+                        order.append("name")
+                    if delta.function and delta.function.arguments:
+                        call["function"]["arguments"] += delta.function.arguments
+                        order.append("arguments")
+                reason = choice.finish_reason or reason
+        if calls:
+            assert order[0] == "name"
+        return content or None, [calls[i] for i in sorted(calls)], reason
+
+    # one call (this small model, never trained on tools, would go on calling if allowed)
+    content, calls, reason = ask(tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                                 parallel_tool_calls=False)  # fmt: skip
+    assert reason == "tool_calls" and len(calls) == 1, content
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        schema = (WEATHER_TOOL if call["function"]["name"] == "get_weather" else TIME_TOOL)
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            schema["function"]["parameters"])  # fmt: skip
+    messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+    messages += [{"role": "tool", "tool_call_id": c["id"], "content": '{"temperature": 18}'}
+                 for c in calls]  # fmt: skip
+    content, calls, reason = ask(tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="none")
+    assert content and not calls and reason in ("stop", "length")
+    content, calls, reason = ask(tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False,
+                                 tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert reason == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_time"]
+    content, calls, reason = ask(tools=[WEATHER_TOOL, TIME_TOOL])  # auto: the model decides
+    assert (reason == "tool_calls") == bool(calls) and (calls or content)

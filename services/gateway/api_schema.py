@@ -55,6 +55,7 @@ CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "developer", "tool
 MAX_INT32 = 2**31 - 1  # the proto width of every token count (max_tokens, top_k, ...)
 MAX_UINT32 = 2**32 - 1  # the proto width of a token id
 MAX_COMPLETION_LOGPROBS = 5
+MAX_TOOLS = 128
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 MODEL_NAME_REF: JsonSchema = {"$ref": "#/components/schemas/ModelName"}
@@ -183,14 +184,19 @@ CONTENT_SCHEMA: JsonSchema = {
 
 CHAT_MESSAGE = Body(
     "ChatMessage",
-    "One conversation turn. Content parts are joined with newlines; unknown keys (tool_calls, "
-    "...) are ignored.",
+    "One conversation turn. Content parts are joined with newlines; unknown keys are ignored.",
     (
         Field("role", "string", "Who speaks.", required=True, enum=CHAT_ROLES),
         Field("content", "json", "The text, or an array of text parts; null only for an "
               "assistant turn (one that only called tools).", schema=CONTENT_SCHEMA),
         Field("name", "string", "An optional participant name, passed to the chat template."),
         Field("tool_call_id", "string", "For a tool message: the call it answers."),
+        Field("tool_calls", "json", "For an assistant message: the calls it made (kept in the "
+              "history the template renders).", schema={"type": "array", "items": {
+                  "type": "object", "required": ["function"], "properties": {
+                      "id": {"type": "string"}, "type": {"const": "function"},
+                      "function": {"type": "object", "required": ["name"], "properties": {
+                          "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}),
     ),
 )  # fmt: skip
 
@@ -344,8 +350,23 @@ CHAT_COMPLETION = Body(
               "when both are set).", minimum=1, maximum=MAX_INT32),
         *SAMPLING_FIELDS,
         _USER,
-        _unsupported("tools", "tool calling"),
-        _unsupported("functions", "function calling"),
+        Field("tools", "json", f"Functions the model may call (at most {MAX_TOOLS}), rendered with "
+              "the model's chat template; its calls come back as message.tool_calls with "
+              "finish_reason tool_calls.", schema={"type": "array", "maxItems": MAX_TOOLS,
+                  "items": {"type": "object", "required": ["type", "function"], "properties": {
+                      "type": {"const": "function"},
+                      "function": {"type": "object", "required": ["name"], "properties": {
+                          "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                          "description": {"type": "string"},
+                          "parameters": {"type": "object"}}}}}}),
+        Field("tool_choice", "json", "none (no tools rendered), auto (the model decides), "
+              "required (always a call) or {\"type\": \"function\", \"function\": "
+              "{\"name\"}} (that call); required and named are enforced by the grammar.",
+              schema={"anyOf": [{"enum": ["none", "auto", "required"]},
+                                {"type": "object", "required": ["type", "function"]}]}),
+        Field("parallel_tool_calls", "boolean", "Allow more than one call per reply (unset: "
+              "allowed)."),
+        _unsupported("functions", "the deprecated function calling; use tools"),
         *STRUCTURED_FIELDS,
     ),
 )  # fmt: skip

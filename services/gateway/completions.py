@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,14 @@ from services.gateway.request_run import RequestRun
 from services.gateway.safety import content_policy_error
 from services.gateway.sse import ClientDisconnected, SSEWriter, current_writer
 from services.gateway.state import STATE_KEY, GatewayState
+from services.gateway.tool_calls import (
+    ToolsRequest,
+    choose_format,
+    hermes_instructions,
+    hermes_text,
+    template_renders_tools,
+    tool_grammar,
+)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 
@@ -147,7 +156,18 @@ async def _tokenize(
 async def _prepare_chat(
     state: GatewayState, req: ChatRequest, info: tokenizer_pb2.ModelInfo, record: RequestRecord
 ) -> _Job:
-    messages = [common_pb2.ChatMessage(role=m.role, content=m.content) for m in req.messages]
+    tools = req.tools if req.tools is not None and req.tools.active else None
+    tool_format = choose_format(state.config.tool_call_parser, info.chat_template) if tools else None
+    messages, tools_json = _chat_messages(req, tools, info.chat_template)
+    params = req.sampling
+    if tools is not None and tools.forced:
+        if params.grammar is not None:
+            raise InvalidArgumentError(
+                "'tool_choice' required or named cannot be combined with another output "
+                "constraint (response_format, structured_outputs).", param="tool_choice",
+                code="invalid_value",
+            )  # fmt: skip
+        params = dataclasses.replace(params, grammar=tool_grammar(tools, tool_format or "hermes"))
     reply = await _tokenize(
         state,
         record,
@@ -156,10 +176,10 @@ async def _prepare_chat(
             add_generation_prompt=True,
             max_tokens=req.max_tokens or 1,
             truncate=state.config.truncate_chats,
+            tools_json=tools_json,
         ),
     )
     ids = tuple(reply.token_ids)
-    params = req.sampling
     if req.max_tokens is None and info.context_length:
         room = info.context_length - len(ids)
         if room < 1:
@@ -170,10 +190,45 @@ async def _prepare_chat(
                 code="context_length_exceeded",
             )
         params = dataclasses.replace(params, max_tokens=room)
-    renderer = ChatRenderer(
-        request_id=record.request_id, model=req.model, n=params.n, logprobs=req.logprobs
-    )
+    renderer = ChatRenderer(request_id=record.request_id, model=req.model, n=params.n,
+                            logprobs=req.logprobs, tool_format=tool_format)  # fmt: skip
     return _Job(ids, params, renderer, req.stream, req.include_usage)
+
+
+def _chat_messages(
+    req: ChatRequest, tools: ToolsRequest | None, chat_template: str
+) -> tuple[list[common_pb2.ChatMessage], str]:
+    """The conversation for the tokenizer, and the tools for its template (JSON; "" for none).
+    A template with no tool support of its own gets the tools as Hermes-style instructions in
+    the system message, earlier calls as ``<tool_call>`` text and tool results as
+    ``<tool_response>`` user turns (Qwen2.5's own layout)."""
+    native = template_renders_tools(chat_template)
+    out: list[common_pb2.ChatMessage] = []
+    for m in req.messages:
+        if native:
+            calls = [common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                     for c in m.tool_calls]  # fmt: skip
+            out.append(common_pb2.ChatMessage(role=m.role, content=m.content, name=m.name or "",
+                                              tool_call_id=m.tool_call_id or "",
+                                              tool_calls=calls))  # fmt: skip
+        elif m.role == "tool":
+            out.append(common_pb2.ChatMessage(
+                role="user", content=f"<tool_response>\n{m.content}\n</tool_response>"))
+        else:
+            content = m.content
+            if m.tool_calls:
+                content = (content + "\n" if content else "") + hermes_text(m.tool_calls)
+            out.append(common_pb2.ChatMessage(role=m.role, content=content, name=m.name or ""))
+    if tools is None:
+        return out, ""
+    if native:
+        return out, json.dumps([t.to_openai() for t in tools.tools])
+    instructions = hermes_instructions(tools.tools)
+    if out and out[0].role == "system":
+        out[0].content = out[0].content + "\n\n" + instructions
+    else:
+        out.insert(0, common_pb2.ChatMessage(role="system", content=instructions))
+    return out, ""
 
 
 async def _prepare_completion(

@@ -94,6 +94,8 @@ class GatewayConfig:
             (``membership.py``).
         truncate_chats: fit long conversations by dropping the oldest turns (docs/request-lifecycle.md, step 3) instead
             of answering 400.
+        tool_call_parser: the model's tool-call format (``tool_calls.TOOL_CALL_PARSERS``;
+            ``auto`` reads it from the chat template).
         vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
             logprob tokens as text; ``None`` renders them as ``token_id:<id>`` (vLLM's style).
         prefill_policy: which prompts go to the prefill pool (conditional disaggregation).
@@ -121,6 +123,7 @@ class GatewayConfig:
     stats_interval_s: float = 1.0
     resolve_interval_s: float = 5.0
     truncate_chats: bool = True
+    tool_call_parser: str = "auto"
     vocab_model: str | None = None
     prefill_policy: PrefillPolicy = field(default_factory=PrefillPolicy)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS

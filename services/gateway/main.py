@@ -43,6 +43,7 @@ from services.gateway.config import (
     GatewayConfig,
     RoutingWeights,
 )
+from services.gateway.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "408 and are disconnected (default %(default)s)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="auto",
+        help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json, "
+        "mistral; auto reads the chat template",
+    )
+    parser.add_argument(
         "--no-truncate",
         action="store_true",
         help="answer 400 for chats longer than the context instead of dropping the oldest turns",
@@ -251,6 +259,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         stats_interval_s=args.stats_interval,
         resolve_interval_s=args.resolve_interval,
         truncate_chats=not args.no_truncate,
+        tool_call_parser=args.tool_call_parser,
         vocab_model=args.model,
         max_migrations=args.max_migrations,
         decode_admission_timeout_s=args.decode_admission_timeout,

@@ -17,8 +17,8 @@ Conventions shared with vLLM:
    ``ChatRequest.max_tokens`` is ``None`` and ``sampling.max_tokens`` holds
    :data:`UNBOUNDED_MAX_TOKENS` until the gateway caps it by the context left after the prompt.
    Completions default to 16 tokens, like OpenAI.
-4. Unknown fields are ignored (clients send many); features Tandem does not implement (tools,
-   suffix, best_of) are rejected with 400 rather than ignored. Output constraints
+4. Unknown fields are ignored (clients send many); features Tandem does not implement
+   (``functions``, suffix, best_of) are rejected with 400 rather than ignored. Output constraints
    (``response_format``, ``structured_outputs``, ``guided_*``) and ``logit_bias`` are
    ``structured_outputs.py``'s.
 
@@ -62,6 +62,12 @@ from services.gateway.openai_fields import (
     require_object,
 )
 from services.gateway.structured_outputs import parse_logit_bias, parse_structured_output
+from services.gateway.tool_calls import (
+    ToolCall,
+    ToolsRequest,
+    parse_message_tool_calls,
+    parse_tools,
+)
 
 UNBOUNDED_MAX_TOKENS = MAX_INT32
 _SAMPLING = {f.name: f for f in SAMPLING_FIELDS}
@@ -78,9 +84,10 @@ class ChatMessage:
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def to_dict(self) -> dict[str, str]:
-        """The ``{role, content[, name]}`` mapping a chat template renders."""
+        """The ``{role, content[, name]}`` mapping a chat template renders (tool calls aside)."""
         out = {"role": self.role, "content": self.content}
         if self.name is not None:
             out["name"] = self.name
@@ -109,10 +116,12 @@ class ChatRequest:
     include_usage: bool = False
     logprobs: bool = False
     user: str | None = None
+    tools: ToolsRequest | None = None
 
     def texts(self) -> tuple[str, ...]:
-        """Every message's text, for the input safety check."""
-        return tuple(m.content for m in self.messages)
+        """Every message's text (and earlier calls' arguments), for the input safety check."""
+        calls = tuple(c.arguments for m in self.messages for c in m.tool_calls)
+        return tuple(m.content for m in self.messages) + calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +156,7 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
     messages = parse_messages(obj)
     _reject_unsupported(obj, CHAT_COMPLETION.unsupported)
     stream, include_usage = _parse_stream(obj)
+    tools = parse_tools(obj)
 
     want_logprobs = get_bool(obj, "logprobs") or False
     top_logprobs = get_int(obj, "top_logprobs")
@@ -179,6 +189,7 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
         include_usage=include_usage,
         logprobs=want_logprobs,
         user=get_str(obj, "user"),
+        tools=tools,
     )
 
 
@@ -265,9 +276,18 @@ def parse_messages(obj: Mapping[str, object]) -> tuple[ChatMessage, ...]:
                 content=content,
                 name=get_str(item, "name", param=f"{param}.name"),
                 tool_call_id=get_str(item, "tool_call_id", param=f"{param}.tool_call_id"),
+                tool_calls=_message_tool_calls(item, role, param),
             )
         )
     return tuple(out)
+
+
+def _message_tool_calls(item: Mapping[str, object], role: str, param: str) -> tuple[ToolCall, ...]:
+    calls = parse_message_tool_calls(item.get("tool_calls"), f"{param}.tool_calls")
+    if calls and role != "assistant":
+        raise InvalidArgumentError("Only assistant messages may carry 'tool_calls'.",
+                                   param=f"{param}.tool_calls", code="invalid_value")  # fmt: skip
+    return calls
 
 
 def _parse_stream(obj: Mapping[str, object]) -> tuple[bool, bool]:

@@ -52,6 +52,7 @@ class ChatChoice:
     text: str
     finish_reason: str
     logprobs: Mapping[str, object] | None = None
+    tool_calls: Sequence[Mapping[str, object]] = ()  # OpenAI tool_call objects; content may be ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,7 @@ def chat_completion_response(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "message": _message(c),
                 "logprobs": None if c.logprobs is None else dict(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
@@ -168,6 +169,16 @@ def chat_completion_response(
     }
 
 
+def _message(choice: ChatChoice) -> JsonDict:
+    """A choice's assistant message: its text, and its tool calls when it made any (content
+    null when the reply was only calls, as OpenAI sends it)."""
+    message: JsonDict = {"role": "assistant", "content": choice.text, "refusal": None}
+    if choice.tool_calls:
+        message["content"] = choice.text or None
+        message["tool_calls"] = [dict(c) for c in choice.tool_calls]
+    return message
+
+
 def chat_completion_chunk(
     *,
     request_id: str,
@@ -176,6 +187,7 @@ def chat_completion_chunk(
     index: int = 0,
     role: str | None = None,
     content: str | None = None,
+    tool_calls: Sequence[Mapping[str, object]] | None = None,
     finish_reason: str | None = None,
     logprobs: Mapping[str, object] | None = None,
     usage: Mapping[str, object] | None = None,
@@ -192,6 +204,8 @@ def chat_completion_chunk(
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_calls is not None:
+        delta["tool_calls"] = [dict(c) for c in tool_calls]
     chunk = _chunk_head(request_id, model, created, "chat.completion.chunk", system_fingerprint)
     chunk["choices"] = [
         {

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceEvent
+from services.gateway.tool_calls import StreamedCalls, ToolCall, parse_calls
 from services.gateway.openai_responses import (
     ChatChoice,
     CompletionChoice,
@@ -79,7 +80,17 @@ class Renderer(ABC):
 
 
 class ChatRenderer(Renderer):
-    """``chat.completion`` / ``chat.completion.chunk``."""
+    """``chat.completion`` / ``chat.completion.chunk``; with ``tool_format`` (tools active), the
+    model's tool-call text becomes ``tool_calls`` and such a choice finishes with
+    ``"tool_calls"``: streamed, each call leaves once complete, its name in one delta and its
+    arguments in the next."""
+
+    def __init__(self, *, request_id: str, model: str, n: int, logprobs: bool,
+                 tool_format: str | None = None) -> None:  # fmt: skip
+        super().__init__(request_id=request_id, model=model, n=n, logprobs=logprobs)
+        self.tool_format = tool_format
+        self._streams = [StreamedCalls(tool_format) for _ in range(n)] if tool_format else []
+        self._call_counts = [0] * n
 
     def _chunk(self, index: int, **fields: Any) -> JsonDict:
         return chat_completion_chunk(
@@ -92,12 +103,33 @@ class ChatRenderer(Renderer):
 
     def event_chunks(self, event: ChoiceEvent) -> list[JsonDict]:
         chunks: list[JsonDict] = []
-        if event.text or event.logprobs:
+        text, calls = event.text, []
+        if self._streams:
+            stream = self._streams[event.index]
+            text, calls = stream.feed(event.text)
+            if event.finish_reason is not None:
+                rest, more = stream.finish()
+                text, calls = text + rest, calls + more
+        if text or event.logprobs:
             lp = chat_logprobs(event.logprobs) if self.logprobs else None
-            chunks.append(self._chunk(event.index, content=event.text, logprobs=lp))
+            chunks.append(self._chunk(event.index, content=text, logprobs=lp))
+        for call in calls:
+            chunks += self._call_chunks(event.index, call)
         if event.finish_reason is not None:
-            chunks.append(self._chunk(event.index, finish_reason=event.finish_reason))
+            reason = event.finish_reason
+            if self._streams and self._streams[event.index].calls and reason == "stop":
+                reason = "tool_calls"
+            chunks.append(self._chunk(event.index, finish_reason=reason))
         return chunks
+
+    def _call_chunks(self, index: int, call: ToolCall) -> list[JsonDict]:
+        """A call as OpenAI streams one: id and name first, then the arguments."""
+        n = self._call_counts[index]
+        self._call_counts[index] += 1
+        head = {"index": n, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+        args = {"index": n, "function": {"arguments": call.arguments}}
+        return [self._chunk(index, tool_calls=[head]), self._chunk(index, tool_calls=[args])]
 
     def usage_chunk(self, usage: Mapping[str, object]) -> JsonDict:
         return chat_usage_chunk(
@@ -105,15 +137,18 @@ class ChatRenderer(Renderer):
         )
 
     def response(self, usage: Mapping[str, object]) -> JsonDict:
-        choices = [
-            ChatChoice(
-                index=i,
-                text=acc.text,
-                finish_reason=acc.finish_reason or "stop",
+        choices = []
+        for i, acc in enumerate(self._choices):
+            text, calls = acc.text, []
+            if self.tool_format:
+                text, calls = parse_calls(acc.text, self.tool_format)
+            reason = acc.finish_reason or "stop"
+            choices.append(ChatChoice(
+                index=i, text=text,
+                finish_reason="tool_calls" if calls and reason == "stop" else reason,
                 logprobs=chat_logprobs(acc.logprobs) if self.logprobs else None,
-            )
-            for i, acc in enumerate(self._choices)
-        ]
+                tool_calls=[c.to_openai() for c in calls],
+            ))  # fmt: skip
         return chat_completion_response(
             request_id=self.request_id,
             model=self.model,

@@ -36,6 +36,7 @@ computed at start-up (see ``main.py``), empty when unknown.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -43,7 +44,7 @@ from typing import Any
 import grpc.aio
 
 from services.common.errors import InvalidArgumentError
-from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.pb import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.context_window import fit_chat, fit_prompt
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import Tokenizer
@@ -98,9 +99,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 )
             return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt_text=request.text)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [_message_dict(m) for m in request.chat.messages]
             return self._tokenize_chat(
                 messages,
+                tools=_tools(request.tools_json),
                 add_generation_prompt=request.add_generation_prompt,
                 max_tokens=max_tokens,
                 context_length=context_length,
@@ -110,14 +112,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def _tokenize_chat(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         *,
+        tools: list[Any] | None,
         add_generation_prompt: bool,
         max_tokens: int,
         context_length: int,
         truncate: bool,
     ) -> tokenizer_pb2.TokenizeResponse:
-        encoder = _RecordingChatEncoder(self._tokenizer, add_generation_prompt)
+        encoder = _RecordingChatEncoder(self._tokenizer, add_generation_prompt, tools)
         if truncate and context_length:
             fitted = fit_chat(
                 encoder, messages, max_tokens=max_tokens, context_length=context_length
@@ -221,18 +224,21 @@ class _RecordingChatEncoder:
     ``add_generation_prompt`` and remembers the text behind each encoding, so the prompt text
     that survived truncation can be returned with its ids."""
 
-    __slots__ = ("_tokenizer", "_add_generation_prompt", "_texts")
+    __slots__ = ("_tokenizer", "_add_generation_prompt", "_tools", "_texts")
 
-    def __init__(self, tokenizer: Tokenizer, add_generation_prompt: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, add_generation_prompt: bool,
+                 tools: list[Any] | None = None) -> None:  # fmt: skip
         self._tokenizer = tokenizer
         self._add_generation_prompt = add_generation_prompt
+        self._tools = tools
         self._texts: dict[tuple[int, ...], str] = {}
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Render and encode ``messages``; the request's generation-prompt flag always wins."""
-        text = self._tokenizer.apply_chat_template(messages, self._add_generation_prompt)
+        extra = {"tools": self._tools} if self._tools else {}
+        text = self._tokenizer.apply_chat_template(messages, self._add_generation_prompt, **extra)
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._texts[tuple(ids)] = text
         return ids
@@ -240,3 +246,39 @@ class _RecordingChatEncoder:
     def text_of(self, ids: Sequence[int]) -> str:
         """The rendered text that encoded to ``ids``."""
         return self._texts[tuple(ids)]
+
+
+def _message_dict(message: common_pb2.ChatMessage) -> dict[str, Any]:
+    """A chat message as templates see it (transformers' form): optional ``name`` and
+    ``tool_call_id``, and an assistant turn's ``tool_calls`` with their arguments as objects."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}}
+            for c in message.tool_calls
+        ]  # fmt: skip
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _tools(tools_json: str) -> list[Any] | None:
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as err:
+        raise InvalidArgumentError(f"tools_json is not JSON: {err}", param="tools") from err
+    if not isinstance(tools, list):
+        raise InvalidArgumentError("tools_json must be a JSON array", param="tools")
+    return tools

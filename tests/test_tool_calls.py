@@ -1,0 +1,159 @@
+"""Tool calling at the gateway, without a model: request parsing, the formats' parsers (whole and
+streamed, fed one character at a time), the renderer's OpenAI shapes, and the grammars that
+enforce ``required`` / named choices (checked with llguidance against the default model's
+tokenizer where it is installed, else against a byte tokenizer of the library)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.errors import InvalidArgumentError
+from services.gateway.choice import ChoiceEvent
+from services.gateway.openai_requests import parse_chat_request
+from services.gateway.renderers import ChatRenderer
+from services.gateway.tool_calls import (
+    StreamedCalls,
+    ToolsRequest,
+    choose_format,
+    parse_calls,
+    parse_tools,
+    tool_grammar,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+SERVED = ["m"]
+
+
+def chat(**fields: object) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_requests_parse() -> None:
+    req = parse_chat_request(chat(tools=[WEATHER, TIME], tool_choice="required",
+                                  parallel_tool_calls=False), served_models=SERVED)  # fmt: skip
+    assert req.tools is not None and req.tools.forced and not req.tools.parallel
+    assert [t.name for t in req.tools.tools] == ["get_weather", "get_time"]
+    named = parse_chat_request(chat(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), served_models=SERVED)
+    assert named.tools is not None and named.tools.choice == "get_weather"
+    history = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]}, served_models=SERVED)
+    assert history.messages[1].tool_calls[0].arguments == '{"city": "Paris"}'
+    assert '{"city": "Paris"}' in history.texts()  # the input filter sees earlier arguments
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "code"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])  # fmt: skip
+def test_bad_tool_requests(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        parse_chat_request(chat(**fields), served_models=SERVED)
+    assert info.value.param == param
+
+
+HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n'
+                "</tool_call>")  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), [
+    ("hermes", HERMES_REPLY, "Let me check.",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+    ("hermes", "No tools needed: it is <b>sunny</b>.", "No tools needed: it is <b>sunny</b>.", []),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', "",
+     [("get_weather", {"city": "Oslo"})]),
+    ("llama3_json", "It is sunny.", "It is sunny.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]', "",
+     [("get_time", {"zone": "UTC"})]),
+])  # fmt: skip
+def test_parsers_whole_and_streamed(fmt: str, text: str, content: str, calls: list[tuple[str, dict[str, object]]]) -> None:  # fmt: skip
+    got_content, got = parse_calls(text, fmt)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    stream = StreamedCalls(fmt)  # one character at a time: every hold-back boundary
+    streamed_text, streamed = "", []
+    for ch in text:
+        piece, done = stream.feed(ch)
+        streamed_text += piece
+        streamed += done
+    piece, done = stream.finish()
+    streamed_text += piece
+    streamed += done
+    assert [(c.name, json.loads(c.arguments)) for c in streamed] == calls
+    assert streamed_text.strip() == content
+
+
+def test_renderer_shapes() -> None:
+    renderer = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes")
+    chunks = []
+    for i in range(0, len(HERMES_REPLY), 7):
+        chunks += renderer.event_chunks(ChoiceEvent(0, HERMES_REPLY[i : i + 7]))
+    chunks += renderer.event_chunks(ChoiceEvent(0, "", finish_reason="stop"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert [c.get("function", {}).get("name") for c in calls[::2]] == ["get_weather", "get_time"]
+    assert [c["index"] for c in calls] == [0, 0, 1, 1] and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Paris"}
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "Let me check."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes")
+    whole.add(ChoiceEvent(0, HERMES_REPLY, finish_reason="stop"))
+    message = whole.response({})["choices"][0]
+    assert message["finish_reason"] == "tool_calls"
+    assert message["message"]["content"] == "Let me check."
+    assert [c["function"]["name"] for c in message["message"]["tool_calls"]] == ["get_weather",
+                                                                               "get_time"]
+
+
+def test_format_from_the_template() -> None:
+    assert choose_format("auto", "{% for m in messages %}{{ m.content }}{% endfor %}") == "hermes"
+    assert choose_format("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert choose_format("auto", "{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
+    assert choose_format("auto", '{% if tools %}<|python_tag|>{"parameters"}{% endif %}') == "llama3_json"
+    assert choose_format("llama3_json", "") == "llama3_json"
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_forcing_grammars_accept_calls_only(fmt: str) -> None:
+    import llguidance
+
+    tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    assert isinstance(tools, ToolsRequest)
+    grammar = tool_grammar(tools, fmt)
+    tokenizer = llguidance.LLTokenizer("byte")  # one token per byte: text in, text checked
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    key = "parameters" if fmt == "llama3_json" else "arguments"
+    call = '{"name": "get_weather", "%s": {"city": "Rome"}}' % key
+    good = f"<tool_call>\n{call}\n</tool_call>" if fmt == "hermes" else call
+    assert accepts(good)
+    assert not accepts("Sure! " + good)  # required: nothing but calls
+    assert not accepts(good.replace("Rome", "Rome\", \"extra\": \"x"))  # parameters' schema
+    named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}})
+    assert named is not None
+    only_time = tool_grammar(named, fmt)
+    matcher = llguidance.LLMatcher(tokenizer, only_time)
+    assert not matcher.consume_tokens(list(good.encode()))
