@@ -157,3 +157,86 @@ def test_forcing_grammars_accept_calls_only(fmt: str) -> None:
     only_time = tool_grammar(named, fmt)
     matcher = llguidance.LLMatcher(tokenizer, only_time)
     assert not matcher.consume_tokens(list(good.encode()))
+
+
+# Qwen2.5's tool-calling chat template (the parts that render tools, calls and tool turns).
+QWEN_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}"
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}"
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_tool_template_renders_as_transformers_does() -> None:
+    """The gateway's messages through the tokenizer service's dicts and our template renderer
+    equal transformers' rendering of the same OpenAI conversation (arguments as objects)."""
+    pytest.importorskip("transformers")
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from services.gateway.completions import _chat_messages
+    from services.tokenizer.chat_template import ChatTemplate
+    from services.tokenizer.servicer import _message_dict, _tools
+
+    req = parse_chat_request({"model": "m", "messages": HISTORY, "tools": [WEATHER, TIME]},
+                             served_models=SERVED)  # fmt: skip
+    assert req.tools is not None
+    messages, tools_json = _chat_messages(req, req.tools, QWEN_TEMPLATE)
+    ours = ChatTemplate(QWEN_TEMPLATE).render([_message_dict(m) for m in messages],
+                                              add_generation_prompt=True, special_tokens={},
+                                              tools=_tools(tools_json))  # fmt: skip
+    reference = [dict(m, content=m["content"] or "") for m in HISTORY]
+    reference[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    (theirs,), _ = render_jinja_template(conversations=[reference], tools=[WEATHER, TIME],
+                                         chat_template=QWEN_TEMPLATE, add_generation_prompt=True)
+    assert ours == theirs
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in ours
+    assert "<tool_response>\n18 C\n</tool_response>" in ours and '"name": "get_time"' in ours
+    assert choose_format("auto", QWEN_TEMPLATE) == "hermes"
+
+
+def test_a_template_without_tools_gets_the_instructions() -> None:
+    from services.gateway.completions import _chat_messages
+
+    req = parse_chat_request({"model": "m", "messages": HISTORY, "tools": [WEATHER]},
+                             served_models=SERVED)  # fmt: skip
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    messages, tools_json = _chat_messages(req, req.tools, plain)
+    assert tools_json == "" and messages[0].role == "system"
+    assert '"name": "get_weather"' in messages[0].content and "<tool_call>" in messages[0].content
+    assert messages[2].content == ('<tool_call>\n{"name": "get_weather", "arguments": '
+                                   '{"city": "Paris"}}\n</tool_call>')  # fmt: skip
+    assert messages[3].role == "user" and "<tool_response>\n18 C" in messages[3].content

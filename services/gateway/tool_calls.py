@@ -44,12 +44,13 @@ class Tool:
     name: str
     description: str
     parameters: Mapping[str, Any]
+    function: Mapping[str, Any] = field(default_factory=dict)  # as the client sent it
 
     def to_openai(self) -> dict[str, Any]:
-        """The ``{"type": "function", "function": {...}}`` object a chat template renders."""
-        function: dict[str, Any] = {"name": self.name, "parameters": dict(self.parameters)}
-        if self.description:
-            function["description"] = self.description
+        """The ``{"type": "function", "function": {...}}`` object a chat template renders: the
+        client's own, key order included (templates print it with ``tojson``)."""
+        function = dict(self.function) or {"name": self.name, "description": self.description,
+                                           "parameters": dict(self.parameters)}  # fmt: skip
         return {"type": "function", "function": function}
 
 
@@ -127,7 +128,7 @@ def parse_tools(obj: Mapping[str, object]) -> ToolsRequest | None:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
             raise invalid_type(f"{param}.function.parameters", "a JSON schema object", parameters)
-        tools.append(Tool(name, description, parameters))
+        tools.append(Tool(name, description, parameters, function))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidArgumentError("Tool names must be unique.", param="tools", code="invalid_value")
