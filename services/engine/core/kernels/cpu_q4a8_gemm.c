@@ -567,15 +567,19 @@ static inline void q6k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec
     }
 }
 
-/* Where a group's inputs go in the permuted row: position 4k + i holds input k + STRIDE * i
+/* Where a group's inputs go in the permuted row: position 4k + i holds input k + stride * i
  * (q8_0 on AVX2: 4k + (0, 2, 1, 3)[i], the order its two loads pair the rows in). */
-static inline int a8_source(int stride, int sub, int p) {
-    (void)sub;
-    if (stride == 1) return p;
-    return p / 4 + stride * (p % 4);
+static inline int a8_source(int format, int stride, int p) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (format == FORMAT_Q8_0) return p / 4 * 4 + (p % 4 == 1 ? 2 : p % 4 == 2 ? 1 : p % 4);
+#else
+    (void)format;
+#endif
+    return stride == 1 ? p : p / 4 + stride * (p % 4);
 }
 
-/* R rows over one tile: the chain described above. q: [R][in] rounded rows (permuted for the
+/* R rows over one tile (only R = 1 is built: more rows take NAME##_a8groups): the chain described
+ * above. q: [R][in] rounded rows (permuted for the
  * format), d: [R][in / 32] their scales, s: [R][in / SUB] d times each group's sum. */
 #define DEFINE_A8ROWS(NAME, R)                                                                    \
     static void NAME##_a8rows_##R(const int8_t *q, int64_t in, const float *d, const float *s,    \
@@ -714,20 +718,21 @@ static const a8format *a8format_of(int format) {
 /* Whether tandem_a8_gemv reads this format's tiles. */
 int tandem_a8_gemv_reads(int format) { return a8format_of(format) != NULL; }
 
-/* The rounded rows q [rows, in] put in the format's step order (a8_source), into out. */
-static void permute_rows(const a8format *f, int format, const int8_t *q, int64_t rows, int64_t in,
-                         int8_t *out) {
-    int source[GROUP];
+/* The rounded rows q [rows, in] put in the format's step order (a8_source) into out; returns q
+ * itself where that order is the inputs' own. */
+static const int8_t *permute_rows(const a8format *f, int format, const int8_t *q, int64_t rows,
+                                  int64_t in, int8_t *out) {
+    int source[GROUP], identity = 1;
     const int sub = (int)f->sub;
     for (int p = 0; p < sub; p++) {
-        source[p] = a8_source(f->stride, sub, p);
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        if (format == FORMAT_Q8_0) source[p] = p / 4 * 4 + (int[]){0, 2, 1, 3}[p % 4];
-#endif
+        source[p] = a8_source(format, f->stride, p);
+        identity &= source[p] == p;
     }
+    if (identity) return q;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i0 = 0; i0 < in; i0 += sub)
             for (int p = 0; p < sub; p++) out[r * in + i0 + p] = q[r * in + i0 + source[p]];
+    return out;
 }
 
 /* x [rows, in] float32 (row stride ldx) rounded to int8 per 32 inputs (quantize_rows), times w,
@@ -748,7 +753,6 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
         free(ds);
         return -1;
     }
-    int8_t *qp = q + rows * in;
     float *d = ds, *s32 = ds + rows * groups, *s = s32 + rows * groups;
     quantize_rows(x, ldx, rows, in, q, d, s32, rows > 1 ? threads : 1);
     if (f->sub == GROUP) {
@@ -761,7 +765,7 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
                 s[r * subs + g] = d[r * groups + g * f->sub / GROUP] * (float)sum;
             }
     }
-    permute_rows(f, format, q, rows, in, qp);
+    const int8_t *qp = permute_rows(f, format, q, rows, in, q + rows * in);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
