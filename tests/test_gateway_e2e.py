@@ -384,7 +384,7 @@ MALFORMED = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}, 400,
      "max_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"x": 1}]}, 400,
-     "tools"),
+     "tools[0]"),
 ]  # fmt: skip
 
 

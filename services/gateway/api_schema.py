@@ -194,7 +194,7 @@ CHAT_MESSAGE = Body(
         Field("tool_calls", "json", "For an assistant message: the calls it made (kept in the "
               "history the template renders).", schema={"type": "array", "items": {
                   "type": "object", "required": ["function"], "properties": {
-                      "id": {"type": "string"}, "type": {"const": "function"},
+                      "id": {"type": ["string", "null"]}, "type": {"const": "function"},
                       "function": {"type": "object", "required": ["name"], "properties": {
                           "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}),
     ),

@@ -168,11 +168,15 @@ def parse_message_tool_calls(raw: object, param: str) -> tuple[ToolCall, ...]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise invalid_type(f"{param}[{i}].function", "an object with a name", function)
         arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments)
+        if not isinstance(arguments, str):  # OpenAI's type: JSON text
+            raise invalid_type(f"{param}[{i}].function.arguments", "a string", arguments)
         call_id = item.get("id")
-        calls.append(ToolCall(function["name"], arguments,
-                              call_id if isinstance(call_id, str) else ToolCall("", "").id))  # fmt: skip
+        if call_id is not None and not isinstance(call_id, str):
+            raise invalid_type(f"{param}[{i}].id", "a string", call_id)
+        if item.get("type", "function") != "function":
+            raise InvalidArgumentError(f"'{param}[{i}].type' must be 'function'.",
+                                       param=f"{param}[{i}].type", code="invalid_value")  # fmt: skip
+        calls.append(ToolCall(function["name"], arguments, call_id or ToolCall("", "").id))
     return tuple(calls)
 
 
@@ -326,7 +330,7 @@ class StreamedCalls:
         while True:
             start = self._pending.find(HERMES_OPEN)
             if start < 0:
-                keep = _partial_suffix(self._pending, HERMES_OPEN)
+                keep = partial_marker(self._pending, HERMES_OPEN)
                 out.append(self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep :]
                 break
@@ -358,8 +362,9 @@ class StreamedCalls:
         return content, calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+def partial_marker(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (the text a
+    stream must hold back: it may yet become the marker)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):
             return size
