@@ -240,3 +240,44 @@ def test_a_template_without_tools_gets_the_instructions() -> None:
     assert messages[2].content == ('<tool_call>\n{"name": "get_weather", "arguments": '
                                    '{"city": "Paris"}}\n</tool_call>')  # fmt: skip
     assert messages[3].role == "user" and "<tool_response>\n18 C" in messages[3].content
+
+
+@pytest.mark.parametrize(("parser", "text", "reasoning", "answer"), [
+    ("qwen3", "<think>\nLet me add.\n2+2=4\n</think>\n\nIt is 4.", "\nLet me add.\n2+2=4\n", "It is 4."),
+    ("qwen3", "It is 4.", "", "It is 4."),
+    ("qwen3", "<think>still thinking", "still thinking", ""),
+    ("deepseek_r1", "Let me add.</think>It is 4.", "Let me add.", "It is 4."),
+    ("deepseek_r1", "<think>Hmm.</think>\nFour.", "Hmm.", "Four."),
+    ("deepseek_r1", "no end in sight", "no end in sight", ""),
+])  # fmt: skip
+def test_reasoning_is_split_whole_and_streamed(parser: str, text: str, reasoning: str, answer: str) -> None:  # fmt: skip
+    from services.gateway.reasoning import ReasoningSplitter, split_reasoning
+
+    assert split_reasoning(text, parser) == (reasoning, answer)
+    splitter = ReasoningSplitter(parser)
+    got_reasoning = got_answer = ""
+    for ch in text:
+        r, a = splitter.feed(ch)
+        got_reasoning, got_answer = got_reasoning + r, got_answer + a
+    r, a = splitter.finish()
+    assert (got_reasoning + r, got_answer + a) == (reasoning, answer)
+
+
+def test_renderer_splits_reasoning_before_tool_calls() -> None:
+    reply = "<think>I should look it up.</think>\n" + HERMES_REPLY
+    streamed = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes",
+                            reasoning="qwen3")  # fmt: skip
+    chunks = []
+    for i in range(0, len(reply), 5):
+        chunks += streamed.event_chunks(ChoiceEvent(0, reply[i : i + 5]))
+    chunks += streamed.event_chunks(ChoiceEvent(0, "", finish_reason="stop"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "I should look it up."
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "Let me check."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes",
+                         reasoning="qwen3")  # fmt: skip
+    whole.add(ChoiceEvent(0, reply, finish_reason="stop"))
+    message = whole.response({})["choices"][0]["message"]
+    assert message["reasoning_content"] == "I should look it up."
+    assert message["content"] == "Let me check." and len(message["tool_calls"]) == 2

@@ -191,7 +191,8 @@ async def _prepare_chat(
             )
         params = dataclasses.replace(params, max_tokens=room)
     renderer = ChatRenderer(request_id=record.request_id, model=req.model, n=params.n,
-                            logprobs=req.logprobs, tool_format=tool_format)  # fmt: skip
+                            logprobs=req.logprobs, tool_format=tool_format,
+                            reasoning=state.config.reasoning_parser)  # fmt: skip
     return _Job(ids, params, renderer, req.stream, req.include_usage)
 
 

@@ -96,6 +96,8 @@ class GatewayConfig:
             of answering 400.
         tool_call_parser: the model's tool-call format (``tool_calls.TOOL_CALL_PARSERS``;
             ``auto`` reads it from the chat template).
+        reasoning_parser: split the reply's thinking into ``reasoning_content``
+            (``reasoning.REASONING_PARSERS``; ``none`` leaves it in the content).
         vocab_model: a ``--model`` value (``default`` or a path) whose vocabulary renders
             logprob tokens as text; ``None`` renders them as ``token_id:<id>`` (vLLM's style).
         prefill_policy: which prompts go to the prefill pool (conditional disaggregation).
@@ -124,6 +126,7 @@ class GatewayConfig:
     resolve_interval_s: float = 5.0
     truncate_chats: bool = True
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "none"
     vocab_model: str | None = None
     prefill_policy: PrefillPolicy = field(default_factory=PrefillPolicy)
     max_migrations: int = DEFAULT_MAX_MIGRATIONS

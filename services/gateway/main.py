@@ -43,6 +43,7 @@ from services.gateway.config import (
     GatewayConfig,
     RoutingWeights,
 )
+from services.gateway.reasoning import REASONING_PARSERS
 from services.gateway.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mistral; auto reads the chat template",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="none",
+        help="split the reply's <think>...</think> into reasoning_content: qwen3 (the reply may "
+        "open a think block), deepseek_r1 (the template opened it)",
+    )
+    parser.add_argument(
         "--no-truncate",
         action="store_true",
         help="answer 400 for chats longer than the context instead of dropping the oldest turns",
@@ -260,6 +268,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         resolve_interval_s=args.resolve_interval,
         truncate_chats=not args.no_truncate,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         vocab_model=args.model,
         max_migrations=args.max_migrations,
         decode_admission_timeout_s=args.decode_admission_timeout,

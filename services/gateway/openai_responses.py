@@ -53,6 +53,7 @@ class ChatChoice:
     finish_reason: str
     logprobs: Mapping[str, object] | None = None
     tool_calls: Sequence[Mapping[str, object]] = ()  # OpenAI tool_call objects; content may be ""
+    reasoning: str | None = None  # reasoning_content (a --reasoning-parser split it off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +174,8 @@ def _message(choice: ChatChoice) -> JsonDict:
     """A choice's assistant message: its text, and its tool calls when it made any (content
     null when the reply was only calls, as OpenAI sends it)."""
     message: JsonDict = {"role": "assistant", "content": choice.text, "refusal": None}
+    if choice.reasoning is not None:
+        message["reasoning_content"] = choice.reasoning
     if choice.tool_calls:
         message["content"] = choice.text or None
         message["tool_calls"] = [dict(c) for c in choice.tool_calls]
@@ -188,6 +191,7 @@ def chat_completion_chunk(
     role: str | None = None,
     content: str | None = None,
     tool_calls: Sequence[Mapping[str, object]] | None = None,
+    reasoning_content: str | None = None,
     finish_reason: str | None = None,
     logprobs: Mapping[str, object] | None = None,
     usage: Mapping[str, object] | None = None,
@@ -206,6 +210,8 @@ def chat_completion_chunk(
         delta["content"] = content
     if tool_calls is not None:
         delta["tool_calls"] = [dict(c) for c in tool_calls]
+    if reasoning_content is not None:
+        delta["reasoning_content"] = reasoning_content
     chunk = _chunk_head(request_id, model, created, "chat.completion.chunk", system_fingerprint)
     chunk["choices"] = [
         {

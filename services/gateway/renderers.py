@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceEvent
+from services.gateway.reasoning import ReasoningSplitter, split_reasoning
 from services.gateway.tool_calls import StreamedCalls, ToolCall, parse_calls
 from services.gateway.openai_responses import (
     ChatChoice,
@@ -86,10 +87,12 @@ class ChatRenderer(Renderer):
     arguments in the next."""
 
     def __init__(self, *, request_id: str, model: str, n: int, logprobs: bool,
-                 tool_format: str | None = None) -> None:  # fmt: skip
+                 tool_format: str | None = None, reasoning: str | None = None) -> None:  # fmt: skip
         super().__init__(request_id=request_id, model=model, n=n, logprobs=logprobs)
         self.tool_format = tool_format
+        self.reasoning = reasoning if reasoning != "none" else None
         self._streams = [StreamedCalls(tool_format) for _ in range(n)] if tool_format else []
+        self._thinking = [ReasoningSplitter(self.reasoning) for _ in range(n)] if self.reasoning else []
         self._call_counts = [0] * n
 
     def _chunk(self, index: int, **fields: Any) -> JsonDict:
@@ -104,9 +107,17 @@ class ChatRenderer(Renderer):
     def event_chunks(self, event: ChoiceEvent) -> list[JsonDict]:
         chunks: list[JsonDict] = []
         text, calls = event.text, []
+        if self._thinking:  # reasoning first; the tool parser sees the answer only
+            splitter = self._thinking[event.index]
+            thought, text = splitter.feed(text)
+            if event.finish_reason is not None:
+                more_thought, more_text = splitter.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought:
+                chunks.append(self._chunk(event.index, reasoning_content=thought))
         if self._streams:
             stream = self._streams[event.index]
-            text, calls = stream.feed(event.text)
+            text, calls = stream.feed(text)
             if event.finish_reason is not None:
                 rest, more = stream.finish()
                 text, calls = text + rest, calls + more
@@ -139,15 +150,18 @@ class ChatRenderer(Renderer):
     def response(self, usage: Mapping[str, object]) -> JsonDict:
         choices = []
         for i, acc in enumerate(self._choices):
-            text, calls = acc.text, []
+            text, calls, thought = acc.text, [], None
+            if self.reasoning:
+                thought, text = split_reasoning(text, self.reasoning)
             if self.tool_format:
-                text, calls = parse_calls(acc.text, self.tool_format)
+                text, calls = parse_calls(text, self.tool_format)
             reason = acc.finish_reason or "stop"
             choices.append(ChatChoice(
                 index=i, text=text,
                 finish_reason="tool_calls" if calls and reason == "stop" else reason,
                 logprobs=chat_logprobs(acc.logprobs) if self.logprobs else None,
                 tool_calls=[c.to_openai() for c in calls],
+                reasoning=thought,
             ))  # fmt: skip
         return chat_completion_response(
             request_id=self.request_id,
