@@ -205,3 +205,29 @@ def test_refusals(stack: Any) -> None:
         engine.add_request("bad-grammar", prompts[0], bad)
     assert info.value.param == "response_format" and "foo" in info.value.message
     assert not engine.has_unfinished()
+
+
+def test_greedy_fast_path_equals_the_masked_argmax(stack: Any) -> None:
+    """Greedy constrained rows keep the plain argmax only where the grammar allows it: the
+    result equals the general path's masked argmax, row by row, wherever the matcher stands."""
+    import torch
+
+    from services.engine.core.sampler import SamplingState
+
+    engine, _, _, tokenizer, _ = stack
+    grammar = _grammar_of(PERSON)
+    prefix = tokenizer.encode('{"name": "Al', add_special_tokens=False)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(5):
+        logits = torch.randn(4, engine.loaded.config.vocab_size, generator=generator)
+        logits[0, prefix[0]] += 50.0  # a row whose argmax is allowed (nothing consumed yet)
+        states = [SamplingState.create(SamplingParams(temperature=0, grammar=grammar), [1])
+                  for _ in range(4)]  # fmt: skip
+        for i, state in enumerate(states):
+            state.matcher = engine.grammars.matcher(grammar)
+            state.matcher.consume_tokens(prefix[: i % 3])
+        fast = engine.sampler(logits, states).token_ids
+        for state in states:  # the fast path computed no mask for the allowed row: fresh state
+            assert not state.matcher.is_error()
+        assert fast == engine.sampler.sample_general(logits, states).token_ids
+        assert fast[0] == prefix[0]

@@ -24,7 +24,8 @@ probabilities, so a seeded request yields the same tokens whatever else shares t
 whatever row index it sits. Unseeded sampling rows get a generator seeded from ``os.urandom``.
 
 Speed: when every row is greedy with no penalties, no active ``min_tokens`` and no logprobs, the
-whole call is one batched argmax (on CPU the fused ops' vectorised one, given by the model runner
+whole call is one batched argmax (a constrained row keeps its argmax where its grammar allows it,
+checked without a mask; the others are masked and argmaxed again) (on CPU the fused ops' vectorised one, given by the model runner
 through :meth:`Sampler.use_argmax`: the same indices as ``torch.argmax``). Otherwise the masks,
 penalties and filters run batched over the rows that need them; the only per-row Python loop is
 the random draw filling ``q``. The general path is also the reference for the fast one (the
@@ -296,12 +297,32 @@ class Sampler:
         if not states:
             return SamplerOutput([], [])
         logits = logits[:, : self.vocab_size]
-        if all(self._plain_greedy(state) for state in states):
+        if all(self._plain_greedy(state, constrained=True) for state in states):
             picked = self._argmax(logits) if self._argmax is not None else None
             if picked is None:
                 picked = logits.argmax(dim=-1)
-            return SamplerOutput(picked.tolist(), [None] * len(states))
+            tokens: list[int] = picked.tolist()
+            if any(state.matcher is not None for state in states):
+                self._greedy_under_grammar(logits, states, tokens)
+            return SamplerOutput(tokens, [None] * len(states))
         return self.sample_general(logits, states)
+
+    def _greedy_under_grammar(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], tokens: list[int]
+    ) -> None:
+        """Greedy constrained rows: the unconstrained argmax stands where the grammar allows it
+        (exactly the masked argmax then: it is the first maximum of all tokens, so of the allowed
+        ones too), checked by the matcher without computing its mask; only the other rows pay
+        for a mask and a masked argmax."""
+        rows = [row for row, state in enumerate(states)
+                if state.matcher is not None and state.matcher.validate_tokens([tokens[row]]) != 1]
+        if not rows:
+            return
+        allowed = self.grammar_masks.take([states[row].matcher for row in rows])
+        sub = logits[torch.tensor(rows, device=logits.device)].float()
+        picked = sub.masked_fill(~allowed.to(sub.device), _NEG_INF).argmax(dim=-1).tolist()
+        for row, token in zip(rows, picked, strict=True):
+            tokens[row] = token
 
     def sample_general(
         self, logits: torch.Tensor, states: Sequence[SamplingState]
@@ -317,14 +338,15 @@ class Sampler:
 
     # ----------------------------------------------------------------------------- stages
 
-    def _plain_greedy(self, state: SamplingState) -> bool:
+    def _plain_greedy(self, state: SamplingState, constrained: bool = False) -> bool:
+        """Greedy with nothing to apply but (with ``constrained``) a grammar."""
         params = state.params
         return (
             params.greedy
             and params.logprobs is None
             and not _has_penalties(params)
             and len(state.output_token_ids) >= params.min_tokens
-            and state.matcher is None
+            and (constrained or state.matcher is None)
             and not params.logit_bias
         )
 
