@@ -216,7 +216,8 @@ def test_half_precision_logits_are_float32_on_rounded_weights(
 
 @pytest.mark.parametrize("name", ["int4", "Q4", "fp8", "", "torch.float32"])
 def test_unknown_dtype_names_are_load_errors(name: str, tiny_llama_dir: Path) -> None:
-    assert set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8"}
+    assert set(DTYPE_CHOICES) == {"auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8",
+                                  "q4_a8_decode"}  # fmt: skip
     with pytest.raises(ModelLoadError, match="unsupported dtype"):
         parse_dtype(name)
     with pytest.raises(ModelLoadError, match="unsupported dtype"):
@@ -452,25 +453,18 @@ def test_smollm2_q4_a8_rounds_prompt_activations_to_int8(  # type: ignore[no-unt
 
 
 @pytest.mark.slow
-def test_smollm2_q4_a8_resumed_requests_continue_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompt tokens' rows and generated tokens' rows each keep one path whatever the step, so a
-    request whose generated tokens are recomputed with its prompt (migrated from a dead decode
-    worker, or preempted) goes on with the tokens it would have produced. Before, any step of 33+
-    prompt-chunk rows rounded all of them, the recomputed outputs too: their KV changed and greedy
-    text diverged after a migration. Checked with float32 decode rows: with the int8 decode kernel
-    (the default) a recomputed token's row meets the prefill attention kernel instead of the decode
-    one, whose last-bit differences int8 rounding can turn into a quantum, and greedy text may then
-    part at a near-tie (the README says so)."""
-    import dataclasses
-
-    import services.engine.core.model_runner as model_runner
-
-    plan = model_runner.pack_plan
-    monkeypatch.setattr(model_runner, "pack_plan", lambda *args, **kwargs: dataclasses.replace(
-        plan(*args, **kwargs), int8_decode=False))  # fmt: skip
+def test_smollm2_q4_a8_resumed_requests_continue_as_before() -> None:
+    """``q4_a8`` (the default) rounds only prompt tokens' rows, so a request whose generated
+    tokens are recomputed with its prompt (migrated from a dead decode worker, or preempted) goes
+    on with the tokens it would have produced. Before, any step of 33+ prompt-chunk rows rounded
+    all of them, the recomputed outputs too: their KV changed and greedy text diverged after a
+    migration. ``q4_a8_decode`` rounds generated rows as well and is opt-in for that reason: a
+    recomputed token meets the prefill attention kernel, whose last-bit differences its int8
+    rounding can turn into a quantum."""
     loaded = load_model("default", "q4_a8")
     engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
     assert not any(layer.int8_decode for layer in linears(loaded))
+    assert not loaded.int8_decode and load_model("default", "q4_a8_decode").int8_decode
     chats, params = CHATS[:3], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     alone = [o.new_token_ids for o in engine.generate(chats, params)]
     for cut in (1, 8, 24):

@@ -429,9 +429,11 @@ def pack_plan(
     *,
     autotune: bool = True,
     int8_activations: bool = False,
+    int8_decode: bool = False,
 ) -> PackPlan | None:
     """The CPU fast paths for this device and activation dtype, or ``None`` to keep ``F.linear``;
-    ``int8_activations`` adds the 4-bit x 8-bit kernel for prompt tokens' rows (``q4_a8``)."""
+    ``int8_activations`` adds the 4-bit x 8-bit kernel for prompt tokens' rows (``q4_a8``),
+    ``int8_decode`` its decode kernel for generated tokens' rows (``q4_a8_decode``)."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
     threads = torch.get_num_threads()
@@ -441,5 +443,5 @@ def pack_plan(
         qkernel=load_cpu_qgemv(),
         autotune=autotune,
         a8kernel=load_cpu_q4a8_gemm() if int8_activations else None,
-        int8_decode=int8_activations,
+        int8_decode=int8_activations and int8_decode,
     )

@@ -44,7 +44,8 @@ class ModelRunner:
         self.device = next(self.model.parameters()).device
         self.graphs: DecodeGraphs | None = None
         self.int8_activations = loaded.int8_activations
-        plan = pack_plan(self.device, loaded.dtype, int8_activations=loaded.int8_activations)
+        plan = pack_plan(self.device, loaded.dtype, int8_activations=loaded.int8_activations,
+                         int8_decode=loaded.int8_decode)  # fmt: skip
         if plan is not None:
             pack_linears(self.model, plan, free_dense=True)
             fused = load_cpu_fused()

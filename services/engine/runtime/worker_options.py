@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 DEFAULT_GRACE_SECONDS = 5.0
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8", "q4_a8_decode")
 # the names services.engine.core.kv_cache.KV_CACHE_DTYPES accepts (kept here for the same reason)
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # --kv-transport: how a request's KV payload travels from prefill to decode (docs/kv-handoff.md)

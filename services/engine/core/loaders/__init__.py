@@ -18,6 +18,10 @@ Weight dtypes (``--dtype``):
   group of 32 for the 4-bit matrices, as llama.cpp does: integer multiply-adds, about twice the
   float32 rate on AVX2; generated tokens' rows stay float32 (also when recomputed). It moves the logits by the
   activations' rounding (measured in the README), the trade llama.cpp makes for every matmul;
+* ``q4_a8_decode``: ``q4_a8``, and generated tokens' rows over int8 activations too (the int8
+  decode kernel, kept per shape where it measured faster): llama.cpp's trade for decode as well,
+  opt-in because a migrated or preempted stream, whose generated tokens are recomputed through
+  the prefill attention kernel, may then leave its greedy text at a near-tie;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
   or AVX-512, the format the checkpoint already stores: ``q4_a8`` for 4-bit GGUFs (``q4`` when the
   8-bit-activation kernel doesn't build), ``q4`` (as stored) for GGUFs of 5- and 6-bit blocks
@@ -60,7 +64,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 HALF_DTYPES = ("bfloat16", "float16")
 QUANT_DTYPES = ("q8_0", "q4")
 # the weights each 8-bit-activation dtype holds (its prompt tokens' rows round x to int8)
-INT8_ACTIVATION_DTYPES = {"q4_a8": "q4"}
+INT8_ACTIVATION_DTYPES = {"q4_a8": "q4", "q4_a8_decode": "q4"}
+INT8_DECODE_DTYPES = ("q4_a8_decode",)  # generated tokens' rows over int8 too (opt-in)
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES, *INT8_ACTIVATION_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 _KEPT_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}  # held as stored by ``q4`` too
@@ -82,6 +87,13 @@ class LoadedModel:
     def int8_activations(self) -> bool:
         """Whether prompt tokens' matmul rows round their inputs to int8 (``q4_a8``)."""
         return self.weight_format in INT8_ACTIVATION_DTYPES
+
+    @property
+    def int8_decode(self) -> bool:
+        """Whether generated tokens' rows round theirs too (``q4_a8_decode``: faster batch-1
+        decode, but a migrated or preempted stream, whose generated tokens are recomputed through
+        the prefill attention kernel, may then part from its greedy text at a near-tie)."""
+        return self.weight_format in INT8_DECODE_DTYPES
 
 
 def parse_dtype(name: str) -> str:
