@@ -142,9 +142,11 @@ def test_parse_returns_valid_instances(stack: Up, prefill: str) -> None:
 def test_vllm_forms_and_logit_bias(stack: Up) -> None:
     client = _client(stack)
     messages = [{"role": "user", "content": "Is the sky blue?"}]
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, n=3,
+                                         temperature=1.0, seed=4,
                                          extra_body={"guided_choice": ["yes", "no", "maybe"]})  # fmt: skip
-    assert out.choices[0].message.content in ("yes", "no", "maybe")
+    assert len(out.choices) == 3  # n choices, each with its own matcher
+    assert all(c.message.content in ("yes", "no", "maybe") for c in out.choices)
     out = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=0,
                                     extra_body={"structured_outputs": {"regex": r" [0-9]{4}\."}})  # fmt: skip
     assert out.choices[0].text[:1] == " " and out.choices[0].text[1:5].isdigit()
