@@ -30,7 +30,7 @@ import pytest
 from services.common.grpc_channel import open_channel
 from services.common.pb import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tests.ports import free_ports
-from tests.up_process import REPO, Up, alive, children_of, port_flags
+from tests.up_process import Up, port_flags, running_up
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,35 +46,10 @@ OUTPUT_TOKENS = 48
 def stack() -> Iterator[Up]:
     """One ``tandem up --prefill 2 --decode 2`` with a gateway for the module, every prompt
     prefilled by the prefill pool (so its routing and its deaths are what is tested)."""
-    import subprocess
-    import sys
-    import tempfile
-
     flags = port_flags(2, 2) + ["--gateway-port", str(free_ports(1)[0])]
-    log = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services", "up", "--gateway", "--prefill", "2", "--decode", "2",
-         "--stop-timeout", "20", "--gateway-args",
-         "--stats-interval 0.2 --remote-prefill-min-tokens 0", *flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-    )  # fmt: skip
-    up = Up(process, log)
-    try:
-        up.wait_ready()
+    with running_up("--prefill", "2", "--decode", "2", "--gateway-args",
+                    "--stats-interval 0.2 --remote-prefill-min-tokens 0", *flags) as up:  # fmt: skip
         yield up
-    finally:
-        leftovers = set(up.child_pids) | (children_of(process.pid) if alive(process.pid) else set())
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for pid in leftovers | children_of(process.pid):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        log.close()
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:

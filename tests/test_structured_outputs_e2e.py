@@ -17,9 +17,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -29,7 +26,7 @@ from typing import Any, Literal
 import pytest
 
 from tests.ports import free_ports
-from tests.up_process import REPO, Up, alive, children_of, port_flags
+from tests.up_process import Up, port_flags, running_up
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,7 +52,7 @@ def _models() -> tuple[type, type]:
         model_config = ConfigDict(extra="forbid")
         name: str = Field(max_length=24)
         age: int = Field(ge=0, le=130)
-        height_m: float
+        height_cm: int = Field(ge=50, le=250)  # a bounded number (a free float may run on)
         role: Literal["engineer", "artist", "pilot"]
         skills: list[str] = Field(min_length=1, max_length=3)
         address: Address
@@ -66,30 +63,10 @@ def _models() -> tuple[type, type]:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Up]:
     flags = port_flags(1, 2) + ["--gateway-port", str(free_ports(1)[0])]
-    log = tempfile.TemporaryFile("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services", "up", "--gateway", "--prefill", "1", "--decode", "2",
-         "--stop-timeout", "20", "--gateway-args",
-         f"--stats-interval 0.2 --remote-prefill-min-tokens {REMOTE_MIN_TOKENS}", *flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-    )  # fmt: skip
-    up = Up(process, log)
-    try:
-        up.wait_ready()
+    with running_up("--prefill", "1", "--decode", "2", "--gateway-args",
+                    f"--stats-interval 0.2 --remote-prefill-min-tokens {REMOTE_MIN_TOKENS}",
+                    *flags) as up:  # fmt: skip
         yield up
-    finally:
-        leftovers = set(up.child_pids) | (children_of(process.pid) if alive(process.pid) else set())
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for pid in leftovers | children_of(process.pid):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        log.close()
 
 
 def _client(stack: Up) -> Any:
@@ -123,12 +100,12 @@ def test_parse_returns_valid_instances(stack: Up, prefill: str) -> None:
     for i, question in enumerate(QUESTIONS):  # the question first: no two share a long prefix
         messages = [{"role": "user", "content": question + " " + suffix}]
         done = client.chat.completions.parse(model=MODEL, messages=messages, response_format=person,
-                                             temperature=0.7, seed=i, max_tokens=200)  # fmt: skip
+                                             temperature=0.7, seed=i, max_tokens=400)  # fmt: skip
         choice = done.choices[0]
         assert choice.finish_reason == "stop", choice.message.content
         assert isinstance(choice.message.parsed, person)
         with client.chat.completions.stream(model=MODEL, messages=messages, response_format=person,
-                                            temperature=0.7, seed=i, max_tokens=200) as stream:  # fmt: skip
+                                            temperature=0.7, seed=i, max_tokens=400) as stream:  # fmt: skip
             final = stream.get_final_completion()
         assert isinstance(final.choices[0].message.parsed, person)
         assert final.choices[0].message.content == choice.message.content  # seeded: the same

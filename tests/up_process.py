@@ -4,6 +4,7 @@ that kills everything a test started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -151,6 +152,34 @@ def start_up() -> Iterator[StartUp]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         up.log.close()
+
+
+@contextlib.contextmanager
+def running_up(*args: str) -> Iterator[Up]:
+    """``tandem up --gateway ARGS`` until ready, for a module's tests; at the end SIGTERM (a
+    clean stop), then SIGKILL to anything of it still alive."""
+    log = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services", "up", "--gateway", "--stop-timeout", "20", *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    up = Up(process, log)
+    try:
+        up.wait_ready()
+        yield up
+    finally:
+        leftovers = set(up.child_pids) | (children_of(process.pid) if alive(process.pid) else set())
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for pid in leftovers | children_of(process.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
 
 
 def assert_all_gone(up: Up, timeout: float = 5.0) -> None:
