@@ -48,13 +48,19 @@ from services.gateway.prefill_policy import PrefillPolicy
 from services.gateway.safety import RuleBasedPolicy
 
 MODEL = "fake-model"
-CONTEXT = 512
+CONTEXT = 2048  # room for the Hermes tool instructions a tools request adds
 DEFAULT_REPLY = "Hello from the fake model, one token per character."
 FRANCE_REPLY = "The capital of France is Paris. It is on the Seine."
 BLOCKS_PER = 4  # tokens per fake KV block
 
 
+# A Hermes tool call whose argument the phrase policy below blocks ("Paris").
+TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
 def reply_for(prompt: str) -> str:
+    if "Weather in the capital" in prompt:
+        return TOOL_REPLY
     return FRANCE_REPLY if "France" in prompt else DEFAULT_REPLY
 
 

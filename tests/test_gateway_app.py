@@ -185,6 +185,38 @@ async def test_input_safety_block(make_stack: StackFactory) -> None:
 
 
 @pytest.mark.parametrize("stream", [True, False])
+async def test_output_safety_filter_sees_tool_arguments(
+    make_stack: StackFactory, stream: bool
+) -> None:
+    """A tool call whose argument the policy blocks leaves as no call at all: the filter reads
+    the model's text before the tool-call parser, so arguments are checked like any text."""
+    stack = await make_stack(policy=PHRASE_POLICY)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    body = {
+        "model": MODEL, "stream": stream, "max_tokens": 200, "tools": [tool],
+        "messages": [{"role": "user", "content": "Weather in the capital of the Seine?"}],
+    }  # fmt: skip
+    status, raw, _ = await post_raw(stack.url + "/v1/chat/completions", body)
+    assert status == 200, raw
+    assert b"Paris" not in raw and b"Par" not in raw
+    if stream:
+        events = sse_events(raw)
+        assert events[-1] == "[DONE]"
+        assert not any(e["choices"][0]["delta"].get("tool_calls") for e in events[:-1] if e["choices"])
+        assert events[-2]["choices"][0]["finish_reason"] == "content_filter"
+    else:
+        choice = json.loads(raw)["choices"][0]
+        assert not choice["message"].get("tool_calls")
+        assert choice["finish_reason"] == "content_filter"
+    # the same call with a harmless argument does come out as a call
+    unblocked = await make_stack(policy={"categories": {"x": {"terms": ["Rome"]}}})
+    status, raw, _ = await post_raw(unblocked.url + "/v1/chat/completions", {**body, "stream": False})
+    call = json.loads(raw)["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+@pytest.mark.parametrize("stream", [True, False])
 async def test_output_safety_block_sends_nothing_unsafe(
     make_stack: StackFactory, stream: bool
 ) -> None:
@@ -416,7 +448,7 @@ MALFORMED = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": 3}, 400, "stop"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2100}]}, 400, "messages"),
 ]  # fmt: skip
 
 
@@ -437,7 +469,7 @@ async def test_malformed_completion_prompts(make_stack: StackFactory) -> None:
     stack = await make_stack()
     url = stack.url + "/v1/completions"
     for prompt, param in ((None, "prompt"), ("", "prompt"), ([0x110000], "prompt"),
-                          ([1] * 600, "prompt")):  # fmt: skip
+                          ([1] * 2100, "prompt")):  # fmt: skip
         got, raw, _ = await post_raw(url, {"model": MODEL, "prompt": prompt})
         assert got == 400, raw
         assert json.loads(raw)["error"]["param"] == param

@@ -231,3 +231,26 @@ def test_greedy_fast_path_equals_the_masked_argmax(stack: Any) -> None:
             assert not state.matcher.is_error()
         assert fast == engine.sampler.sample_general(logits, states).token_ids
         assert fast[0] == prefix[0]
+
+
+def test_stop_token_is_not_part_of_the_text(stack: Any) -> None:
+    """With special tokens kept in the text (what tool requests ask for, so markers survive),
+    the EOS or stop token that ended a reply is still not part of it, as in vLLM."""
+    engine, _, text, tokenizer, prompts = stack
+    params = SamplingParams(temperature=0.0, max_tokens=24, skip_special_tokens=False)
+    (free,) = _run(engine, text, prompts[:1], params)
+    ids = list(free.new_token_ids)
+    stop = ids[6]
+    cut = ids.index(stop)
+    (stopped,) = _run(engine, text, prompts[:1],
+                      SamplingParams(temperature=0.0, max_tokens=24, skip_special_tokens=False,
+                                     stop_token_ids=(stop,)))  # fmt: skip
+    assert stopped.finish_reason == "stop" and list(stopped.new_token_ids) == ids[: cut + 1]
+    assert stopped.text == tokenizer.decode(ids[:cut], skip_special_tokens=False)
+    eos = engine.eos_token_ids
+    end = min(eos)  # made the likeliest token once min_tokens allows it
+    (ended,) = _run(engine, text, prompts[:1],
+                    SamplingParams(temperature=0.0, max_tokens=40, min_tokens=3,
+                                   skip_special_tokens=False, logit_bias=((end, 100.0),)))
+    assert ended.finish_reason == "stop" and list(ended.new_token_ids)[3:] == [end]
+    assert not any(tokenizer.decode([t], skip_special_tokens=False) in ended.text for t in eos)

@@ -132,31 +132,63 @@ def test_format_from_the_template() -> None:
     assert choose_format("llama3_json", "") == "llama3_json"
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
 def test_forcing_grammars_accept_calls_only(fmt: str) -> None:
     import llguidance
 
-    tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required",
+                         "parallel_tool_calls": False})  # fmt: skip
     assert isinstance(tools, ToolsRequest)
     grammar = tool_grammar(tools, fmt)
     tokenizer = llguidance.LLTokenizer("byte")  # one token per byte: text in, text checked
 
-    def accepts(text: str) -> bool:
+    def accepts(text: str, grammar: str = grammar) -> bool:
         matcher = llguidance.LLMatcher(tokenizer, grammar)
         return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
 
     key = "parameters" if fmt == "llama3_json" else "arguments"
     call = '{"name": "get_weather", "%s": {"city": "Rome"}}' % key
-    good = f"<tool_call>\n{call}\n</tool_call>" if fmt == "hermes" else call
+    good = {"hermes": f"<tool_call>\n{call}\n</tool_call>", "llama3_json": call,
+            "mistral": f"[TOOL_CALLS][{call}]"}[fmt]  # fmt: skip
     assert accepts(good)
+    assert parse_calls(good, fmt)[1][0].name == "get_weather"
     assert not accepts("Sure! " + good)  # required: nothing but calls
     assert not accepts(good.replace("Rome", "Rome\", \"extra\": \"x"))  # parameters' schema
+    if fmt == "mistral":  # one call unless parallel calls are allowed
+        two = f"[TOOL_CALLS][{call}, {call}]"
+        assert not accepts(two)
+        parallel = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
+        assert parallel is not None and accepts(two, tool_grammar(parallel, fmt))
     named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {
         "type": "function", "function": {"name": "get_time"}}})
     assert named is not None
     only_time = tool_grammar(named, fmt)
     matcher = llguidance.LLMatcher(tokenizer, only_time)
     assert not matcher.consume_tokens(list(good.encode()))
+
+
+def test_mistral_marker_is_its_special_token() -> None:
+    """Where ``[TOOL_CALLS]`` is one special token (Mistral's tokenizers), a forced call starts
+    with that token, not the marker spelled out in text pieces."""
+    import llguidance
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from services.common.model_source import resolve_model
+    from services.tokenizer.tokenizer import Tokenizer
+
+    hf = HFTokenizer.from_str(Tokenizer.load(resolve_model("default")).to_json())
+    hf.add_special_tokens(["[TOOL_CALLS]"])
+    mark = hf.token_to_id("[TOOL_CALLS]")
+    tokenizer = llguidance.LLTokenizer(hf.to_str(), n_vocab=hf.get_vocab_size())
+    tools = parse_tools({"tools": [WEATHER], "tool_choice": "required"})
+    assert tools is not None
+    grammar = tool_grammar(tools, "mistral", {"[TOOL_CALLS]": mark})
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    assert matcher.validate_tokens([mark]) == 1
+    assert matcher.validate_tokens([hf.token_to_id("[")]) == 0
+    body = hf.encode('[{"name": "get_weather", "arguments": {"city": "Rome"}}]',
+                     add_special_tokens=False).ids  # fmt: skip
+    assert matcher.consume_tokens([mark, *body]) and matcher.is_accepting()
 
 
 # Qwen2.5's tool-calling chat template (the parts that render tools, calls and tool turns).

@@ -167,7 +167,10 @@ async def _prepare_chat(
                 "constraint (response_format, structured_outputs).", param="tool_choice",
                 code="invalid_value",
             )  # fmt: skip
-        params = dataclasses.replace(params, grammar=tool_grammar(tools, tool_format or "hermes"))
+        grammar = tool_grammar(tools, tool_format or "hermes", info.special_tokens)
+        params = dataclasses.replace(params, grammar=grammar)
+    if tools is not None:  # the call markers may be special tokens (Mistral's, Llama's tag)
+        params = dataclasses.replace(params, skip_special_tokens=False)
     reply = await _tokenize(
         state,
         record,

@@ -219,23 +219,34 @@ def hermes_text(calls: Sequence[ToolCall]) -> str:
                      f"{c.arguments}}}\n{HERMES_CLOSE}" for c in calls)  # fmt: skip
 
 
-def tool_grammar(request: ToolsRequest, fmt: str) -> str:
+def tool_grammar(
+    request: ToolsRequest, fmt: str, special_tokens: Mapping[str, int] | None = None
+) -> str:
     """The llguidance grammar that makes the reply a call (``required``: any tool; a name:
-    that one), with arguments valid against the tool's ``parameters``."""
+    that one), with arguments valid against the tool's ``parameters``. ``special_tokens`` (the
+    tokenizer's text -> id) says whether Mistral's ``[TOOL_CALLS]`` is one token (then the
+    grammar asks for that token, as the model was trained to write it) or plain text."""
     import llguidance
 
     tools = [t for t in request.tools if request.choice in ("required", t.name)]
     key = "parameters" if fmt == "llama3_json" else "arguments"
-    schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
-                                                          key: dict(t.parameters)},
-                         "required": ["name", key], "additionalProperties": False}
-                        for t in tools]}  # fmt: skip
-    call = f"%json {json.dumps(schema)}"
+    schema: dict[str, Any] = {
+        "anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
+                                                     key: dict(t.parameters)},
+                   "required": ["name", key], "additionalProperties": False} for t in tools]
+    }  # fmt: skip
     if fmt == "hermes":
-        call = f'"{HERMES_OPEN}\\n" {call} "\\n{HERMES_CLOSE}"'
+        call = f'"{HERMES_OPEN}\\n" %json {json.dumps(schema)} "\\n{HERMES_CLOSE}"'
         start = 'call ("\\n" call)*' if request.parallel else "call"
     elif fmt == "llama3_json":
-        start = "call"
+        call, start = f"%json {json.dumps(schema)}", "call"
+    elif fmt == "mistral":
+        array = {"type": "array", "items": schema, "minItems": 1}
+        if not request.parallel:
+            array["maxItems"] = 1
+        mark_id = (special_tokens or {}).get(MISTRAL_MARK)
+        mark = f"<[{mark_id}]>" if mark_id is not None else json.dumps(MISTRAL_MARK)
+        call, start = f"%json {json.dumps(array)}", f"{mark} call"
     else:
         raise InvalidArgumentError(f"tool_choice {request.choice!r} cannot be enforced for the "
                                    f"{fmt} format; use 'auto'", param="tool_choice")  # fmt: skip

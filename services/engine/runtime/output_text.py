@@ -26,6 +26,7 @@ class OutputText:
     def __init__(self, tokenizer: Decoder) -> None:
         self.tokenizer = tokenizer
         self._streams: dict[str, IncrementalDetokenizer] = {}
+        self._params: dict[str, SamplingParams] = {}
 
     def start(
         self,
@@ -47,13 +48,17 @@ class OutputText:
         for token in resume_output_ids:
             stream.push([token])
         self._streams[request_id] = stream
+        self._params[request_id] = params
 
     def apply(self, out: RequestOutput, engine: LLMEngine) -> None:
         """Fill ``out.text``; a completed stop string finishes the request (reason "stop")."""
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        for token in out.new_token_ids:
+        tokens = out.new_token_ids
+        if out.finish_reason == "stop" and tokens and self._stops(out.request_id, tokens[-1], engine):
+            tokens = tokens[:-1]  # as vLLM: the EOS / stop token is not part of the text
+        for token in tokens:
             delta = stream.push([token])
             out.text += delta.text
             if delta.stopped:
@@ -65,10 +70,20 @@ class OutputText:
             if not stream.stopped:
                 out.text += stream.flush()
             del self._streams[out.request_id]
+            self._params.pop(out.request_id, None)
 
     def drop(self, request_id: str) -> None:
         """Forget a request that ended without a finished output (cancelled before any step)."""
         self._streams.pop(request_id, None)
+        self._params.pop(request_id, None)
+
+    def _stops(self, request_id: str, token: int, engine: LLMEngine) -> bool:
+        """Whether ``token`` ended its request as a stop token (EOS or ``stop_token_ids``)."""
+        params = self._params.get(request_id)
+        if params is None:
+            return False
+        eos = token in engine.eos_token_ids and not params.ignore_eos
+        return eos or token in params.stop_token_ids
 
     def __len__(self) -> int:
         return len(self._streams)
