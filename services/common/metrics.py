@@ -23,7 +23,7 @@ and queries count tokens (as vLLM v1 does), so ``hits / queries`` is the token h
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -35,6 +35,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -265,6 +266,9 @@ class TandemMetrics:
             registry=r,
         )
 
+        self._engine_phases = _EnginePhases()
+        r.register(self._engine_phases)
+
         # Known label values start at 0, so rate() and dashboards see them before the first event.
         for reason in FINISHED_REASONS:
             self.request_success.labels(finished_reason=reason)
@@ -276,6 +280,14 @@ class TandemMetrics:
             self.prefill_path.labels(path=path)
         for reason in KV_TRANSFER_FAILURE_REASONS:
             self.kv_transfer_failures.labels(reason=reason)
+
+    def watch_engine_phases(
+        self, read: Callable[[], tuple[Mapping[str, float], int]] | None
+    ) -> None:
+        """Export ``tandem:engine_thread_seconds_total{phase}`` and
+        ``tandem:engine_steps_total`` from ``read()`` (the engine thread's
+        :class:`~services.engine.core.step_phases.StepPhases`) at every scrape; ``None`` stops."""
+        self._engine_phases.read = read
 
     def record_throttled(self, code: str | None) -> None:
         """Count one HTTP 429 answer; codes outside :data:`THROTTLE_CODES` count as ``other``."""
@@ -300,6 +312,32 @@ class TandemMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus text format, for a ``/metrics`` response body."""
         return generate_latest(self.registry)
+
+
+class _EnginePhases:
+    """A collector of the engine thread's seconds per phase, read when scraped (the engine
+    thread keeps plain floats; nothing on its hot path touches prometheus_client)."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[Mapping[str, float], int]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        read = self.read
+        if read is None:
+            return
+        family = CounterMetricFamily(
+            "tandem:engine_thread_seconds",
+            "Wall seconds of the worker's engine thread by phase: schedule, inputs, forward, "
+            "sample, postprocess (in the engine step), commands, outputs, publish, idle (around "
+            "it). bench/serve_profile.py reads it.",
+            labels=["phase"],
+        )
+        seconds, steps = read()
+        for phase, value in seconds.items():
+            family.add_metric([phase], value)
+        yield family
+        yield CounterMetricFamily("tandem:engine_steps", "Engine steps that ran a batch.",
+                                  value=steps)  # fmt: skip
 
 
 def metrics_handler(metrics: TandemMetrics) -> Callable[[web.Request], Awaitable[web.Response]]:

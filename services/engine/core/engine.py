@@ -44,6 +44,7 @@ from services.engine.core.sampler import (
 )
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Sequence
+from services.engine.core.step_phases import StepPhases
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ class LLMEngine:
         )
         self.sampler = Sampler(model_cfg.vocab_size, tuple(self.eos_token_ids))
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
-        self.runner = ModelRunner(loaded, self.kv, self.sampler)
+        self.phases = StepPhases()  # the engine thread's time per phase (see step_phases)
+        self.runner = ModelRunner(loaded, self.kv, self.sampler, self.phases)
         if graphs:
             self.runner.capture_decode_graphs(
                 max_batch=self.config.max_num_seqs,
@@ -253,13 +255,18 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, post-process. Returns outputs of requests that moved."""
+        phases = self.phases
+        phases.start()
         outputs, self._finished = self._finished, []
         batch = self.scheduler.schedule()
         if batch is None:
             outputs.extend(self._fail_unschedulable())
+            phases.lap("schedule")
             return outputs
         self.sampler.prepare([item.seq.sampling for item in batch.items if item.sample])
-        sampled = self.runner.execute(batch)
+        phases.steps += 1
+        phases.lap("schedule")
+        sampled = self.runner.execute(batch)  # laps inputs, forward, sample
         row = 0
         for item in batch.items:
             seq = item.seq
@@ -279,6 +286,7 @@ class LLMEngine:
             self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
             row += 1
             outputs.append(out)
+        phases.lap("postprocess")
         return outputs
 
     def generate(

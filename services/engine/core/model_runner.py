@@ -30,16 +30,20 @@ from services.engine.core.models import CausalLM
 from services.engine.core.sampler import Sampler, SamplerOutput
 from services.engine.core.scheduler import ScheduledBatch
 from services.engine.core.sequence import Sequence
+from services.engine.core.step_phases import StepPhases
 
 
 class ModelRunner:
     """Runs scheduled batches of a loaded model against a KV pool."""
 
-    def __init__(self, loaded: LoadedModel, kv: KVPool, sampler: Sampler) -> None:
+    def __init__(
+        self, loaded: LoadedModel, kv: KVPool, sampler: Sampler, phases: StepPhases | None = None
+    ) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.kv = kv
         self.sampler = sampler
+        self.phases = phases or StepPhases()  # on a GPU "forward" is the launch, "sample" syncs
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
         self.graphs: DecodeGraphs | None = None
@@ -118,15 +122,21 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         rows = prompt_token_rows(query_lens, prompt_counts, self.device) if self.int8_activations else False
+        phases = self.phases
+        phases.lap("inputs")
         with int8_rows(rows):
             hidden = self.model(ids, pos, self.kv, meta)
         if not sample_rows:
+            phases.lap("forward")
             return None
         if len(sample_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(sample_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
+        phases.lap("forward")
         states = [item.seq.sampling for item in batch.items if item.sample]
-        return self.sampler(logits, states)
+        sampled = self.sampler(logits, states)
+        phases.lap("sample")
+        return sampled
 
     def _replay_decode(self, batch: ScheduledBatch) -> SamplerOutput | None:
         """A decode step through a captured graph; None when none fits (run it eagerly)."""
@@ -143,7 +153,10 @@ class ModelRunner:
         if len(rows) < len(seqs):
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        return self.sampler(logits, [batch.items[i].seq.sampling for i in rows])
+        self.phases.lap("forward")  # a replay's inputs are copied inside the graph's run
+        sampled = self.sampler(logits, [batch.items[i].seq.sampling for i in rows])
+        self.phases.lap("sample")
+        return sampled
 
     TUNE_CONTEXT = 128  # tokens each timed sequence attends to
     # The one call and the per-op path run the same kernels (same bits); the one call only saves

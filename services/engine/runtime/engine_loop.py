@@ -92,6 +92,8 @@ class EngineLoop:
         self._num_steps = 0
         self._max_batch = 0
         self._publisher = StatsPublisher(engine, metrics)
+        if metrics is not None:
+            metrics.watch_engine_phases(engine.phases.read)
         self._stats = self._publisher.publish(num_held_requests=0, num_steps=0, max_batch_size=0)
 
     # ------------------------------------------------------------------ lifecycle
@@ -306,6 +308,8 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         engine = self.engine
+        phases = engine.phases  # the engine charges its step's phases, this loop the rest
+        phases.start()
         while True:
             with self._cond:
                 while not self._commands and not self._stopping and not engine.has_unfinished():
@@ -313,6 +317,7 @@ class EngineLoop:
                 commands, self._commands = self._commands, deque()
                 if self._stopping and not commands:
                     break
+            phases.lap("idle")
             results: list[tuple[concurrent.futures.Future, bool, object]] = []
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
@@ -320,16 +325,19 @@ class EngineLoop:
                         results.append((future, True, fn()))
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
                         results.append((future, False, exc))
+            phases.lap("commands")
             ran = self._step() if engine.has_unfinished() else True
             # Publish first, then answer: whoever sees a result or an output sees stats at
             # least as new as the state that produced it.
             self._publish()
+            phases.lap("publish")
             for future, ok, value in results:
                 if ok:
                     future.set_result(value)
                 else:
                     future.set_exception(value)  # type: ignore[arg-type]
             self._flush()
+            phases.lap("outputs")
             if not ran:
                 with self._cond:
                     if not self._commands and not self._stopping:
@@ -349,6 +357,7 @@ class EngineLoop:
         self._max_batch = max(self._max_batch, sampled)
         for out in outputs:
             self._deliver(out, sampled_here=True)
+        self.engine.phases.lap("outputs")
         return bool(outputs) or bool(self.engine.scheduler.running)
 
     def _deliver(self, out: RequestOutput, *, sampled_here: bool) -> None:
@@ -369,12 +378,19 @@ class EngineLoop:
         self._outbox.append((rid, sink, out))
 
     def _flush(self) -> None:
+        """Hand the step's outputs to their consumers: one wake-up per event loop per step
+        (``call_soon_threadsafe`` writes the loop's self-pipe each time), not one per request."""
         outbox, self._outbox = self._outbox, []
-        for rid, sink, item in outbox:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestSink, object]]] = {}
+        for _, sink, item in outbox:
+            by_loop.setdefault(sink.loop, []).append((sink, item))  # type: ignore[arg-type]
+        for loop, items in by_loop.items():
             try:
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
-            except RuntimeError:  # the consumer's event loop is closed
-                self._cancel(rid, sink)
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumers' event loop is closed
+                for rid, sink, _ in outbox:
+                    if sink.loop is loop:
+                        self._cancel(rid, sink)
 
     def _cancel(self, request_id: str, sink: RequestSink) -> None:
         """The consumer of ``sink`` left: abort its request and free what it still holds."""
@@ -422,6 +438,12 @@ class EngineLoop:
             num_held_requests=len(self._held), num_steps=self._num_steps,
             max_batch_size=self._max_batch,
         )
+
+
+def _put_all(items: list[tuple[RequestSink, object]]) -> None:
+    """On a consumer's event loop: queue each output for its request."""
+    for sink, item in items:
+        sink.queue.put_nowait(item)
 
 
 def _stop_when_built(built: concurrent.futures.Future[EngineLoop]) -> None:
