@@ -473,6 +473,22 @@ def test_a_refused_ignore_eos_is_dropped_at_warmup(
     assert "the server refused `ignore_eos`" in capsys.readouterr().out
 
 
+@needs_default_model
+def test_extra_body_reaches_every_request(tmp_path: Path) -> None:
+    with FakeServer() as server:
+        code = tandem_main([
+            "--log-level", "ERROR", "bench", "serve", "--compare", f"s={server.url}@m1",
+            "--input-tokens", "4", "--output-tokens", "3", "--num-prompts", "2",
+            "--concurrency", "1", "--no-progress", "--output-dir", str(tmp_path),
+            "--extra-body", '{"response_format": {"type": "json_object"}, "top_k": 5}',
+        ])  # fmt: skip
+        bodies = server.bodies
+    assert code == 0 and len(bodies) == 3  # the warm-up and two requests
+    assert all(b["response_format"] == {"type": "json_object"} and b["top_k"] == 5 for b in bodies)
+    assert tandem_main(["bench", "serve", "--base-url", "http://a", "--extra-body", "[1]"]) == 2
+    assert tandem_main(["bench", "serve", "--base-url", "http://a", "--extra-body", "{x"]) == 2
+
+
 async def test_a_server_that_is_not_there_is_a_connection_error() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

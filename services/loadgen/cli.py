@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -73,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                       help="send ignore_eos: true so every request produces max_tokens tokens "
                       "(default yes)")
+    work.add_argument("--extra-body", metavar="JSON",
+                      help='a JSON object merged into every request, e.g. '
+                           '\'{"response_format": {"type": "json_object"}}\'')
     work.add_argument("--temperature", type=float, default=0.0, metavar="T",
                       help="default 0 (greedy)")
     work.add_argument("--prompts-file", metavar="F.jsonl",
@@ -108,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     slo = Slo.parse(args.slo) if args.slo else None
     options = ClientOptions(endpoint=args.endpoint, api_key=args.api_key,
                             ignore_eos=args.ignore_eos, temperature=args.temperature,
-                            timeout_s=args.timeout)  # fmt: skip
+                            timeout_s=args.timeout,
+                            extra_body=_extra_body(args.extra_body))  # fmt: skip
     tokenizer = Tokenizer.load(resolve_model(args.tokenizer))
     workload = _workload(args, tokenizer)
     level_specs = [workload.level(position) for position in range(len(levels))]
@@ -120,6 +126,19 @@ def run(args: argparse.Namespace) -> int:
     if args.output_dir is not None:
         _write_outputs(args, runs, levels, slo, tokenizer.name, text)
     return 0
+
+
+def _extra_body(raw: str | None) -> dict[str, Any]:
+    """``--extra-body``: a JSON object merged into every request's body."""
+    if raw is None:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise InvalidArgumentError("--extra-body must be a JSON object")
+    return obj
 
 
 def _targets(args: argparse.Namespace) -> list[Target]:
@@ -232,7 +251,8 @@ def _header(args: argparse.Namespace, runs: Sequence[ServerRun], tokenizer: str)
     lines = [
         f"tandem bench serve: {args.endpoint} endpoint, {work}, max_tokens {args.output_tokens}"
         f"{_stdev(args.output_tokens_stdev)}, ignore_eos {'on' if args.ignore_eos else 'off'}, "
-        f"{args.num_prompts} requests per level, {args.warmup} warm-up",
+        f"{args.num_prompts} requests per level, {args.warmup} warm-up"
+        + (f", extra body {args.extra_body}" if args.extra_body else ""),
     ]
     lines += [f"- {run.name}: {run.base_url}, model {run.model}" if run.name != run.base_url
               else f"- {run.base_url}, model {run.model}" for run in runs]  # fmt: skip

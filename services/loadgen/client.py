@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +53,7 @@ class ClientOptions:
     ignore_eos: bool = True
     temperature: float = 0.0
     timeout_s: float = 300.0
+    extra_body: Mapping[str, Any] = field(default_factory=dict)  # merged into every body
 
 
 @dataclass(slots=True)
@@ -108,6 +109,7 @@ class StreamingClient:
         )
         if self._options.ignore_eos:
             body["ignore_eos"] = True
+        body.update(self._options.extra_body)
         for name in self.dropped:
             body.pop(name, None)
         return body
