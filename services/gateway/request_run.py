@@ -36,6 +36,9 @@ class _ChoiceEnded:
     error: BaseException | None = None
 
 
+_GONE = object()  # queued when the client disconnects
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The sampling parameters of choice ``index``: one sequence, seed offset by the index."""
     seed = params.seed
@@ -55,7 +58,7 @@ class RequestRun:
         prompt_ids: tuple[int, ...],
         params: SamplingParams,
     ) -> None:
-        self._queue: asyncio.Queue[ChoiceEvent | _ChoiceEnded] = asyncio.Queue()
+        self._queue: asyncio.Queue[ChoiceEvent | _ChoiceEnded | object] = asyncio.Queue()
         self.choices = [
             ChoiceRun(
                 deps,
@@ -69,6 +72,7 @@ class RequestRun:
         ]
         self._tasks: list[asyncio.Task[None]] = []
         self._running = 0
+        self._watched: asyncio.Future[object] | None = None
 
     @property
     def stats(self) -> list[ChoiceStats]:
@@ -105,19 +109,20 @@ class RequestRun:
         return None
 
     async def _get(self, disconnected: asyncio.Future[object] | None) -> ChoiceEvent | _ChoiceEnded:
-        if not self._queue.empty() or disconnected is None:
-            return await self._queue.get()
-        if disconnected.done():
+        if disconnected is not None and disconnected is not self._watched:
+            # Once per request: the client going away puts a marker in the queue, so each event
+            # is one queue get (racing a second future per token cost a task per token).
+            self._watched = disconnected
+            disconnected.add_done_callback(self._on_disconnect)
+        item = await self._queue.get()
+        if item is _GONE:
+            self._queue.put_nowait(_GONE)  # every later call raises too
             raise ClientDisconnected("client disconnected")
-        get = asyncio.ensure_future(self._queue.get())
-        try:
-            await asyncio.wait({get, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not get.done():
-                get.cancel()
-        if get.done() and not get.cancelled():
-            return get.result()
-        raise ClientDisconnected("client disconnected")
+        return item  # type: ignore[return-value]
+
+    def _on_disconnect(self, disconnected: asyncio.Future[object]) -> None:
+        if not disconnected.cancelled():  # cancelled: the handler finished, nobody left
+            self._queue.put_nowait(_GONE)
 
     async def close(self) -> None:
         """Cancel every choice still running and wait for them to finish cancelling."""
