@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 from collections import deque
@@ -294,11 +295,20 @@ class EngineLoop:
         done = False
         try:
             await self.call(start)
+            behind: object | None = None  # taken while coalescing, not yet handled
             while not done:
-                item = await sink.queue.get()
+                item, behind = (behind if behind is not None else await sink.queue.get()), None
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                # A consumer that fell behind (a busy server thread) takes the outputs queued
+                # meanwhile as one: one message for several steps instead of one per step.
+                while not item.finished and not sink.queue.empty():
+                    nxt = sink.queue.get_nowait()
+                    if not isinstance(nxt, RequestOutput):
+                        behind = nxt
+                        break
+                    item = _merged(item, nxt)
                 done = item.finished
                 yield item
         finally:
@@ -438,6 +448,16 @@ class EngineLoop:
             num_held_requests=len(self._held), num_steps=self._num_steps,
             max_batch_size=self._max_batch,
         )
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (``then``'s state, both steps' tokens)."""
+    return dataclasses.replace(
+        then,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        new_logprobs=first.new_logprobs + then.new_logprobs,
+        text=first.text + then.text,
+    )
 
 
 def _put_all(items: list[tuple[RequestSink, object]]) -> None:
