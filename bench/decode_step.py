@@ -49,10 +49,12 @@ def step_ms(engine: LLMEngine, steps: int, round_: int) -> float:
 
 
 def one_call_off(loaded: LoadedModel) -> KernelRegimes:
-    """Turn the one-call decode layers off (the per-op path runs); returns the regimes to restore."""
+    """Turn the one-call decode layers off (the per-op path runs); returns the regimes to
+    restore."""
     model = loaded.model
     saved = model.decode_layers_regimes
-    model.decode_layers_regimes = KernelRegimes(rows=saved.rows, use_kernel=(False,) * len(saved.rows))
+    off = (False,) * len(saved.rows)
+    model.decode_layers_regimes = KernelRegimes(rows=saved.rows, use_kernel=off)
     return saved
 
 
@@ -65,7 +67,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(os.cpu_count() or 1)
-    logger.info("| file | layers take | default ms/step |%s", " per-op ms/step |" if args.per_op else "")
+    per_op_head = " per-op ms/step |" if args.per_op else ""
+    logger.info("| file | layers take | default ms/step |%s", per_op_head)
     logger.info("|---|---|---|%s", "---|" if args.per_op else "")
     for path in args.models:
         loaded = load_model(path, "auto")

@@ -2,8 +2,9 @@
 
 :class:`CpuFused` replaces, for float32 batches, the residual add + RMSNorm, SwiGLU's
 ``silu(gate) * up``, GeGLU's ``gelu_tanh(gate) * up``, the rotary embedding and Qwen3's / Gemma 3's
-per-head q/k RMSNorm + rotary with one C call each (3-12 PyTorch ops each otherwise): at decode sizes that saves per-op dispatch, at prompt sizes whole passes over memory
-(a prompt's rows are split between the threads). :func:`load_cpu_fused` builds it once per
+per-head q/k RMSNorm + rotary with one C call each (3-12 PyTorch ops each otherwise): at decode
+sizes that saves per-op dispatch, at prompt sizes whole passes over memory (a prompt's rows are
+split between the threads). :func:`load_cpu_fused` builds it once per
 process for the selected instruction set or returns ``None`` (``TANDEM_CPU_KERNELS=0``, no
 compiler); the model then keeps its PyTorch ops, which stay the reference the fused ones are
 tested against.
