@@ -1,7 +1,9 @@
 """All decoder layers of a decode step in one C call: the same bits as the per-op kernel path
 (hidden states and the K/V it stores), on every instruction set the machine runs, for float32
-and quantized weights; used only where every op of a layer chose its kernel; measured against the
-per-op path at load, so a slower one never runs."""
+and quantized weights, for Llama, Qwen3 (q/k head norms), Gemma 3 (sandwich ``1 + w`` norms,
+GeGLU, sliding-window layers with their own rope base) and Gemma 2 (score soft-cap); used only
+where every op of a layer chose its kernel; measured against the per-op path at load, so a slower
+one never runs."""
 
 from __future__ import annotations
 
@@ -23,8 +25,26 @@ from services.engine.core.kernels.native_build import supported_isas
 from services.engine.core.linear import Linear
 from services.engine.core.loaders import LoadedModel, load_model
 from tests.conftest import native_kernel_or_skip
+from tests.test_model_families import FAMILIES
 
 CONTEXTS = [5, 17, 33, 2, 40, 16, 9, 64] * 4  # one per sequence: partial and whole blocks
+ONE_CALL_FAMILIES = ["llama", "qwen3", "gemma3", "gemma2"]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> dict[str, Path]:
+    """Tiny random checkpoints written by ``transformers`` (test_model_families' builders: Gemma's
+    sliding window of 8 is shorter than most CONTEXTS)."""
+    import transformers
+
+    dirs = {"llama": tiny_llama_dir}
+    for name in ONE_CALL_FAMILIES[1:]:
+        build, head_dim, _ = FAMILIES[name]
+        torch.manual_seed(3)
+        folder = tmp_path_factory.mktemp(f"one-call-{name}")
+        build(transformers, head_dim).save_pretrained(folder, safe_serialization=True)
+        dirs[name] = folder
+    return dirs
 
 
 @pytest.fixture(params=supported_isas())
@@ -72,13 +92,18 @@ def _decode_step(loaded: LoadedModel, engine: LLMEngine, rows: int, native: bool
         return model(ids, positions, engine.kv, meta)
 
 
+@pytest.mark.parametrize("family", ONE_CALL_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float32", "q8_0"])
 def test_one_call_equals_the_per_op_path_bit_for_bit(
-    isa: str, dtype: str, tiny_llama_dir: Path
+    isa: str, dtype: str, family: str, family_dirs: dict[str, Path]
 ) -> None:
-    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, dtype)
+    loaded, engine = _engine_with_every_kernel(family_dirs[family], dtype)
     call = loaded.model.decode_layers
     assert call is not None and call.isa == isa
+    assert loaded.model.fast_path_gaps() == []
+    if family.startswith("gemma"):  # windows shorter than the contexts, on some layers only
+        windows = {layer.self_attn.window for layer in loaded.model.layers}
+        assert None in windows and 8 in windows and max(CONTEXTS) > 8
     assert {t.format for t in call.tiles()} == {dtype}
     torch.manual_seed(0)
     pool = engine.kv.data
@@ -96,12 +121,15 @@ def test_one_call_equals_the_per_op_path_bit_for_bit(
         assert not torch.equal(stored, start)
 
 
-def test_int8_activation_projections_equal_the_per_op_path(isa: str, tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("family", ONE_CALL_FAMILIES)
+def test_int8_activation_projections_equal_the_per_op_path(
+    isa: str, family: str, family_dirs: dict[str, Path]
+) -> None:
     """``q4_a8``'s decode rows: every projection over int8 activations (the decode kernel of
     ``cpu_q4a8_gemm.c``), in one call and per op alike, bit for bit; and not the float32 path."""
     from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
 
-    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, "q8_0")
+    loaded, engine = _engine_with_every_kernel(family_dirs[family], "q8_0")
     model, a8 = loaded.model, load_cpu_q4a8_gemm()
     assert a8 is not None and a8.isa == isa
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
@@ -130,11 +158,14 @@ def test_int8_activation_projections_equal_the_per_op_path(isa: str, tiny_llama_
             assert (per_op - float_step).abs().max() < 0.1 * float_step.abs().max()
 
 
-def test_the_engine_decodes_the_same_tokens_through_it(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_engine_decodes_the_same_tokens_through_it(
+    family: str, family_dirs: dict[str, Path]
+) -> None:
     from services.common.sampling_params import SamplingParams
 
     native_kernel_or_skip()
-    loaded, engine = _engine_with_every_kernel(tiny_llama_dir, "float32")
+    loaded, engine = _engine_with_every_kernel(family_dirs[family], "float32")
     calls = 0
     real = DecodeLayersCall.__call__
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.core.kernels.cpu_fused import CpuFused, load_cpu_fused
-from services.engine.core.models.blocks import RMSNorm
+from services.engine.core.models.blocks import GemmaRMSNorm, RMSNorm
 from services.engine.core.rope import RotaryEmbedding, apply_rotary
 from tests.conftest import native_kernel_or_skip
 
@@ -56,6 +56,42 @@ def test_silu_mul_and_rope_match_reference(fused: CpuFused, rows: int) -> None:
     fused.rope_(qk, cos, sin)
     assert torch.allclose(qk, expected, atol=1e-6)
     assert torch.equal(qkv[:, 6 * 64 :], untouched)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 100])  # 100: split between the threads
+def test_gelu_tanh_mul_matches_reference(fused: CpuFused, rows: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 70) * 4  # 70: a tail past the vector width; tails of both signs
+    gate, up = gate_up.split(70, dim=-1)
+    got = fused.gelu_tanh_mul(gate_up)
+    assert got is not None
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh") * up, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 80])
+def test_qk_norm_rope_matches_norms_then_rotary(fused: CpuFused, rows: int, gemma: bool) -> None:
+    """Qwen3's (``w``) and Gemma 3's (``1 + w``, folded) per-head norms, then the rotation, in
+    place in the q and k heads of a fused projection's rows; v untouched."""
+    torch.manual_seed(rows)
+    heads, kv_heads, d = 4, 2, 48  # 48: not a multiple of AVX-512's width
+    norm_type = GemmaRMSNorm if gemma else RMSNorm
+    q_norm, k_norm = norm_type(d, 1e-6), norm_type(d, 1e-6)
+    q_norm.weight.data, k_norm.weight.data = torch.randn(d) * 0.3, torch.randn(d) * 0.3
+    rope = RotaryEmbedding(d, 256, 10000.0, None)
+    rope.reset_tables()
+    cos, sin = rope.lookup(torch.arange(rows) + 3, torch.float32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d) * 3
+    q_end, k_end = heads * d, (heads + kv_heads) * d
+    with torch.no_grad():
+        q = apply_rotary(q_norm(qkv[:, :q_end].view(rows, heads, d)), cos, sin)
+        k = apply_rotary(k_norm(qkv[:, q_end:k_end].view(rows, kv_heads, d)), cos, sin)
+    v = qkv[:, k_end:].clone()
+    assert fused.qk_norm_rope_(qkv, heads, kv_heads, q_norm.kernel_weight(), k_norm.kernel_weight(),
+                               1e-6, cos, sin)  # fmt: skip
+    torch.testing.assert_close(qkv[:, :q_end].view(rows, heads, d), q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, q_end:k_end].view(rows, kv_heads, d), k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, k_end:], v)
 
 
 def test_applies_to_contiguous_float32_rows(fused: CpuFused) -> None:

@@ -10,9 +10,14 @@
  * It is a unity build of the kernels it chains (the files below), so it computes exactly what the
  * per-op path computes, bit for bit: the same matmul chains (cpu_gemv.c / cpu_qgemv.c, and
  * cpu_q4a8_gemm.c's int8-activation decode kernel for q4_a8's projections), the same
- * fused norm, SwiGLU and rotary loops (cpu_fused.c), the same attention and K/V store
- * (cpu_paged_attention.c: a float32, bfloat16 or float16 cache), and the same residual adds in
- * the same order.
+ * fused norm, SwiGLU / GeGLU, q/k-norm and rotary loops (cpu_fused.c), the same attention and K/V
+ * store (cpu_paged_attention.c: a float32, bfloat16 or float16 cache; a layer's sliding window and
+ * score soft-cap), and the same residual adds in the same order.
+ *
+ * Families: Llama / Mistral / Qwen2 (pre-norm, SwiGLU, QKV bias in the projection), Qwen3 (plus an
+ * RMSNorm over each q and k head before the rotation), Gemma 2 / 3 (norms on attention's and the
+ * MLP's outputs too, GeGLU, sliding-window layers with their own rope tables, Gemma 2's soft-cap).
+ * Gemma's `1 + w` norm weights arrive folded: the RMSNorm kernel only ever multiplies by w.
  */
 #include <stdlib.h>
 
@@ -33,17 +38,26 @@ typedef struct {
     int64_t int8;
 } tandem_linear;
 
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
 typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] RMSNorm weights */
+    /* [hidden] RMSNorm weights: before attention, before the MLP; on attention's output and on
+     * the MLP's output (Gemma's sandwich norms; NULL: none) */
+    const float *input_norm, *post_norm, *attn_out_norm, *mlp_out_norm;
+    const float *q_norm, *k_norm; /* [head_dim] per-head norms before the rotation, or NULL */
     tandem_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
+    int64_t window;    /* sliding window (0: global attention) */
+    int64_t local_rope; /* 1: rotate with the local tables (Gemma 3's sliding layers) */
+    float scale, softcap; /* score scale; score soft-cap (0: none) */
 } tandem_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     int64_t k_sb, k_ss, k_sh, v_sb, v_ss, v_sh; /* cache strides, the same for every layer */
     int64_t kv_dtype; /* the cache's element type (KV_FLOAT32, KV_BFLOAT16, KV_FLOAT16) */
-    float eps, scale;
+    int64_t act;      /* the MLP's activation: ACT_SILU or ACT_GELU_TANH */
+    float eps;
 } tandem_decode_shape;
 
 static int linear(const tandem_linear *l, const float *x, float *y, int64_t rows, int threads) {
@@ -59,15 +73,16 @@ static int linear(const tandem_linear *l, const float *x, float *y, int64_t rows
 }
 
 /* x [rows, hidden] contiguous: the residual stream entering layer 0, replaced by the stream
- * leaving the last layer (before the final norm). cos / sin [rows, head_dim] (rope.py's tables);
+ * leaving the last layer (before the final norm). cos / sin [rows, head_dim] (rope.py's tables),
+ * local_cos / local_sin the same for layers with local_rope set (else never read);
  * tables [rows, *] (row stride t_sb), lens, slot_blocks, slot_offsets [rows] int64: the decode
  * step's attention metadata (one new token per sequence). Returns 0, or -1 when the step's buffer
  * can't be allocated or a matmul fails (an unknown format, or no memory for its scratch). */
 int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layers,
                          int64_t n_layers, float *x, int64_t rows, const float *cos,
-                         const float *sin, const int64_t *tables, int64_t t_sb,
-                         const int64_t *lens, const int64_t *slot_blocks,
-                         const int64_t *slot_offsets, int threads) {
+                         const float *sin, const float *local_cos, const float *local_sin,
+                         const int64_t *tables, int64_t t_sb, const int64_t *lens,
+                         const int64_t *slot_blocks, const int64_t *slot_offsets, int threads) {
     const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_out = q_size + 2 * kv_size;
@@ -80,21 +95,33 @@ int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layer
     int status = 0;
     for (int64_t index = 0; index < n_layers; index++) {
         const tandem_layer *l = &layers[index];
+        const float *c = l->local_rope ? local_cos : cos, *sn = l->local_rope ? local_sin : sin;
         tandem_add_rmsnorm(x, NULL, NULL, l->input_norm, normed, rows, hidden, s->eps);
         if ((status = linear(&l->qkv, normed, qkv, rows, threads))) break;
         /* q and k heads are adjacent in the fused projection: rotate both in one pass */
-        tandem_rope(qkv, qkv_out, cos, sin, rows, s->heads + s->kv_heads, d);
+        if (l->q_norm)
+            tandem_qk_norm_rope(qkv, qkv_out, l->q_norm, l->k_norm, c, sn, rows, s->heads,
+                                s->kv_heads, d, s->eps);
+        else
+            tandem_rope(qkv, qkv_out, c, sn, rows, s->heads + s->kv_heads, d);
         tandem_paged_decode_attention(
             qkv, qkv_out, d, l->k_cache, s->k_sb, s->k_ss, s->k_sh, l->v_cache, s->v_sb, s->v_ss,
             s->v_sh, (int)s->kv_dtype, tables, t_sb, lens, attn, rows, s->heads, s->kv_heads, d,
-            s->block_size, s->scale, 0, 0.f, threads, qkv + q_size, qkv_out, d,
+            s->block_size, l->scale, l->window, l->softcap, threads, qkv + q_size, qkv_out, d,
             qkv + q_size + kv_size, qkv_out, d, slot_blocks, slot_offsets);
         if ((status = linear(&l->o, attn, h, rows, threads))) break;
+        if (l->attn_out_norm) /* Gemma: h = RMSNorm(h), in place */
+            tandem_add_rmsnorm(h, NULL, NULL, l->attn_out_norm, h, rows, hidden, s->eps);
         /* stream = x + h (the post-attention residual), normed = RMSNorm(stream) */
         tandem_add_rmsnorm(x, h, stream, l->post_norm, normed, rows, hidden, s->eps);
         if ((status = linear(&l->gate_up, normed, gate_up, rows, threads))) break;
-        tandem_silu_mul(gate_up, act, rows, s->intermediate);
+        if (s->act == ACT_GELU_TANH)
+            tandem_gelu_tanh_mul(gate_up, act, rows, s->intermediate);
+        else
+            tandem_silu_mul(gate_up, act, rows, s->intermediate);
         if ((status = linear(&l->down, act, h, rows, threads))) break;
+        if (l->mlp_out_norm)
+            tandem_add_rmsnorm(h, NULL, NULL, l->mlp_out_norm, h, rows, hidden, s->eps);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = stream[i] + h[i];
     }
     free(buffer);

@@ -1,5 +1,7 @@
 """Python side of ``cpu_decode_layers.c``: all decoder layers of a float32 decode step in one call
-(over a float32, bfloat16 or float16 KV cache; ``q4_a8``'s projections over int8 activations).
+(over a float32, bfloat16 or float16 KV cache; ``q4_a8``'s projections over int8 activations), for
+Llama-shaped layers and Qwen3's (per-head q/k norms) and Gemma 2 / 3's (sandwich norms, GeGLU,
+sliding windows with their own rope tables, score soft-cap).
 
 The model hands :meth:`CpuDecodeLayers.bind` its layers' weights once (the kernels' tiles, the
 norm weights) as plain descriptors — this module knows tensors, not ``nn.Module`` — and gets back a
@@ -39,9 +41,11 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", _PTR), ("post_norm", _PTR),
+        ("input_norm", _PTR), ("post_norm", _PTR), ("attn_out_norm", _PTR),
+        ("mlp_out_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-        ("k_cache", _PTR), ("v_cache", _PTR),
+        ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64), ("local_rope", _I64),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
     ]  # fmt: skip
 
 
@@ -49,9 +53,12 @@ class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
                                      "block_size", "k_sb", "k_ss", "k_sh", "v_sb", "v_ss", "v_sh",
-                                     "kv_dtype")),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                                     "kv_dtype", "act")),
+        ("eps", ctypes.c_float),
     ]  # fmt: skip
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # ACT_SILU, ACT_GELU_TANH in the C file
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,23 +77,45 @@ class LinearTiles:
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
+    """One layer as the C step reads it. Norm weights are what the RMSNorm kernel multiplies by
+    (Gemma's ``1 + w``): ``input_norm`` before attention, ``post_norm`` before the MLP,
+    ``attn_out_norm`` / ``mlp_out_norm`` on attention's / the MLP's output (Gemma), ``q_norm`` /
+    ``k_norm`` on each q / k head before the rotation (Qwen3, Gemma 3). ``window``: the sliding
+    window (``None``: global); ``local_rope``: rotate with the local tables; ``softcap``: the
+    attention score soft-cap (``None``: none)."""
+
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: LinearTiles
     o: LinearTiles
     gate_up: LinearTiles
     down: LinearTiles
+    scale: float
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    window: int | None = None
+    local_rope: bool = False
+    softcap: float | None = None
+
+    def norms(self) -> list[torch.Tensor]:
+        """The norm weights it has."""
+        return [n for n in (self.input_norm, self.post_norm, self.attn_out_norm,
+                            self.mlp_out_norm, self.q_norm, self.k_norm) if n is not None]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeShape:
+    """What every layer shares; ``act``: the MLP's activation (``silu`` or ``gelu_tanh``)."""
+
     hidden: int
     heads: int
     kv_heads: int
     head_dim: int
     intermediate: int
     eps: float
-    scale: float
+    act: str = "silu"
 
 
 class CpuDecodeLayers:
@@ -96,8 +125,8 @@ class CpuDecodeLayers:
         self._fn = library.tandem_decode_layers
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [
-            ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _I64, _PTR, _I64, _PTR, _PTR,
-            _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
+            ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _I64, _PTR, _I64, _PTR, _PTR, _PTR,
+            _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
         ]  # fmt: skip
         isa = library.tandem_qgemv_isa  # the unity build carries cpu_qgemv.c's entry points
         isa.restype = ctypes.c_char_p
@@ -105,16 +134,24 @@ class CpuDecodeLayers:
         self.build = Path(str(library._name)).name  # the cached library's file name
 
     def bind(self, shape: DecodeShape, layers: list[LayerWeights]) -> DecodeLayersCall:
+        if shape.act not in ACTIVATIONS:
+            raise ValueError(f"no decode-layers kernel for the {shape.act} activation")
         for weights in layers:
             for tiles in (weights.qkv, weights.o, weights.gate_up, weights.down):
                 if tiles.format != "float32" and tiles.format not in FORMAT_CODES:
                     raise ValueError(f"no decode-layers kernel for {tiles.format} weights")
                 if tiles.int8_activations and tiles.format not in DECODE_FORMATS:
                     raise ValueError(f"no int8-activation decode kernel for {tiles.format} weights")
-            for norm in (weights.input_norm, weights.post_norm):
+            for norm in weights.norms():
                 if norm.dtype != torch.float32 or not norm.is_contiguous():
                     raise ValueError("RMSNorm weights must be contiguous float32")
+            if (weights.q_norm is None) != (weights.k_norm is None):
+                raise ValueError("q and k head norms come together")
         return DecodeLayersCall(self._fn, shape, layers, self.isa, self.build)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _linear(tiles: LinearTiles) -> _Linear:
@@ -143,6 +180,11 @@ class DecodeLayersCall:
         for entry, weights in zip(self._layers, layers, strict=True):
             entry.input_norm = weights.input_norm.data_ptr()
             entry.post_norm = weights.post_norm.data_ptr()
+            entry.attn_out_norm, entry.mlp_out_norm = (_ptr(weights.attn_out_norm),
+                                                       _ptr(weights.mlp_out_norm))  # fmt: skip
+            entry.q_norm, entry.k_norm = _ptr(weights.q_norm), _ptr(weights.k_norm)
+            entry.window, entry.local_rope = weights.window or 0, int(weights.local_rope)
+            entry.scale, entry.softcap = weights.scale, weights.softcap or 0.0
             entry.qkv, entry.o = _linear(weights.qkv), _linear(weights.o)
             entry.gate_up, entry.down = _linear(weights.gate_up), _linear(weights.down)
         self._shape: _Shape | None = None
@@ -171,7 +213,7 @@ class DecodeLayersCall:
         s = self._decode_shape
         self._shape = _Shape(
             s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, k0.shape[1],
-            *k0.stride()[:3], *v0.stride()[:3], KV_DTYPE_CODES[k0.dtype], s.eps, s.scale,
+            *k0.stride()[:3], *v0.stride()[:3], KV_DTYPE_CODES[k0.dtype], ACTIVATIONS[s.act], s.eps,
         )  # fmt: skip
         for entry, (k, v) in zip(self._layers, caches, strict=True):
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
@@ -186,16 +228,20 @@ class DecodeLayersCall:
         context_lens: torch.Tensor,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run every layer over ``x`` ``[rows, hidden]`` (contiguous float32, overwritten: returned
-        as the stream leaving the last layer). ``cos``/``sin``: contiguous ``[rows, head_dim]``;
+        as the stream leaving the last layer). ``cos``/``sin``: contiguous ``[rows, head_dim]``,
+        ``local`` the same for the layers bound with ``local_rope`` (default: ``cos``/``sin``);
         the metadata tensors: int64, contiguous, one entry (tables: one row) per sequence."""
         if self._shape is None:
             raise RuntimeError("set_caches() before the first decode step")
         rows = x.shape[0]
+        local_cos, local_sin = local if local is not None else (cos, sin)
         status = self._fn(
             self._shape, self._layers, len(self._layers), x.data_ptr(), rows, cos.data_ptr(),
-            sin.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            sin.data_ptr(), local_cos.data_ptr(), local_sin.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0),
             context_lens.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip

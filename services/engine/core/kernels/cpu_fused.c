@@ -1,6 +1,6 @@
 /* Small fused float32 ops for CPU decode and prefill: residual add + RMSNorm, SwiGLU's
- * silu(gate) * up, and the rotary embedding, each one pass over its rows instead of 3-6 PyTorch
- * ops.
+ * silu(gate) * up and GeGLU's gelu_tanh(gate) * up, the rotary embedding, and Qwen3's / Gemma 3's
+ * per-head q/k RMSNorm with the rotary, each one pass over its rows instead of 3-12 PyTorch ops.
  *
  * At batch-1 decode a layer's element-wise work is a few thousand floats, so its cost is the
  * number of ops, not the arithmetic: each PyTorch op costs microseconds of dispatch whatever its
@@ -19,40 +19,43 @@
 
 #define PARALLEL_ROWS 64
 
+/* One row of tandem_add_rmsnorm (below); y may be x when h is NULL (each y[i] is written after
+ * the whole row is read). */
+static inline void rmsnorm_row(const float *xr, const float *hr, float *sr, const float *w,
+                               float *yr, int64_t n, float eps) {
+    vec acc = {0};
+    int64_t i = 0;
+    if (hr) {
+        for (; i + LANES <= n; i += LANES) {
+            const vec v = load_vec(xr + i) + load_vec(hr + i);
+            store_vec(sr + i, v);
+            acc += v * v;
+        }
+        for (int64_t j = i; j < n; j++) sr[j] = xr[j] + hr[j];
+        xr = sr;
+    } else {
+        for (; i + LANES <= n; i += LANES) {
+            const vec v = load_vec(xr + i);
+            acc += v * v;
+        }
+    }
+    float sum = hsum(acc);
+    for (; i < n; i++) sum += xr[i] * xr[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    i = 0;
+    for (; i + LANES <= n; i += LANES)
+        store_vec(yr + i, load_vec(w + i) * (load_vec(xr + i) * inv));
+    for (; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+}
+
 /* With h: s = x + h (the residual stream; s may be x), else s = x. Then
- * y = w * (s * 1/sqrt(mean(s^2) + eps)). x, h, s, y: [rows, n] contiguous; w: [n]. */
+ * y = w * (s * 1/sqrt(mean(s^2) + eps)). x, h, s, y: [rows, n] contiguous; w: [n] (Gemma's
+ * norms pass their 1 + w). Without h, y may be x (in place). */
 void tandem_add_rmsnorm(const float *x, const float *h, float *s, const float *w, float *y,
                         int64_t rows, int64_t n, float eps) {
 #pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        vec acc = {0};
-        int64_t i = 0;
-        if (h) {
-            const float *hr = h + r * n;
-            float *sr = s + r * n;
-            for (; i + LANES <= n; i += LANES) {
-                const vec v = load_vec(xr + i) + load_vec(hr + i);
-                store_vec(sr + i, v);
-                acc += v * v;
-            }
-            for (int64_t j = i; j < n; j++) sr[j] = xr[j] + hr[j];
-            xr = sr;
-        } else {
-            for (; i + LANES <= n; i += LANES) {
-                const vec v = load_vec(xr + i);
-                acc += v * v;
-            }
-        }
-        float sum = hsum(acc);
-        for (; i < n; i++) sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        i = 0;
-        for (; i + LANES <= n; i += LANES)
-            store_vec(yr + i, load_vec(w + i) * (load_vec(xr + i) * inv));
-        for (; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rmsnorm_row(x + r * n, h ? h + r * n : NULL, h ? s + r * n : NULL, w, y + r * n, n, eps);
 }
 
 /* y[r, :] = silu(gu[r, :n]) * gu[r, n:2n]; gu [rows, 2n], y [rows, n], both contiguous.
@@ -73,22 +76,64 @@ void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
     }
 }
 
+/* y[r, :] = gelu_tanh(gu[r, :n]) * gu[r, n:2n] (Gemma's GeGLU), shapes as tandem_silu_mul.
+ * gelu_tanh(g) = g/2 * (1 + tanh(u)), u = sqrt(2/pi) * (g + 0.044715 g^3), computed as the equal
+ * g / (1 + exp(-2u)) with silu's vector exp and clamp. */
+void tandem_gelu_tanh_mul(const float *gu, float *y, int64_t rows, int64_t n) {
+    const float k2 = 2.0f * 0.7978845608028654f, c = 0.044715f;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * n, *u = g + n;
+        float *yr = y + r * n;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            const vec gv = load_vec(g + i);
+            const vec t = splat(-k2) * (gv + splat(c) * gv * gv * gv);
+            const vec e = vexp(vmin(t, splat(88.0f)));
+            store_vec(yr + i, gv / (splat(1.0f) + e) * load_vec(u + i));
+        }
+        for (; i < n; i++) {
+            const float t = -k2 * (g[i] + c * g[i] * g[i] * g[i]);
+            yr[i] = g[i] / (1.0f + expf(t < 88.0f ? t : 88.0f)) * u[i];
+        }
+    }
+}
+
+/* One row of tandem_rope (below): heads [heads, d] contiguous, cos / sin [d]. */
+static inline void rope_row(float *x, const float *c, const float *s, int64_t heads, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        float *v = x + hd * d;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * c[i] + b * s[i];
+            v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+    }
+}
+
 /* In place on x [rows, heads, d] (row stride ldx, head stride d): x = x * cos + roll(x, d/2) * sin
  * with cos/sin [rows, d] (sin holds rotate_half's sign, as rope.py stores it). */
 void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int64_t rows,
                  int64_t heads, int64_t d) {
-    const int64_t half = d / 2;
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) rope_row(x + r * ldx, cos + r * d, sin + r * d, heads, d);
+}
+
+/* Qwen3's and Gemma 3's attention input, in place on a fused projection's rows x [rows, ldx]
+ * (q heads, then k heads, each d wide): each q head RMSNorm'd with qw [d], each k head with kw
+ * [d], then both rotated as tandem_rope does (one pass per row instead of ~12 PyTorch ops). */
+void tandem_qk_norm_rope(float *x, int64_t ldx, const float *qw, const float *kw,
+                         const float *cos, const float *sin, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t d, float eps) {
 #pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * d, *s = sin + r * d;
-        for (int64_t hd = 0; hd < heads; hd++) {
-            float *v = x + r * ldx + hd * d;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] + b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
+        float *row = x + r * ldx;
+        for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
+            float *v = row + hd * d;
+            rmsnorm_row(v, NULL, NULL, hd < heads ? qw : kw, v, d, eps);
         }
+        rope_row(row, cos + r * d, sin + r * d, heads + kv_heads, d);
     }
 }
 

@@ -1,9 +1,10 @@
 """Python side of the fused element-wise CPU ops (``cpu_fused.c``) that the model uses.
 
 :class:`CpuFused` replaces, for float32 batches, the residual add + RMSNorm, SwiGLU's
-``silu(gate) * up`` and the rotary embedding with one C call each (3-6 PyTorch ops each
-otherwise): at decode sizes that saves per-op dispatch, at prompt sizes whole passes over memory
-(a prompt's rows are split between the threads). :func:`load_cpu_fused` builds it once per
+``silu(gate) * up``, GeGLU's ``gelu_tanh(gate) * up``, the rotary embedding and Qwen3's / Gemma 3's
+per-head q/k RMSNorm + rotary with one C call each (3-12 PyTorch ops each otherwise): at decode
+sizes that saves per-op dispatch, at prompt sizes whole passes over memory (a prompt's rows are
+split between the threads). :func:`load_cpu_fused` builds it once per
 process for the selected instruction set or returns ``None`` (``TANDEM_CPU_KERNELS=0``, no
 compiler); the model then keeps its PyTorch ops, which stay the reference the fused ones are
 tested against.
@@ -37,9 +38,16 @@ class CpuFused:
         self._silu_mul = library.tandem_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
+        self._gelu_mul = library.tandem_gelu_tanh_mul
+        self._gelu_mul.restype = None
+        self._gelu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
         self._rope = library.tandem_rope
         self._rope.restype = None
         self._rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+        self._qk_norm_rope = library.tandem_qk_norm_rope
+        self._qk_norm_rope.restype = None
+        self._qk_norm_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                       ctypes.c_float]  # fmt: skip
         self._argmax = library.tandem_argmax_rows
         self._argmax.restype = None
         self._argmax.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
@@ -79,6 +87,36 @@ class CpuFused:
         y = torch.empty(rows, width // 2, dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, width // 2)
         return y
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``gelu(gate_up[:, :n], approximate="tanh") * gate_up[:, n:]`` for contiguous
+        ``[rows, 2n]`` (Gemma's GeGLU)."""
+        rows, width = gate_up.shape
+        y = torch.empty(rows, width // 2, dtype=torch.float32)
+        self._gelu_mul(gate_up.data_ptr(), y.data_ptr(), rows, width // 2)
+        return y
+
+    def qk_norm_rope_(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> bool:
+        """In place in a fused projection's output ``qkv`` ``[rows, (heads + 2 kv_heads) d]``
+        (contiguous float32): RMSNorm each of the ``heads`` q heads with ``q_weight`` ``[d]`` and
+        each k head with ``k_weight`` (what the kernel multiplies by: Gemma's ``1 + w``), then
+        rotate them (``cos``/``sin``: ``rows × d`` contiguous). True: done."""
+        rows, d = qkv.shape[0], q_weight.shape[0]
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("qk_norm_rope_ needs contiguous cos/sin tables")
+        self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), q_weight.data_ptr(), k_weight.data_ptr(),
+                           cos.data_ptr(), sin.data_ptr(), rows, heads, kv_heads, d, eps)  # fmt: skip
+        return True
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate ``x`` ``[rows, heads, d]`` (rows may be strided, heads contiguous) in place with

@@ -105,6 +105,17 @@ class GpuFused:
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, y, n, BLOCK=block)
         return y
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """No GeGLU kernel here: ``None`` (the caller keeps its PyTorch ops)."""
+        return None
+
+    def qk_norm_rope_(
+        self, qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor,
+        k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    ) -> bool:  # fmt: skip
+        """No q/k-norm kernel here: False (the caller keeps its PyTorch ops)."""
+        return False
+
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate ``x`` ``[rows, heads, d]`` (rows may be strided, heads contiguous) in place with
         ``cos``/``sin`` of ``rows × d`` contiguous values (``RotaryEmbedding.lookup``)."""

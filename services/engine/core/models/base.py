@@ -7,12 +7,14 @@ Tokens of all sequences in a step are flattened into one ``[T]`` batch (vLLM sty
 where. A family subclass says how one decoder layer is built (:meth:`CausalLM.make_layer`) and
 what it adds around the stack (Gemma's embedding scale, Gemma 2's final soft-cap).
 
-Fast paths: decode-sized float32 batches on CPU run the residual add + RMSNorm, ``silu(gate) *
-up`` and the rotary embedding as one fused C call each where a layer is Llama's
-(:meth:`CausalLM.use_fused`); a decode step of up to 32 sequences whose every layer is Llama's
-and every op has a native kernel runs all layers as one C call (:meth:`CausalLM.use_decode_layers`):
-the same kernels in the same order, so the same bits. :meth:`CausalLM.fast_path_gaps` says which
-of them a family does not take yet, for the worker's start-up line.
+Fast paths: decode-sized float32 batches on CPU run the residual add + RMSNorm (Gemma's ``1 + w``
+folded into the weight), ``silu(gate) * up`` or GeGLU, the rotary embedding and the per-head q/k
+norms as one fused C call each (:meth:`CausalLM.use_fused`); a decode step of up to 32 sequences
+whose every layer the C step computes (:meth:`DecoderLayer.one_call_norms`: Llama's, Qwen3's,
+Gemma 2/3's) and every op has a native kernel runs all layers as one C call
+(:meth:`CausalLM.use_decode_layers`): the same kernels in the same order, so the same bits.
+:meth:`CausalLM.fast_path_gaps` says which of them a family does not take yet, for the worker's
+start-up line.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from services.engine.core.linear import Linear
 from services.engine.core.models.blocks import Attention, FusedOps, GatedMLP, RMSNorm, Rope, make_norm
 from services.engine.core.rope import RotaryEmbedding
 
+# a layer's norms as the one-call decode layers take them (DecoderLayer.one_call_norms)
+LayerNorms = tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]
+
 
 class DecoderLayer(nn.Module, ABC):
     """One layer: ``forward(x, rope, k_cache, v_cache, meta) -> x``. Families subclass it."""
@@ -52,10 +57,12 @@ class DecoderLayer(nn.Module, ABC):
     ) -> torch.Tensor:  # fmt: skip
         """Run the layer over the step's flattened tokens ``x`` ``[T, hidden]``."""
 
-    def llama_like(self) -> bool:
-        """Whether the layer is exactly Llama's (pre-norm, plain attention, SwiGLU), which the
-        one-call C decode layers compute."""
-        return False
+    def one_call_norms(self) -> LayerNorms | None:
+        """The layer's norms in the one-call C decode layers' order — before attention, before the
+        MLP, on attention's output and on the MLP's output (Gemma's; ``None``: not there) — or
+        ``None`` where that C step can't compute the layer (its attention and MLP are checked
+        apart: :func:`_one_call_shape`)."""
+        return None
 
 
 class CausalLM(nn.Module, ABC):
@@ -126,6 +133,7 @@ class CausalLM(nn.Module, ABC):
             x = call(
                 x.contiguous(), rope[0].view(rows, -1), rope[1].view(rows, -1), meta.block_tables,
                 meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets,
+                (local[0].view(rows, -1), local[1].view(rows, -1)) if local is not rope else None,
             )  # fmt: skip
             return self.norm.forward(x)
         for index, layer in enumerate(self.layers):
@@ -155,26 +163,25 @@ class CausalLM(nn.Module, ABC):
 
     def use_decode_layers(self, kernel: CpuDecodeLayers | None) -> int:
         """Run float32 decode steps of up to N sequences through ``kernel``, all layers in one
-        call, where every layer is Llama's and every op of it has chosen its native kernel for
-        that batch size (the fused ops too: :meth:`use_fused` first). Returns N (0: never;
-        ``None`` turns it off)."""
+        call, where the C step computes every layer (:func:`_one_call_shape`) and every op of it
+        has chosen its native kernel for that batch size (the fused ops too: :meth:`use_fused`
+        first). Returns N (0: never; ``None`` turns it off). The embedding scale (Gemma) is
+        applied before the call, the final soft-cap (Gemma 2) after it."""
         self.decode_layers, self.decode_layers_rows = None, 0
-        if kernel is None or not self.layers or self.embed_scale is not None:
-            return 0
-        if not all(layer.llama_like() for layer in self.layers):
+        if kernel is None or not self.layers or not self.one_call_shape():
             return 0
         rows = 0
         while rows < MAX_ROWS and all(_all_native(layer, rows + 1) for layer in self.layers):
             rows += 1
         if not rows:
             return 0
-        weights = [_layer_weights(layer) for layer in self.layers]
+        weights = [_layer_weights(layer, self.local_rope is not None) for layer in self.layers]
         config = self.config
         first = self.layers[0]
         shape = DecodeShape(
             hidden=config.hidden_size, heads=config.num_heads, kv_heads=config.num_kv_heads,
             head_dim=config.head_dim, intermediate=config.intermediate_size,
-            eps=first.input_layernorm.eps, scale=first.self_attn.scale,
+            eps=_norms(first)[0].eps, act=config.hidden_act,
         )  # fmt: skip
         self.decode_layers, self.decode_layers_rows = kernel.bind(shape, weights), rows
         return rows
@@ -186,37 +193,80 @@ class CausalLM(nn.Module, ABC):
         family whose step reads values on the host overrides this."""
         return True
 
+    def one_call_shape(self) -> bool:
+        """Whether the one-call C decode layers compute every layer of this model (whatever the
+        kernels chose): Llama / Mistral / Qwen2, Qwen3, Gemma 2 / 3 do; routed experts (Qwen3-MoE)
+        and partial rotation (Phi-4-mini) don't yet."""
+        if not all(_one_call_shape(layer) for layer in self.layers):
+            return False
+        eps = {norm.eps for layer in self.layers for norm in _norms(layer)}  # one eps in the C step
+        return len(eps) == 1 and self.config.hidden_act in ("silu", "gelu_tanh")
+
     def fast_path_gaps(self) -> list[str]:
-        """The fast paths this model does not take yet, in words (empty for Llama)."""
+        """The fast paths this model does not take yet on its device, in words (empty for Llama,
+        Qwen3 and Gemma 2/3 on CPU)."""
         gaps = []
-        if not all(layer.llama_like() for layer in self.layers) or self.embed_scale is not None:
-            gaps.append("the one-call C decode layers (Llama-shaped layers only)")
+        if not self.one_call_shape():
+            gaps.append("the one-call C decode layers (no routed experts or partial rotation)")
         if not self.graph_safe():
             gaps.append("CUDA graphs (a decode step reads values on the host)")
-        if any(layer.self_attn.q_norm is not None for layer in self.layers):
-            gaps.append("the fused rope (q/k norms rotate in PyTorch)")
+        on_gpu = self.embed_tokens.weight.device.type == "cuda"
+        if on_gpu and any(layer.self_attn.q_norm is not None for layer in self.layers):
+            gaps.append("the fused rope (q/k norms rotate in PyTorch on GPU)")
+        if on_gpu and self.config.hidden_act != "silu":
+            gaps.append("the fused GeGLU (PyTorch on GPU)")
         return gaps
 
 
+def _one_call_shape(layer: DecoderLayer) -> bool:
+    """Whether the one-call C step computes ``layer``: norms it knows, a gated MLP, attention
+    with full rotation and q and k norms together or neither."""
+    attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    return (
+        layer.one_call_norms() is not None and isinstance(mlp, GatedMLP)
+        and not attn.partial_rotary and (attn.q_norm is None) == (attn.k_norm is None)
+    )  # fmt: skip
+
+
 def _all_native(layer: DecoderLayer, rows: int) -> bool:
-    """Whether every op of a Llama-shaped ``layer`` runs its native kernel for ``rows`` rows."""
+    """Whether every op of ``layer`` (:func:`_one_call_shape`) runs its native kernel for ``rows``
+    rows."""
     attn, mlp = layer.self_attn, layer.mlp
     assert isinstance(mlp, GatedMLP)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     return (
         layer.fused is not None and attn.fused is not None and mlp.fused is not None
         and rows <= MAX_ROWS and attn.backend.native_decode(rows)
         and all(linear.kernel_tiles(rows) is not None for linear in linears)
-        and all(norm.dtype == torch.float32 for norm in norms)
+        and all(norm.kernel_weight().dtype == torch.float32 for norm in _norms(layer))
     )  # fmt: skip
 
 
-def _layer_weights(layer: DecoderLayer) -> LayerWeights:
-    """What the one-call decode layers read of ``layer`` (checked by :func:`_all_native`)."""
+def _norms(layer: DecoderLayer) -> list[RMSNorm]:
+    """Every norm of a layer the one-call step computes, the q/k head norms included."""
+    attn = layer.self_attn
+    found = [*(layer.one_call_norms() or ()), attn.q_norm, attn.k_norm]
+    return [norm for norm in found if norm is not None]
+
+
+def _layer_weights(layer: DecoderLayer, local_rope: bool) -> LayerWeights:
+    """What the one-call decode layers read of ``layer`` (checked by :func:`_all_native`);
+    ``local_rope``: the model has local rope tables for its sliding layers."""
     attn, mlp = layer.self_attn, layer.mlp
     tiles = [linear.kernel_tiles(1) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                    mlp.down_proj)]  # fmt: skip
     qkv, o, gate_up, down = (t for t in tiles if t is not None)
-    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
-    return LayerWeights(norms[0].contiguous(), norms[1].contiguous(), qkv, o, gate_up, down)
+    norms = layer.one_call_norms()
+    assert norms is not None
+
+    def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+        return None if norm is None else norm.kernel_weight().detach().contiguous()
+
+    first, before_mlp, attn_out, mlp_out = (weight(n) for n in norms)
+    assert first is not None and before_mlp is not None
+    return LayerWeights(
+        first, before_mlp, qkv, o, gate_up, down, scale=attn.scale, attn_out_norm=attn_out,
+        mlp_out_norm=mlp_out, q_norm=weight(attn.q_norm), k_norm=weight(attn.k_norm),
+        window=attn.window, local_rope=local_rope and attn.window is not None,
+        softcap=attn.softcap,
+    )  # fmt: skip

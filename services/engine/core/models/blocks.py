@@ -33,6 +33,11 @@ class FusedOps(Protocol):
                     eps: float, out_sum: torch.Tensor | None = None) -> torch.Tensor: ...
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+    # where these two return None / False, the caller keeps its PyTorch ops
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None: ...
+    def qk_norm_rope_(self, qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> bool: ...
 
 
 class RMSNorm(nn.Module):
@@ -54,15 +59,34 @@ class RMSNorm(nn.Module):
             return self.weight * x32.to(x.dtype)
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
+    def kernel_weight(self) -> torch.Tensor:
+        """What a fused RMSNorm kernel (``y = w * normed``) multiplies by: the weight itself."""
+        return self.weight
+
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores ``w``, the norm scales by ``1 + w``, and it rounds
-    to the activation dtype after the scaling, not before (as Hugging Face's Gemma3RMSNorm)."""
+    to the activation dtype after the scaling, not before (as Hugging Face's Gemma3RMSNorm).
+
+    The fused kernels take the scale folded: :meth:`kernel_weight` is ``1 + w`` in float32 (the
+    reference's own rounding of it), computed once per weight tensor."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        self._folded: torch.Tensor | None = None
+        self._folded_of: tuple[int, int] = (0, -1)  # (data_ptr, version) of the weight folded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def kernel_weight(self) -> torch.Tensor:
+        w = self.weight.detach()
+        key = (w.data_ptr(), w._version)
+        if self._folded is None or key != self._folded_of:
+            self._folded, self._folded_of = (1.0 + w.float()).contiguous(), key
+        return self._folded
 
 
 def make_norm(config: ModelConfig, size: int) -> RMSNorm:
@@ -96,14 +120,6 @@ class Attention(nn.Module):
         self.partial_rotary = config.rotary_dim != config.head_dim
         self.fused: FusedOps | None = None
 
-    @property
-    def plain(self) -> bool:
-        """Whether this is Llama's attention (what the fused rope and the C decode layers do)."""
-        return (
-            self.q_norm is None and self.window is None and self.softcap is None
-            and not self.partial_rotary
-        )  # fmt: skip
-
     def forward(
         self,
         x: torch.Tensor,
@@ -116,9 +132,21 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)
         heads = self.num_heads
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm.forward(qkv[:, : self.q_size].view(tokens, heads, self.head_dim))
-            k = self.k_norm.forward(
+        q_norm, k_norm, fused = self.q_norm, self.k_norm, self.fused
+        if (
+            q_norm is not None and k_norm is not None and fused is not None
+            and not self.partial_rotary and fused.applies(qkv)
+            and fused.qk_norm_rope_(qkv, heads, self.num_kv_heads, q_norm.kernel_weight(),
+                                    k_norm.kernel_weight(), q_norm.eps, *rope)
+        ):  # fmt: skip
+            # normed and rotated in place in the projection's output, as the one-call layers do
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                tokens, heads + self.num_kv_heads, self.head_dim
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
+        elif q_norm is not None and k_norm is not None:
+            q = q_norm.forward(qkv[:, : self.q_size].view(tokens, heads, self.head_dim))
+            k = k_norm.forward(
                 qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
             )
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -127,8 +155,8 @@ class Attention(nn.Module):
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 tokens, heads + self.num_kv_heads, self.head_dim
             )
-            if self.fused is not None and not self.partial_rotary and self.fused.applies(qkv):
-                self.fused.rope_(qk, *rope)  # in place in the projection's output
+            if fused is not None and not self.partial_rotary and fused.applies(qkv):
+                fused.rope_(qk, *rope)  # in place in the projection's output
             else:
                 qk = apply_rotary(qk, *rope)
             q, k = qk[:, :heads], qk[:, heads:]
@@ -152,8 +180,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        if self.act == "silu" and self.fused is not None and self.fused.applies(gate_up):
-            return self.down_proj.forward(self.fused.silu_mul(gate_up))
+        fused = self.fused
+        if fused is not None and fused.applies(gate_up):
+            act = fused.silu_mul(gate_up) if self.act == "silu" else fused.gelu_tanh_mul(gate_up)
+            if act is not None:
+                return self.down_proj.forward(act)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         if self.act == "silu":
             return self.down_proj.forward(F.silu(gate) * up)

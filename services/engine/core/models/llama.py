@@ -14,7 +14,7 @@ from torch import nn
 
 from services.common.model_config import ModelConfig
 from services.engine.core.attention import AttentionMetadata, PagedAttention
-from services.engine.core.models.base import CausalLM, DecoderLayer
+from services.engine.core.models.base import CausalLM, DecoderLayer, LayerNorms
 from services.engine.core.models.blocks import Attention, FusedOps, GatedMLP, Rope, make_norm
 
 
@@ -31,9 +31,10 @@ class LlamaDecoderLayer(DecoderLayer):
         self.mlp = mlp or GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.fused: FusedOps | None = None
 
-    def llama_like(self) -> bool:
-        mlp = self.mlp
-        return self.self_attn.plain and isinstance(mlp, GatedMLP) and mlp.act == "silu"
+    def one_call_norms(self) -> LayerNorms | None:
+        if not isinstance(self.mlp, GatedMLP):  # routed experts: per op
+            return None
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(
         self,
@@ -47,10 +48,13 @@ class LlamaDecoderLayer(DecoderLayer):
         if fused is not None and fused.applies(x):
             norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
             h = self.self_attn.forward(
-                fused.add_rmsnorm(x, None, norm1.weight, norm1.eps), rope, k_cache, v_cache, meta
-            )
+                fused.add_rmsnorm(x, None, norm1.kernel_weight(), norm1.eps), rope, k_cache,
+                v_cache, meta,
+            )  # fmt: skip
             residual = torch.empty_like(x)  # x + h, written by the fused norm
-            h = self.mlp.forward(fused.add_rmsnorm(x, h, norm2.weight, norm2.eps, residual))
+            h = self.mlp.forward(
+                fused.add_rmsnorm(x, h, norm2.kernel_weight(), norm2.eps, residual)
+            )
             return residual.add_(h)
         x = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, k_cache, v_cache, meta)
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))

@@ -1,0 +1,94 @@
+"""Batch-1 decode step time of the engine's default configuration, per GGUF, in milliseconds.
+
+    python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
+
+Each file is loaded as ``tandem up`` serves it (``--dtype auto``), a 32-token prompt is
+prefilled, then ``--steps`` tokens are decoded greedily one engine step at a time; a round's
+figure is the mean step time (sampling and scheduling included), and each file keeps its best
+of ``--rounds`` rounds. ``--per-op`` also times the same loaded model with the one-call C decode
+layers turned off (every op its own call from Python), the rounds of the two taking turns.
+
+It is the short check behind a decode-path change: to compare two trees, run it from each
+checkout in turn (``PYTHONPATH=<checkout> python <checkout>/bench/decode_step.py ...``), on an
+idle machine. ``family_speed.py`` is the full table next to llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.sampling_params import SamplingParams  # noqa: E402
+from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from services.engine.core.kernels.autotune import KernelRegimes  # noqa: E402
+from services.engine.core.loaders import LoadedModel, load_model  # noqa: E402
+
+logger = logging.getLogger("bench.decode_step")
+
+
+def step_ms(engine: LLMEngine, steps: int, round_: int) -> float:
+    """Mean milliseconds of ``steps`` batch-1 decode steps after a 32-token prompt."""
+    gen = torch.Generator().manual_seed(round_)
+    prompt = torch.randint(100, 1000, (32,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    engine.add_request(f"r{round_}", prompt, params)
+    while not any(out.new_token_ids for out in engine.step()):  # the prefill step
+        pass
+    start, done = time.perf_counter(), 0
+    while engine.has_unfinished():
+        done += sum(len(out.new_token_ids) for out in engine.step())
+    return (time.perf_counter() - start) * 1000 / done
+
+
+def one_call_off(loaded: LoadedModel) -> KernelRegimes:
+    """Turn the one-call decode layers off (the per-op path runs); returns the regimes to
+    restore."""
+    model = loaded.model
+    saved = model.decode_layers_regimes
+    off = (False,) * len(saved.rows)
+    model.decode_layers_regimes = KernelRegimes(rows=saved.rows, use_kernel=off)
+    return saved
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--per-op", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(os.cpu_count() or 1)
+    per_op_head = " per-op ms/step |" if args.per_op else ""
+    logger.info("| file | layers take | default ms/step |%s", per_op_head)
+    logger.info("|---|---|---|%s", "---|" if args.per_op else "")
+    for path in args.models:
+        loaded = load_model(path, "auto")
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=256))
+        path_taken = "one call" if loaded.model.decode_layers_regimes.kernel_for(1) and \
+            loaded.model.decode_layers is not None else "per op"  # fmt: skip
+        step_ms(engine, 4, -1)  # warm-up
+        best = {"default": float("inf"), "per-op": float("inf")}
+        with torch.inference_mode():
+            for round_ in range(args.rounds):
+                best["default"] = min(best["default"], step_ms(engine, args.steps, round_))
+                if args.per_op:
+                    saved = one_call_off(loaded)
+                    best["per-op"] = min(best["per-op"], step_ms(engine, args.steps, round_))
+                    loaded.model.decode_layers_regimes = saved
+        per_op = f" {best['per-op']:.2f} |" if args.per_op else ""
+        logger.info("| %s | %s | %.2f |%s", Path(path).name, path_taken, best["default"], per_op)
+        del engine, loaded
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
