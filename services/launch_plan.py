@@ -54,6 +54,10 @@ class LaunchConfig:
     (``services/cpu_plan.py``); ``cpus``: the cores to plan over (default: this process's).
     ``restart``: start a child that dies after start-up again, with backoff (``launcher.py``).
     ``kv_transport``: every prefill and decode worker's ``--kv-transport`` (None: their default).
+    ``tls_dir``: a directory of ``ca.pem`` and ``<role>.pem`` / ``<role>-key.pem``
+    (``services/common/cert_authority.py``) whose role certificates every child gets as
+    ``--tls-cert/--tls-key/--tls-ca``; ``insecure_internal`` passes ``--insecure-internal``
+    instead. With neither, children get no TLS flags (their own environment decides).
     """
 
     model: str = "default"
@@ -83,6 +87,8 @@ class LaunchConfig:
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S
     stop_timeout: float = DEFAULT_STOP_TIMEOUT_S
     restart: bool = True
+    tls_dir: str | None = None
+    insecure_internal: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +151,17 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     host = config.host
     client_host = _client_host(host)
     base = [sys.executable, "-m", "services", f"--log-level={config.log_level}", "serve"]
+
+    def tls_flags(role: str) -> list[str]:
+        if config.insecure_internal:
+            return ["--insecure-internal"]
+        if config.tls_dir is None:
+            return []
+        d = config.tls_dir
+        return ["--tls-cert", os.path.join(d, f"{role}.pem"),
+                "--tls-key", os.path.join(d, f"{role}-key.pem"),
+                "--tls-ca", os.path.join(d, "ca.pem")]  # fmt: skip
+
     specs: list[ChildSpec] = []
     placements = plan_cpus(config.num_prefill, config.num_decode,
                            config.cpus if config.cpus is not None else usable_cpus(),
@@ -158,7 +175,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
             if placement.cpus is not None:
                 placed += ["--cpus", format_cpus(placement.cpus)]
         argv = [*base, service, "--model", config.model, "--host", host,
-                "--port", str(port), "--metrics-port", str(metrics_port), *placed, *extra]  # fmt: skip
+                "--port", str(port), "--metrics-port", str(metrics_port), *placed,
+                *tls_flags(service), *extra]  # fmt: skip
         specs.append(
             ChildSpec(
                 name=name,
@@ -196,7 +214,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
 
     if gateway:
         argv = [*base, "gateway", "--host", host, "--port", str(config.gateway_port),
-                "--model", config.model, "--tokenizer", specs[0].address]  # fmt: skip
+                "--model", config.model, "--tokenizer", specs[0].address,
+                *tls_flags("gateway")]  # fmt: skip
         for spec in specs[1:]:
             argv += [f"--{spec.service}", spec.address]
         if colocated:

@@ -18,6 +18,13 @@ decode ``i``    gRPC 50071 + i (``--decode-port``)   9121 + i (``--decode-metric
 With the defaults, up to 10 workers per role fit; more need bases far enough apart (overlapping
 ports are refused before anything starts).
 
+Internal gRPC is mutual TLS with no setup: at start the launcher makes a throwaway CA and one
+certificate per role (``services/common/cert_authority.py``, the ``cryptography`` package) in a
+private temporary directory (mode 0700, keys 0600; the CA's key is never written), passes each
+child its role's files, checks readiness with an ``operator`` certificate of its own, and removes
+the directory when it exits. ``--certs DIR`` uses a directory ``tandem certs init DIR`` wrote
+instead; ``--insecure-internal`` runs every hop in plaintext (a loud warning; never a default).
+
 Lifecycle:
   1. Plan every child (command line, ports, addresses; ``launch_plan.py``) and refuse
      overlapping or busy ports with a one-line error, before anything starts.
@@ -48,15 +55,19 @@ import ctypes
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from services.common import ports
-from services.common.errors import UnavailableError
+from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.internal_tls import INSECURE_WARNING, InternalTls
 from services.cpu_plan import parse_threads, usable_cpus
 from services.engine.runtime.worker_options import KV_CACHE_DTYPE_CHOICES, KV_TRANSPORTS
 from services.launch_plan import (
@@ -135,6 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "stops everything on the first death")
     add("--stop-timeout", type=float, default=DEFAULT_STOP_TIMEOUT_S,
         help=f"seconds children get to stop before SIGKILL (default {DEFAULT_STOP_TIMEOUT_S:g})")
+    add("--certs", default=None, metavar="DIR",
+        help="internal mutual TLS from a directory `tandem certs init DIR` wrote (default: a "
+             "throwaway CA and certificates made at start, removed at exit)")
+    add("--insecure-internal", action="store_true",
+        help="plaintext, unauthenticated gRPC between the services: NOT for any shared network")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,7 +183,12 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         stop_timeout=args.stop_timeout,
         restart=args.restart,
+        tls_dir=args.certs,
+        insecure_internal=args.insecure_internal,
     )
+    if config.insecure_internal and config.tls_dir:
+        raise InvalidArgumentError("--certs and --insecure-internal exclude each other",
+                                   param="insecure_internal")  # fmt: skip
     return asyncio.run(Launcher(config).run())
 
 
@@ -268,23 +289,52 @@ class Launcher:
         self._kill_now = asyncio.Event()  # a second signal: skip the grace period
         self._not_ready: set[str] = set()
         self._preexec: Callable[[], None] | None = None
+        self._tls = InternalTls.plaintext()  # the launcher's own (operator) identity
+        self._own_certs: str | None = None  # the throwaway directory, removed at exit
 
     async def run(self) -> int:
         """The whole lifecycle; returns the exit code or raises a one-line TandemError."""
-        specs = plan(self.config)
-        check_ports_free(specs, self.config.host)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        plan(self.config)  # a bad configuration fails before any certificate is made
         try:
-            self._preexec = _die_with_parent()
-            for spec in specs:
-                self.children.append(start_child(spec, self._preexec))
-            return await self._supervise()
-        finally:
-            await self._stop_all()
+            self.config = self._with_certs(self.config)
+            specs = plan(self.config)
+            check_ports_free(specs, self.config.host)
+            loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            try:
+                self._preexec = _die_with_parent()
+                for spec in specs:
+                    self.children.append(start_child(spec, self._preexec))
+                return await self._supervise()
+            finally:
+                await self._stop_all()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+        finally:
+            if self._own_certs is not None:
+                shutil.rmtree(self._own_certs, ignore_errors=True)
+                self._own_certs = None
+
+    def _with_certs(self, config: LaunchConfig) -> LaunchConfig:
+        """``config`` with a certificate directory (a throwaway one unless ``--certs`` named
+        one) and the launcher's own identity loaded; plaintext with ``--insecure-internal``."""
+        if config.insecure_internal:
+            logger.warning(INSECURE_WARNING)
+            return config
+        if config.tls_dir is None:
+            from services.common.cert_authority import write_deployment_certs
+
+            self._own_certs = tempfile.mkdtemp(prefix="tandem-up-certs-")  # mode 0700
+            write_deployment_certs(Path(self._own_certs))
+            logger.info("internal mutual TLS: throwaway CA and certificates in %s",
+                        self._own_certs)  # fmt: skip
+            config = replace(config, tls_dir=self._own_certs)
+        from services.common.cert_authority import role_files
+
+        cert, key, ca = role_files(Path(config.tls_dir or ""), "operator")
+        self._tls = InternalTls.from_files(cert, key, ca)
+        return config
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self._stop_requested.is_set():
@@ -381,6 +431,7 @@ class Launcher:
                 await wait_healthy(
                     child.spec.address,
                     child.spec.grpc_service,
+                    tls=self._tls,
                     timeout=self.config.startup_timeout,
                     poll_interval=0.25,
                 )

@@ -46,6 +46,7 @@ from services.gateway.auth import ApiKeyAuth
 from services.gateway.config import GatewayConfig
 from services.gateway.prefill_policy import PrefillPolicy
 from services.gateway.safety import RuleBasedPolicy
+from tests.tls_identities import tls_for
 
 MODEL = "fake-model"
 CONTEXT = 2048  # room for the Hermes tool instructions a tools request adds
@@ -317,7 +318,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         servers: dict[str, GrpcServerHandle] = {}
         tok = await start_grpc_server(
             [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer, "tandem.v1.Tokenizer")],
-            host="127.0.0.1", port=0, grace=0.1,
+            tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
         )  # fmt: skip
         servers[tok.address] = tok
         decoders: dict[str, FakeDecode] = {}
@@ -325,7 +326,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         for d in decodes:
             h = await start_grpc_server(
                 [(decode_pb2_grpc.add_DecodeServicer_to_server, d, "tandem.v1.Decode")],
-                host="127.0.0.1", port=0, grace=0.1,
+                tls=tls_for("decode"), host="127.0.0.1", port=0, grace=0.1,
             )  # fmt: skip
             d.address = h.address
             decoders[h.address] = d
@@ -335,7 +336,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         for p in prefills:
             h = await start_grpc_server(
                 [(prefill_pb2_grpc.add_PrefillServicer_to_server, p, "tandem.v1.Prefill")],
-                host="127.0.0.1", port=0, grace=0.1,
+                tls=tls_for("prefill"), host="127.0.0.1", port=0, grace=0.1,
             )  # fmt: skip
             prefill_addrs.append(h.address)
             servers[h.address] = h
@@ -350,7 +351,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             decode_addresses=tuple(decoders),
             host="127.0.0.1",
             port=0,
-            **settings,
+            **settings, tls=tls_for("gateway"),
         )
         metrics = TandemMetrics(process_metrics=False)
         safety = RuleBasedPolicy.from_dict(policy) if policy is not None else None

@@ -33,6 +33,7 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from tests.tls_identities import fake_server_tls, tls_for
 
 TOKENIZER = "tandem.v1.Tokenizer"
 DECODE = "tandem.v1.Decode"
@@ -133,7 +134,7 @@ class ForwardingPrefill(prefill_pb2_grpc.PrefillServicer):
         self.decode_address = ""
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        channel = open_channel(self.decode_address)
+        channel = open_channel(self.decode_address, tls=tls_for("gateway"))
         try:
             stub = decode_pb2_grpc.DecodeStub(channel)
             async for _ in stub.Generate(decode_pb2.GenerateRequest(request_id=request.request_id)):
@@ -157,7 +158,7 @@ async def server(tokenizer: FakeTokenizer) -> AsyncIterator[GrpcServerHandle]:
             (decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode(), DECODE),
             (prefill_pb2_grpc.add_PrefillServicer_to_server, prefill, PREFILL),
         ],
-        host="127.0.0.1",
+        tls=fake_server_tls(), host="127.0.0.1",
         port=0,
         grace=0.5,
     )
@@ -168,7 +169,7 @@ async def server(tokenizer: FakeTokenizer) -> AsyncIterator[GrpcServerHandle]:
 
 @pytest.fixture
 async def channel(server: GrpcServerHandle) -> AsyncIterator[grpc.aio.Channel]:
-    chan = open_channel(server.address)
+    chan = open_channel(server.address, tls=tls_for("gateway"))
     yield chan
     await chan.close()
 
@@ -177,3 +178,11 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+async def prefill_channel(server: GrpcServerHandle) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to the fake server with a prefill worker's identity (may call TransferKV)."""
+    chan = open_channel(server.address, tls=tls_for("prefill"))
+    yield chan
+    await chan.close()

@@ -26,6 +26,7 @@ import pytest
 
 from services.cli import build_parser
 from services.common import ports
+from tests.tls_identities import tls_flags, tls_for
 
 yaml = pytest.importorskip("yaml")
 
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 COMPOSE_CPU = REPO / "compose.cpu.yaml"
 SERVICES = ("tokenizer", "prefill", "decode", "gateway")
+SETUP = ("certs",)  # one-shot: writes the internal mutual-TLS certificates into a volume
 MONITORING = ("prometheus", "grafana")
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
 _ENV_DEFAULT = re.compile(r"\$\{(\w+):-([^}]*)\}")
@@ -100,7 +102,7 @@ def test_docker_compose_config_accepts_the_file() -> None:
     assert out.returncode == 0, out.stderr
     rendered = yaml.safe_load(out.stdout)
     default = {n for n, s in rendered["services"].items() if not s.get("profiles")}
-    assert default == set(SERVICES)
+    assert default == set(SERVICES) | set(SETUP)
     assert set(rendered["services"]) - default == set(MONITORING)
     # The profile is accepted too (Compose >= 1.28), and nothing else hides behind one.
     out = subprocess.run(
@@ -108,7 +110,7 @@ def test_docker_compose_config_accepts_the_file() -> None:
         cwd=REPO, env=_compose_env(), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert set(out.stdout.split()) == set(SERVICES) | set(MONITORING)
+    assert set(out.stdout.split()) == set(SERVICES) | set(SETUP) | set(MONITORING)
 
 
 def test_docker_compose_v2_accepts_the_cpu_override() -> None:
@@ -145,6 +147,25 @@ def test_every_command_is_accepted_by_the_cli(compose: dict[str, Any], name: str
     assert args.module == f"services.{name}.main"
 
 
+def test_certs_service_writes_a_volume_every_service_reads(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    certs = services["certs"]
+    argv = command_of(certs)
+    args = build_parser(argv[1:]).parse_args(argv[1:])
+    assert args.module == "services.certs_cli" and args.if_missing  # every `up` keeps the CA
+    assert certs["volumes"] == ["tandem-certs:/certs"] and certs["restart"] == "no"
+    assert "tandem-certs" in compose["volumes"]
+    for name in SERVICES:
+        service = services[name]
+        assert service["volumes"] == ["tandem-certs:/certs:ro"], name
+        env = service["environment"]
+        assert env["TANDEM_TLS_CERT"] == f"/certs/{name}.pem", name
+        assert env["TANDEM_TLS_KEY"] == f"/certs/{name}-key.pem", name
+        assert env["TANDEM_TLS_CA"] == "/certs/ca.pem", name
+        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert "--insecure-internal" not in command_of(service)
+
+
 def _port_of(argv: list[str]) -> int:
     return int(argv[argv.index("--port") + 1])
 
@@ -169,7 +190,7 @@ def test_services_point_at_each_other(compose: dict[str, Any]) -> None:
 
 def test_one_image_only_gateway_published_gpu_reserved(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    images = {services[n]["image"] for n in SERVICES}
+    images = {services[n]["image"] for n in (*SERVICES, *SETUP)}
     assert len(images) == 1
     published = [n for n in SERVICES if services[n].get("ports")]
     assert published == ["gateway"]
@@ -190,7 +211,7 @@ def test_one_image_only_gateway_published_gpu_reserved(compose: dict[str, Any]) 
 def test_cpu_override_removes_reservations(compose: dict[str, Any]) -> None:
     merged = merge(compose, load(COMPOSE_CPU))
     services = merged["services"]
-    assert set(services) == set(SERVICES) | set(MONITORING)
+    assert set(services) == set(SERVICES) | set(SETUP) | set(MONITORING)
     assert services["prometheus"] == compose["services"]["prometheus"]  # untouched
     for name in SERVICES:
         assert "deploy" not in services[name], name
@@ -292,7 +313,7 @@ async def test_healthcheck_helper_grpc_and_http() -> None:
     handle = await start_grpc_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
           tokenizer_pb2_grpc.TokenizerServicer(), "tandem.v1.Tokenizer")],
-        host="127.0.0.1", port=0, grace=0.1,
+        tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
     )  # fmt: skip
 
     async def health(_: web.Request) -> web.Response:
@@ -306,9 +327,10 @@ async def test_healthcheck_helper_grpc_and_http() -> None:
     await site.start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
 
-    async def check(*argv: str) -> int:
+    async def check(*argv: str, tls: tuple[str, ...] = tuple(tls_flags("tokenizer"))) -> int:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.common.healthcheck", *argv, "--timeout", "2",
+            *tls,
             cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         return await proc.wait()
@@ -317,6 +339,8 @@ async def test_healthcheck_helper_grpc_and_http() -> None:
         assert await check(handle.address, "tandem.v1.Tokenizer") == 0
         assert await check(handle.address) == 0
         assert await check(handle.address, "tandem.v1.Decode") == 1  # not served there
+        assert await check(handle.address, tls=()) == 1  # no certificate: refused
+        assert await check(handle.address, tls=("--insecure-internal",)) == 1
         assert await check(url + "/health") == 0
         assert await check(url + "/missing") == 1
         await handle.set_serving(False)

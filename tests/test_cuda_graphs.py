@@ -11,6 +11,7 @@ from services.engine.core.cuda_graphs import graph_batches
 from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.core.loaders import load_model
 from services.engine.runtime.worker_options import options_from_args
+from tests.tls_identities import tls_flags
 
 
 def test_buckets_cover_every_batch_up_to_the_limit() -> None:
@@ -24,10 +25,10 @@ def test_buckets_cover_every_batch_up_to_the_limit() -> None:
 
 
 def test_enforce_eager_turns_graphs_off() -> None:
-    argv = ["serve", "decode", "--device", "cpu", "--enforce-eager"]
+    argv = ["serve", "decode", "--device", "cpu", "--enforce-eager", *tls_flags("decode")]
     options = options_from_args(build_parser(argv).parse_args(argv), "decode")
     assert options.engine_config().cuda_graphs is False
-    argv = ["serve", "decode", "--device", "cpu"]
+    argv = ["serve", "decode", "--device", "cpu", *tls_flags("decode")]
     options = options_from_args(build_parser(argv).parse_args(argv), "decode")
     assert options.engine_config().cuda_graphs is True
 

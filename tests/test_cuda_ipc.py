@@ -16,6 +16,7 @@ The same transfer through a real CUDA IPC mapping is tests/test_cuda_ipc_gpu.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import zlib
@@ -66,6 +67,7 @@ from services.engine.kv_transfer.cuda_ipc import (
     pool_problem,
 )
 from services.engine.kv_transfer.distributed_endpoint import ChannelHost
+from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.pair_group import CHANNEL_KEY, ChannelAdvert
 from services.engine.kv_transfer.payload import read_payload, write_payload
 from services.engine.kv_transfer.transport import KVStream, KVTransport
@@ -76,6 +78,7 @@ from services.prefill.servicer import SERVICE_NAME as PREFILL_SERVICE
 from services.prefill.servicer import PrefillServicer
 from tests.test_kv_transfer import wait_until
 from services.prefill.worker import PrefillWorker
+from tests.tls_identities import tls_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 DECODE = "decode-0"
@@ -532,14 +535,17 @@ async def start_ipc_workers(
 
     def prefill_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
         transport = CudaIpcKVTransport(engine_loop, peer_id="prefill-t", gpu_uuid=prefill_gpu,
-                                       share=ipc.share)  # fmt: skip
+                                       share=ipc.share,
+                                       inner=GrpcKVTransport(tls_for("prefill")))  # fmt: skip
         worker = PrefillWorker(engine_loop, KVSender(engine_loop, transport, metrics=metrics))
         servicer = PrefillServicer(worker, worker_id="prefill-t")
         return worker, servicer, prefill_pb2_grpc.add_PrefillServicer_to_server, PREFILL_SERVICE
 
-    options = WorkerOptions(host="127.0.0.1", port=0, num_blocks=64, kv_transport="grpc")
+    options = WorkerOptions(tls=tls_for("decode"),
+                            host="127.0.0.1", port=0, num_blocks=64, kv_transport="grpc")
     decode = await start_worker("decode", options, decode_role, loaded=model, with_text=True)
-    prefill = await start_worker("prefill", options, prefill_role, loaded=model)
+    prefill_options = dataclasses.replace(options, tls=tls_for("prefill"))
+    prefill = await start_worker("prefill", prefill_options, prefill_role, loaded=model)
     return prefill, decode
 
 
@@ -551,7 +557,8 @@ async def test_over_grpc_the_advert_travels_in_the_go_ahead(
     prompt = prompt_of(40)
     expected = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate([prompt], GREEDY)[0]
     prefill, decode = await start_ipc_workers(tiny, ipc, GPU, decode_gpu)
-    prefill_channel, decode_channel = open_channel(prefill.address), open_channel(decode.address)
+    prefill_channel = open_channel(prefill.address, tls=tls_for("gateway"))
+    decode_channel = open_channel(decode.address, tls=tls_for("gateway"))
     try:
         prefill_stub = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode_stub = decode_pb2_grpc.DecodeStub(decode_channel)

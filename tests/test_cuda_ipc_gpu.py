@@ -32,6 +32,7 @@ from services.engine.runtime.worker_runtime import WorkerHandle
 from services.prefill.servicer import SERVICE_NAME as PREFILL_SERVICE
 from tests.ports import free_ports
 from tests.test_cuda_ipc import GREEDY, Recording, prompt_of
+from tests.tls_identities import tls_flags, tls_for
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +49,7 @@ def gpu_prefill_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "prefill",
         "--model", "dummy:tiny", "--device", "cuda", "--host", "127.0.0.1", "--port", str(port),
         "--metrics-port", "-1", "--num-blocks", "64", "--worker-id", "prefill-gpu",
-        "--kv-transport", "cuda-ipc", "--no-prefix-caching",
+        "--kv-transport", "cuda-ipc", "--no-prefix-caching", *tls_flags("prefill"),
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=dict(os.environ), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)  # fmt: skip
@@ -70,7 +71,8 @@ async def test_cuda_ipc_between_two_processes_on_one_gpu(
     from services.decode.server import start_decode_worker
 
     prefill_address, proc = gpu_prefill_process
-    options = WorkerOptions(model="dummy:tiny", device="cuda", host="127.0.0.1", port=0,
+    options = WorkerOptions(tls=tls_for("decode"),
+                            model="dummy:tiny", device="cuda", host="127.0.0.1", port=0,
                             num_blocks=64)  # fmt: skip
     ipc_decode = await start_decode_worker(
         dataclasses.replace(options, worker_id="decode-ipc", kv_transport="cuda-ipc"))
@@ -81,10 +83,12 @@ async def test_cuda_ipc_between_two_processes_on_one_gpu(
     recording = Recording(endpoint)
     recording.close = endpoint.close  # type: ignore[attr-defined]
     ipc_decode.worker.channel = recording  # type: ignore[attr-defined]
-    channels = [open_channel(a) for a in (prefill_address, ipc_decode.address, grpc_decode.address)]
+    addresses = (prefill_address, ipc_decode.address, grpc_decode.address)
+    channels = [open_channel(a, tls=tls_for("gateway")) for a in addresses]
     try:
         try:
-            await wait_healthy(prefill_address, PREFILL_SERVICE, timeout=300)
+            await wait_healthy(prefill_address, PREFILL_SERVICE, timeout=300,
+                               tls=tls_for("operator"))
         except Exception:
             proc.kill()
             raise AssertionError(proc.communicate(timeout=10)[0].decode(errors="replace")) from None

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from services.common.grpc_channel import open_channel, wait_healthy
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
+from tests.tls_identities import tls_flags, tls_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -40,6 +42,7 @@ def serve(role: str, port: int, metrics_port: int) -> subprocess.Popen[bytes]:
         sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", role,
         "--model", "dummy:tiny", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
         "--metrics-port", str(metrics_port), "--num-blocks", "64", "--worker-id", f"{role}-p",
+        *tls_flags(role),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -74,9 +77,10 @@ async def test_workers_as_separate_processes(processes: dict[str, object]) -> No
 
     prefill_address = f"127.0.0.1:{ports['prefill']}"
     decode_address = f"127.0.0.1:{ports['decode']}"
-    await wait_healthy(prefill_address, "tandem.v1.Prefill", timeout=90)
-    await wait_healthy(decode_address, "tandem.v1.Decode", timeout=90)
-    prefill_channel, decode_channel = open_channel(prefill_address), open_channel(decode_address)
+    await wait_healthy(prefill_address, "tandem.v1.Prefill", timeout=90, tls=tls_for("operator"))
+    await wait_healthy(decode_address, "tandem.v1.Decode", timeout=90, tls=tls_for("operator"))
+    prefill_channel = open_channel(prefill_address, tls=tls_for("gateway"))
+    decode_channel = open_channel(decode_address, tls=tls_for("gateway"))
     try:
         prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode = decode_pb2_grpc.DecodeStub(decode_channel)
@@ -135,10 +139,12 @@ async def test_smollm2_text_and_stop_strings_through_the_handoff() -> None:
         [prompt, prompt], [params, stop_params], output_filter=OutputText(tokenizer)
     )
 
-    options = WorkerOptions(host="127.0.0.1", port=0, num_blocks=64)
+    options = WorkerOptions(tls=tls_for("decode"), host="127.0.0.1", port=0, num_blocks=64)
     decode = await start_decode_worker(options, loaded=loaded, tokenizer=tokenizer)
-    prefill = await start_prefill_worker(options, loaded=loaded)
-    prefill_channel, decode_channel = open_channel(prefill.address), open_channel(decode.address)
+    prefill_options = dataclasses.replace(options, tls=tls_for("prefill"))
+    prefill = await start_prefill_worker(prefill_options, loaded=loaded)
+    prefill_channel = open_channel(prefill.address, tls=tls_for("gateway"))
+    decode_channel = open_channel(decode.address, tls=tls_for("gateway"))
     try:
         prefill_stub = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode_stub = decode_pb2_grpc.DecodeStub(decode_channel)

@@ -39,6 +39,7 @@ from tests.gateway_fakes import (
     post_raw,
     sse_events,
 )
+from tests.tls_identities import tls_flags
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -503,7 +504,8 @@ def test_cli_parses_gateway_flags(tmp_path: Path) -> None:
 
     argv = ["serve", "gateway", "--tokenizer", "tok:1", "--prefill", "p1:2,p2:3", "--prefill",
             "p3:4", "--decode", "d:5", "--port", "9000", "--safety-policy", "off",
-            "--served-model-name", "a", "b", "--rate-limit-rpm", "10", "--no-truncate"]  # fmt: skip
+            "--served-model-name", "a", "b", "--rate-limit-rpm", "10", "--no-truncate",
+            *tls_flags("gateway")]  # fmt: skip
     args = build_parser(argv).parse_args(argv)
     config = config_from_args(args)
     assert config.prefill_addresses == ("p1:2", "p2:3", "p3:4")

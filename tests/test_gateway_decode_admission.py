@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from tests.gateway_fakes import DEFAULT_REPLY, MODEL, StackFactory, post_raw
+from tests.tls_identities import tls_flags
 
 BODY = {"model": MODEL, "prompt": "Say hello", "max_tokens": 5}
 
@@ -136,7 +137,8 @@ def test_the_admission_timeout_flag() -> None:
     from services.gateway.main import config_from_args
 
     def config(*extra: str):  # type: ignore[no-untyped-def]
-        argv = ["serve", "gateway", "--tokenizer", "tok:1", "--decode", "d:5", *extra]
+        argv = ["serve", "gateway", "--tokenizer", "tok:1", "--decode", "d:5", *extra,
+                *tls_flags("gateway")]
         return config_from_args(build_parser(argv).parse_args(argv))
 
     assert config().decode_admission_timeout_s == 30.0

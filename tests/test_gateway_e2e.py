@@ -35,6 +35,7 @@ from aiohttp import web
 
 from services.common.grpc_channel import open_channel, wait_healthy
 from services.common.pb import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.tls_identities import tls_flags, tls_for
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ class Stack:
             found = []
             for address, stub_cls in ((self.prefill, prefill_pb2_grpc.PrefillStub),
                                       (self.decode, decode_pb2_grpc.DecodeStub)):  # fmt: skip
-                channel = open_channel(address)
+                channel = open_channel(address, tls=tls_for("gateway"))
                 try:
                     reply = await stub_cls(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
                     found.append(reply.kv_blocks_in_use)
@@ -145,17 +146,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(_spawn(["serve", "tokenizer", "--host", "127.0.0.1", "--port", str(tok),
-                             "--metrics-port", "0"], logs / "tokenizer.log"))  # fmt: skip
+                             "--metrics-port", "0", *tls_flags("tokenizer")],
+                            logs / "tokenizer.log"))  # fmt: skip
         procs.append(
-            _spawn(["serve", "prefill", "--port", str(pre), *worker], logs / "prefill.log")
+            _spawn(["serve", "prefill", "--port", str(pre), *worker, *tls_flags("prefill")],
+                   logs / "prefill.log")
         )
-        procs.append(_spawn(["serve", "decode", "--port", str(dec), *worker], logs / "decode.log"))
+        procs.append(_spawn(["serve", "decode", "--port", str(dec), *worker, *tls_flags("decode")],
+                            logs / "decode.log"))
         addrs = {"tandem.v1.Tokenizer": f"127.0.0.1:{tok}", "tandem.v1.Prefill": f"127.0.0.1:{pre}",
                  "tandem.v1.Decode": f"127.0.0.1:{dec}"}  # fmt: skip
 
         async def wait_all() -> None:
             await asyncio.gather(
-                *(wait_healthy(a, s, timeout=START_TIMEOUT_S) for s, a in addrs.items())
+                *(wait_healthy(a, s, timeout=START_TIMEOUT_S, tls=tls_for("operator"))
+                  for s, a in addrs.items())
             )
 
         asyncio.run(wait_all())
@@ -165,6 +170,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--decode", addrs["tandem.v1.Decode"], "--model", "default",
             "--safety-policy", str(policy), "--stats-interval", "0.25",
             "--remote-prefill-min-tokens", "0",  # every prompt crosses the KV hand-off here
+            *tls_flags("gateway"),
         ], logs / "gateway.log"))  # fmt: skip
         url = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 60
@@ -366,7 +372,7 @@ async def _limited_gateway(stack: Stack, **overrides: Any) -> tuple[web.AppRunne
     settings: dict[str, Any] = {"prefill_addresses": (stack.prefill,), **overrides}
     config = GatewayConfig(
         tokenizer_address=stack.tokenizer, decode_addresses=(stack.decode,), host="127.0.0.1",
-        port=0, **settings,
+        port=0, **settings, tls=tls_for("gateway"),
     )  # fmt: skip
     app = build_app(config, auth=ApiKeyAuth(["sk-e2e-key-0001"]), policy=AllowAllPolicy())
     runner = web.AppRunner(app, access_log=None)

@@ -20,6 +20,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.openai_fields import parse_int_list
 from services.gateway.openai_requests import parse_completion_request
 from tests.gateway_fakes import MODEL, StackFactory, post_raw
+from tests.tls_identities import tls_flags
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"model": MODEL, "messages": USER, "max_tokens": 3}
@@ -170,7 +171,7 @@ def test_body_read_timeout_is_validated() -> None:
     from services.cli import build_parser
     from services.gateway.main import config_from_args
 
-    argv = ["serve", "gateway", "--body-read-timeout", "7.5"]
+    argv = ["serve", "gateway", "--body-read-timeout", "7.5", *tls_flags("gateway")]
     assert config_from_args(build_parser(argv).parse_args(argv)).body_read_timeout_s == 7.5
 
 

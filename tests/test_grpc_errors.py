@@ -37,6 +37,7 @@ from services.common.pb import (
     tokenizer_pb2_grpc,
 )
 from tests.grpc_fakes import DECODE, PREFILL, TOKENIZER, WriterDecode
+from tests.tls_identities import tls_for
 
 # --- errors ---------------------------------------------------------------------------------------
 
@@ -123,8 +124,8 @@ async def test_server_stream_error_after_responses(channel: grpc.aio.Channel) ->
     assert type(status_to_error(info.value)) is ResourceExhaustedError
 
 
-async def test_client_stream_checksum_failure(channel: grpc.aio.Channel) -> None:
-    stub = decode_pb2_grpc.DecodeStub(channel)
+async def test_client_stream_checksum_failure(prefill_channel: grpc.aio.Channel) -> None:
+    stub = decode_pb2_grpc.DecodeStub(prefill_channel)
     data = b"\x01\x02" * 1000
     header = decode_pb2.KVTransferMessage(header=decode_pb2.KVHeader(request_id="r1"))
     good = decode_pb2.KVTransferMessage(chunk=decode_pb2.KVChunk(data=data, crc32=zlib.crc32(data)))
@@ -174,10 +175,10 @@ async def test_downstream_rpc_error_keeps_its_status(channel: grpc.aio.Channel) 
 async def test_context_write_style_streaming() -> None:
     handle = await start_grpc_server(
         [(decode_pb2_grpc.add_DecodeServicer_to_server, WriterDecode(), DECODE)],
-        host="127.0.0.1",
+        tls=tls_for("decode"), host="127.0.0.1",
         port=0,
     )
-    chan = open_channel(handle.address)
+    chan = open_channel(handle.address, tls=tls_for("gateway"))
     try:
         stub = decode_pb2_grpc.DecodeStub(chan)
         ok = [r async for r in stub.Generate(decode_pb2.GenerateRequest(request_id="a"), timeout=5)]

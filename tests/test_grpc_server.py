@@ -44,6 +44,8 @@ from tests.grpc_fakes import (
     FakeTokenizer,
     free_port,
 )
+from services.common.peer_roles import server_name
+from tests.tls_identities import tls_for
 
 # --- deadlines, limits ----------------------------------------------------------------------------
 
@@ -75,10 +77,14 @@ async def test_large_messages_need_raised_limits(
     chunk = decode_pb2.KVTransferMessage(
         chunk=decode_pb2.KVChunk(data=data, crc32=zlib.crc32(data))
     )
-    ack = await decode_pb2_grpc.DecodeStub(channel).TransferKV(iter([chunk]), timeout=20)
+    async with open_channel(server.address, tls=tls_for("prefill")) as kv_channel:
+        ack = await decode_pb2_grpc.DecodeStub(kv_channel).TransferKV(iter([chunk]), timeout=20)
     assert ack.bytes_received == MAX_KV_CHUNK_BYTES
 
-    async with grpc.aio.insecure_channel(server.address) as default_channel:
+    default_options = [("grpc.ssl_target_name_override", server_name(None))]
+    credentials = tls_for("gateway").channel_credentials()
+    async with grpc.aio.secure_channel(server.address, credentials,
+                                       options=default_options) as default_channel:
         default_stub = tokenizer_pb2_grpc.TokenizerStub(default_channel)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await default_stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=big), timeout=20)
@@ -115,26 +121,27 @@ async def test_health_reports_every_service(
     await server.set_serving(False)
     assert await _health_status(channel, DECODE) == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(UnavailableError, match="NOT_SERVING"):
-        await wait_healthy(server.address, DECODE, timeout=0.3)
+        await wait_healthy(server.address, DECODE, timeout=0.3, tls=tls_for("operator"))
     await server.set_serving(True)
-    await wait_healthy(server.address, DECODE, timeout=5)
-    await wait_healthy(server.address, timeout=5, channel=channel)
+    await wait_healthy(server.address, DECODE, timeout=5, tls=tls_for("operator"))
+    await wait_healthy(server.address, timeout=5, channel=channel, tls=tls_for("operator"))
 
 
 async def test_wait_healthy_times_out_without_a_server() -> None:
     address = f"127.0.0.1:{free_port()}"
     with pytest.raises(UnavailableError, match="not healthy after"):
-        await wait_healthy(address, TOKENIZER, timeout=0.5)
+        await wait_healthy(address, TOKENIZER, timeout=0.5, tls=tls_for("operator"))
 
 
 async def test_server_can_start_not_serving() -> None:
     handle = await start_grpc_server(
         [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode(), DECODE)],
+        tls=tls_for("decode"),
         host="127.0.0.1",
         port=0,
         serving=False,
     )
-    chan = open_channel(handle.address)
+    chan = open_channel(handle.address, tls=tls_for("gateway"))
     try:
         assert await _health_status(chan, DECODE) == health_pb2.HealthCheckResponse.NOT_SERVING
         await handle.set_serving(True)
@@ -160,7 +167,9 @@ async def test_reflection_lists_services_and_serves_descriptors(
     }
 
     def describe() -> tuple[list[str], list[str]]:
-        sync_channel = grpc.insecure_channel(server.address)
+        sync_channel = grpc.secure_channel(
+            server.address, tls_for("operator").channel_credentials(),
+            options=[("grpc.ssl_target_name_override", server_name(None))])
         try:
             db = ProtoReflectionDescriptorDatabase(sync_channel)
             proto = db.FindFileContainingSymbol("tandem.v1.Decode")
@@ -178,10 +187,11 @@ async def test_reflection_lists_services_and_serves_descriptors(
 async def test_stop_reports_not_serving_then_cancels_in_flight(tokenizer: FakeTokenizer) -> None:
     handle = await start_grpc_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer, TOKENIZER)],
+        tls=tls_for("tokenizer"),
         host="127.0.0.1",
         port=0,
     )
-    chan = open_channel(handle.address)
+    chan = open_channel(handle.address, tls=tls_for("gateway"))
     try:
         watch = health_pb2_grpc.HealthStub(chan).Watch(
             health_pb2.HealthCheckRequest(service=TOKENIZER), timeout=10
@@ -208,16 +218,16 @@ async def test_busy_port_is_a_typed_error(server: GrpcServerHandle) -> None:
     with pytest.raises(UnavailableError, match="could not bind"):
         await start_grpc_server(
             [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode(), DECODE)],
-            host="127.0.0.1",
+            tls=tls_for("decode"), host="127.0.0.1",
             port=server.port,
         )
 
 
 async def test_bad_arguments_are_typed_errors() -> None:
     with pytest.raises(InvalidArgumentError):
-        await start_grpc_server([], host="127.0.0.1", port=0)
+        await start_grpc_server([], tls=tls_for("decode"), host="127.0.0.1", port=0)
     spec = (decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode(), DECODE)
     with pytest.raises(InvalidArgumentError, match="duplicate"):
-        await start_grpc_server([spec, spec], host="127.0.0.1", port=0)
+        await start_grpc_server([spec, spec], tls=tls_for("decode"), host="127.0.0.1", port=0)
     with pytest.raises(InvalidArgumentError):
-        await start_grpc_server([spec], host="127.0.0.1", port=70000)
+        await start_grpc_server([spec], tls=tls_for("decode"), host="127.0.0.1", port=70000)

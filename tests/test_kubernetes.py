@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from services.cli import build_parser
+from tests.tls_identities import tls_flags
 
 yaml = pytest.importorskip("yaml")
 
@@ -258,7 +259,7 @@ def argv_of(container: Obj, env: dict[str, str]) -> list[str]:
 def parse(container: Obj, objects: list[Obj], monkeypatch: pytest.MonkeyPatch) -> Any:
     """The container's command parsed by the real CLI, its environment in place (the worker
     parsers read TANDEM_MODEL / TANDEM_DEVICE / TANDEM_DTYPE as defaults)."""
-    env = container_env(container, objects)
+    env = session_tls_files(container, container_env(container, objects))
     with monkeypatch.context() as m:
         for name in [n for n in os.environ if n.startswith("TANDEM_")]:
             m.delenv(name)
@@ -267,6 +268,19 @@ def parse(container: Obj, objects: list[Obj], monkeypatch: pytest.MonkeyPatch) -
         argv = argv_of(container, env)
         assert argv[0] == "tandem"
         return build_parser(argv[1:]).parse_args(argv[1:])  # builds the parser; runs nothing
+
+
+def session_tls_files(container: Obj, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the TANDEM_TLS_* paths (which must lie in a volume the container mounts)
+    replaced by the test session's files of the container's role, so the CLI can read them."""
+    mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+    files = dict(zip(("TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"),
+                     tls_flags(container["name"])[1::2]))  # fmt: skip
+    out = dict(env)
+    for name, path in files.items():
+        assert any(env[name].startswith(mount + "/") for mount in mounts), (container["name"], name)
+        out[name] = path
+    return out
 
 
 def the_container(objects: list[Obj], role: str) -> Obj:
@@ -310,6 +324,21 @@ def test_every_command_is_accepted_by_the_cli(
 # --- how the pieces fit ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_each_pod_mounts_only_its_own_role_certificate(
+    rendered: dict[str, list[Obj]], name: str
+) -> None:
+    for role in ROLES:
+        spec = pod_spec(one(rendered[name], "Deployment", role))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == f"tandem-tls-{role}"
+        assert volumes["tls"]["secret"]["defaultMode"] == 0o440
+        mount = next(m for m in the_container(rendered[name], role)["volumeMounts"]
+                     if m["name"] == "tls")  # fmt: skip
+        assert mount["readOnly"] is True
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+
+
 def _gateway_args(objects: list[Obj], monkeypatch: pytest.MonkeyPatch) -> Any:
     return parse(the_container(objects, "gateway"), objects, monkeypatch)
 
@@ -344,8 +373,11 @@ def test_probes_resources_and_draining(
                        for p in probes.values())  # fmt: skip
             grace = args.shutdown_grace
         else:
+            # kubelet's gRPC probes present no certificate: they ask the plaintext health-only
+            # port, never the mutual-TLS one
+            assert args.health_port == container_port(container, "health") != args.port
             for probe in probes.values():
-                assert probe["grpc"] == {"port": args.port, "service": GRPC_SERVICES[role]}
+                assert probe["grpc"] == {"port": args.health_port, "service": GRPC_SERVICES[role]}
             grace = args.grace if role == "tokenizer" else DEFAULT_GRACE_SECONDS
         # the model loads before the gRPC port opens: startup allows minutes, liveness waits
         startup = probes["startupProbe"]

@@ -20,8 +20,10 @@ from services.decode.options import check_kv_dist_port
 from services.engine.kv_transfer.checks import check_chunk
 from services.engine.kv_transfer.distributed_endpoint import ChannelHost, _Transfer
 from services.engine.kv_transfer.distributed_transport import DistributedKVTransport
+from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.pair_group import CHANNEL_KEY, ChannelAdvert, pair_backend
 from services.engine.runtime.worker_options import WorkerOptions, resolve_kv_transport
+from tests.tls_identities import tls_for
 
 DECODE = "decode-0:50051"  # the decode worker's gRPC address: prefill keys its groups by it
 
@@ -110,7 +112,8 @@ async def one_transfer(host: ChannelHost, prefill: DistributedKVTransport, paylo
 
 
 async def test_one_group_per_pair_reused_then_rebuilt_from_either_side(host: ChannelHost) -> None:
-    prefill = DistributedKVTransport(peer_id="prefill-0", host="127.0.0.1", op_timeout=5.0)
+    prefill = DistributedKVTransport(peer_id="prefill-0", host="127.0.0.1", op_timeout=5.0,
+                                     grpc=GrpcKVTransport(tls_for("prefill")))
     try:
         key = await one_transfer(host, prefill, b"first")
         assert await one_transfer(host, prefill, bytes(range(256)) * 64) == key
@@ -134,7 +137,8 @@ async def test_one_group_per_pair_reused_then_rebuilt_from_either_side(host: Cha
     finally:
         await prefill.close()
 
-    restarted = DistributedKVTransport(peer_id="prefill-0", host="127.0.0.1", op_timeout=5.0)
+    restarted = DistributedKVTransport(peer_id="prefill-0", host="127.0.0.1", op_timeout=5.0,
+                                     grpc=GrpcKVTransport(tls_for("prefill")))
     try:  # same id, new instance: the old group is retired, the new instance gets its own
         old = host.group("prefill-0")
         assert await one_transfer(host, restarted, b"again") not in (key, second, third)
@@ -145,6 +149,7 @@ async def test_one_group_per_pair_reused_then_rebuilt_from_either_side(host: Cha
 
 async def test_a_failed_set_up_falls_back_to_grpc_for_a_while() -> None:
     prefill = DistributedKVTransport(peer_id="prefill-0", host="127.0.0.1", op_timeout=5.0,
+                                     grpc=GrpcKVTransport(tls_for("prefill")),
                                      setup_timeout=0.1)  # fmt: skip
     try:
         with socket.socket() as sock:  # a port nothing listens on

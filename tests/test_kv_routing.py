@@ -15,6 +15,7 @@ from services.common.pb import common_pb2, prefix_cache_pb2
 from services.common.prefix_hash import routing_keys
 from services.gateway.config import RoutingWeights
 from services.gateway.router import PromptKeys, Router, WorkerState
+from tests.tls_identities import tls_for
 
 BS = 16
 
@@ -108,13 +109,14 @@ async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  
 
     model = load_model(str(tiny_llama_dir))
     handles = [await start_decode_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=32, block_size=4,
+        WorkerOptions(tls=tls_for("decode"), host="127.0.0.1", port=0, num_blocks=32, block_size=4,
                       worker_id=f"decode-{i}"), loaded=model) for i in range(2)]  # fmt: skip
     config = GatewayConfig(tokenizer_address="127.0.0.1:1", prefill_addresses=(),
-                           decode_addresses=tuple(h.address for h in handles))  # fmt: skip
+                           decode_addresses=tuple(h.address for h in handles),
+                           tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)
     router = Router(backend.prefill, backend.decode, interval_s=0.2)
-    channel = open_channel(handles[1].address)
+    channel = open_channel(handles[1].address, tls=tls_for("gateway"))
     try:
         await router.start()
         prompt = [(3 * i + 1) % 200 + 3 for i in range(21)]
@@ -175,7 +177,8 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
     monkeypatch.setattr(prefix_index, "RETRY_MIN_S", 60.0)  # only a wake-up can resubscribe soon
     port = free_ports(1)[0]
     config = GatewayConfig(tokenizer_address="127.0.0.1:1", prefill_addresses=(),
-                           decode_addresses=(f"127.0.0.1:{port}",))  # fmt: skip
+                           decode_addresses=(f"127.0.0.1:{port}",),
+                           tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)
     router = Router(backend.prefill, backend.decode, interval_s=0.1)
     handle = None
@@ -183,7 +186,8 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
         await router.start()  # nothing listens yet: the first subscription fails
         await asyncio.sleep(0.3)
         handle = await start_decode_worker(
-            WorkerOptions(host="127.0.0.1", port=port, num_blocks=16, worker_id="late"),
+            WorkerOptions(tls=tls_for("decode"),
+                          host="127.0.0.1", port=port, num_blocks=16, worker_id="late"),
             loaded=load_model(str(tiny_llama_dir)))  # fmt: skip
         address = f"127.0.0.1:{port}"
         for _ in range(100):

@@ -29,6 +29,7 @@ from services.common.grpc_channel import open_channel
 from services.launch_plan import LaunchConfig, plan
 from tests.ports import free_ports
 from tests.up_process import StartUp, alive, assert_all_gone, children_of, port_flags
+from tests.tls_identities import tls_for
 
 WORKERS_MISSING = [
     module
@@ -129,7 +130,7 @@ async def _check_services(rows: dict[str, tuple[str, int]]) -> None:
                 "decode": "tandem.v1.Decode"}  # fmt: skip
     for name, (address, _) in rows.items():
         service = expected[name.split("-")[0]]
-        channel = open_channel(address)
+        channel = open_channel(address, tls=tls_for("gateway"))
         try:
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)

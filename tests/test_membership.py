@@ -9,6 +9,7 @@ from services.gateway.backend import Backend
 from services.gateway.config import GatewayConfig
 from services.gateway.membership import Membership, is_name, resolve
 from services.gateway.router import Router
+from tests.tls_identities import tls_for
 
 
 class FakeDns:
@@ -24,7 +25,7 @@ class FakeDns:
 
 def _parts(decode: tuple[str, ...]) -> tuple[Backend, Router]:
     config = GatewayConfig(tokenizer_address="127.0.0.1:1", prefill_addresses=("127.0.0.1:2",),
-                           decode_addresses=decode)  # fmt: skip
+                           decode_addresses=decode, tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)
     return backend, Router(backend.prefill, backend.decode)
 

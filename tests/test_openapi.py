@@ -48,6 +48,7 @@ from services.gateway.openai_requests import parse_chat_request, parse_completio
 from services.gateway.openapi import openapi_document
 from services.gateway.rate_limit import RateLimitError
 from tests.gateway_fakes import MODEL, StackFactory, post_raw, sse_events
+from tests.tls_identities import tls_for
 
 SERVED = [MODEL]
 DOC = openapi_document(served_names=SERVED, vocab_size=1000)
@@ -94,7 +95,7 @@ def test_the_document_is_valid_openapi_3_1() -> None:
 
 
 async def test_every_served_route_is_documented_and_nothing_else() -> None:
-    app = build_app(GatewayConfig("127.0.0.1:1", (), ("127.0.0.1:2",)))
+    app = build_app(GatewayConfig("127.0.0.1:1", (), ("127.0.0.1:2",), tls=tls_for("gateway")))
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes()
               if r.method != "HEAD"}  # fmt: skip
     documented = {(method, path) for path, item in DOC["paths"].items() for method in item}

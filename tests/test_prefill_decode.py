@@ -37,6 +37,7 @@ from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.runtime.worker_options import WorkerOptions
 from services.engine.runtime.worker_runtime import WorkerHandle
 from services.prefill.server import start_prefill_worker
+from tests.tls_identities import tls_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -145,16 +146,19 @@ async def cluster(
     decode_transport: str | None = None,
 ) -> AsyncIterator[Cluster]:
     decode = await start_decode_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=decode_blocks, worker_id="decode-t",
+        WorkerOptions(tls=tls_for("decode"),
+                      host="127.0.0.1", port=0, num_blocks=decode_blocks, worker_id="decode-t",
                       max_num_seqs=decode_max_seqs, kv_transport=decode_transport or transport),
         loaded=model, **(decode_kw or {}),  # type: ignore[arg-type]
     )
     prefill = await start_prefill_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=prefill_blocks, worker_id="prefill-t",
+        WorkerOptions(tls=tls_for("prefill"),
+                      host="127.0.0.1", port=0, num_blocks=prefill_blocks, worker_id="prefill-t",
                       kv_transport=transport),
         loaded=model, **(prefill_kw or {}),  # type: ignore[arg-type]
     )
-    prefill_channel, decode_channel = open_channel(prefill.address), open_channel(decode.address)
+    prefill_channel = open_channel(prefill.address, tls=tls_for("gateway"))
+    decode_channel = open_channel(decode.address, tls=tls_for("gateway"))
     c = Cluster(prefill, decode, prefill_pb2_grpc.PrefillStub(prefill_channel),
                 decode_pb2_grpc.DecodeStub(decode_channel), decode_address or decode.address)
     try:
@@ -388,10 +392,11 @@ async def test_header_from_another_model_is_refused(model: LoadedModel, transpor
             prompt_token_ids=list(range(3, 19)), num_prompt_tokens=16,
             params=sampling_params_to_proto(GREEDY),
         )
-        call = c.decode_stub.TransferKV()
-        await call.write(decode_pb2.KVTransferMessage(header=header))
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await call
+        async with open_channel(c.decode_handle.address, tls=tls_for("prefill")) as channel:
+            call = decode_pb2_grpc.DecodeStub(channel).TransferKV()  # as a prefill worker would
+            await call.write(decode_pb2.KVTransferMessage(header=header))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "model_fingerprint" in (err.value.details() or "")
         await c.wait_idle()
@@ -447,7 +452,7 @@ async def test_lease_expires_when_decode_never_acknowledges(
     silent = SilentDecode(channel)
     server = await start_grpc_server(
         [(decode_pb2_grpc.add_DecodeServicer_to_server, silent, "tandem.v1.Decode")],
-        host="127.0.0.1", port=0,
+        tls=tls_for("decode"), host="127.0.0.1", port=0,
     )
     kw = {"lease_seconds": 0.4, "lease_interval": 0.05}
     try:
@@ -570,7 +575,8 @@ async def test_pair_group_is_reused_and_rebuilt_when_a_peer_dies_or_restarts(
 
         # Restarted at the same address: a new store and group (the old one is retired).
         c.decode_handle = await start_decode_worker(
-            WorkerOptions(host="127.0.0.1", port=port, num_blocks=64, worker_id="decode-t",
+            WorkerOptions(tls=tls_for("decode"),
+                          host="127.0.0.1", port=port, num_blocks=64, worker_id="decode-t",
                           kv_transport="distributed"), loaded=model)  # fmt: skip
         await _run_until_reachable(c, "after-decode-restart")
         assert c.groups_built() == (2, 1) and group.retired
@@ -581,7 +587,8 @@ async def test_pair_group_is_reused_and_rebuilt_when_a_peer_dies_or_restarts(
         # A restarted prefill worker (same id, new instance): decode builds it a fresh group.
         await c.prefill_handle.stop(0)
         c.prefill_handle = await start_prefill_worker(
-            WorkerOptions(host="127.0.0.1", port=c.prefill_handle.port, num_blocks=64,
+            WorkerOptions(tls=tls_for("prefill"),
+                          host="127.0.0.1", port=c.prefill_handle.port, num_blocks=64,
                           worker_id="prefill-t", kv_transport="distributed"),
             loaded=model, **kw)  # type: ignore[arg-type]  # fmt: skip
         await _run_until_reachable(c, "after-prefill-restart")

@@ -25,6 +25,7 @@ from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.runtime.prefix_cache_feed import Subscription
 from services.engine.runtime.worker_options import WorkerOptions
 from services.gateway.prefix_index import PrefixIndex
+from tests.tls_identities import tls_for
 
 BS = 4
 
@@ -127,9 +128,9 @@ async def collect_until(call: grpc.aio.UnaryStreamCall, keys: set[int],
 
 async def test_a_worker_streams_its_prefix_cache_snapshot_then_changes(model: LoadedModel) -> None:
     handle = await start_decode_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=12, block_size=BS,
+        WorkerOptions(tls=tls_for("decode"), host="127.0.0.1", port=0, num_blocks=12, block_size=BS,
                       worker_id="decode-feed"), loaded=model)  # fmt: skip
-    channel = open_channel(handle.address)
+    channel = open_channel(handle.address, tls=tls_for("gateway"))
     try:
         watch = prefix_cache_pb2_grpc.PrefixCacheStub(channel).Watch(
             prefix_cache_pb2.WatchPrefixCacheRequest())
@@ -178,9 +179,10 @@ async def test_a_worker_streams_its_prefix_cache_snapshot_then_changes(model: Lo
 
 async def test_a_stopping_worker_ends_its_watch_streams(model: LoadedModel) -> None:
     handle = await start_decode_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=8, worker_id="decode-stop"),
+        WorkerOptions(tls=tls_for("decode"),
+                      host="127.0.0.1", port=0, num_blocks=8, worker_id="decode-stop"),
         loaded=model)  # fmt: skip
-    channel = open_channel(handle.address)
+    channel = open_channel(handle.address, tls=tls_for("gateway"))
     try:
         watch = prefix_cache_pb2_grpc.PrefixCacheStub(channel).Watch(
             prefix_cache_pb2.WatchPrefixCacheRequest())

@@ -31,6 +31,7 @@ from services.common.grpc_channel import open_channel
 from services.common.pb import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from tests.ports import free_ports
 from tests.up_process import Up, port_flags, running_up
+from tests.tls_identities import tls_for
 
 pytestmark = [
     pytest.mark.slow,
@@ -168,7 +169,7 @@ async def _kv_in_use(rows: dict[str, tuple[str, int]]) -> dict[str, int]:
     for name, (address, _) in rows.items():
         if not name.startswith(("prefill", "decode")):
             continue
-        channel = open_channel(address)
+        channel = open_channel(address, tls=tls_for("gateway"))
         try:
             stub: Any = (prefill_pb2_grpc.PrefillStub(channel) if name.startswith("prefill")
                          else decode_pb2_grpc.DecodeStub(channel))  # fmt: skip

@@ -30,6 +30,7 @@ from services.common.pb import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.main import model_fingerprint
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from services.tokenizer.tokenizer import Tokenizer
+from tests.tls_identities import tls_flags, tls_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ async def server(tok: Tokenizer) -> AsyncIterator[GrpcServerHandle]:
     servicer = TokenizerServicer(tok, model_fingerprint="fp-test")
     handle = await start_grpc_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)],
-        host="127.0.0.1",
+        tls=tls_for("tokenizer"), host="127.0.0.1",
         port=0,
     )
     yield handle
@@ -55,7 +56,7 @@ async def server(tok: Tokenizer) -> AsyncIterator[GrpcServerHandle]:
 
 @pytest.fixture
 async def stub(server: GrpcServerHandle) -> AsyncIterator[tokenizer_pb2_grpc.TokenizerStub]:
-    channel = open_channel(server.address)
+    channel = open_channel(server.address, tls=tls_for("gateway"))
     yield tokenizer_pb2_grpc.TokenizerStub(channel)
     await channel.close()
 
@@ -299,7 +300,7 @@ async def test_model_info(stub: tokenizer_pb2_grpc.TokenizerStub, tok: Tokenizer
 
 
 async def test_health_and_reflection(server: GrpcServerHandle) -> None:
-    channel = open_channel(server.address)
+    channel = open_channel(server.address, tls=tls_for("gateway"))
     try:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", SERVICE_NAME):
@@ -351,15 +352,16 @@ def test_serve_tokenizer_process_starts_and_stops_on_sigterm() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_MODEL"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "services", "serve", "tokenizer", "--host", "127.0.0.1",
-         "--port", str(port), "--metrics-port", str(metrics_port)],  # fmt: skip
+         "--port", str(port), "--metrics-port", str(metrics_port),
+         *tls_flags("tokenizer")],  # fmt: skip
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
 
         async def check() -> tokenizer_pb2.ModelInfo:
             address = f"127.0.0.1:{port}"
-            await wait_healthy(address, SERVICE_NAME, timeout=90)
-            channel = open_channel(address)
+            await wait_healthy(address, SERVICE_NAME, timeout=90, tls=tls_for("operator"))
+            channel = open_channel(address, tls=tls_for("gateway"))
             try:
                 stub = tokenizer_pb2_grpc.TokenizerStub(channel)
                 return await stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10)
@@ -389,7 +391,7 @@ def test_bad_model_env_is_a_one_line_error() -> None:
     env = dict(os.environ, TANDEM_MODEL="/nonexistent/model.gguf")
     result = subprocess.run(
         [sys.executable, "-m", "services", "serve", "tokenizer", "--port", "0",
-         "--metrics-port", "0"],  # fmt: skip
+         "--metrics-port", "0", *tls_flags("tokenizer")],  # fmt: skip
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2

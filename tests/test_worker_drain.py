@@ -20,6 +20,7 @@ from services.common.wire import sampling_params_to_proto
 from services.decode.server import start_decode_worker
 from services.engine.core.loaders import load_model
 from services.engine.runtime.worker_options import WorkerOptions, options_from_args
+from tests.tls_identities import tls_flags, tls_for
 
 
 REFUSED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # closing: new calls fail
@@ -37,9 +38,10 @@ async def test_a_stopping_worker_finishes_its_streams_and_takes_no_new_ones(
 ) -> None:
     model = load_model(str(tiny_llama_dir))
     handle = await start_decode_worker(
-        WorkerOptions(host="127.0.0.1", port=0, num_blocks=64, worker_id="drain", grace=30.0),
+        WorkerOptions(tls=tls_for("decode"),
+                      host="127.0.0.1", port=0, num_blocks=64, worker_id="drain", grace=30.0),
         loaded=model)  # fmt: skip
-    channel = open_channel(handle.address)
+    channel = open_channel(handle.address, tls=tls_for("gateway"))
     try:
         stub = decode_pb2_grpc.DecodeStub(channel)
         running = _generate(stub, "long", 200)
@@ -75,14 +77,15 @@ async def test_a_stopping_worker_finishes_its_streams_and_takes_no_new_ones(
 
 
 def test_the_grace_flag() -> None:
-    argv = ["serve", "decode", "--device", "cpu", "--grace", "12.5"]
+    argv = ["serve", "decode", "--device", "cpu", "--grace", "12.5", *tls_flags("decode")]
     assert options_from_args(build_parser(argv).parse_args(argv), "decode").grace == 12.5
-    argv = ["serve", "prefill", "--device", "cpu"]
+    argv = ["serve", "prefill", "--device", "cpu", *tls_flags("prefill")]
     assert options_from_args(build_parser(argv).parse_args(argv), "prefill").grace == 5.0
 
 
 async def test_a_negative_grace_is_refused(tiny_llama_dir: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="--grace"):
         await start_decode_worker(
-            WorkerOptions(host="127.0.0.1", port=0, num_blocks=8, grace=-1.0),
+            WorkerOptions(tls=tls_for("decode"),
+                          host="127.0.0.1", port=0, num_blocks=8, grace=-1.0),
             loaded=load_model(str(tiny_llama_dir)))  # fmt: skip

@@ -33,6 +33,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.prefill_policy import PrefillPolicy
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
 from services.tokenizer.tokenizer import Tokenizer
+from tests.tls_identities import tls_for
 
 CONTEXT = 256
 API_KEY = "fuzz-key"
@@ -79,7 +80,7 @@ class TinyStack:
         found = []
         for address, stub in ((self.prefill_address, prefill_pb2_grpc.PrefillStub),
                               (self.decode_address, decode_pb2_grpc.DecodeStub)):  # fmt: skip
-            channel = open_channel(address)
+            channel = open_channel(address, tls=tls_for("gateway"))
             try:
                 found.append(await stub(channel).GetStats(common_pb2.StatsRequest(), timeout=10))
             finally:
@@ -119,15 +120,17 @@ async def tiny_stack(
     tok_server = await start_grpc_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
           TokenizerServicer(tokenizer, served_name="tiny"), SERVICE_NAME)],
-        host="127.0.0.1", port=0, grace=0.1,
+        tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
     )  # fmt: skip
     common = {"host": "127.0.0.1", "port": 0, "model": str(model_dir), "threads": 1}
     decode = await start_decode_worker(
-        WorkerOptions(**common, num_blocks=320, worker_id="decode-fuzz"),  # type: ignore[arg-type]
+        WorkerOptions(tls=tls_for("decode"),
+                      **common, num_blocks=320, worker_id="decode-fuzz"),  # type: ignore[arg-type]
         loaded=loaded, tokenizer=tokenizer, metrics=TandemMetrics(process_metrics=False),
     )  # fmt: skip
     prefill = await start_prefill_worker(
-        WorkerOptions(**common, num_blocks=64, worker_id="prefill-fuzz"),  # type: ignore[arg-type]
+        WorkerOptions(tls=tls_for("prefill"),
+                      **common, num_blocks=64, worker_id="prefill-fuzz"),  # type: ignore[arg-type]
         loaded=loaded, metrics=TandemMetrics(process_metrics=False),
     )  # fmt: skip
     config = GatewayConfig(
@@ -135,6 +138,7 @@ async def tiny_stack(
         decode_addresses=(decode.address,), host="127.0.0.1", port=0, stats_interval_s=0.25,
         body_read_timeout_s=body_read_timeout_s,
         prefill_policy=PrefillPolicy(remote_min_tokens=REMOTE_PREFILL_MIN_TOKENS),
+        tls=tls_for("gateway"),
     )  # fmt: skip
     app = build_app(config, auth=ApiKeyAuth((API_KEY,)),
                     metrics=TandemMetrics(process_metrics=False))  # fmt: skip

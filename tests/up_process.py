@@ -21,6 +21,7 @@ from typing import IO
 import pytest
 
 from tests.ports import free_ports
+from tests.tls_identities import cert_dir
 
 REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
@@ -38,6 +39,15 @@ def port_flags(num_prefill: int, num_decode: int) -> list[str]:
             flags += [f"--{role}-port", str(free_run_of(n)),
                       f"--{role}-metrics-port", str(free_run_of(n))]  # fmt: skip
     return flags
+
+
+def certs_flag(args: tuple[str, ...] | list[str], *, own_certs: bool = False) -> list[str]:
+    """``--certs`` with the test session's CA (so a test can call the stack's services with
+    :func:`tests.tls_identities.tls_for`), unless ``args`` choose TLS themselves
+    (``--insecure-internal``, ``--certs``) or ``own_certs`` keeps tandem up's throwaway CA."""
+    if own_certs or {"--insecure-internal", "--certs"} & set(args):
+        return []
+    return ["--certs", str(cert_dir())]
 
 
 def free_run_of(n: int) -> int:
@@ -129,11 +139,13 @@ def start_up() -> Iterator[StartUp]:
     """Start ``tandem up`` with free ports; everything it started is killed at teardown."""
     started: list[Up] = []
 
-    def start(*args: str, env: dict[str, str] | None = None, gateway: bool = False) -> Up:
+    def start(*args: str, env: dict[str, str] | None = None, gateway: bool = False,
+              own_certs: bool = False) -> Up:
         log = tempfile.TemporaryFile("w+")
         gateway_flag = "--gateway" if gateway else "--no-gateway"
         process = subprocess.Popen(
-            [sys.executable, "-m", "services", "up", gateway_flag, "--stop-timeout", "20", *args],
+            [sys.executable, "-m", "services", "up", gateway_flag, "--stop-timeout", "20",
+             *certs_flag(args, own_certs=own_certs), *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
         )  # fmt: skip
         up = Up(process, log)
@@ -160,7 +172,8 @@ def running_up(*args: str) -> Iterator[Up]:
     clean stop), then SIGKILL to anything of it still alive."""
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services", "up", "--gateway", "--stop-timeout", "20", *args],
+        [sys.executable, "-m", "services", "up", "--gateway", "--stop-timeout", "20",
+         *certs_flag(args), *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
     )  # fmt: skip
     up = Up(process, log)

@@ -30,6 +30,8 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import UnavailableError
+from services.common.internal_tls import InternalTls
+from services.common.peer_roles import server_name
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +63,25 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def open_channel(
-    address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    address: str,
+    *,
+    tls: InternalTls,
+    server_role: str | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``host:port`` with :func:`channel_options`.
+    """A ``grpc.aio`` channel to ``host:port`` with :func:`channel_options`.
 
-    Opening is lazy: no connection is made until the first RPC (or :func:`wait_healthy`).
-    Close it with ``await channel.close()``.
+    Mutual TLS with ``tls``'s identity (plaintext only for ``InternalTls.plaintext()``): the
+    server's certificate must be signed by ``tls``'s CA and name ``server_role``
+    (``<role>.tandem.internal``; None accepts any member of the deployment), whatever host
+    ``address`` names. Opening is lazy: no connection is made until the first RPC (or
+    :func:`wait_healthy`). Close it with ``await channel.close()``.
     """
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    options = channel_options(max_message_bytes)
+    if tls.insecure:
+        return grpc.aio.insecure_channel(address, options=options)
+    options.append(("grpc.ssl_target_name_override", server_name(server_role)))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 async def wait_healthy(
@@ -78,6 +91,7 @@ async def wait_healthy(
     *,
     poll_interval: float = 0.1,
     channel: grpc.aio.Channel | None = None,
+    tls: InternalTls | None = None,
 ) -> None:
     """Return once ``address`` reports ``service`` SERVING ("" = the whole server).
 
@@ -87,12 +101,18 @@ async def wait_healthy(
         timeout: seconds to keep trying.
         poll_interval: pause between attempts.
         channel: reuse this channel instead of opening (and closing) one.
+        tls: the identity to open a channel with (required when ``channel`` is None).
 
     Raises:
         UnavailableError: not SERVING within ``timeout``; the message says what was last seen.
     """
     own = channel is None
-    chan = open_channel(address) if channel is None else channel
+    if channel is None:
+        if tls is None:
+            raise ValueError("wait_healthy needs a channel or a tls identity")
+        chan = open_channel(address, tls=tls)
+    else:
+        chan = channel
     stub = health_pb2_grpc.HealthStub(chan)
     deadline = time.monotonic() + timeout
     last = "no answer"

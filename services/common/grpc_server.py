@@ -7,7 +7,12 @@ so they all behave alike for operators and for each other:
 - message limits are raised to 64 MiB (KV chunks, long prompts), keepalive pings are allowed;
 - ``grpc.health.v1.Health`` answers for every registered service and for "" (the server);
 - server reflection lists the services, so ``grpcurl`` works without the ``.proto`` files;
-- ``SO_REUSEPORT`` is off, so a second server on a busy port fails instead of sharing it.
+- ``SO_REUSEPORT`` is off, so a second server on a busy port fails instead of sharing it;
+- mutual TLS (``internal_tls``): the port requires a client certificate of the deployment's CA
+  and :class:`~services.common.peer_roles.RoleInterceptor` checks the peer's role per RPC
+  (plaintext without roles only for ``InternalTls.plaintext()``, ``--insecure-internal``);
+- optionally (``health_port``) a second, plaintext server on another port that serves
+  ``grpc.health.v1`` and nothing else, for probes that present no certificate (kubelet).
 
 Lifecycle:
   1. ``handle = await start_grpc_server([(add_fn, servicer, name), ...], host=..., port=...)``
@@ -35,6 +40,8 @@ from grpc_reflection.v1alpha import reflection
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.grpc_channel import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.grpc_errors import ErrorInterceptor
+from services.common.internal_tls import InternalTls
+from services.common.peer_roles import RoleInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +92,8 @@ class GrpcServerHandle:
     _health: health.aio.HealthServicer = field(
         default_factory=health.aio.HealthServicer, repr=False
     )
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
     _stopped: bool = False
 
     @property
@@ -117,17 +126,21 @@ class GrpcServerHandle:
         await self._health.enter_graceful_shutdown()
         seconds = self.grace if grace is None else grace
         logger.info("stopping gRPC server on %s (grace %.1fs)", self.address, seconds)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.server.stop(seconds)
 
 
 async def start_grpc_server(
     servicers: Sequence[ServicerSpec],
     *,
+    tls: InternalTls,
     host: str = "0.0.0.0",
     port: int = 0,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     grace: float = DEFAULT_GRACE_SECONDS,
     serving: bool = True,
+    health_port: int | None = None,
 ) -> GrpcServerHandle:
     """Build, bind and start a ``grpc.aio`` server for ``servicers``; see the module lifecycle.
 
@@ -138,6 +151,8 @@ async def start_grpc_server(
         max_message_bytes: send/receive limit (clients should use the same, see grpc_channel).
         grace: default seconds in-flight RPCs get on :meth:`GrpcServerHandle.stop`.
         serving: initial health status of every service.
+        tls: this server's identity; mutual TLS and per-RPC roles unless it is plaintext.
+        health_port: also serve health alone, in plaintext, on this port (0: a free one).
 
     Raises:
         InvalidArgumentError: no servicers, a duplicate service name, or a bad port.
@@ -148,12 +163,17 @@ async def start_grpc_server(
         raise InvalidArgumentError("start_grpc_server needs at least one servicer")
     if len(set(names)) != len(names):
         raise InvalidArgumentError(f"duplicate service names in {names}")
+    if not tls.insecure and not (tls.cert_pem and tls.key_pem and tls.ca_pem):
+        raise InvalidArgumentError(
+            "a gRPC server needs an internal TLS identity (--tls-cert/--tls-key/--tls-ca, or "
+            "--insecure-internal)", param="tls")
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"port must be in [0, 65535], got {port}", param="port")
 
-    server = grpc.aio.server(
-        interceptors=[ErrorInterceptor()], options=server_options(max_message_bytes)
-    )
+    interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+    if not tls.insecure:
+        interceptors.insert(0, RoleInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_bytes))
     for add_fn, servicer, _ in servicers:
         add_fn(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -162,13 +182,13 @@ async def start_grpc_server(
         (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
 
-    bind = _join(host, port)
-    try:
-        bound = server.add_insecure_port(bind)
-    except RuntimeError as err:  # grpcio >= 1.5x raises; older versions return 0
-        raise UnavailableError(f"could not bind gRPC server to {bind}: {err}") from err
-    if bound == 0:
-        raise UnavailableError(f"could not bind gRPC server to {bind} (port in use?)")
+    bound = _bind(server, host, port, None if tls.insecure else tls.server_credentials())
+    health_server = None
+    health_bound = None
+    if health_port is not None:
+        health_server = grpc.aio.server(options=server_options(max_message_bytes))
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_bound = _bind(health_server, host, health_port, None)
 
     handle = GrpcServerHandle(
         server=server,
@@ -177,11 +197,33 @@ async def start_grpc_server(
         service_names=names,
         grace=grace,
         _health=health_servicer,
+        health_server=health_server,
+        health_port=health_bound,
     )
     await handle.set_serving(serving)
     await server.start()
-    logger.info("gRPC server listening on %s serving %s", _join(host, bound), ", ".join(names))
+    if health_server is not None:
+        await health_server.start()
+        logger.info("plaintext gRPC health (only) on %s", _join(host, health_bound or 0))
+    logger.info("gRPC server listening on %s serving %s (%s)", _join(host, bound),
+                ", ".join(names), "PLAINTEXT" if tls.insecure else "mutual TLS")  # fmt: skip
     return handle
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int,
+          credentials: grpc.ServerCredentials | None) -> int:  # fmt: skip
+    """Bind ``server`` (TLS with ``credentials``, else plaintext); the port bound."""
+    bind = _join(host, port)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(bind)
+        else:
+            bound = server.add_secure_port(bind, credentials)
+    except RuntimeError as err:  # grpcio >= 1.5x raises; older versions return 0
+        raise UnavailableError(f"could not bind gRPC server to {bind}: {err}") from err
+    if bound == 0:
+        raise UnavailableError(f"could not bind gRPC server to {bind} (port in use?)")
+    return bound
 
 
 def _join(host: str, port: int) -> str:

@@ -7,8 +7,11 @@ has no ``grpc_health_probe`` or ``curl``, so this module is that command::
     python -m services.common.healthcheck http://127.0.0.1:8000/health           # HTTP 2xx
 
 A gRPC address is checked with ``grpc.health.v1.Health/Check`` (SERVING = healthy; the service
-name is optional, "" asks about the whole server); an ``http://`` URL with a GET that must answer
-2xx. One line goes to stderr on failure. Torch-free and quick: one RPC or one request, bounded by
+name is optional, "" asks about the whole server) over mutual TLS with ``--tls-cert/--tls-key/
+--tls-ca`` (env ``TANDEM_TLS_*``: inside a service's container, that service's own certificate;
+any role of the deployment may ask for health), or plaintext with ``--insecure-internal`` (also
+what a ``--health-port`` answers); an ``http://`` URL with a GET that must answer 2xx. One line
+goes to stderr on failure. Torch-free and quick: one RPC or one request, bounded by
 ``--timeout``.
 """
 
@@ -21,16 +24,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from services.common.errors import TandemError
+from services.common.internal_tls import InternalTls, add_tls_arguments, tls_from_args
+
 DEFAULT_TIMEOUT_S = 3.0
 
 
-async def check_grpc(address: str, service: str, timeout: float) -> str | None:
+async def check_grpc(address: str, service: str, timeout: float, tls: InternalTls) -> str | None:
     """None when ``service`` at ``address`` is SERVING, else what was seen."""
-    import grpc
     import grpc.aio
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    from services.common.grpc_channel import open_channel
+
+    async with open_channel(address, tls=tls) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -66,11 +73,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="gRPC service name, e.g. tandem.v1.Decode (default: the server)",
     )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    add_tls_arguments(parser, health_port=False)
     args = parser.parse_args(argv)
     if args.target.startswith(("http://", "https://")):
         problem = check_http(args.target, args.timeout)
     else:
-        problem = asyncio.run(check_grpc(args.target, args.service, args.timeout))
+        try:
+            tls = tls_from_args(args)
+        except TandemError as err:
+            problem = err.message
+        else:
+            problem = asyncio.run(check_grpc(args.target, args.service, args.timeout, tls))
     if problem is not None:
         print(
             f"unhealthy: {args.target} {args.service}: {problem}".replace("  ", " "),

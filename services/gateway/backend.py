@@ -10,7 +10,8 @@ an UNAVAILABLE worker becomes a 503, a bad prompt a 400 naming its ``param``.
 - :class:`WorkerClient`: one prefill or decode worker: Prefill, Reserve (decode room before a
   prefill starts), Generate (as a :class:`GenerateStream` that can be cancelled), Abort (never
   raises: cleanup must not fail), GetStats, the prefix-cache feed (``PrefixCache.Watch``), health.
-- :class:`Backend`: all of them over one channel per address; ``await close()`` closes them.
+- :class:`Backend`: all of them over one mutual-TLS channel per address and server role
+  (``services/common/internal_tls.py``); ``await close()`` closes them.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import FailedPreconditionError, UnavailableError
+from services.common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from services.common.grpc_channel import open_channel
+from services.common.internal_tls import InternalTls
 from services.common.grpc_errors import status_to_error
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
@@ -292,10 +298,15 @@ class Backend:
     """Channels and clients for every backend address of a :class:`GatewayConfig`."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        if config.tls is None:
+            raise InvalidArgumentError(
+                "the gateway needs an internal TLS identity (--tls-cert/--tls-key/--tls-ca, or "
+                "--insecure-internal)", param="tls")
+        self._tls: InternalTls = config.tls
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
         t = config.timeouts
         self.tokenizer = TokenizerClient(
-            config.tokenizer_address, self._channel(config.tokenizer_address), t
+            config.tokenizer_address, self._channel(config.tokenizer_address, "tokenizer"), t
         )
         self._timeouts = t
         self._workers: dict[tuple[Role, str], WorkerClient] = {}
@@ -306,13 +317,16 @@ class Backend:
         """The client of the ``role`` worker at ``address`` (made once, then reused)."""
         key = (role, address)
         if key not in self._workers:
-            self._workers[key] = WorkerClient(role, address, self._channel(address), self._timeouts)
+            self._workers[key] = WorkerClient(role, address, self._channel(address, role),
+                                              self._timeouts)  # fmt: skip
         return self._workers[key]
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = open_channel(address)
-        return self._channels[address]
+    def _channel(self, address: str, server_role: str) -> grpc.aio.Channel:
+        """One mutual-TLS channel per address and role; the server must prove ``server_role``."""
+        key = (address, server_role)
+        if key not in self._channels:
+            self._channels[key] = open_channel(address, tls=self._tls, server_role=server_role)
+        return self._channels[key]
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -3,7 +3,8 @@ times out requests.
 
 One frozen dataclass built once by ``main.run`` from flags and the environment (never at import
 time) and handed to :func:`services.gateway.app.build_app`. Secrets (API keys) are not part of it:
-they go straight into :class:`~services.gateway.auth.ApiKeyAuth`, so the config can be logged.
+they go straight into :class:`~services.gateway.auth.ApiKeyAuth`, so the config can be logged
+(the internal-TLS identity's repr shows no key).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgumentError
+from services.common.internal_tls import InternalTls
 from services.gateway.prefill_policy import PrefillPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -108,6 +110,9 @@ class GatewayConfig:
             (``decode_admission.py``; 0: at once).
         routing: the weights of the KV-aware routing cost (``router.py``).
         timeouts: gRPC deadlines.
+        tls: the gateway's internal-TLS identity for its channels to the tokenizer and the
+            workers (``services/common/internal_tls.py``); None is refused when the backend
+            channels are opened (``InternalTls.plaintext()`` is plaintext).
     """
 
     tokenizer_address: str
@@ -133,6 +138,7 @@ class GatewayConfig:
     decode_admission_timeout_s: float = DEFAULT_DECODE_ADMISSION_TIMEOUT_S
     routing: RoutingWeights = field(default_factory=RoutingWeights)
     timeouts: BackendTimeouts = field(default_factory=BackendTimeouts)
+    tls: InternalTls | None = None
 
     def validate(self) -> GatewayConfig:
         """Raise InvalidArgumentError (naming the flag) on an unusable value; return self."""

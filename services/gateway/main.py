@@ -25,6 +25,7 @@ from aiohttp import web
 
 from services.common import ports
 from services.common.errors import UnavailableError
+from services.common.internal_tls import add_tls_arguments, tls_from_args
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.prefill_policy import (
     DEFAULT_MAX_PREFILL_QUEUE,
@@ -242,6 +243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds in-flight requests get at shutdown (default %(default)s)",
     )
+    add_tls_arguments(parser, health_port=False)
 
 
 def _addresses(values: list[str] | None, default: str) -> tuple[str, ...]:
@@ -282,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             wait_for_kv_s=args.kv_wait_timeout,
             generate_idle_s=args.generate_idle_timeout,
         ),
+        tls=tls_from_args(args),
     ).validate()
 
 

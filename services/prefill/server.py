@@ -59,13 +59,14 @@ async def start_prefill_worker(
         if transport is not None:
             kv_transport = transport
         elif kind == "distributed":  # the lease ends a stuck piece before op_timeout
-            kv_transport = DistributedKVTransport(peer_id=options.worker_id,
-                                                  host=options.reachable_host(),
-                                                  op_timeout=2 * lease_seconds)  # fmt: skip
+            kv_transport = DistributedKVTransport(
+                peer_id=options.worker_id, host=options.reachable_host(),
+                op_timeout=2 * lease_seconds, grpc=GrpcKVTransport(options.internal_tls()))
         elif kind == "cuda-ipc":
-            kv_transport = CudaIpcKVTransport(engine_loop, peer_id=options.worker_id)
+            kv_transport = CudaIpcKVTransport(engine_loop, peer_id=options.worker_id,
+                                              inner=GrpcKVTransport(options.internal_tls()))
         else:
-            kv_transport = GrpcKVTransport()
+            kv_transport = GrpcKVTransport(options.internal_tls())
         sender = KVSender(
             engine_loop, kv_transport, lease_seconds=lease_seconds,
             lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,

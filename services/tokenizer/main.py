@@ -8,6 +8,8 @@ then to ``default``, the bundled SmolLM2):
   --port PORT          gRPC port (default 50051, ``ports.TOKENIZER_GRPC_PORT``; 0 = any free)
   --metrics-port PORT  Prometheus ``/metrics`` port (default 9101; 0 = any free)
   --grace SECONDS      how long in-flight RPCs get when stopping (default 5)
+  --tls-cert/--tls-key/--tls-ca PEM, --insecure-internal, --health-port PORT: internal mutual
+                       TLS (``common/internal_tls.py``; only a gateway may call the tokenizer)
 
 Lifecycle:
   1. Install SIGINT / SIGTERM handlers (a signal at any later point stops the process cleanly).
@@ -33,11 +35,12 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common import ports
 from services.common.errors import ModelLoadError
 from services.common.grpc_server import DEFAULT_GRACE_SECONDS, start_grpc_server
+from services.common.internal_tls import InternalTls, add_tls_arguments, tls_from_args
 from services.common.metrics import TandemMetrics, serve_metrics_http
 from services.common.model_source import ModelSource, resolve_model
 from services.common.pb import tokenizer_pb2_grpc
@@ -59,6 +62,8 @@ class TokenizerServiceConfig:
     port: int = ports.TOKENIZER_GRPC_PORT
     metrics_port: int = ports.TOKENIZER_METRICS_PORT
     grace: float = DEFAULT_GRACE_SECONDS
+    tls: InternalTls = field(default_factory=InternalTls)  # empty: refused by the server
+    health_port: int | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GRACE_SECONDS,
         help=f"seconds in-flight RPCs get on shutdown (default {DEFAULT_GRACE_SECONDS:g})",
     )
+    add_tls_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         grace=args.grace,
+        tls=tls_from_args(args),
+        health_port=None if args.health_port < 0 else args.health_port,
     )
     return asyncio.run(serve(config))
 
@@ -122,6 +130,8 @@ async def serve(config: TokenizerServiceConfig) -> int:
             host=config.host,
             port=config.port,
             grace=config.grace,
+            tls=config.tls,
+            health_port=config.health_port,
         )
         try:
             metrics_server = await serve_metrics_http(metrics, config.host, config.metrics_port)

@@ -78,7 +78,6 @@ from services.common.errors import (
 from services.common.pb import decode_pb2
 from services.engine.core.engine import LLMEngine
 from services.engine.core.kv_cache import KVPool
-from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.pair_group import CHANNEL_KEY
 from services.engine.kv_transfer.receiver import KVReceiver
 from services.engine.kv_transfer.transport import (
@@ -205,7 +204,7 @@ class CudaIpcKVTransport(KVTransport):
         engine_loop: EngineLoop,
         *,
         peer_id: str,
-        inner: KVTransport | None = None,
+        inner: KVTransport,
         gpu_uuid: str | None = None,
         share: SharePool | None = None,
     ) -> None:
@@ -215,7 +214,7 @@ class CudaIpcKVTransport(KVTransport):
         self.engine_loop = engine_loop
         self.instance = secrets.token_hex(4)
         self.peer_id = peer_id or f"prefill-{self.instance}"
-        self.inner = inner or GrpcKVTransport()
+        self.inner = inner
         device = engine_loop.engine.kv.data.device
         self.device = str(device)
         self.gpu_uuid = device_uuid(device) if gpu_uuid is None else gpu_uuid

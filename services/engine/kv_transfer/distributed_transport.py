@@ -99,7 +99,7 @@ class DistributedKVTransport(KVTransport):
         host: str | None,
         op_timeout: float,
         setup_timeout: float = SETUP_TIMEOUT_SECONDS,
-        grpc: GrpcKVTransport | None = None,
+        grpc: GrpcKVTransport,
     ) -> None:
         """``peer_id``: this worker's id; ``host``: where decode reaches this worker (None: the
         machine's name); ``op_timeout``: longest wait for one piece."""
@@ -109,7 +109,7 @@ class DistributedKVTransport(KVTransport):
         self.op_timeout = op_timeout
         self.setup_timeout = setup_timeout
         self.device = "cpu"  # the payload travels as host bytes (payload.py)
-        self.grpc = grpc or GrpcKVTransport()
+        self.grpc = grpc
         self.num_built = 0
         self._decodes: dict[str, _Decode] = {}
         self._stores: dict[str, tuple[str, dist.Store]] = {}  # decode -> (store address, client)

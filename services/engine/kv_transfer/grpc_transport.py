@@ -27,6 +27,8 @@ import grpc
 import grpc.aio
 
 from services.common.grpc_channel import open_channel
+from services.common.internal_tls import InternalTls
+from services.common.peer_roles import DECODE
 from services.common.grpc_errors import status_to_error
 from services.common.pb import decode_pb2, decode_pb2_grpc
 from services.engine.kv_transfer.transport import KVStream, KVTransport
@@ -77,18 +79,20 @@ class GrpcKVStream(KVStream):
 
 
 class GrpcKVTransport(KVTransport):
-    """Opens ``TransferKV`` streams, one cached channel per decode address."""
+    """Opens ``TransferKV`` streams, one cached channel per decode address, each mutual TLS
+    with ``tls`` (this prefill worker's identity) to a peer that must hold a decode certificate."""
 
     name = "grpc"
 
-    def __init__(self) -> None:
+    def __init__(self, tls: InternalTls) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
 
     def open(self, address: str) -> GrpcKVStream:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = open_channel(address)
+            channel = open_channel(address, tls=self._tls, server_role=DECODE)
             self._channels[address] = channel
             stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
         return GrpcKVStream(stub)

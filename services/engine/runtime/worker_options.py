@@ -17,6 +17,7 @@ from services.common.cpu_list import parse_cpus
 from services.common.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from services.common.internal_tls import InternalTls
     from services.engine.core.engine import EngineConfig
 
 GIB = 1 << 30
@@ -58,6 +59,10 @@ class WorkerOptions:
         kv_transport: how KV payloads travel, one of :data:`KV_TRANSPORTS` (see
             :func:`resolve_kv_transport`).
         enforce_eager: on CUDA, decode without CUDA graphs (``cuda_graphs.py``).
+        tls: this worker's internal-TLS identity (``services/common/internal_tls.py``): its
+            server and its channels to decode workers use it. None is not "plaintext": a worker
+            refuses to start without one (``InternalTls.plaintext()`` is plaintext).
+        health_port: also serve plaintext ``grpc.health.v1`` alone on this port (None: no).
     """
 
     model: str = "default"
@@ -80,6 +85,16 @@ class WorkerOptions:
     grace: float = DEFAULT_GRACE_SECONDS
     kv_transport: str = "auto"
     enforce_eager: bool = False
+    tls: InternalTls | None = None
+    health_port: int | None = None
+
+    def internal_tls(self) -> InternalTls:
+        """:attr:`tls`, or InvalidArgumentError when none was given (mTLS is not optional)."""
+        if self.tls is None:
+            raise InvalidArgumentError(
+                "a worker needs an internal TLS identity (--tls-cert/--tls-key/--tls-ca, or "
+                "--insecure-internal)", param="tls")
+        return self.tls
 
     def reachable_host(self) -> str | None:
         """The host peers reach this worker at: ``--advertise-address``'s, else ``--host``
@@ -164,6 +179,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                              "CUDA workers, gRPC on CPU workers; NCCL across GPUs is not built: "
                              "it needs a multi-GPU machine to be tested); control always stays on "
                              "gRPC (env TANDEM_KV_TRANSPORT)")
+    from services.common.internal_tls import add_tls_arguments
+
+    add_tls_arguments(parser)
 
 
 def resolve_kv_transport(choice: str, device: str) -> str:
@@ -200,6 +218,9 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     resolve_kv_transport(args.kv_transport, device)  # a bad choice fails before the model loads
+    from services.common.internal_tls import tls_from_args
+
+    tls = tls_from_args(args)  # unreadable certificates fail before the model loads too
     return WorkerOptions(
         model=args.model, dtype=args.dtype, device=device, host=args.host, port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
@@ -210,5 +231,6 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         max_batched_tokens=args.max_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         threads=args.threads, cpus=args.cpus, grace=args.grace, kv_transport=args.kv_transport,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, tls=tls,
+        health_port=None if args.health_port < 0 else args.health_port,
     )

@@ -139,7 +139,8 @@ async def start_serving(
         if not options.grace >= 0:
             raise InvalidArgumentError("--grace must be >= 0", param="grace")
         server = await start_grpc_server(servicers, host=options.host, port=options.port,
-                                         grace=options.grace)  # fmt: skip
+                                         grace=options.grace, tls=options.internal_tls(),
+                                         health_port=options.health_port)  # fmt: skip
     except BaseException:
         await worker.close()
         await engine_loop.stop()
@@ -170,6 +171,7 @@ async def start_worker(
     """Start a worker of ``role`` in this process, the same way for every role: load the model
     (and tokenizer), start the engine thread (with the output text when ``with_text``), let
     ``build_role`` make the role's worker and servicer around it, then serve gRPC and metrics."""
+    options.internal_tls()  # no identity: refuse before the model loads
     metrics = metrics or TandemMetrics()
     if options.cpus is not None:
         pin_this_thread(options.cpus)  # the engine thread, started below, inherits it

@@ -1,0 +1,174 @@
+"""Who may call what: the service roles, the per-RPC access policy, and the interceptor that
+enforces it.
+
+Every Tandem process holds a certificate signed by the deployment's CA (``cert_authority.py``)
+whose SAN carries its role as the URI ``spiffe://tandem/<role>``. TLS (``internal_tls.py``)
+proves the peer holds a certificate of *this* deployment; :class:`RoleInterceptor` then checks,
+on every RPC, that the peer's role may call the method:
+
+==============================  ===========================================================
+method                          allowed roles
+==============================  ===========================================================
+``tandem.v1.Tokenizer/*``       gateway
+``tandem.v1.Prefill/*``         gateway
+``tandem.v1.Decode/*``          gateway (Reserve, Generate, Abort, GetStats)
+``tandem.v1.Decode/TransferKV`` prefill
+``tandem.v1.PrefixCache/Watch`` gateway
+``grpc.health.v1.Health/*``     any role of the deployment
+reflection                      any role of the deployment
+anything else                   nobody
+==============================  ===========================================================
+
+A refused call gets ``PERMISSION_DENIED`` naming the peer's role and the method, before the
+handler runs. The ``operator`` role (``tandem up``'s readiness checks, ``grpcurl`` by hand,
+container health checks) may only ask for health and reflection.
+
+Roles are also the names a client verifies a server by: a channel to a decode worker expects a
+certificate for ``decode.tandem.internal`` (:func:`server_name`), whatever address it dialled,
+so a prefill worker's certificate cannot stand in for a decode worker's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+logger = logging.getLogger(__name__)
+
+GATEWAY = "gateway"
+TOKENIZER = "tokenizer"
+PREFILL = "prefill"
+DECODE = "decode"
+OPERATOR = "operator"
+ROLES = (GATEWAY, TOKENIZER, PREFILL, DECODE, OPERATOR)
+ANY_ROLE = frozenset(ROLES)
+
+ROLE_URI_PREFIX = "spiffe://tandem/"
+SERVER_NAME_SUFFIX = "tandem.internal"
+
+# (service, method or "*") -> roles allowed; the most specific entry wins.
+ACCESS_POLICY: dict[tuple[str, str], frozenset[str]] = {
+    ("tandem.v1.Tokenizer", "*"): frozenset({GATEWAY}),
+    ("tandem.v1.Prefill", "*"): frozenset({GATEWAY}),
+    ("tandem.v1.Decode", "*"): frozenset({GATEWAY}),
+    ("tandem.v1.Decode", "TransferKV"): frozenset({PREFILL}),
+    ("tandem.v1.PrefixCache", "*"): frozenset({GATEWAY}),
+    ("grpc.health.v1.Health", "*"): ANY_ROLE,
+    ("grpc.reflection.v1alpha.ServerReflection", "*"): ANY_ROLE,
+    ("grpc.reflection.v1.ServerReflection", "*"): ANY_ROLE,
+}
+
+
+def role_uri(role: str) -> str:
+    """The SAN URI that names ``role`` in a certificate, e.g. ``spiffe://tandem/decode``."""
+    return f"{ROLE_URI_PREFIX}{role}"
+
+
+def server_name(role: str | None) -> str:
+    """The DNS name a client checks a server's certificate against: ``<role>.tandem.internal``,
+    or ``tandem.internal`` (any member of the deployment) when the role is not known."""
+    return f"{role}.{SERVER_NAME_SUFFIX}" if role else SERVER_NAME_SUFFIX
+
+
+def allowed_roles(method: str) -> frozenset[str]:
+    """The roles that may call ``/package.Service/Method`` (empty: nobody)."""
+    service, _, name = method.lstrip("/").partition("/")
+    return ACCESS_POLICY.get((service, name)) or ACCESS_POLICY.get((service, "*")) or frozenset()
+
+
+def roles_in(auth_context: dict[str, Iterable[bytes]]) -> frozenset[str]:
+    """The roles a verified peer certificate names (its ``spiffe://tandem/<role>`` SAN URIs).
+
+    gRPC puts the verified SANs of the peer's certificate in the auth context under
+    ``x509_subject_alternative_name`` and a single SPIFFE URI under ``peer_spiffe_id``.
+    """
+    values = [*auth_context.get("peer_spiffe_id", ()),
+              *auth_context.get("x509_subject_alternative_name", ())]  # fmt: skip
+    roles = set()
+    for value in values:
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        if text.startswith(ROLE_URI_PREFIX):
+            role = text[len(ROLE_URI_PREFIX):]
+            if role in ROLES:
+                roles.add(role)
+    return frozenset(roles)
+
+
+def _guard(behavior: Callable[..., Any], method: str, allowed: frozenset[str],
+           streaming_response: bool) -> Callable[..., Any]:  # fmt: skip
+    """Wrap one handler so that it first checks the peer's role."""
+
+    async def check(context: grpc.aio.ServicerContext) -> None:
+        roles = roles_in(context.auth_context())
+        if not roles & allowed:
+            who = ", ".join(sorted(roles)) or "no Tandem role"
+            logger.warning("refused %s to a peer with %s (%s)", method, who, context.peer())
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{method} is not allowed for a peer with {who}",
+            )
+
+    if streaming_response and (inspect.isasyncgenfunction(behavior)
+                               or not inspect.iscoroutinefunction(behavior)):
+
+        async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    yield item
+            else:
+                for item in result:
+                    yield item
+
+        return stream_wrapper
+
+    # unary responses, and streaming handlers that write with ``context.write`` (coroutines)
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(context)
+        result = behavior(request, context)
+        if hasattr(result, "__await__"):
+            result = await result
+        return result
+
+    return wrapper
+
+
+class RoleInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses, with ``PERMISSION_DENIED``, every RPC whose peer's role may not call it
+    (:data:`ACCESS_POLICY`). Installed only on mutual-TLS servers."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        allowed = allowed_roles(method)
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                _guard(handler.stream_stream, method, allowed, True), **kwargs
+            )
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                _guard(handler.stream_unary, method, allowed, False), **kwargs
+            )
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                _guard(handler.unary_stream, method, allowed, True), **kwargs
+            )
+        return grpc.unary_unary_rpc_method_handler(
+            _guard(handler.unary_unary, method, allowed, False), **kwargs
+        )
