@@ -35,6 +35,7 @@ from services.engine.core.loaders import load_model
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 from services.launch_plan import LaunchConfig, plan
 from tests.conftest import native_kernel_or_skip
+from tests.tls_identities import tls_flags
 
 HALF = [torch.bfloat16, torch.float16]
 # the largest difference from the float32 cache's output, for unit-variance K/V: the values'
@@ -214,7 +215,8 @@ def test_auto_follows_the_instruction_set_rule(monkeypatch: pytest.MonkeyPatch) 
 def test_the_flag_reaches_workers_and_their_engines() -> None:
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser, port=0, metrics_port=0)
-    args = parser.parse_args(["--device", "cpu", "--kv-cache-dtype", "bfloat16"])
+    args = parser.parse_args(["--device", "cpu", "--kv-cache-dtype", "bfloat16",
+                              *tls_flags("decode")])
     options = options_from_args(args, "decode")
     assert options.engine_config().kv_cache_dtype == "bfloat16"
     assert parser.parse_args(["--device", "cpu"]).kv_cache_dtype == "auto"
