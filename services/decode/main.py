@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=float(os.environ.get("TANDEM_RESERVATION_LEASE_SECONDS",
                                      DEFAULT_RESERVATION_LEASE_SECONDS)),
         help="how long blocks reserved for a request (Decode.Reserve, before its prefill) wait "
-             "for its KV before they are freed, when the caller asks for no lease (default 30)",
+             "for its KV before they are freed: the lease when the caller asks for none, and the "
+             "longest a caller may ask for (default 30, at most 600)",
     )
     parser.add_argument(
         "--kv-dist-port", type=int, default=0,

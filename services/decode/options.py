@@ -12,10 +12,14 @@ DEFAULT_RESERVATION_LEASE_SECONDS = 30.0  # how long reserved blocks wait for th
 
 
 def check_reservation_lease(seconds: float) -> float:
-    """``--reservation-lease-seconds`` must be a positive number of seconds; returns it."""
-    if not (math.isfinite(seconds) and seconds > 0):
+    """``--reservation-lease-seconds`` must be positive and at most
+    ``MAX_RESERVATION_LEASE_SECONDS`` (600); returns it."""
+    from services.engine.kv_transfer.receiver import MAX_RESERVATION_LEASE_SECONDS
+
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_RESERVATION_LEASE_SECONDS):
         raise InvalidArgumentError(
-            f"--reservation-lease-seconds must be positive, got {seconds}",
+            f"--reservation-lease-seconds must be in (0, {MAX_RESERVATION_LEASE_SECONDS:g}], "
+            f"got {seconds}",
             param="reservation_lease_seconds",
         )
     return seconds

@@ -11,9 +11,13 @@ worker holding another dtype is refused, not converted.
 
 from __future__ import annotations
 
+import logging
+
 from services.common.errors import FailedPreconditionError
 from services.common.pb import common_pb2
 from services.engine.core.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 _FIELDS = ("model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 
@@ -32,17 +36,21 @@ def engine_layout(engine: LLMEngine) -> common_pb2.KVLayout:
 
 
 def check_layout(remote: common_pb2.KVLayout, local: common_pb2.KVLayout) -> None:
-    """Raise FailedPreconditionError naming every field where ``remote`` differs from ``local``."""
-    diffs = [
-        f"{name} {getattr(remote, name)!r} != {getattr(local, name)!r}"
-        for name in _FIELDS
-        if getattr(remote, name) != getattr(local, name)
-    ]
+    """Raise FailedPreconditionError naming every field where ``remote`` differs from ``local``.
+
+    The message echoes only the sender's own values, never this worker's (a peer learns nothing
+    about the receiver's layout by sending a wrong one); the full comparison is logged here.
+    """
+    fields = [name for name in _FIELDS if getattr(remote, name) != getattr(local, name)]
+    if not fields:
+        return
+    logger.warning("refused KV of another layout: %s", ", ".join(
+        f"{name} {getattr(remote, name)!r} (here {getattr(local, name)!r})" for name in fields))
+    diffs = [f"{name} {getattr(remote, name)!r} is not this worker's" for name in fields]
     if remote.dtype != local.dtype:  # the one a flag decides: say which
         diffs.append("start prefill and decode workers with the same --kv-cache-dtype")
-    if diffs:
-        raise FailedPreconditionError(
-            "KV layout does not match this worker (sender vs receiver): " + ", ".join(diffs),
-            param="layout",
-            code="kv_layout_mismatch",
-        )
+    raise FailedPreconditionError(
+        "KV layout does not match this worker: " + ", ".join(diffs),
+        param="layout",
+        code="kv_layout_mismatch",
+    )

@@ -87,7 +87,7 @@ DRAIN_SECONDS = 10.0
 DEFAULT_RESERVATION_LEASE_SECONDS = 30.0
 """How long reserved blocks wait for their header when the caller asks for no lease."""
 MAX_RESERVATION_LEASE_SECONDS = 600.0
-"""Longest lease a caller may ask for (a longer default lease is granted as is)."""
+"""Longest ``--reservation-lease-seconds`` a worker accepts."""
 
 
 async def _drain(messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
@@ -192,8 +192,8 @@ class KVReceiver:
         self, request_id: str, num_tokens: int, lease_seconds: float = 0.0
     ) -> Reservation:
         """Hold the blocks ``num_tokens`` prompt tokens' KV will fill, before the prefill starts
-        (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; capped at
-        ``MAX_RESERVATION_LEASE_SECONDS`` unless the default is longer).
+        (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; never longer
+        than it: a caller cannot hold this worker's KV longer than its operator allows).
 
         Raises:
             InvalidArgumentError: bad arguments (``checks.check_reservation``), or the request
@@ -206,8 +206,7 @@ class KVReceiver:
         if lease_seconds == 0:
             lease = self.reservation_lease_seconds
         else:
-            lease = min(lease_seconds, max(MAX_RESERVATION_LEASE_SECONDS,
-                                           self.reservation_lease_seconds))
+            lease = min(lease_seconds, self.reservation_lease_seconds)
         num_blocks = -(-num_tokens // self.layout.block_size)
         old = self._entries.get(request_id)
         if old is not None and old.aborted:
