@@ -3,12 +3,15 @@
 Tests that start gRPC servers or open channels directly pass ``tls=tls_for("decode")`` (the
 server's own role) or ``tls=tls_for("gateway")`` (a client calling as the gateway). The CA and
 certificates are made once (ECDSA keys: milliseconds) and cached for the session;
-:func:`cert_dir` writes them to a temporary directory for tests that start processes.
+:func:`cert_dir` writes them to a temporary directory for tests that start processes (removed
+when the session ends).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -34,6 +37,7 @@ def tls_for(role: str) -> InternalTls:
 def cert_dir() -> Path:
     """A directory with the session CA's ``ca.pem`` and ``<role>.pem`` / ``<role>-key.pem``."""
     directory = Path(tempfile.mkdtemp(prefix="tandem-test-certs-"))
+    atexit.register(shutil.rmtree, directory, True)  # keys never outlive the test session
     (directory / "ca.pem").write_bytes(session_ca().cert_pem)
     for role in ROLES:  # the very identities of tls_for
         (directory / f"{role}.pem").write_bytes(tls_for(role).cert_pem)
