@@ -182,8 +182,7 @@ def _vllm(args: argparse.Namespace, gguf: Path, env: dict[str, str]) -> Server:
     folder = Path(args.vllm_model) if args.vllm_model else args.output_dir / "hf-bf16"
     if not (folder / "config.json").exists():
         export_hf_bf16(gguf, folder)
-    vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
-                    VLLM_CPU_OMP_THREADS_BIND="all")  # fmt: skip
+    vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib))
     vllm_env.pop("PYTHONPATH", None)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
             "--served-model-name", gguf.stem, "--dtype", "bfloat16", "--host", "127.0.0.1",
