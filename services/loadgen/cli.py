@@ -202,7 +202,10 @@ async def _sweep(
 ) -> list[ServerRun]:
     runs = []
     for target in targets:
-        connector = aiohttp.TCPConnector(limit=0)  # no pool cap: the level sets the load
+        # No pool cap (the level sets the load), and a connection of its own per request:
+        # llama.cpp's server closes a connection after a streamed answer, and a pooled one it
+        # closed fails the next request at its first write (half of them, measured).
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
             model = target.model or await model_id(session, target, args.api_key)
             target = replace(target, model=model)
