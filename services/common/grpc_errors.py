@@ -186,25 +186,30 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_streaming(handler.stream_stream, method), **kwargs
-            )
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary_response(handler.stream_unary, method), **kwargs
-            )
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_streaming(handler.unary_stream, method), **kwargs
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            _wrap_unary_response(handler.unary_unary, method), **kwargs
+        return rewrap_handler(
+            handler,
+            lambda behavior, streaming: (_wrap_streaming if streaming else _wrap_unary_response)(
+                behavior, method
+            ),
         )
+
+
+def rewrap_handler(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Behavior, bool], Behavior]
+) -> grpc.RpcMethodHandler:
+    """``handler`` with its behavior replaced by ``wrap(behavior, response_streaming)``, for
+    each of gRPC's four call shapes (what a server interceptor that wraps handlers needs)."""
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, True), **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, False), **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, True), **kwargs)
+    return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, False), **kwargs)
 
 
 def is_transport_failure(e: grpc.aio.AioRpcError) -> bool:

@@ -38,6 +38,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from services.common.grpc_errors import rewrap_handler
+
 logger = logging.getLogger(__name__)
 
 GATEWAY = "gateway"
@@ -153,22 +155,6 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = handler_call_details.method
         allowed = allowed_roles(method)
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                _guard(handler.stream_stream, method, allowed, True), **kwargs
-            )
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                _guard(handler.stream_unary, method, allowed, False), **kwargs
-            )
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _guard(handler.unary_stream, method, allowed, True), **kwargs
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            _guard(handler.unary_unary, method, allowed, False), **kwargs
+        return rewrap_handler(
+            handler, lambda behavior, streaming: _guard(behavior, method, allowed, streaming)
         )
