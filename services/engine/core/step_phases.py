@@ -46,10 +46,6 @@ class StepPhases:
         self.seconds[phase] += now - self._mark
         self._mark = now
 
-    def snapshot(self) -> dict[str, float]:
-        """A copy of the sums (safe from any thread)."""
-        return dict(self.seconds)
-
     def read(self) -> tuple[dict[str, float], int]:
         """The sums and the number of steps that ran a batch (safe from any thread)."""
         return dict(self.seconds), self.steps
