@@ -1,8 +1,9 @@
 """Batch-1 decode step time of the engine's default configuration, per GGUF, in milliseconds.
 
     python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
+                                [--dtypes auto q4_a8_decode ...]
 
-Each file is loaded as ``tandem up`` serves it (``--dtype auto``), a 32-token prompt is
+Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``), a 32-token prompt is
 prefilled, then ``--steps`` tokens are decoded greedily one engine step at a time; a round's
 figure is the mean step time (sampling and scheduling included), and each file keeps its best
 of ``--rounds`` rounds. ``--per-op`` also times the same loaded model with the one-call C decode
@@ -64,29 +65,37 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-op", action="store_true")
+    parser.add_argument("--dtypes", nargs="+", default=["auto"],
+                        help="--dtype values to time side by side (rounds taking turns)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(os.cpu_count() or 1)
-    per_op_head = " per-op ms/step |" if args.per_op else ""
-    logger.info("| file | layers take | default ms/step |%s", per_op_head)
-    logger.info("|---|---|---|%s", "---|" if args.per_op else "")
+    columns = [f"{dtype} ms/step" for dtype in args.dtypes] + (["per-op ms/step"] if args.per_op else [])
+    logger.info("| file | layers take | %s |", " | ".join(columns))
+    logger.info("|---|---|%s", "---|" * len(columns))
     for path in args.models:
-        loaded = load_model(path, "auto")
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=256))
-        path_taken = "one call" if loaded.model.decode_layers_regimes.kernel_for(1) and \
-            loaded.model.decode_layers is not None else "per op"  # fmt: skip
-        step_ms(engine, 4, -1)  # warm-up
-        best = {"default": float("inf"), "per-op": float("inf")}
+        engines = {}
+        for dtype in args.dtypes:
+            loaded = load_model(path, dtype)
+            engines[dtype] = (loaded, LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=256)))
+            step_ms(engines[dtype][1], 4, -1)  # warm-up (and the kernels' tuning)
+        first = engines[args.dtypes[0]][0]
+        path_taken = "one call" if first.model.decode_layers_regimes.kernel_for(1) and \
+            first.model.decode_layers is not None else "per op"  # fmt: skip
+        best = dict.fromkeys(columns, float("inf"))
         with torch.inference_mode():
             for round_ in range(args.rounds):
-                best["default"] = min(best["default"], step_ms(engine, args.steps, round_))
+                for dtype, (loaded, engine) in engines.items():
+                    column = f"{dtype} ms/step"
+                    best[column] = min(best[column], step_ms(engine, args.steps, round_))
                 if args.per_op:
+                    loaded, engine = engines[args.dtypes[0]]
                     saved = one_call_off(loaded)
-                    best["per-op"] = min(best["per-op"], step_ms(engine, args.steps, round_))
+                    best["per-op ms/step"] = min(best["per-op ms/step"], step_ms(engine, args.steps, round_))
                     loaded.model.decode_layers_regimes = saved
-        per_op = f" {best['per-op']:.2f} |" if args.per_op else ""
-        logger.info("| %s | %s | %.2f |%s", Path(path).name, path_taken, best["default"], per_op)
-        del engine, loaded
+        logger.info("| %s | %s | %s |", Path(path).name, path_taken,
+                    " | ".join(f"{best[c]:.2f}" for c in columns))  # fmt: skip
+        del engines
     return 0
 
 

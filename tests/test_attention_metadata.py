@@ -136,3 +136,61 @@ def test_a_mixed_step_equals_the_padded_batch(backend: str) -> None:
     expected = TorchPagedAttention().prefill(q, k, v, *caches, padded, 0.25)
     assert torch.allclose(got, expected, atol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))
+
+
+def test_a_recomputed_sequence_splits_its_generated_rows_off() -> None:
+    """Rows past a sequence's prompt (tokens it generated, recomputed after a preemption or a
+    migration) attend as decode rows, each over its context up to itself."""
+    tables = _tables([11, 4], random.Random(6))
+    meta = AttentionMetadata.build(is_prefill=True, query_lens=[8, 4], context_lens=[11, 4],
+                                   block_tables=tables, block_size=BLOCK, prompt_counts=[5, 4])  # fmt: skip
+    split = meta.mixed
+    assert split is not None and split.prefill is not None
+    assert split.decode_rows.tolist() == [5, 6, 7] and split.decode.context_lens == [9, 10, 11]
+    assert split.decode.block_tables.tolist() == [tables[0]] * 3
+    assert split.prefill_rows.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11]
+    assert split.prefill.query_lens == [5, 4] and split.prefill.context_lens == [8, 4]
+    only = AttentionMetadata.build(is_prefill=True, query_lens=[3], context_lens=[9],
+                                   block_tables=tables[:1], block_size=BLOCK, prompt_counts=[0])  # fmt: skip
+    assert only.mixed is not None and only.mixed.prefill is None
+    assert only.mixed.decode.context_lens == [7, 8, 9]
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 30.0)])
+def test_recomputed_tokens_attend_bit_for_bit_as_when_generated(
+    window: int | None, softcap: float | None
+) -> None:
+    """A prompt prefilled, then tokens decoded one step at a time; later the same sequence
+    recomputed in one prefill step next to another prompt: the generated tokens' attention
+    outputs are equal to the bit (an int8-rounding matmul after them would otherwise turn a
+    last-bit difference into a quantum and a migrated stream could leave its greedy text)."""
+    from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention, load_cpu_attention
+
+    if load_cpu_attention() is None:
+        pytest.skip("no native attention kernel here")
+    attention = CpuPagedAttention()
+    torch.manual_seed(7)
+    heads, kv_heads, dim, prompt, generated = 4, 2, 16, 6, 5
+    total = prompt + generated
+    q = torch.randn(total, heads, dim)
+    k, v = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    table = _tables([total], random.Random(8))[0]
+    caches = [torch.zeros(200, BLOCK, kv_heads, dim) for _ in range(2)]
+    first = AttentionMetadata.build(is_prefill=True, query_lens=[prompt], context_lens=[prompt],
+                                    block_tables=[table], block_size=BLOCK)  # fmt: skip
+    attention.forward(q[:prompt], k[:prompt], v[:prompt], *caches, first, 0.25, window, softcap)
+    decoded = []
+    for pos in range(prompt, total):
+        step = AttentionMetadata.build(is_prefill=False, query_lens=[1], context_lens=[pos + 1],
+                                       block_tables=[table], block_size=BLOCK)  # fmt: skip
+        decoded.append(attention.forward(q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1],
+                                         *caches, step, 0.25, window, softcap))  # fmt: skip
+    other = 7  # another prompt in the same recompute step
+    tables = [_tables([total], random.Random(9))[0], [190, 191]]
+    q2, k2, v2 = (torch.cat([t, torch.randn(other, *t.shape[1:])]) for t in (q, k, v))
+    again = [torch.zeros(200, BLOCK, kv_heads, dim) for _ in range(2)]
+    meta = AttentionMetadata.build(is_prefill=True, query_lens=[total, other],
+                                   context_lens=[total, other], block_tables=tables,
+                                   block_size=BLOCK, prompt_counts=[prompt, other])  # fmt: skip
+    out = attention.forward(q2, k2, v2, *again, meta, 0.25, window, softcap)
+    assert torch.equal(out[prompt:total], torch.cat(decoded))

@@ -453,18 +453,20 @@ def test_smollm2_q4_a8_rounds_prompt_activations_to_int8(  # type: ignore[no-unt
 
 
 @pytest.mark.slow
-def test_smollm2_q4_a8_resumed_requests_continue_as_before() -> None:
-    """``q4_a8`` (the default) rounds only prompt tokens' rows, so a request whose generated
-    tokens are recomputed with its prompt (migrated from a dead decode worker, or preempted) goes
-    on with the tokens it would have produced. Before, any step of 33+ prompt-chunk rows rounded
-    all of them, the recomputed outputs too: their KV changed and greedy text diverged after a
-    migration. ``q4_a8_decode`` rounds generated rows as well and is opt-in for that reason: a
-    recomputed token meets the prefill attention kernel, whose last-bit differences its int8
-    rounding can turn into a quantum."""
-    loaded = load_model("default", "q4_a8")
+@pytest.mark.parametrize("dtype", ["q4_a8", "q4_a8_decode"])
+def test_smollm2_q4_a8_resumed_requests_continue_as_before(dtype: str) -> None:
+    """A request whose generated tokens are recomputed with its prompt (migrated from a dead
+    decode worker, or preempted) goes on with the tokens it would have produced. ``q4_a8``
+    rounds only prompt tokens' rows (before, any step of 33+ prompt-chunk rows rounded all of
+    them, the recomputed outputs too: their KV changed and greedy text diverged after a
+    migration); ``q4_a8_decode`` rounds generated rows too, through the decode kernel, and the
+    recomputed tokens attend through the decode attention kernel as when they were generated
+    (before, they met the prefill kernel, whose last-bit differences the int8 rounding turned
+    into a quantum: 19/96, 64/96 tokens equal after cuts at 1 and 8)."""
+    loaded = load_model("default", dtype)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=256))
-    assert not any(layer.int8_decode for layer in linears(loaded))
-    assert not loaded.int8_decode and load_model("default", "q4_a8_decode").int8_decode
+    assert loaded.int8_decode == (dtype == "q4_a8_decode")
+    assert loaded.int8_decode or not any(layer.int8_decode for layer in linears(loaded))
     chats, params = CHATS[:3], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     alone = [o.new_token_ids for o in engine.generate(chats, params)]
     for cut in (1, 8, 24):

@@ -66,17 +66,24 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        prompt_counts: list[int] | None = None,
     ) -> "AttentionMetadata":
         """Slot mappings, the padded block table and the decode mask, with tensor ops (no
-        Python loop over tokens: a step of T new tokens costs O(B) Python, not O(T))."""
+        Python loop over tokens: a step of T new tokens costs O(B) Python, not O(T)).
+
+        ``prompt_counts`` (prefill steps): how many of each sequence's new tokens are prompt
+        tokens; the rest are tokens it generated before (a preempted or migrated sequence
+        recomputing them), which attend as decode rows (see :class:`MixedSplit`)."""
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
                               dtype=torch.long, device=device)  # fmt: skip
         lens = torch.tensor(context_lens, dtype=torch.long, device=device)
         batch = len(query_lens)
         token_seqs = token_rows = prefill_mask = mixed = None
-        if is_prefill and 0 < query_lens.count(1) < batch:  # attended in halves: no padded mask
-            mixed = MixedSplit.build(query_lens, context_lens, block_tables, block_size, device)
+        tails = decode_tails(query_lens, prompt_counts) if is_prefill else []
+        if any(tails) and (batch > 1 or tails[0] > 1):  # attended in halves: no padded mask
+            mixed = MixedSplit.build(query_lens, context_lens, block_tables, block_size, device,
+                                     tails)  # fmt: skip
         if is_prefill:  # token t is the token_rows[t]-th new token of sequence token_seqs[t]
             qlens = torch.tensor(query_lens, dtype=torch.long, device=device)
             token_seqs = torch.repeat_interleave(torch.arange(batch, device=device), qlens)
@@ -118,22 +125,37 @@ class AttentionMetadata:
         return self.context_lens_tensor
 
 
+def decode_tails(query_lens: list[int], prompt_counts: list[int] | None) -> list[int]:
+    """How many of each sequence's last new tokens attend as decode rows in a prefill step: a
+    one-token sequence's token (a running sequence's decode step batched with prompt chunks), and
+    the tokens a recomputed sequence had generated (``query_lens[i] - prompt_counts[i]``)."""
+    if prompt_counts is None:
+        return [1 if n == 1 else 0 for n in query_lens]
+    return [1 if n == 1 else n - p for n, p in zip(query_lens, prompt_counts, strict=True)]
+
+
 @dataclass(slots=True)
 class MixedSplit:
-    """A prefill step's one-token sequences (``decode_rows`` of the flattened tokens, attending
-    as the ``decode`` batch) and the others (``prefill_rows``, the ``prefill`` step).
+    """A prefill step's decode rows (``decode_rows`` of the flattened tokens, attending as the
+    ``decode`` batch, one row each) and the others (``prefill_rows``, the ``prefill`` step;
+    ``None`` when every row is a decode row).
 
     Why: padded into one ``[B, max_q]`` batch, every one-token sequence next to a 256-token
     prompt chunk would be padded to 256 query rows and score all of them against its context:
     the step's attention grows with the number of running sequences times the chunk length.
     Split, the one-token rows take the decode path (a native kernel where there is one) and only
     the prompts are padded, among themselves.
+
+    And a preempted or migrated sequence recomputing the tokens it generated attends each of
+    them as a decode row, over its context up to that token, as when it was generated: the
+    prefill kernel sums the same scores in another order, and the last-bit differences, rounded
+    to int8 by the next matmul (``q4_a8_decode``), could turn its greedy text elsewhere.
     """
 
     decode_rows: torch.Tensor
     decode: AttentionMetadata
     prefill_rows: torch.Tensor
-    prefill: AttentionMetadata
+    prefill: AttentionMetadata | None
 
     @staticmethod
     def build(
@@ -142,27 +164,41 @@ class MixedSplit:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        tails: list[int],
     ) -> MixedSplit:
-        ones = [i for i, n in enumerate(query_lens) if n == 1]
-        rest = [i for i, n in enumerate(query_lens) if n != 1]
-        starts = [0]
-        for n in query_lens[:-1]:
-            starts.append(starts[-1] + n)
-        rows = [r for i in rest for r in range(starts[i], starts[i] + query_lens[i])]
-
-        def part(seqs: list[int], is_prefill: bool) -> AttentionMetadata:
-            return AttentionMetadata.build(
-                is_prefill=is_prefill, query_lens=[query_lens[i] for i in seqs],
-                context_lens=[context_lens[i] for i in seqs],
-                block_tables=[block_tables[i] for i in seqs], block_size=block_size,
+        decode_rows: list[int] = []
+        decode_lens: list[int] = []
+        decode_tables: list[list[int]] = []
+        prefill_rows: list[int] = []
+        prefill_seqs: list[int] = []
+        start = 0
+        for i, (n, tail) in enumerate(zip(query_lens, tails, strict=True)):
+            head = n - tail  # rows attending as a prompt
+            if head:
+                prefill_seqs.append(i)
+                prefill_rows.extend(range(start, start + head))
+            for j in range(head, n):  # row j sees the context up to its own token
+                decode_rows.append(start + j)
+                decode_lens.append(context_lens[i] - n + j + 1)
+                decode_tables.append(block_tables[i])
+            start += n
+        decode = AttentionMetadata.build(
+            is_prefill=False, query_lens=[1] * len(decode_rows), context_lens=decode_lens,
+            block_tables=decode_tables, block_size=block_size, device=device,
+        )  # fmt: skip
+        prefill = None
+        if prefill_seqs:
+            prefill = AttentionMetadata.build(
+                is_prefill=True, query_lens=[query_lens[i] - tails[i] for i in prefill_seqs],
+                context_lens=[context_lens[i] - tails[i] for i in prefill_seqs],
+                block_tables=[block_tables[i] for i in prefill_seqs], block_size=block_size,
                 device=device,
             )  # fmt: skip
-
         return MixedSplit(
-            decode_rows=torch.tensor([starts[i] for i in ones], dtype=torch.long, device=device),
-            decode=part(ones, is_prefill=False),
-            prefill_rows=torch.tensor(rows, dtype=torch.long, device=device),
-            prefill=part(rest, is_prefill=True),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode=decode,
+            prefill_rows=torch.tensor(prefill_rows, dtype=torch.long, device=device),
+            prefill=prefill,
         )
 
 
@@ -244,8 +280,10 @@ class TorchPagedAttention(PagedAttention):
         out = torch.empty_like(q)  # K/V of every row are stored: the halves only read the cache
         out[split.decode_rows] = self.decode(q[split.decode_rows], k_cache, v_cache, split.decode,
                                              scale)  # fmt: skip
-        rows = split.prefill_rows
-        out[rows] = self.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill, scale)
+        if split.prefill is not None:
+            rows = split.prefill_rows
+            out[rows] = self.prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill,
+                                     scale)  # fmt: skip
         return out
 
     @staticmethod

@@ -63,6 +63,8 @@ class ModelRunner:
                     self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
                     self.block_size, kv.data.dtype,
                 )  # fmt: skip
+                if loaded.int8_decode:  # decode rows through one kernel at every batch size: a
+                    backend.regimes = KernelRegimes()  # recomputed token attends as it first did
             rows = self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
                 self._tune_decode_layers(rows)
@@ -118,6 +120,7 @@ class ModelRunner:
             block_tables=tables,
             block_size=self.block_size,
             device=self.device,
+            prompt_counts=prompt_counts,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -345,9 +345,10 @@ class CpuPagedAttention(TorchPagedAttention):
         out = torch.empty_like(q)  # K/V of every row are stored: the halves only read the cache
         out[split.decode_rows] = self._decode(q[split.decode_rows], k_cache, v_cache, split.decode,
                                               scale, window, softcap)  # fmt: skip
-        rows = split.prefill_rows
-        out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill,
-                                  scale, window, softcap)  # fmt: skip
+        if split.prefill is not None:
+            rows = split.prefill_rows
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill,
+                                      scale, window, softcap)  # fmt: skip
         return out
 
     def prefill(

@@ -336,9 +336,10 @@ class TritonPagedAttention(TorchPagedAttention):
             q[split.decode_rows], k_cache, v_cache, decode.block_tables,
             decode.decode_context_lens(), scale, window, softcap,
         )  # fmt: skip
-        rows = split.prefill_rows
-        out[rows] = _windowed_forward(q[rows], k[rows], v[rows], k_cache, v_cache, split.prefill,
-                                      scale, window, softcap)  # fmt: skip
+        if split.prefill is not None:
+            rows = split.prefill_rows
+            out[rows] = _windowed_forward(q[rows], k[rows], v[rows], k_cache, v_cache,
+                                          split.prefill, scale, window, softcap)  # fmt: skip
         return out
 
     @staticmethod
