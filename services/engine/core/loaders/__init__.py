@@ -19,12 +19,13 @@ Weight dtypes (``--dtype``):
   float32 rate on AVX2; generated tokens' rows stay float32 (also when recomputed). It moves the logits by the
   activations' rounding (measured in the README), the trade llama.cpp makes for every matmul;
 * ``q4_a8_decode``: ``q4_a8``, and generated tokens' rows over int8 activations too (the int8
-  decode kernel, kept per shape where it measured faster): llama.cpp's trade for decode as well,
-  opt-in because a migrated or preempted stream, whose generated tokens are recomputed through
-  the prefill attention kernel, may then leave its greedy text at a near-tie;
+  decode kernel, kept per matrix where it measured at least as fast): llama.cpp's trade for
+  decode as well. A migrated or preempted stream recomputes its generated tokens through the
+  same decode kernels (matmuls and attention, :class:`~services.engine.core.attention.MixedSplit`)
+  and goes on with its greedy text exactly;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
-  or AVX-512, the format the checkpoint already stores: ``q4_a8`` for 4-bit GGUFs (``q4`` when the
-  8-bit-activation kernel doesn't build), ``q4`` (as stored) for GGUFs of 5- and 6-bit blocks
+  or AVX-512, the format the checkpoint already stores: ``q4_a8_decode`` for 4-bit GGUFs (``q4``
+  when the 8-bit-activation kernel doesn't build), ``q4`` (as stored) for GGUFs of 5- and 6-bit blocks
   without 4-bit ones, ``q8_0`` for other quantized ones, ``bfloat16`` /
   ``float16`` (weight-only) for matrices stored in that 16-bit type (HF folders or GGUF), so no
   weight is rounded and none is widened in memory; float32
@@ -65,7 +66,7 @@ HALF_DTYPES = ("bfloat16", "float16")
 QUANT_DTYPES = ("q8_0", "q4")
 # the weights each 8-bit-activation dtype holds (its prompt tokens' rows round x to int8)
 INT8_ACTIVATION_DTYPES = {"q4_a8": "q4", "q4_a8_decode": "q4"}
-INT8_DECODE_DTYPES = ("q4_a8_decode",)  # generated tokens' rows over int8 too (opt-in)
+INT8_DECODE_DTYPES = ("q4_a8_decode",)  # generated tokens' rows over int8 too
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES, *INT8_ACTIVATION_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 _KEPT_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}  # held as stored by ``q4`` too
@@ -90,9 +91,8 @@ class LoadedModel:
 
     @property
     def int8_decode(self) -> bool:
-        """Whether generated tokens' rows round theirs too (``q4_a8_decode``: faster batch-1
-        decode, but a migrated or preempted stream, whose generated tokens are recomputed through
-        the prefill attention kernel, may then part from its greedy text at a near-tie)."""
+        """Whether generated tokens' rows round theirs too (``q4_a8_decode``, ``auto``'s pick for
+        4-bit GGUFs: integer multiply-adds in decode steps, as llama.cpp)."""
         return self.weight_format in INT8_DECODE_DTYPES
 
 
@@ -139,7 +139,7 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
     if quantized & _FOUR_BIT_TYPES:
         from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
 
-        return "q4_a8" if load_cpu_q4a8_gemm() is not None else "q4"
+        return "q4_a8_decode" if load_cpu_q4a8_gemm() is not None else "q4"
     if quantized & _KEPT_TYPES:
         return "q4"
     if quantized:
