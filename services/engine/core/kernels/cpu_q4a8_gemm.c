@@ -591,6 +591,8 @@ static inline int a8_source(int format, int stride, int p) {
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : splat(0.0f); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            block_scales bs;                                                                      \
+            NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
                 const int64_t i0 = b * NAME##_SPAN + g * NAME##_SUB;                              \
                 int_vec dot[R][VECS];                                                             \
@@ -614,7 +616,7 @@ static inline int a8_source(int format, int stride, int p) {
                             for (int c = 0; c < VECS; c++) dot[r][c] += widen_pairs(part[r][c]);  \
                 }                                                                                 \
                 vec scale[VECS], min[VECS];                                                       \
-                NAME##_scale(block, g, scale, min);                                               \
+                NAME##_scale(block, &bs, g, scale, min);                                          \
                 for (int r = 0; r < R; r++) {                                                     \
                     const vec dr = splat(d[r * groups + i0 / GROUP]);                             \
                     const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                          \
@@ -642,6 +644,8 @@ static inline int a8_source(int format, int stride, int p) {
                 store_vec(accm + r * TILE + c * LANES, bias ? load_vec(bias + c * LANES) : splat(0.0f)); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            block_scales bs;                                                                      \
+            NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
                 const int64_t i0 = b * NAME##_SPAN + g * NAME##_SUB;                              \
                 ivec values[NAME##_SUB / 4][VECS], raw[4];                                        \
@@ -650,7 +654,7 @@ static inline int a8_source(int format, int stride, int p) {
                     NAME##_a8quad(block, g, k, raw[k % 4], values[k]);                            \
                 }                                                                                 \
                 vec scale[VECS], min[VECS];                                                       \
-                NAME##_scale(block, g, scale, min);                                               \
+                NAME##_scale(block, &bs, g, scale, min);                                          \
                 for (int64_t r = 0; r < rows; r++) {                                              \
                     int_vec dot[VECS] = {{0}};                                                    \
                     ivec part[VECS];                                                              \

@@ -179,26 +179,53 @@ static inline void f16_values(const uint8_t *block, int j, vec *w) {
     w[1] = f16_to_float(q + LANES);
 }
 
-/* The scale and offset of group s of a block, per column (two vectors each). Exact: a float32
- * scale as stored, or an f16 times an integer below 2^7 (and -32 times that for q6_k). */
-static inline void q8_scale(const uint8_t *block, int s, vec *scale, vec *min) {
-    (void)s;
+/* A block's f16 super-block scale as floats (q6_k's d), converted once per block by NAME##_prep
+ * rather than once per group of 16 (a vcvtph2ps per group and column vector was a fifth of a
+ * q6_k decode row's time); the formats with a float32 scale per group need none. */
+typedef struct {
+    vec d[VECS];
+} block_scales;
+
+static inline void none_prep(const uint8_t *block, block_scales *bs) { (void)block, (void)bs; }
+#define q8_prep none_prep
+#define q4_prep none_prep
+#define q5_prep none_prep
+#define bf16_prep none_prep
+#define f16_prep none_prep
+
+static inline void q6k_prep(const uint8_t *block, block_scales *bs) {
+    for (int c = 0; c < VECS; c++) bs->d[c] = f16_to_float((const uint16_t *)block + c * LANES);
+}
+
+/* q4_k / q5_k convert d and dmin in each group: held across the groups, their four vectors
+ * pushed AVX2's one-row loop out of its 16 registers (measured 30% slower). */
+#define q4k_prep none_prep
+#define q5k_prep none_prep
+
+/* The scale and offset of group s of a block, per column (two vectors each), bs its NAME##_prep.
+ * Exact: a float32 scale as stored, or an f16 times an integer below 2^7 (and -32 times that for
+ * q6_k). */
+static inline void q8_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
+                            vec *min) {
+    (void)s, (void)bs;
     for (int c = 0; c < VECS; c++)
         scale[c] = load_vec((const float *)block + c * LANES), min[c] = splat(0.0f);
 }
 
-static inline void q4_scale(const uint8_t *block, int s, vec *scale, vec *min) {
-    (void)s;
+static inline void q4_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
+                            vec *min) {
+    (void)s, (void)bs;
     const float *f = (const float *)block;
     for (int c = 0; c < VECS; c++)
         scale[c] = load_vec(f + c * LANES), min[c] = load_vec(f + TILE + c * LANES);
 }
 #define q5_scale q4_scale
 
-static inline void q6k_scale(const uint8_t *block, int s, vec *scale, vec *min) {
+static inline void q6k_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
+                             vec *min) {
     const int8_t *sc = (const int8_t *)(block + 2 * TILE + s * TILE);
     for (int c = 0; c < VECS; c++) {
-        scale[c] = f16_to_float((const uint16_t *)block + c * LANES) * s8_to_float(sc + c * LANES);
+        scale[c] = bs->d[c] * s8_to_float(sc + c * LANES);
         min[c] = scale[c] * splat(-32.0f);
     }
 }
@@ -217,7 +244,9 @@ static inline void k_scale_min(const uint8_t *p, int s, int_vec *sc, int_vec *m)
     *m = (low >> 4) | ((widen_u8(p + s * TILE) >> 6) << 4);
 }
 
-static inline void q4k_scale(const uint8_t *block, int s, vec *scale, vec *min) {
+static inline void q4k_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
+                             vec *min) {
+    (void)bs;
     const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
     for (int c = 0; c < VECS; c++) {
         int_vec sc, m;
@@ -230,10 +259,10 @@ static inline void q4k_scale(const uint8_t *block, int s, vec *scale, vec *min) 
 
 /* The end of one group: acc += scale * part (+ min * sum of the group's inputs). */
 #define DEFINE_FINISH(NAME)                                                                       \
-    static inline void NAME##_finish(const uint8_t *block, int s, const vec *part, float sum,     \
-                                     vec *acc) {                                                  \
+    static inline void NAME##_finish(const uint8_t *block, const block_scales *bs, int s,         \
+                                     const vec *part, float sum, vec *acc) {                      \
         vec scale[VECS], min[VECS];                                                               \
-        NAME##_scale(block, s, scale, min);                                                       \
+        NAME##_scale(block, bs, s, scale, min);                                                   \
         for (int c = 0; c < VECS; c++) {                                                          \
             acc[c] += part[c] * scale[c];                                                         \
             acc[c] += sum * min[c];                                                               \
@@ -245,14 +274,16 @@ DEFINE_FINISH(q6k)
 DEFINE_FINISH(q4k)
 DEFINE_FINISH(q5k)
 
-static inline void q8_finish(const uint8_t *block, int s, const vec *part, float sum, vec *acc) {
-    (void)s, (void)sum;
+static inline void q8_finish(const uint8_t *block, const block_scales *bs, int s, const vec *part,
+                             float sum, vec *acc) {
+    (void)s, (void)sum, (void)bs;
     const float *scale = (const float *)block;
     for (int c = 0; c < VECS; c++) acc[c] += part[c] * load_vec(scale + c * LANES);
 }
 
-static inline void half_finish(const uint8_t *block, int s, const vec *part, float sum, vec *acc) {
-    (void)block, (void)s, (void)sum;
+static inline void half_finish(const uint8_t *block, const block_scales *bs, int s,
+                               const vec *part, float sum, vec *acc) {
+    (void)block, (void)bs, (void)s, (void)sum;
     for (int c = 0; c < VECS; c++) acc[c] += part[c];
 }
 #define bf16_finish half_finish
@@ -299,6 +330,8 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : (vec){0}; \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            block_scales bs;                                                                      \
+            NAME##_prep(block, &bs);                                                              \
             for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
                 const int64_t i0 = b * NAME##_SPAN + s * NAME##_SUB;                              \
                 vec part[R][VECS];                                                                \
@@ -313,7 +346,8 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
                     }                                                                             \
                 }                                                                                 \
                 for (int r = 0; r < R; r++)                                                       \
-                    NAME##_finish(block, s, part[r], sums[r * subs + i0 / NAME##_SUB], acc[r]);   \
+                    NAME##_finish(block, &bs, s, part[r], sums[r * subs + i0 / NAME##_SUB],       \
+                                  acc[r]);                                                        \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
@@ -331,6 +365,8 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
         for (int r = 0; r < R; r++)                                                               \
             for (int c = 0; c < VECS; c++) part[r][c] = (vec){0};                                 \
         const float *xg = x + i0;                                                                 \
+        block_scales bs;                                                                          \
+        NAME##_prep(block, &bs);                                                                  \
         for (int j = 0; j < NAME##_SUB; j++) {                                                    \
             const vec wv[VECS] = {load_vec(values + j * TILE), load_vec(values + j * TILE + LANES)}; \
             for (int r = 0; r < R; r++) {                                                         \
@@ -341,7 +377,7 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
         for (int r = 0; r < R; r++) {                                                             \
             vec acc[VECS];                                                                        \
             for (int c = 0; c < VECS; c++) acc[c] = load_vec(accm + r * TILE + c * LANES);        \
-            NAME##_finish(block, s, part[r], sums[r * subs + i0 / NAME##_SUB], acc);              \
+            NAME##_finish(block, &bs, s, part[r], sums[r * subs + i0 / NAME##_SUB], acc);         \
             for (int c = 0; c < VECS; c++) store_vec(accm + r * TILE + c * LANES, acc[c]);        \
         }                                                                                         \
     }
@@ -384,6 +420,8 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
                 acc[n][c] = bias ? load_vec(bias + n * TILE + c * LANES) : (vec){0};              \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            block_scales bs[N];                                                                   \
+            for (int n = 0; n < N; n++) NAME##_prep(block + n * tile_bytes, &bs[n]);              \
             for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
                 const int64_t i0 = b * NAME##_SPAN + s * NAME##_SUB;                              \
                 vec part[N][VECS];                                                                \
@@ -398,8 +436,8 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
                     }                                                                             \
                 }                                                                                 \
                 for (int n = 0; n < N; n++)                                                       \
-                    NAME##_finish(block + n * tile_bytes, s, part[n], sums[i0 / NAME##_SUB],      \
-                                  acc[n]);                                                        \
+                    NAME##_finish(block + n * tile_bytes, &bs[n], s, part[n],                     \
+                                  sums[i0 / NAME##_SUB], acc[n]);                                 \
             }                                                                                     \
         }                                                                                         \
         for (int n = 0; n < N; n++) store_cols(y + n * TILE, acc[n], n < N - 1 ? TILE : cols_last); \
@@ -466,20 +504,34 @@ typedef struct {
     scale_fn scale;
 } qformat;
 
+/* The scales of one group on their own (NAME##_prep and NAME##_scale): the table's scale_fn. */
+#define DEFINE_SCALE_AT(NAME)                                                                     \
+    static void NAME##_scale_at(const uint8_t *block, int s, vec *scale, vec *min) {              \
+        block_scales bs;                                                                          \
+        NAME##_prep(block, &bs);                                                                  \
+        NAME##_scale(block, &bs, s, scale, min);                                                  \
+    }
+DEFINE_SCALE_AT(q8)
+DEFINE_SCALE_AT(q4)
+DEFINE_SCALE_AT(q5)
+DEFINE_SCALE_AT(q6k)
+DEFINE_SCALE_AT(q4k)
+DEFINE_SCALE_AT(q5k)
+
 #define FORMAT_OF(NAME, SCALED, OFFSET, SCALE)                                                    \
     {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, SCALED, OFFSET, NAME##_ROW_TILES,                     \
      {NAME##_rows_8, NAME##_rows_4, NAME##_rows_2, NAME##_rows_1},                                \
      {GROUP_WIDE(NAME), NAME##_group_4, NAME##_group_2, NAME##_group_1},                          \
      {NAME##_tiles_4, NAME##_tiles_2}, NAME##_values, SCALE}
 static const qformat FORMATS[N_FORMATS] = {
-    [FORMAT_Q8_0] = FORMAT_OF(q8, 1, 0, q8_scale),
-    [FORMAT_Q4] = FORMAT_OF(q4, 1, 1, q4_scale),
+    [FORMAT_Q8_0] = FORMAT_OF(q8, 1, 0, q8_scale_at),
+    [FORMAT_Q4] = FORMAT_OF(q4, 1, 1, q4_scale_at),
     [FORMAT_BF16] = FORMAT_OF(bf16, 0, 0, NULL),
     [FORMAT_F16] = FORMAT_OF(f16, 0, 0, NULL),
-    [FORMAT_Q5] = FORMAT_OF(q5, 1, 1, q5_scale),
-    [FORMAT_Q6_K] = FORMAT_OF(q6k, 1, 1, q6k_scale),
-    [FORMAT_Q4_K] = FORMAT_OF(q4k, 1, 1, q4k_scale),
-    [FORMAT_Q5_K] = FORMAT_OF(q5k, 1, 1, q5k_scale),
+    [FORMAT_Q5] = FORMAT_OF(q5, 1, 1, q5_scale_at),
+    [FORMAT_Q6_K] = FORMAT_OF(q6k, 1, 1, q6k_scale_at),
+    [FORMAT_Q4_K] = FORMAT_OF(q4k, 1, 1, q4k_scale_at),
+    [FORMAT_Q5_K] = FORMAT_OF(q5k, 1, 1, q5k_scale_at),
 };
 
 static const qformat *format_of(int format) {
