@@ -39,9 +39,10 @@ class AttentionMetadata:
             see key position ``0 .. cached_b + j`` (L: the longest context's whole blocks); built
             once per step for every layer, for prefill steps other than one uncached prompt
             (and other than mixed ones, whose prompts have their own in ``mixed.prefill``).
-        mixed: for a prefill step that also carries one-token sequences (running sequences'
-            decode tokens next to a prompt chunk, as continuous batching schedules them), the
-            step split in two: those rows attend as a decode batch, the rest as a prefill.
+        mixed: for a prefill step that also carries decode rows — one-token sequences (running
+            sequences' decode tokens next to a prompt chunk, as continuous batching schedules
+            them) and the tokens a recomputed sequence had generated — the step split in two:
+            those rows attend as a decode batch, the rest as a prefill.
     """
 
     is_prefill: bool
