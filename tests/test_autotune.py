@@ -255,6 +255,26 @@ def test_busy_machine_decision_is_used_but_not_cached(
     assert len(kernel_calls) == (1 + autotune.REPEATS) * 2  # measured again
 
 
+def test_a_choice_that_changes_results_takes_its_fixed_path_on_a_busy_machine(
+    tmp_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8 or float32 activations: measured while busy, each process would follow its own noisy
+    timing and two workers could part in greedy text; with ``when_busy`` they all take that path
+    (and a quiet measurement still decides, and is cached)."""
+    busy = [True]
+    monkeypatch.setattr(autotune, "_machine_busy", lambda: busy[0])
+    monkeypatch.setattr(autotune, "_others_share", lambda before, after: 0.0)
+    _, _, run_kernel, run_torch = _runners(kernel_slow_from=8)
+    args = {"isa": "avx2", "build": "fake.so", "shapes": [(8, 8)], "run_kernel": run_kernel,
+            "run_torch": run_torch, "rows": (1, 8)}  # fmt: skip
+    assert choose_regimes("q4", when_busy=True, **args).use_kernel == (True, True)  # type: ignore[arg-type]
+    assert choose_regimes("q4", when_busy=False, **args).use_kernel == (False, False)  # type: ignore[arg-type]
+    assert not list(tmp_cache.glob("autotune-*.json"))
+    busy[0] = False
+    assert choose_regimes("q4", when_busy=True, **args).use_kernel == (True, False)  # type: ignore[arg-type]
+    assert len(list(tmp_cache.glob("autotune-*.json"))) == 1
+
+
 def test_unreadable_or_unwritable_cache_remeasures(
     tmp_path: Path, tmp_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

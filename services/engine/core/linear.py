@@ -386,6 +386,7 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
             run_kernel=_runner(timed, Linear.int8_forward),
             run_torch=_runner(timed, Linear.float_forward),
             rows=REGIME_ROWS[-1:],
+            when_busy=True,
         )
         if not int8.use_kernel[0]:
             for layer in layers:
@@ -400,6 +401,7 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
             run_torch=_runner(timed, Linear.float_forward),
             rows=DECODE_TUNE_ROWS,
             margin=0.0,
+            when_busy=True,
         )
         if not all(decode.use_kernel):  # one path for every decode batch: a row's result must
             for layer in layers:  # not depend on how many sequences shared its step

@@ -103,10 +103,17 @@ def choose_regimes(
     run_torch: Callable[[int], object],
     rows: Sequence[int] = REGIME_ROWS,
     margin: float | Sequence[float] = MARGIN,
+    when_busy: bool | None = None,
 ) -> KernelRegimes:
     """Time ``run_kernel(n)`` against ``run_torch(n)`` for each ``n`` in ``rows`` (or reuse the
     cached decision for this build, format and set of shapes) and return the per-regime choice:
-    the kernel where it is faster by more than ``margin`` (one value, or one per row count)."""
+    the kernel where it is faster by more than ``margin`` (one value, or one per row count).
+
+    ``when_busy``: for a choice that changes results, not only speed (int8 or float32
+    activations), the path every regime takes when the measurement was taken on a busy machine
+    (and is not cached): processes that start together on a loaded machine then agree with each
+    other (a stream migrated between them keeps its greedy text) instead of each following its
+    own noisy timing."""
     margins = (margin,) * len(rows) if isinstance(margin, int | float) else tuple(margin)
     if len(margins) != len(rows):
         raise ValueError(f"{len(margins)} margins for {len(rows)} row counts")
@@ -128,6 +135,11 @@ def choose_regimes(
         f"; machine busy (other processes used {others:.0%} of the CPUs), not cached"
         if busy else "",
     )  # fmt: skip
+    if busy and when_busy is not None:
+        regimes = KernelRegimes(rows=regimes.rows, use_kernel=(when_busy,) * len(regimes.rows),
+                                speedup=regimes.speedup)
+        logger.info("CPU %s kernel: %s on a busy machine (the choice changes results; every "
+                    "process starting now takes the same)", fmt, regimes.describe())  # fmt: skip
     return regimes
 
 
