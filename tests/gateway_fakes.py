@@ -44,6 +44,7 @@ from services.common.wire import sampling_params_from_proto
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.config import GatewayConfig
+from services.gateway.edge_server import start_edge
 from services.gateway.prefill_policy import PrefillPolicy
 from services.gateway.safety import RuleBasedPolicy
 from tests.tls_identities import tls_for
@@ -356,11 +357,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         metrics = TandemMetrics(process_metrics=False)
         safety = RuleBasedPolicy.from_dict(policy) if policy is not None else None
         app = build_app(config, auth=ApiKeyAuth(keys), policy=safety, metrics=metrics)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, url = await start_edge(app, config, shutdown_grace=1.0)
 
         async def cleanup() -> None:
             for made in stack.clients:
@@ -370,7 +367,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 await handle.stop(0)
 
         stack = Stack(
-            f"http://127.0.0.1:{port}", app, tokenizer, prefills, decodes, servers, metrics
+            url, app, tokenizer, prefills, decodes, servers, metrics
         )
         cleanups.append(cleanup)
         return stack

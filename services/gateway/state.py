@@ -25,6 +25,7 @@ from services.common.metrics import TandemMetrics
 from services.common.pb import tokenizer_pb2
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
+from services.gateway.body_budget import BodyBudget
 from services.gateway.choice import ChoiceDeps
 from services.gateway.config import GatewayConfig
 from services.gateway.decode_admission import DecodeAdmission
@@ -53,6 +54,8 @@ class GatewayState:
     admission: AdmissionLimiter
     metrics: TandemMetrics
     membership: Membership
+    body_budget: BodyBudget
+    token_limiter: RateLimiter | None = None
     model_info: tokenizer_pb2.ModelInfo | None = None
     token_texts: TokenTexts = field(default_factory=TokenIdTexts)
     created: int = field(default_factory=lambda: int(time.time()))
