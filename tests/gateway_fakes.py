@@ -127,6 +127,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.fail_after: int | None = None  # raise UNAVAILABLE after this many tokens
         self.die_after: int | None = None  # "crash" after this many (not on a migrated stream)
         self.streaming = asyncio.Event()
+        self.reply_text: str | None = None  # answer this to every prompt instead of reply_for's
         # Decode.Reserve: a reservation holds its blocks until the KV (or an Abort) arrives.
         self.capacity: int | None = None  # KV blocks; None: room for everything
         self.reserve_supported = True  # False: an older worker (UNIMPLEMENTED)
@@ -178,7 +179,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             except TimeoutError:
                 raise NotFoundError(f"no KV arrived for {rid}") from None
             params = handoff.params
-            text, finish = reply_for(handoff.prompt), "stop"
+            text = self.reply_text if self.reply_text is not None else reply_for(handoff.prompt)
+            finish = "stop"
             for stop in params.stop:
                 if stop in text:
                     text = text[: text.index(stop)]
