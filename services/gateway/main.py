@@ -84,10 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=ports.GATEWAY_HTTP_PORT, help="HTTP port")
     edge = parser.add_argument_group("the edge: HTTPS, auth and per-client limits "
                                      "(docs/security.md)")  # fmt: skip
-    edge.add_argument("--https-cert", default=env(HTTPS_CERT_ENV), metavar="PEM",
+    edge.add_argument("--https-cert", default=env(HTTPS_CERT_ENV) or None, metavar="PEM",
                       help=f"serve HTTPS with this certificate chain (env {HTTPS_CERT_ENV}; "
                            "--tls-* name the internal mTLS identity instead)")
-    edge.add_argument("--https-key", default=env(HTTPS_KEY_ENV), metavar="PEM",
+    edge.add_argument("--https-key", default=env(HTTPS_KEY_ENV) or None, metavar="PEM",
                       help=f"the HTTPS private key (env {HTTPS_KEY_ENV})")
     edge.add_argument("--allow-no-auth", action="store_true",
                       default=env(ALLOW_NO_AUTH_ENV, "") not in ("", "0", "false"),
