@@ -1,8 +1,9 @@
 """A decode worker under attack from inside the deployment's network (issue 32, part 4), on real
 prefill and decode workers (gRPC over mutual TLS on 127.0.0.1, the tiny model): a ``Reserve``
 flood and forged ``TransferKV`` streams change nothing for a well-behaved request running at the
-same time, and what a flood may hold is bounded per caller and in total
-(services/engine/kv_transfer/reservation_quota.py)."""
+same time, what a flood may hold is bounded per caller and in total
+(services/engine/kv_transfer/reservation_quota.py), and a prefill worker ships KV only to a
+current decode member (services/common/member_addresses.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from services.common.cert_authority import issue
 from services.common.errors import ResourceExhaustedError
 from services.common.grpc_channel import open_channel
 from services.common.internal_tls import InternalTls
+from services.common.member_addresses import MemberAddresses
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.peer_roles import peer_identity
 from services.common.sampling_params import SamplingParams
@@ -166,3 +168,39 @@ async def test_forged_transfers_change_nothing_for_a_running_request(model: Load
         await c.wait_idle()
         await gateway_channel.close()
         await prefill_channel.close()
+
+
+async def test_member_addresses_follow_dns() -> None:
+    answers = {"decode": ["10.0.0.1:50071", "10.0.0.2:50071"]}
+    now = [0.0]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise OSError("no such host")
+        return answers[host]
+
+    members = MemberAddresses(["decode:50071", "10.9.9.9:7"], refresh_s=5.0, resolver=resolver,
+                              clock=lambda: now[0])  # fmt: skip
+    assert await members.allows("10.0.0.2:50071") and await members.allows("10.9.9.9:7")
+    assert not await members.allows("10.0.0.3:50071")  # not (yet) a member
+    assert not await members.allows("decode:50071")  # names are never sent, addresses are
+    answers["decode"] = ["10.0.0.3:50071"]  # a replica came, the others left
+    assert not await members.allows("10.0.0.3:50071")  # resolved less than 5 s ago
+    now[0] = 6.0
+    assert await members.allows("10.0.0.3:50071")
+    assert not await members.allows("10.0.0.1:50071")
+    del answers["decode"]  # a DNS hiccup keeps the members known
+    now[0] = 12.0
+    assert not await members.allows("10.0.0.4:50071") and await members.allows("10.0.0.3:50071")
+    assert await MemberAddresses(()).allows("192.0.2.1:1")  # no entries: anything
+    assert await MemberAddresses(["localhost:5000"]).allows("127.0.0.1:5000")  # real DNS
+
+
+async def test_prefill_refuses_a_decode_address_outside_its_members(model: LoadedModel) -> None:
+    async with cluster(model, prefill_kw={"decode_members": ["127.0.0.1:1"]}) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill("elsewhere", prompt_of(20))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a decode worker of this deployment" in (err.value.details() or "")
+        pre, dec = await c.stats()
+        assert pre.kv_blocks_in_use == 0 and dec.kv_blocks_in_use == 0  # nothing computed
