@@ -105,15 +105,17 @@ class WorkerState:
 
 class PromptKeys:
     """A prompt's routing keys, hashed once per block size and only when some worker has a
-    prefix-cache snapshot to compare them with."""
+    prefix-cache snapshot to compare them with; ``root`` salts the chain as the workers do
+    (the deployment's and the request's ``cache_salt``, ``prefix_hash.prefix_root``)."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], root: bytes = b"") -> None:
         self.token_ids = token_ids
+        self.root = root
         self._keys: dict[int, list[int]] = {}
 
     def keys(self, block_size: int) -> list[int]:
         if block_size not in self._keys:
-            self._keys[block_size] = routing_keys(self.token_ids, block_size)
+            self._keys[block_size] = routing_keys(self.token_ids, block_size, self.root)
         return self._keys[block_size]
 
 

@@ -131,6 +131,7 @@ class GatewayState:
             count_prefill_path=self._count_prefill_path,
             max_migrations=self.config.max_migrations,
             count_migration=self.metrics.migrations.inc,
+            prefix_salt=self.config.tls.prefix_salt if self.config.tls is not None else b"",
             admission=DecodeAdmission(
                 self.router, self.spawn, timeout_s=self.config.decode_admission_timeout_s,
                 count_wait=self.metrics.decode_admission_waits.inc,
