@@ -40,6 +40,7 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.common.protocol import PROTOCOL_VERSION
 from services.common.wire import sampling_params_from_proto
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeyAuth
@@ -74,6 +75,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def __init__(self) -> None:
         self.requests: list[Any] = []
+        self.protocol_version = PROTOCOL_VERSION
+        self.model_fingerprint = ""
 
     async def Tokenize(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
@@ -98,7 +101,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                 )
 
     async def GetModelInfo(self, request: Any, context: Any) -> Any:
-        return tokenizer_pb2.ModelInfo(
+        return tokenizer_pb2.ModelInfo(protocol_version=self.protocol_version,
+            model_fingerprint=self.model_fingerprint,
             name=MODEL, vocab_size=0x110000, context_length=CONTEXT, eos_token_ids=[2]
         )
 
@@ -128,6 +132,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.die_after: int | None = None  # "crash" after this many (not on a migrated stream)
         self.streaming = asyncio.Event()
         self.reply_text: str | None = None  # answer this to every prompt instead of reply_for's
+        self.protocol_version = PROTOCOL_VERSION  # what GetStats advertises
+        self.model_fingerprint = ""
         # Decode.Reserve: a reservation holds its blocks until the KV (or an Abort) arrives.
         self.capacity: int | None = None  # KV blocks; None: room for everything
         self.reserve_supported = True  # False: an older worker (UNIMPLEMENTED)
@@ -220,8 +226,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=self._free(request.request_id))
 
     async def GetStats(self, request: Any, context: Any) -> Any:
-        return common_pb2.WorkerStats(
-            worker_id=self.name, role="decode", kv_blocks_in_use=self.blocks_in_use,
+        return common_pb2.WorkerStats(protocol_version=self.protocol_version,
+            model_fingerprint=self.model_fingerprint, worker_id=self.name, role="decode", kv_blocks_in_use=self.blocks_in_use,
             kv_blocks_total=1000, num_running=len(self.handoffs),
         )  # fmt: skip
 
@@ -260,7 +266,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return common_pb2.AbortResponse(found=False)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
-        return common_pb2.WorkerStats(
+        return common_pb2.WorkerStats(protocol_version=PROTOCOL_VERSION,
             worker_id=self.name, role="prefill", kv_blocks_in_use=self.blocks_in_use
         )
 

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2, prefix_cache_pb2
+from services.common.protocol import PROTOCOL_VERSION
 from services.common.prefix_hash import routing_keys
 from services.gateway.config import RoutingWeights
 from services.gateway.router import PromptKeys, Router, WorkerState
@@ -221,7 +222,8 @@ async def test_a_request_ending_during_a_stats_poll_is_not_counted_again() -> No
             with router.lease(d0):  # was running when the snapshot was taken...
                 assert d0.in_flight == 1
             # ...and ended before the answer arrived
-            return common_pb2.WorkerStats(block_size=BS, num_running=1)
+            return common_pb2.WorkerStats(block_size=BS, num_running=1,
+                                          protocol_version=PROTOCOL_VERSION)
 
     d0.client = SlowStats()  # type: ignore[assignment]
     await router._poll(d0)

@@ -23,6 +23,7 @@ from aiohttp import web
 from services.common.errors import TandemError, UnavailableError
 from services.common.metrics import TandemMetrics
 from services.common.pb import tokenizer_pb2
+from services.common.protocol import check_peer
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
@@ -88,8 +89,13 @@ class GatewayState:
                 f"the tokenizer service is not available yet: {err.message}",
                 code="backend_unavailable",
             ) from err
+        why = check_peer(info.protocol_version)
+        if why is not None:
+            raise UnavailableError(f"the tokenizer service is refused: {why}",
+                                   code="backend_incompatible")  # fmt: skip
         if self.model_info is None:
             self.model_info = info
+            self.router.model_fingerprint = info.model_fingerprint
             logger.info(
                 "serving model %s (context %d tokens, vocab %d)",
                 info.name, info.context_length, info.vocab_size,
@@ -104,7 +110,8 @@ class GatewayState:
             try:
                 await self._fetch_model_info()
             except UnavailableError as err:
-                logger.debug("model info not available yet: %s", err.message)
+                log = logger.warning if err.code == "backend_incompatible" else logger.debug
+                log("model info not available yet: %s", err.message)
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
 
     # ---- background work ------------------------------------------------------------------
