@@ -28,7 +28,6 @@ from services.common.errors import InvalidArgumentError, UnavailableError
 from services.gateway.config import DEFAULT_DEFAULT_MAX_TOKENS, BackendTimeouts
 from services.gateway.state import STATE_KEY
 from tests.gateway_fakes import (
-    CONTEXT,
     DEFAULT_REPLY,
     FRANCE_REPLY,
     MODEL,

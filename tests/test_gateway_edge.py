@@ -127,7 +127,7 @@ async def test_https_with_curl_and_the_openai_sdk(make_stack: StackFactory) -> N
             await s.get(stack.url.replace("https://", "http://") + "/health")
 
 
-def test_https_context_refuses_bad_files(tmp_path: object) -> None:
+def test_https_context_refuses_bad_files() -> None:
     from services.common.errors import InvalidArgumentError
 
     d = cert_dir()
