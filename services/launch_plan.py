@@ -198,6 +198,9 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
         for i in range(count):
             name = f"{service}-{i}"
             extra = ["--worker-id", name, "--advertise-address", _join(client_host, port + i)]
+            if service == "prefill" and config.num_decode:  # KV only to this run's decoders
+                extra += ["--decode-members", ",".join(
+                    _join(client_host, config.decode_port + j) for j in range(config.num_decode))]
             if config.dtype is not None:
                 extra += ["--dtype", config.dtype]
             if config.device is not None:

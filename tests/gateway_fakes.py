@@ -40,10 +40,12 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.common.protocol import PROTOCOL_VERSION
 from services.common.wire import sampling_params_from_proto
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.config import GatewayConfig
+from services.gateway.edge_server import start_edge
 from services.gateway.prefill_policy import PrefillPolicy
 from services.gateway.safety import RuleBasedPolicy
 from tests.tls_identities import tls_for
@@ -73,6 +75,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def __init__(self) -> None:
         self.requests: list[Any] = []
+        self.protocol_version = PROTOCOL_VERSION
+        self.model_fingerprint = ""
 
     async def Tokenize(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
@@ -97,7 +101,8 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                 )
 
     async def GetModelInfo(self, request: Any, context: Any) -> Any:
-        return tokenizer_pb2.ModelInfo(
+        return tokenizer_pb2.ModelInfo(protocol_version=self.protocol_version,
+            model_fingerprint=self.model_fingerprint,
             name=MODEL, vocab_size=0x110000, context_length=CONTEXT, eos_token_ids=[2]
         )
 
@@ -126,6 +131,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.fail_after: int | None = None  # raise UNAVAILABLE after this many tokens
         self.die_after: int | None = None  # "crash" after this many (not on a migrated stream)
         self.streaming = asyncio.Event()
+        self.reply_text: str | None = None  # answer this to every prompt instead of reply_for's
+        self.protocol_version = PROTOCOL_VERSION  # what GetStats advertises
+        self.model_fingerprint = ""
         # Decode.Reserve: a reservation holds its blocks until the KV (or an Abort) arrives.
         self.capacity: int | None = None  # KV blocks; None: room for everything
         self.reserve_supported = True  # False: an older worker (UNIMPLEMENTED)
@@ -177,7 +185,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             except TimeoutError:
                 raise NotFoundError(f"no KV arrived for {rid}") from None
             params = handoff.params
-            text, finish = reply_for(handoff.prompt), "stop"
+            text = self.reply_text if self.reply_text is not None else reply_for(handoff.prompt)
+            finish = "stop"
             for stop in params.stop:
                 if stop in text:
                     text = text[: text.index(stop)]
@@ -217,8 +226,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return common_pb2.AbortResponse(found=self._free(request.request_id))
 
     async def GetStats(self, request: Any, context: Any) -> Any:
-        return common_pb2.WorkerStats(
-            worker_id=self.name, role="decode", kv_blocks_in_use=self.blocks_in_use,
+        return common_pb2.WorkerStats(protocol_version=self.protocol_version,
+            model_fingerprint=self.model_fingerprint, worker_id=self.name, role="decode", kv_blocks_in_use=self.blocks_in_use,
             kv_blocks_total=1000, num_running=len(self.handoffs),
         )  # fmt: skip
 
@@ -257,7 +266,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         return common_pb2.AbortResponse(found=False)
 
     async def GetStats(self, request: Any, context: Any) -> Any:
-        return common_pb2.WorkerStats(
+        return common_pb2.WorkerStats(protocol_version=PROTOCOL_VERSION,
             worker_id=self.name, role="prefill", kv_blocks_in_use=self.blocks_in_use
         )
 
@@ -356,11 +365,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         metrics = TandemMetrics(process_metrics=False)
         safety = RuleBasedPolicy.from_dict(policy) if policy is not None else None
         app = build_app(config, auth=ApiKeyAuth(keys), policy=safety, metrics=metrics)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, url = await start_edge(app, config, shutdown_grace=1.0)
 
         async def cleanup() -> None:
             for made in stack.clients:
@@ -370,7 +375,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 await handle.stop(0)
 
         stack = Stack(
-            f"http://127.0.0.1:{port}", app, tokenizer, prefills, decodes, servers, metrics
+            url, app, tokenizer, prefills, decodes, servers, metrics
         )
         cleanups.append(cleanup)
         return stack

@@ -25,10 +25,9 @@ import openai
 import pytest
 
 from services.common.errors import InvalidArgumentError, UnavailableError
-from services.gateway.config import BackendTimeouts
+from services.gateway.config import DEFAULT_DEFAULT_MAX_TOKENS, BackendTimeouts
 from services.gateway.state import STATE_KEY
 from tests.gateway_fakes import (
-    CONTEXT,
     DEFAULT_REPLY,
     FRANCE_REPLY,
     MODEL,
@@ -66,9 +65,10 @@ async def test_chat_non_stream_usage_and_request_log(
     assert resp.usage.completion_tokens == len(DEFAULT_REPLY)
     assert resp.usage.total_tokens == len(prompt) + len(DEFAULT_REPLY)
     assert resp.usage.prompt_tokens_details.cached_tokens == 3
-    # max_tokens unset: capped by the context left after the prompt
+    # max_tokens unset: the server's --default-max-tokens (tests/test_gateway_edge.py covers
+    # 'context' and the cap by the context left)
     sent = stack.prefills[0].requests[0]
-    assert sent.params.max_tokens == CONTEXT - len(prompt)
+    assert sent.params.max_tokens == DEFAULT_DEFAULT_MAX_TOKENS
     assert sent.decode_address == stack.decodes[0].address
     assert stack.decodes[0].generate_ids == [sent.request_id]
     assert sent.request_id.startswith(resp.id)

@@ -396,7 +396,9 @@ MALFORMED = [
 
 async def test_auth_limits_and_malformed_bodies(stack: Stack) -> None:
     runner, url = await _limited_gateway(
-        stack, max_body_bytes=4096, rate_limit_rpm=60, rate_limit_burst=len(MALFORMED) + 2
+        # 1 per minute: the burst is what is tested, and a loaded machine taking seconds for the
+        # requests before the last must not refill the bucket (at 60/min it refilled 5 in 5 s)
+        stack, max_body_bytes=4096, rate_limit_rpm=1, rate_limit_burst=len(MALFORMED) + 2
     )
     good = {"Authorization": "Bearer sk-e2e-key-0001", "Content-Type": "application/json"}
     body = {"model": MODEL, "messages": OCEAN, "max_tokens": 2, "temperature": 0}

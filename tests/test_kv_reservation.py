@@ -21,6 +21,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.kv_transfer import ReceiveState
 from services.engine.kv_transfer.receiver import MAX_RESERVATION_LEASE_SECONDS
+from services.engine.kv_transfer.reservation_quota import ReservationQuota
 from tests.test_prefill_decode import Cluster, cluster, prompt_of, reference, tokens_of, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -91,7 +92,8 @@ async def test_a_header_of_another_size_resizes_the_reservation(model: LoadedMod
 
 
 async def test_no_room_is_refused_at_once_and_nothing_is_held(model: LoadedModel) -> None:
-    async with cluster(model, decode_blocks=8) as c:
+    no_quota = ReservationQuota(total_fraction=1.0, caller_fraction=1.0)  # the pool's own bound
+    async with cluster(model, decode_blocks=8, decode_kw={"reservation_quota": no_quota}) as c:
         await reserve(c, "fits", 16 * 6)  # 6 of 8 blocks
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2, prefix_cache_pb2
+from services.common.protocol import PROTOCOL_VERSION
 from services.common.prefix_hash import routing_keys
 from services.gateway.config import RoutingWeights
 from services.gateway.router import PromptKeys, Router, WorkerState
@@ -99,6 +100,7 @@ def test_routing_weights_are_validated() -> None:
 async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  # type: ignore[no-untyped-def]
     from services.common.grpc_channel import open_channel
     from services.common.pb import decode_pb2, decode_pb2_grpc
+    from services.common.prefix_hash import prefix_root
     from services.common.sampling_params import SamplingParams
     from services.common.wire import sampling_params_to_proto
     from services.decode.server import start_decode_worker
@@ -120,7 +122,9 @@ async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  
     try:
         await router.start()
         prompt = [(3 * i + 1) % 200 + 3 for i in range(21)]
-        keys = PromptKeys(prompt)
+        salt = tls_for("gateway").prefix_salt  # the deployment's: the same CA as the workers'
+        assert salt == tls_for("decode").prefix_salt != b""
+        keys = PromptKeys(prompt, prefix_root(salt))
         params = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
         call = decode_pb2_grpc.DecodeStub(channel).Generate(decode_pb2.GenerateRequest(
             request_id="r1", prompt_token_ids=prompt, params=params))  # fmt: skip
@@ -131,6 +135,9 @@ async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  
                 break
             await asyncio.sleep(0.02)
         assert router.cached_tokens(w1, keys) == 20 and router.cached_tokens(w0, keys) == 0
+        # what Watch published are not the prompt's raw hashes, nor another tenant's keys
+        assert router.cached_tokens(w1, PromptKeys(prompt)) == 0
+        assert router.cached_tokens(w1, PromptKeys(prompt, prefix_root(salt, "tenant-b"))) == 0
         assert all(router.pick("decode", keys) is w1 for _ in range(4))
         assert router.describe(w1)["prefix_cache_blocks"] == router.prefix_index.num_keys(
             w1.address) > 0
@@ -215,7 +222,8 @@ async def test_a_request_ending_during_a_stats_poll_is_not_counted_again() -> No
             with router.lease(d0):  # was running when the snapshot was taken...
                 assert d0.in_flight == 1
             # ...and ended before the answer arrived
-            return common_pb2.WorkerStats(block_size=BS, num_running=1)
+            return common_pb2.WorkerStats(block_size=BS, num_running=1,
+                                          protocol_version=PROTOCOL_VERSION)
 
     d0.client = SlowStats()  # type: ignore[assignment]
     await router._poll(d0)

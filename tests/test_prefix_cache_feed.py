@@ -16,7 +16,7 @@ import pytest
 from services.common.errors import ResourceExhaustedError, UnavailableError
 from services.common.grpc_channel import open_channel
 from services.common.pb import decode_pb2, decode_pb2_grpc, prefix_cache_pb2, prefix_cache_pb2_grpc
-from services.common.prefix_hash import block_hashes, routing_key, routing_keys
+from services.common.prefix_hash import block_hashes, prefix_root, routing_key, routing_keys
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.decode.server import start_decode_worker
@@ -148,7 +148,9 @@ async def test_a_worker_streams_its_prefix_cache_snapshot_then_changes(model: Lo
         output = [t for r in replies for t in r.token_ids]
         # Prompt + output tokens whose KV was written (the last sampled token's was not).
         written = (prompt + output)[: len(prompt) + len(output) - 1]
-        expected = set(routing_keys(written, BS))
+        root = prefix_root(tls_for("decode").prefix_salt)  # keys are salted per deployment
+        expected = set(routing_keys(written, BS, root))
+        assert not expected & set(routing_keys(written, BS))  # never the raw prompt hashes
         keys = await collect_until(watch, set(), lambda k: expected <= k)
         assert keys == expected
 
@@ -167,8 +169,8 @@ async def test_a_worker_streams_its_prefix_cache_snapshot_then_changes(model: Lo
             params=sampling_params_to_proto(params)))  # fmt: skip
         _ = [r async for r in call]
         keys = await collect_until(watch, keys, lambda k: len(expected & k) == 1)
-        assert expected & keys == {routing_key(block_hashes(prompt, BS)[0])}
-        assert routing_key(block_hashes(other, BS)[0]) in keys
+        assert expected & keys == {routing_key(block_hashes(prompt, BS, root)[0])}
+        assert routing_key(block_hashes(other, BS, root)[0]) in keys
         watch.cancel()
     finally:
         await channel.close()

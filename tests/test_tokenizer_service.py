@@ -318,9 +318,12 @@ async def test_health_and_reflection(server: GrpcServerHandle) -> None:
 def test_fingerprint_matches_the_engine() -> None:
     from services.engine.core.loaders.gguf_file import gguf_config, open_gguf
 
+    from services.common.model_fingerprint import fingerprint, weights_digest
+
     source = resolve_model("default")
-    expected = gguf_config(open_gguf(Path(source.path))).fingerprint()
-    assert model_fingerprint(source) == expected
+    shape = gguf_config(open_gguf(Path(source.path))).fingerprint()
+    assert model_fingerprint(source) == fingerprint(shape, weights_digest(source))
+    assert model_fingerprint(source) != fingerprint(shape, "other weights")  # covers the bytes
 
 
 # --- the process ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ no roles); it logs a warning at start and is never a default.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -89,6 +90,15 @@ class InternalTls:
                     param=flag.lstrip("-").replace("-", "_"),
                 ) from err
         return cls.from_pem(*data)
+
+    @property
+    def prefix_salt(self) -> bytes:
+        """The deployment's prefix-cache salt (``prefix_hash.prefix_root``): a digest of the CA
+        certificate, the one thing every process of a deployment holds alike and another
+        deployment does not; empty in plaintext."""
+        if self.insecure or not self.ca_pem:
+            return b""
+        return hashlib.sha256(b"tandem-prefix-salt\0" + self.ca_pem).digest()
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials for a server that requires and verifies a client certificate."""

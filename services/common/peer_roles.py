@@ -30,6 +30,7 @@ so a prefill worker's certificate cannot stand in for a decode worker's.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -81,6 +82,18 @@ def allowed_roles(method: str) -> frozenset[str]:
     """The roles that may call ``/package.Service/Method`` (empty: nobody)."""
     service, _, name = method.lstrip("/").partition("/")
     return ACCESS_POLICY.get((service, name)) or ACCESS_POLICY.get((service, "*")) or frozenset()
+
+
+def peer_identity(peer: str, auth_context: dict[str, Iterable[bytes]]) -> str:
+    """Who is calling, for per-caller quotas: the peer's host (gRPC's ``context.peer()``,
+    ``ipv4:10.0.0.5:41234`` → ``ipv4:10.0.0.5``) and a digest of its verified certificate, so
+    that two gateway pods sharing one certificate, or two processes on one host with their own
+    certificates, are distinct callers (plaintext: the host alone)."""
+    host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+    pem = b"".join(auth_context.get("x509_pem_cert", ()))
+    if not pem:
+        return host
+    return f"{host}/{hashlib.sha256(pem).hexdigest()[:16]}"
 
 
 def roles_in(auth_context: dict[str, Iterable[bytes]]) -> frozenset[str]:

@@ -1,9 +1,22 @@
 """The hash chain that names KV-cache prefixes, shared by the block manager and the router.
 
 Every *full* block of ``block_size`` tokens is keyed by ``key_i = sha256(key_{i-1} || tokens_i)``
-with token ids packed as little-endian int64 and ``key_{-1} = b""``. The key of block i names the
-whole prefix up to the end of block i and is the same in every process, so a gateway can hash a
-prompt and ask which worker's prefix cache already holds it, without ever seeing the KV.
+with token ids packed as little-endian int64 and ``key_{-1} = root``. The key of block i names the
+whole prefix up to the end of block i and is the same in every process of a deployment, so a
+gateway can hash a prompt and ask which worker's prefix cache already holds it, without ever
+seeing the KV.
+
+The chain's ``root`` (:func:`prefix_root`) salts it, so the keys workers publish on
+``PrefixCache.Watch`` are not raw prompt-prefix hashes anyone could compute:
+
+1. per deployment: a salt every process of the deployment derives alike (a digest of the
+   deployment CA's certificate, ``internal_tls.InternalTls.prefix_salt``; plaintext deployments
+   have none), so keys mean nothing across deployments;
+2. per tenant: a request's ``cache_salt`` (vLLM's field) — requests share cached blocks only
+   with requests of the same salt, so one tenant's prompts can neither be reused by another
+   (no timing side channel through ``cached_tokens``) nor recognised in the published keys.
+
+With neither salt the root is ``b""`` (the original chain).
 
 Workers publish their cached keys to routers as :func:`routing_key` values (the digest's first
 8 bytes as an unsigned int): a collision can only mis-route a request, never corrupt it (workers
@@ -19,12 +32,22 @@ from collections.abc import Iterator, Sequence
 from services.common.errors import InvalidArgumentError
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prefix_root(deployment_salt: bytes = b"", cache_salt: str = "") -> bytes:
+    """The chain's ``key_{-1}`` for a deployment's salt and a request's ``cache_salt``."""
+    if not deployment_salt and not cache_salt:
+        return b""
+    salt = cache_salt.encode("utf-8")
+    return hashlib.sha256(b"tandem-prefix-root\0" + struct.pack("<I", len(deployment_salt))
+                          + deployment_salt + salt).digest()  # fmt: skip
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes = b"") -> list[bytes]:
     """Hash-chain keys of the full blocks of ``token_ids`` (a trailing partial block has none).
 
     Args:
         token_ids: the token sequence, from its first token.
         block_size: tokens per block.
+        root: the chain's salt (:func:`prefix_root`).
 
     Returns:
         ``len(token_ids) // block_size`` 32-byte sha256 digests; entry i names the prefix
@@ -32,12 +55,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """
     if block_size < 1:
         raise InvalidArgumentError("block_size must be positive", param="block_size")
-    return list(iter_block_hashes(token_ids, block_size))
+    return list(iter_block_hashes(token_ids, block_size, root))
 
 
-def iter_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[bytes]:
+def iter_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: bytes = b""
+) -> Iterator[bytes]:
     """:func:`block_hashes`, lazily (a caller that stops at the first miss hashes no more)."""
-    parent = b""
+    parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, token_ids[start : start + block_size])
         yield parent
@@ -54,6 +79,6 @@ def routing_key(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def routing_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The routing keys of every full block of ``token_ids``."""
-    return [routing_key(d) for d in iter_block_hashes(token_ids, block_size)]
+def routing_keys(token_ids: Sequence[int], block_size: int, root: bytes = b"") -> list[int]:
+    """The routing keys of every full block of ``token_ids`` under ``root``."""
+    return [routing_key(d) for d in iter_block_hashes(token_ids, block_size, root)]

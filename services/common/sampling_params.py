@@ -17,6 +17,7 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 256
 MAX_N = 16
 MAX_GRAMMAR_BYTES = 256 * 1024  # a compiled response_format / structured_outputs grammar
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -48,6 +49,9 @@ class SamplingParams:
             ``response_format`` / ``structured_outputs`` into one); None = unconstrained.
         logit_bias: OpenAI's ``logit_bias`` as sorted ``(token id, bias)`` pairs, each bias in
             [-100, 100], added to the logits before sampling.
+        cache_salt: vLLM's per-tenant prefix-cache salt: prompts share cached KV blocks only
+            with requests of the same salt ("" = the deployment's shared cache;
+            ``services/common/prefix_hash.py``).
     """
 
     temperature: float = 1.0
@@ -68,6 +72,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     grammar: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    cache_salt: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -106,6 +111,9 @@ class SamplingParams:
             )
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise InvalidArgumentError("stop must hold 1 to 16 non-empty strings", param="stop")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgumentError(
+                f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgumentError("stop_token_ids must be non-negative", param="stop_token_ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

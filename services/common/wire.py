@@ -57,6 +57,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         n=params.n,
         skip_special_tokens=params.skip_special_tokens,
         grammar=params.grammar or "",
+        cache_salt=params.cache_salt,
         logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
@@ -91,6 +92,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         n=msg.n,
         skip_special_tokens=msg.skip_special_tokens,
         grammar=msg.grammar or None,
+        cache_salt=msg.cache_salt,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
     return params.validate()

@@ -45,6 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "longest a caller may ask for (default 30, at most 600)",
     )
     parser.add_argument(
+        "--max-reserved-fraction", type=float, default=None, metavar="F",
+        help="the most of the KV pool that reservations (Decode.Reserve) hold together, so "
+             "running requests keep the rest to grow into (default 0.5)",
+    )
+    parser.add_argument(
+        "--max-reserved-per-caller", type=float, default=None, metavar="F",
+        help="the most of the KV pool one caller's reservations hold (one gateway process: peer "
+             "address and certificate), so one cannot starve another (default 0.25)",
+    )
+    parser.add_argument(
         "--kv-dist-port", type=int, default=0,
         help="with --kv-transport distributed: the port of the store prefill workers meet this "
              "worker's KV channel at (default 0: a free one, advertised in each go-ahead)",
@@ -57,8 +67,17 @@ def run(args: argparse.Namespace) -> int:
 
     lease = check_reservation_lease(args.reservation_lease_seconds)
     kv_dist_port = check_kv_dist_port(args.kv_dist_port)
+    from services.engine.kv_transfer.reservation_quota import ReservationQuota
+
+    defaults = ReservationQuota()
+    quota = ReservationQuota(
+        total_fraction=defaults.total_fraction if args.max_reserved_fraction is None
+        else args.max_reserved_fraction,
+        caller_fraction=defaults.caller_fraction if args.max_reserved_per_caller is None
+        else args.max_reserved_per_caller,
+    ).validate()  # a bad fraction fails before the model loads
     options = options_from_args(args, "decode")
     return run_worker(lambda: start_decode_worker(
         options, wait_for_kv_seconds=args.wait_for_kv_seconds, reservation_lease_seconds=lease,
-        kv_dist_port=kv_dist_port,
+        kv_dist_port=kv_dist_port, reservation_quota=quota,
     ))

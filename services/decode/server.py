@@ -20,6 +20,7 @@ from services.decode.options import (
 )
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
+from services.engine.kv_transfer.reservation_quota import ReservationQuota
 from services.engine.core.loaders import LoadedModel
 from services.engine.kv_transfer import (
     ChannelHost,
@@ -45,6 +46,7 @@ async def start_decode_worker(
     tokenizer: Tokenizer | None = None,
     metrics: TandemMetrics | None = None,
     kv_dist_port: int = 0,
+    reservation_quota: ReservationQuota | None = None,
 ) -> WorkerHandle:
     """Build and start a decode worker; see the module docstring.
 
@@ -61,17 +63,20 @@ async def start_decode_worker(
         metrics: the registry to record into (default: a fresh one).
         kv_dist_port: with ``options.kv_transport`` distributed, the port of the KV channel's
             store (0: a free one).
+        reservation_quota: bounds on reserved KV per caller and in total (default: 50% of the
+            pool in total, 25% per caller; ``reservation_quota.py``).
     """
 
     check_reservation_lease(reservation_lease_seconds)
     check_kv_dist_port(kv_dist_port)
+    quota = (reservation_quota or ReservationQuota()).validate()
     kind = resolve_kv_transport(options.kv_transport, options.device)
 
     def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
         receiver = KVReceiver(
             engine_loop, park_seconds=park_seconds or wait_for_kv_seconds,
             reservation_lease_seconds=reservation_lease_seconds, reap_interval=reap_interval,
-            metrics=metrics,
+            metrics=metrics, quota=quota,
         )  # fmt: skip
         channel: KVChannelEndpoint | None = None
         if kind == "distributed":  # the stall reaper ends a stalled piece first

@@ -20,6 +20,7 @@ import grpc.aio
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.common.peer_roles import peer_identity
 from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
 from services.decode.worker import DecodeWorker
 from services.engine.core.engine import RequestOutput
@@ -41,7 +42,8 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.ReserveResponse:
         require_request_id(request.request_id)
         grant = await self.worker.receiver.reserve(
-            request.request_id, request.num_tokens, request.lease_seconds
+            request.request_id, request.num_tokens, request.lease_seconds,
+            caller=peer_identity(context.peer(), context.auth_context()),
         )
         return decode_pb2.ReserveResponse(
             request_id=grant.request_id, num_blocks=grant.num_blocks,

@@ -271,6 +271,10 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
           maximum=MAX_N, default=_DEFAULTS.n),
     Field("skip_special_tokens", "boolean", "Drop special tokens from the output text.",
           default=_DEFAULTS.skip_special_tokens),
+    Field("cache_salt", "string", "vLLM's per-tenant prefix-cache salt: this request shares "
+          "cached prompt blocks only with requests of the same salt, so another tenant can "
+          "neither reuse nor detect its prompt. At most 256 characters; unset: the shared "
+          "cache."),
 )  # fmt: skip
 
 

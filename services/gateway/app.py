@@ -31,6 +31,7 @@ from aiohttp import web
 from services.common.metrics import TandemMetrics, metrics_handler
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
+from services.gateway.body_budget import BodyBudget
 from services.gateway.completions import chat_completions, completions
 from services.gateway.config import GatewayConfig
 from services.gateway.http_errors import error_middleware
@@ -69,6 +70,9 @@ def build_state(
         if burst is None:
             burst = max(1.0, config.rate_limit_rpm / 60.0)
         rate_limiter = RateLimiter(config.rate_limit_rpm, burst)
+    token_limiter = None
+    if config.rate_limit_tpm is not None:  # a minute's worth at once: one big request fits
+        token_limiter = RateLimiter(config.rate_limit_tpm, config.rate_limit_tpm, unit="tokens")
     metrics = metrics if metrics is not None else TandemMetrics()
     router = Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s,
                     weights=config.routing, metrics=metrics)
@@ -85,6 +89,8 @@ def build_state(
         policy=policy if policy is not None else load_policy(config.safety_policy),
         auth=auth if auth is not None else ApiKeyAuth(()),
         rate_limiter=rate_limiter,
+        token_limiter=token_limiter,
+        body_budget=BodyBudget(config.edge.max_body_memory_bytes, config.max_body_bytes),
         admission=AdmissionLimiter(config.max_in_flight),
         metrics=metrics,
     )

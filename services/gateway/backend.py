@@ -148,7 +148,10 @@ class GenerateStream:
         """
         limit = self._idle_s if self._started else self._first_s
         try:
-            reply = await asyncio.wait_for(self._call.read(), limit)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+            # arrives as the read completes, so a fast stream whose client left kept running.
+            async with asyncio.timeout(limit):
+                reply = await self._call.read()
         except TimeoutError as err:
             self.cancel()
             raise UnavailableError(

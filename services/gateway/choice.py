@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import TandemError, UnavailableError
 from services.common.pb import decode_pb2, prefill_pb2
+from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.gateway.backend import GenerateStream
@@ -125,6 +126,7 @@ class ChoiceDeps:
     max_migrations: int = 0
     count_migration: Callable[[], None] = lambda: None
     admission: DecodeAdmission | None = None  # None: no reservation, KV placed when it arrives
+    prefix_salt: bytes = b""  # the deployment's prefix-cache salt (prefix_hash.prefix_root)
 
 
 class ChoiceRun:
@@ -158,7 +160,8 @@ class ChoiceRun:
             self.stats.attempts += 1
             suffix = "" if self.stats.attempts == 1 else f"-r{self.stats.attempts - 1}"
             # A migrated stream is prefilled (prompt + what it streamed) by its new decode worker.
-            prompt = PromptKeys(self._prompt_ids + tuple(self._relay_state.token_ids))
+            prompt = PromptKeys(self._prompt_ids + tuple(self._relay_state.token_ids),
+                                prefix_root(self._deps.prefix_salt, self._params.cache_salt))
             decode = router.pick("decode", prompt)
             prefill = None if self._migrations else self._remote_prefill_worker(decode, prompt)
             self._deps.count_prefill_path("local" if prefill is None else "remote")

@@ -2,24 +2,29 @@
 
 Per request (docs/request-lifecycle.md), in order, each step refusing before any compute when it fails:
 
-1. authenticate the API key (401) and count it against its rate limit (429 + Retry-After);
-2. read and validate the body (400 naming ``param``; 413 above the size limit; 408 when it
-   arrives too slowly; 404 for an unknown model);
+1. authenticate the API key (401) and count the request against its client's rate limit (the
+   key, or the peer IP address without auth; 429 + Retry-After);
+2. read and validate the body, once the global body budget holds it (429 when it does not;
+   400 naming ``param``; 413 above the size limit; 408 when it arrives too slowly; 404 for an
+   unknown model; 400 for a ``max_tokens`` above ``--max-tokens-limit``);
 3. check the input against the safety policy (400 ``content_policy_violation``);
 4. take an admission slot (429 + Retry-After when the gateway is full; nothing is queued);
 5. tokenize on the tokenizer service (chat template, context window; chats with no max_tokens
-   may use the whole context left after the prompt);
+   get ``--default-max-tokens``, never more than the context left after the prompt), then
+   charge the client's token bucket prompt + ``n`` × ``max_tokens`` (``--rate-limit-tpm``;
+   what was not generated is given back in step 8);
 6. run the ``n`` choices (:class:`~services.gateway.request_run.RequestRun`), racing every wait
    against the client disconnecting;
 7. answer: one JSON object, or an SSE stream opened at the first token (so failures before it
    are still proper HTTP errors), ending with an optional usage chunk and ``[DONE]``;
-8. always: release the slot, cancel what still runs (each choice aborts itself on its workers),
-   and close the :class:`~services.gateway.request_log.RequestRecord` (log line + metrics).
+8. always: release the slot and the body lease, refund unused tokens, cancel what still runs
+   (each choice aborts itself on its workers), and close the :class:`~services.gateway.request_log.RequestRecord` (log line + metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -30,8 +35,9 @@ from aiohttp import web
 from services.common.errors import InvalidArgumentError, TandemError
 from services.common.pb import common_pb2, tokenizer_pb2
 from services.common.sampling_params import SamplingParams
+from services.gateway.client_limits import check_request_rate, client_id, read_body_in_budget
+from services.gateway.config import GatewayConfig
 from services.gateway.disconnect import watch_disconnect
-from services.gateway.http_errors import read_json_body
 from services.gateway.openai_fields import check_vocabulary
 from services.gateway.openai_requests import (
     ChatRequest,
@@ -80,18 +86,22 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, record: RequestRecord) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     slot = None
+    charged = 0
+    client = ""
+    held = contextlib.ExitStack()
     try:
         record.api_key = state.auth.check(request.headers.get("Authorization"))
-        if state.rate_limiter is not None:
-            state.rate_limiter.acquire(record.api_key)
+        client = client_id(record.api_key, request)
+        check_request_rate(state, client)
         info = await state.require_model_info()
-        body = await read_json_body(request, timeout_s=state.config.body_read_timeout_s)
+        body = await read_body_in_budget(state, request, held)
         parsed: ChatRequest | CompletionRequest
         if record.endpoint == "chat":
             parsed = parse_chat_request(body, served_models=state.served_names)
         else:
             parsed = parse_completion_request(body, served_models=state.served_names)
         record.model, record.stream = parsed.model, parsed.stream
+        _check_max_tokens_limit(parsed, state.config)
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
         await _check_input(state, parsed.texts(), _input_param(parsed))
         slot = state.admission.try_acquire()
@@ -100,6 +110,10 @@ async def _serve(request: web.Request, record: RequestRecord) -> web.StreamRespo
             job = await _prepare_chat(state, parsed, info, record)
         else:
             job = await _prepare_completion(state, parsed, info, record)
+        if state.token_limiter is not None:
+            cost = len(job.prompt_ids) + job.params.n * job.params.max_tokens
+            state.token_limiter.acquire(client, cost)
+            charged = cost
         return await _run(request, state, record, job)
     except ClientDisconnected:
         # Return rather than raise: aiohttp logs any exception a handler raises as an error with
@@ -124,10 +138,28 @@ async def _serve(request: web.Request, record: RequestRecord) -> web.StreamRespo
         record.fail(500, f"{type(exc).__name__}: {exc}", before_compute=False)
         raise
     finally:
+        held.close()
         if slot is not None:
             slot.release()
             state.metrics.num_requests_running.dec()
+        if charged and state.token_limiter is not None:
+            used = record.prompt_tokens + sum(c.completion_tokens for c in record.choices)
+            state.token_limiter.refund(client, charged - used)
         record.close(state.metrics)
+
+
+def _check_max_tokens_limit(parsed: ChatRequest | CompletionRequest, config: GatewayConfig) -> None:
+    """400 for a ``max_tokens`` above ``--max-tokens-limit`` (a chat's absent one gets the
+    default, which is never above the limit)."""
+    limit = config.max_tokens_limit
+    asked = parsed.max_tokens if isinstance(parsed, ChatRequest) else parsed.sampling.max_tokens
+    if limit is not None and asked is not None and asked > limit:
+        raise InvalidArgumentError(
+            f"max_tokens is {asked}, but this server allows at most {limit} tokens per "
+            "completion (--max-tokens-limit).",
+            param="max_tokens",
+            code="invalid_value",
+        )
 
 
 def _input_param(parsed: ChatRequest | CompletionRequest) -> str:
@@ -183,16 +215,20 @@ async def _prepare_chat(
         ),
     )
     ids = tuple(reply.token_ids)
-    if req.max_tokens is None and info.context_length:
-        room = info.context_length - len(ids)
-        if room < 1:
+    if req.max_tokens is None:
+        default = state.config.default_max_tokens
+        room = info.context_length - len(ids) if info.context_length else None
+        if room is not None and room < 1:
             raise InvalidArgumentError(
                 f"This model's maximum context length is {info.context_length} tokens and the "
                 f"messages use {len(ids)}; no room is left for the completion.",
                 param="messages",
                 code="context_length_exceeded",
             )
-        params = dataclasses.replace(params, max_tokens=room)
+        if default is not None:
+            room = default if room is None else min(room, default)
+        if room is not None:
+            params = dataclasses.replace(params, max_tokens=room)
     renderer = ChatRenderer(request_id=record.request_id, model=req.model, n=params.n,
                             logprobs=req.logprobs, tool_format=tool_format,
                             reasoning=state.config.reasoning_parser)  # fmt: skip
@@ -320,7 +356,8 @@ async def _stream(
     record: RequestRecord,
 ) -> web.StreamResponse:
     event = await run.next_event(gone)  # the first token: only now commit to a 200
-    writer = SSEWriter(headers={"X-Request-Id": record.request_id})
+    writer = SSEWriter(headers={"X-Request-Id": record.request_id},
+                       write_timeout_s=request.app[STATE_KEY].config.edge.sse_write_timeout_s)
     await writer.prepare(request)
     for chunk in job.renderer.start_chunks():
         await writer.send_json(chunk)

@@ -20,6 +20,50 @@ DEFAULT_MAX_IN_FLIGHT = 256
 DEFAULT_MAX_MIGRATIONS = 3
 DEFAULT_DECODE_ADMISSION_TIMEOUT_S = 30.0
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+DEFAULT_DEFAULT_MAX_TOKENS = 1024
+DEFAULT_HEADER_READ_TIMEOUT_S = 15.0
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_SSE_WRITE_TIMEOUT_S = 30.0
+DEFAULT_MAX_BODY_MEMORY_BYTES = 128 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """What one HTTP client may hold at the edge (docs/security.md, "The edge").
+
+    Attributes:
+        header_read_timeout_s: a connection must deliver a whole request header within this many
+            seconds of opening, or of the previous response (aiohttp's keep-alive timer, which
+            runs until the next request's header is complete); slower ones are closed.
+        max_connections: open client connections at once; a connection past it is answered
+            503 and closed before its request is read.
+        sse_write_timeout_s: a streamed response whose client takes longer than this to accept
+            one write (it stopped reading, and the socket buffers are full) is dropped: the
+            request loses its admission slot and its KV is freed on the workers.
+        max_body_memory_bytes: request bodies held in memory at once, all clients together; a
+            body is counted at its ``Content-Length`` (``max_body_bytes`` when chunked) from
+            before it is read until its request ends, and one that does not fit gets 429.
+    """
+
+    header_read_timeout_s: float = DEFAULT_HEADER_READ_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    sse_write_timeout_s: float = DEFAULT_SSE_WRITE_TIMEOUT_S
+    max_body_memory_bytes: int = DEFAULT_MAX_BODY_MEMORY_BYTES
+
+    def validate(self, max_body_bytes: int) -> EdgeLimits:
+        for name, flag in (("header_read_timeout_s", "header_read_timeout"),
+                           ("sse_write_timeout_s", "sse_write_timeout")):  # fmt: skip
+            if not 0 < getattr(self, name) < float("inf"):
+                raise InvalidArgumentError(f"--{flag.replace('_', '-')} must be positive",
+                                           param=flag)  # fmt: skip
+        if self.max_connections < 1:
+            raise InvalidArgumentError("--max-connections must be >= 1", param="max_connections")
+        if self.max_body_memory_bytes < max_body_bytes:
+            raise InvalidArgumentError(
+                "--max-body-memory must be at least --max-body-bytes (else no body fits)",
+                param="max_body_memory",
+            )
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +129,18 @@ class GatewayConfig:
         served_model_names: names accepted in ``model`` and listed by ``/v1/models``; empty means
             the name the tokenizer service reports (ModelInfo.name).
         safety_policy: a policy file, ``None`` for the shipped default, or ``"off"``.
-        rate_limit_rpm / rate_limit_burst: per-API-key token bucket; ``None`` disables it.
+        rate_limit_rpm / rate_limit_burst: per-client request bucket (an API key's id, or the
+            client's IP address when auth is off); ``None`` disables it.
+        rate_limit_tpm: per-client tokens per minute (prompt tokens plus ``max_tokens``, charged
+            at admission; what a request did not generate is given back when it ends); ``None``
+            disables it. Its burst is one minute's worth.
+        default_max_tokens: ``max_tokens`` of a chat request that names none; ``None`` means
+            "until the context is full" (OpenAI's behaviour, ``--default-max-tokens context``).
+        max_tokens_limit: the largest ``max_tokens`` a request may ask for (400 above it);
+            ``None``: only the context bounds it.
+        https_cert / https_key: serve HTTPS with this certificate chain and key (PEM files);
+            ``None``: plain HTTP.
+        edge: per-connection and memory limits at the edge (:class:`EdgeLimits`).
         max_in_flight: requests admitted at once; more get 429 (no queue).
         max_body_bytes: request bodies above this get 413.
         body_read_timeout_s: a request body must arrive whole within this many seconds of its
@@ -124,6 +179,12 @@ class GatewayConfig:
     safety_policy: str | None = None
     rate_limit_rpm: float | None = None
     rate_limit_burst: float | None = None
+    rate_limit_tpm: float | None = None
+    default_max_tokens: int | None = DEFAULT_DEFAULT_MAX_TOKENS
+    max_tokens_limit: int | None = None
+    https_cert: str | None = None
+    https_key: str | None = None
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
@@ -152,6 +213,21 @@ class GatewayConfig:
             raise InvalidArgumentError("rate limit must be positive", param="rate_limit_rpm")
         if self.rate_limit_burst is not None and not self.rate_limit_burst >= 1:
             raise InvalidArgumentError("rate limit burst must be >= 1", param="rate_limit_burst")
+        if self.rate_limit_tpm is not None and not self.rate_limit_tpm >= 1:
+            raise InvalidArgumentError("token rate limit must be >= 1", param="rate_limit_tpm")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise InvalidArgumentError("--default-max-tokens must be >= 1 (or 'context')",
+                                       param="default_max_tokens")  # fmt: skip
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise InvalidArgumentError("--max-tokens-limit must be >= 1",
+                                       param="max_tokens_limit")  # fmt: skip
+        if (self.default_max_tokens is not None and self.max_tokens_limit is not None
+                and self.default_max_tokens > self.max_tokens_limit):  # fmt: skip
+            raise InvalidArgumentError("--default-max-tokens must not exceed --max-tokens-limit",
+                                       param="default_max_tokens")  # fmt: skip
+        if (self.https_cert is None) != (self.https_key is None):
+            raise InvalidArgumentError("--https-cert and --https-key go together",
+                                       param="https_cert")  # fmt: skip
         if self.max_in_flight < 1:
             raise InvalidArgumentError("max in-flight must be >= 1", param="max_in_flight")
         if self.max_body_bytes < 1024:
@@ -168,6 +244,7 @@ class GatewayConfig:
         if not 0 <= self.decode_admission_timeout_s < float("inf"):
             raise InvalidArgumentError("decode admission timeout must be >= 0",
                                        param="decode_admission_timeout")  # fmt: skip
+        self.edge.validate(self.max_body_bytes)
         self.prefill_policy.validate()
         self.routing.validate()
         self.timeouts.validate()

@@ -4,10 +4,12 @@ Flags say where the backend services are (``--tokenizer``, ``--prefill`` and ``-
 last two repeatable or comma-separated; ``--no-prefill`` for none), which prompts go to the
 prefill pool (``prefill_policy.py``) and how requests are limited; API keys come from
 ``--api-keys-file`` and/or the ``TANDEM_API_KEYS`` environment variable (comma-separated), read
-here in :func:`run`, never at import time.
+here in :func:`run`, never at import time. Outside loopback the gateway refuses to start without
+keys unless ``--allow-no-auth``; ``--https-cert/--https-key`` serve HTTPS (``edge_server.py``).
 
 Run loop:
-  1. build the application (``app.build_app``) and bind ``--host:--port``;
+  1. build the application (``app.build_app``) and bind ``--host:--port`` (``edge_server.start_edge``:
+     TLS, header read timeout, connection cap);
   2. serve until SIGINT / SIGTERM;
   3. shut down gracefully: in-flight requests get ``--shutdown-grace`` seconds, then their
      handlers are cancelled and each aborts its work on the workers; channels are closed.
@@ -24,7 +26,6 @@ import signal
 from aiohttp import web
 
 from services.common import ports
-from services.common.errors import UnavailableError
 from services.common.internal_tls import add_tls_arguments, tls_from_args
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.prefill_policy import (
@@ -34,6 +35,11 @@ from services.gateway.prefill_policy import (
 )
 from services.gateway.config import (
     DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_DEFAULT_MAX_TOKENS,
+    DEFAULT_HEADER_READ_TIMEOUT_S,
+    DEFAULT_MAX_BODY_MEMORY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SSE_WRITE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_KV_LOAD_WEIGHT,
@@ -41,24 +47,77 @@ from services.gateway.config import (
     DEFAULT_MAX_MIGRATIONS,
     DEFAULT_DECODE_ADMISSION_TIMEOUT_S,
     BackendTimeouts,
+    EdgeLimits,
     GatewayConfig,
     RoutingWeights,
 )
+from services.gateway.edge_server import is_loopback as is_loopback_host
+from services.gateway.edge_server import require_auth_beyond_loopback, start_edge
 from services.gateway.reasoning import REASONING_PARSERS
 from services.gateway.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "TANDEM_API_KEYS"
+ALLOW_NO_AUTH_ENV = "TANDEM_ALLOW_NO_AUTH"
+HTTPS_CERT_ENV = "TANDEM_HTTPS_CERT"
+HTTPS_KEY_ENV = "TANDEM_HTTPS_KEY"
 DEFAULT_TOKENIZER = f"127.0.0.1:{ports.TOKENIZER_GRPC_PORT}"
 DEFAULT_PREFILL = f"127.0.0.1:{ports.prefill_grpc_port(0)}"
 DEFAULT_DECODE = f"127.0.0.1:{ports.decode_grpc_port(0)}"
 _TIMEOUTS = BackendTimeouts()
 
 
+def _max_tokens_default(value: str) -> int | None:
+    """``--default-max-tokens``: a positive count, or ``context`` (None: the context left)."""
+    if value == "context":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'context', got {value!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=ports.GATEWAY_HTTP_PORT, help="HTTP port")
+    edge = parser.add_argument_group("the edge: HTTPS, auth and per-client limits "
+                                     "(docs/security.md)")  # fmt: skip
+    edge.add_argument("--https-cert", default=env(HTTPS_CERT_ENV) or None, metavar="PEM",
+                      help=f"serve HTTPS with this certificate chain (env {HTTPS_CERT_ENV}; "
+                           "--tls-* name the internal mTLS identity instead)")
+    edge.add_argument("--https-key", default=env(HTTPS_KEY_ENV) or None, metavar="PEM",
+                      help=f"the HTTPS private key (env {HTTPS_KEY_ENV})")
+    edge.add_argument("--allow-no-auth", action="store_true",
+                      default=env(ALLOW_NO_AUTH_ENV, "") not in ("", "0", "false"),
+                      help="start without API keys on a non-loopback --host (refused otherwise); "
+                           f"for a gateway behind something that authenticates (env "
+                           f"{ALLOW_NO_AUTH_ENV}=1)")
+    edge.add_argument("--default-max-tokens", type=_max_tokens_default,
+                      default=DEFAULT_DEFAULT_MAX_TOKENS, metavar="N|context",
+                      help="max_tokens of a chat request that gives none; 'context': until the "
+                           "context is full, as OpenAI (default %(default)s)")
+    edge.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                      help="largest max_tokens a request may ask for; more is answered 400 "
+                           "(default: only the context bounds it)")
+    edge.add_argument("--rate-limit-tpm", type=float, default=None, metavar="TOKENS",
+                      help="model tokens per minute per API key (per IP address without auth): "
+                           "prompt plus max_tokens charged at admission, the unused part given "
+                           "back at the end (default: unlimited)")
+    edge.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S,
+                      help="seconds a connection may take to send a whole request header, new "
+                           "or kept alive (default %(default)s)")
+    edge.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                      help="open client connections at once; more are answered 503 and closed "
+                           "(default %(default)s)")
+    edge.add_argument("--sse-write-timeout", type=float, default=DEFAULT_SSE_WRITE_TIMEOUT_S,
+                      help="seconds a streaming client may take to accept one write before it "
+                           "is dropped and its request aborted (default %(default)s)")
+    edge.add_argument("--max-body-memory", type=int, default=DEFAULT_MAX_BODY_MEMORY_BYTES,
+                      metavar="BYTES",
+                      help="request-body bytes held at once, all clients together; more get "
+                           "429 (default %(default)s)")
     parser.add_argument(
         "--tokenizer",
         default=DEFAULT_TOKENIZER,
@@ -160,7 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rate-limit-rpm",
         type=float,
         default=None,
-        help="requests per minute per API key (default: unlimited)",
+        help="requests per minute per API key (per IP address without auth; "
+        "default: unlimited)",
     )
     parser.add_argument(
         "--rate-limit-burst",
@@ -263,6 +323,17 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         safety_policy=args.safety_policy,
         rate_limit_rpm=args.rate_limit_rpm,
         rate_limit_burst=args.rate_limit_burst,
+        rate_limit_tpm=args.rate_limit_tpm,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        https_cert=args.https_cert,
+        https_key=args.https_key,
+        edge=EdgeLimits(
+            header_read_timeout_s=args.header_read_timeout,
+            max_connections=args.max_connections,
+            sse_write_timeout_s=args.sse_write_timeout,
+            max_body_memory_bytes=args.max_body_memory,
+        ),
         max_in_flight=args.max_in_flight,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,
@@ -291,6 +362,11 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     auth = ApiKeyAuth.from_sources(args.api_keys_file, os.environ.get(API_KEYS_ENV))
+    require_auth_beyond_loopback(config.host, auth_enabled=auth.enabled,
+                                 allow_no_auth=args.allow_no_auth)  # fmt: skip
+    if not auth.enabled and not is_loopback_host(config.host):
+        logger.warning("no API keys and --allow-no-auth: anyone who reaches %s:%d can use the "
+                       "model", config.host, config.port)  # fmt: skip
     asyncio.run(_main(config, auth, args.shutdown_grace))
     return 0
 
@@ -300,30 +376,23 @@ async def _main(config: GatewayConfig, auth: ApiKeyAuth, shutdown_grace: float) 
 
     # Built inside the running loop: grpc.aio channels belong to the loop they are created in.
     app = build_app(config, auth=auth)
-    await serve(app, config.host, config.port, shutdown_grace=shutdown_grace)
+    await serve(app, config, shutdown_grace=shutdown_grace)
 
 
-async def serve(
-    app: web.Application, host: str, port: int, *, shutdown_grace: float = 10.0
-) -> None:
-    """Serve ``app`` on ``host:port`` until SIGINT or SIGTERM, then shut down gracefully.
+async def serve(app: web.Application, config: GatewayConfig, *, shutdown_grace: float = 10.0) -> None:
+    """Serve ``app`` as ``config`` says until SIGINT or SIGTERM, then shut down gracefully.
 
     Raises:
+        InvalidArgumentError: the HTTPS files cannot be loaded.
         UnavailableError: the address could not be bound.
     """
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_grace)
-    await runner.setup()
+    runner, url = await start_edge(app, config, shutdown_grace=shutdown_grace)
     try:
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as err:
-            raise UnavailableError(f"could not listen on {host}:{port}: {err}") from err
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        logger.info("gateway listening on http://%s:%d", host, port)
+        logger.info("gateway listening on %s", url)
         await stop.wait()
         logger.info("gateway shutting down")
     finally:

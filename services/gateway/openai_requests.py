@@ -341,6 +341,7 @@ def _parse_sampling(
         skip_special_tokens=bool_or(obj, "skip_special_tokens", True),
         grammar=parse_structured_output(obj),
         logit_bias=parse_logit_bias(obj),
+        cache_salt=get_str(obj, "cache_salt") or "",
     ).validate()
 
 

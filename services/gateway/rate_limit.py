@@ -1,14 +1,18 @@
-"""Per-key rate limiting and global admission control for the gateway (docs/request-lifecycle.md step 1, docs/errors.md).
+"""Per-client rate limiting and global admission control for the gateway (docs/request-lifecycle.md step 1, docs/errors.md).
 
 Both refuse instead of queueing: an over-limit request gets HTTP 429 with ``Retry-After`` before
 any work is started.
 
 1. :class:`TokenBucket` — ``rate_per_s`` tokens refill continuously up to ``burst``; a request
-   takes one. The clock is injectable so tests can step time exactly.
-2. :class:`RateLimiter` — one bucket per API key id (``requests_per_minute``, ``burst``);
-   ``acquire(key)`` returns or raises :class:`RateLimitError` whose ``retry_after`` is the exact
-   time until the bucket holds a token again. Idle buckets that have refilled are dropped, so
-   memory stays bounded by the keys active within one refill period.
+   takes ``cost`` of them. The clock is injectable so tests can step time exactly.
+2. :class:`RateLimiter` — one bucket per client (an API key's id, or ``ip:<address>`` for an
+   anonymous client), ``per minute`` sustained and ``burst`` at once, counting ``unit``:
+   requests (cost 1 each) or model tokens (the gateway charges prompt tokens plus
+   ``max_tokens`` at admission and :meth:`RateLimiter.refund` gives back what was not
+   generated). ``acquire(key, cost)`` returns or raises :class:`RateLimitError` whose
+   ``retry_after`` is the exact time until the bucket holds ``cost`` again. Idle buckets that
+   have refilled are dropped, so memory stays bounded by the clients active within one refill
+   period.
 3. :class:`AdmissionLimiter` — at most ``max_in_flight`` requests in the whole gateway;
    ``try_acquire()`` returns an :class:`AdmissionSlot` (release it, or use it as a context
    manager) or raises RateLimitError(retry_after=1).
@@ -78,6 +82,11 @@ class TokenBucket:
             return 0.0
         return (cost - self._tokens) / self.rate_per_s
 
+    def give(self, amount: float) -> None:
+        """Put ``amount`` back (never above ``burst``)."""
+        self._refill()
+        self._tokens = min(self.burst, self._tokens + max(0.0, amount))
+
     def is_full(self) -> bool:
         return self.tokens >= self.burst
 
@@ -90,10 +99,19 @@ class TokenBucket:
 
 
 class RateLimiter:
-    """A token bucket per key: ``requests_per_minute`` sustained, ``burst`` at once."""
+    """A token bucket per key: ``requests_per_minute`` units sustained, ``burst`` at once.
+
+    ``unit`` names what is counted in messages ("requests", "tokens"); the parameter keeps its
+    historical name whatever the unit.
+    """
 
     def __init__(
-        self, requests_per_minute: float, burst: float, *, clock: Clock = time.monotonic
+        self,
+        requests_per_minute: float,
+        burst: float,
+        *,
+        unit: str = "requests",
+        clock: Clock = time.monotonic,
     ) -> None:
         if not requests_per_minute > 0 or not math.isfinite(requests_per_minute):
             raise InvalidArgumentError(
@@ -103,26 +121,42 @@ class RateLimiter:
             raise InvalidArgumentError("burst must be at least 1", param="burst")
         self.requests_per_minute = requests_per_minute
         self.burst = burst
+        self.unit = unit
         self._clock = clock
         self._buckets: dict[str, TokenBucket] = {}
         self._calls = 0
 
-    def acquire(self, key: str) -> None:
-        """Count one request for ``key``; raise RateLimitError when its bucket is empty."""
+    def acquire(self, key: str, cost: float = 1.0) -> None:
+        """Count ``cost`` units for ``key``; raise RateLimitError when its bucket lacks them
+        (taking nothing), or when ``cost`` exceeds ``burst`` (no wait would help)."""
         self._calls += 1
         if self._calls % _SWEEP_EVERY == 0:
             self._sweep()
+        if cost > self.burst + _EPSILON:
+            raise RateLimitError(
+                f"Request too large: it needs {cost:g} {self.unit} and the limit is "
+                f"{self.burst:g} {self.unit} at once ({self.requests_per_minute:g} per minute). "
+                "Ask for fewer max_tokens or send a shorter prompt.",
+                retry_after=60.0,
+                code="request_too_large",
+            )
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = TokenBucket(self.requests_per_minute / 60.0, self.burst, clock=self._clock)
             self._buckets[key] = bucket
-        wait = bucket.try_take()
+        wait = bucket.try_take(cost)
         if wait > 0:
             raise RateLimitError(
-                f"Rate limit reached: {self.requests_per_minute:g} requests per minute. "
+                f"Rate limit reached: {self.requests_per_minute:g} {self.unit} per minute. "
                 f"Please try again in {wait:.3g}s.",
                 retry_after=wait,
             )
+
+    def refund(self, key: str, amount: float) -> None:
+        """Give ``amount`` units back to ``key`` (a charge that turned out too high)."""
+        bucket = self._buckets.get(key)
+        if bucket is not None and amount > 0:
+            bucket.give(amount)
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -44,6 +44,7 @@ from services.common.metrics import TandemMetrics
 from services.common.periodic import Periodic
 from services.common.pb import common_pb2
 from services.common.prefix_hash import routing_keys
+from services.common.protocol import check_peer
 from services.gateway.backend import Role, WorkerClient
 from services.gateway.config import RoutingWeights
 from services.gateway.prefix_index import PrefixIndex, PrefixWatcher
@@ -105,15 +106,17 @@ class WorkerState:
 
 class PromptKeys:
     """A prompt's routing keys, hashed once per block size and only when some worker has a
-    prefix-cache snapshot to compare them with."""
+    prefix-cache snapshot to compare them with; ``root`` salts the chain as the workers do
+    (the deployment's and the request's ``cache_salt``, ``prefix_hash.prefix_root``)."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], root: bytes = b"") -> None:
         self.token_ids = token_ids
+        self.root = root
         self._keys: dict[int, list[int]] = {}
 
     def keys(self, block_size: int) -> list[int]:
         if block_size not in self._keys:
-            self._keys[block_size] = routing_keys(self.token_ids, block_size)
+            self._keys[block_size] = routing_keys(self.token_ids, block_size, self.root)
         return self._keys[block_size]
 
 
@@ -133,6 +136,7 @@ class Router:
         self.weights = weights.validate()
         self.metrics = metrics
         self.prefix_index = PrefixIndex()
+        self.model_fingerprint = ""  # the tokenizer's, once known: workers must match it
         self._watcher = PrefixWatcher(self.prefix_index) if weights.kv_aware else None
         self._started = False
         self._pools: dict[Role, list[WorkerState]] = {
@@ -279,6 +283,8 @@ class Router:
                 stats = await worker.client.stats()
             except TandemError as err:
                 error = f"stats: {err.message}"
+            else:
+                error = self._incompatibility(stats)
         was_healthy = worker.healthy
         worker.polled_at = time.monotonic()
         worker.healthy = error is None
@@ -296,6 +302,19 @@ class Router:
                 "up" if worker.healthy else "down",
                 extra={"worker": worker.address, "role": worker.client.role, "error": error},
             )
+
+    def _incompatibility(self, stats: common_pb2.WorkerStats) -> str | None:
+        """Why this gateway must not route to a worker reporting ``stats`` (None: it may): an
+        internal protocol it cannot speak, or a model fingerprint other than the tokenizer's
+        (``model_fingerprint``, set once the tokenizer answered; docs/security.md)."""
+        why = check_peer(stats.protocol_version)
+        if why is not None:
+            return f"refused: {why}"
+        expected = self.model_fingerprint
+        if expected and stats.model_fingerprint != expected:
+            return (f"refused: it serves model {stats.model_fingerprint or '(unknown)'} and the "
+                    f"tokenizer {expected} (other weights or another model)")
+        return None
 
     def _record(self, worker: WorkerState, stats: common_pb2.WorkerStats) -> None:
         if self.metrics is None:

@@ -10,6 +10,11 @@ Lifecycle of one streamed response:
 4. ``await writer.send_done()``: ``data: [DONE]\\n\\n``; then return ``writer.response`` from the
    handler (aiohttp finishes the chunked body).
 
+A client that stops reading without closing (its socket buffers fill, and a write waits for
+room) is treated as gone once one write has waited ``write_timeout_s``: the connection is
+aborted and the send raises :class:`ClientDisconnected`, so the request loses its admission slot
+and its KV is freed like any other disconnect.
+
 If the client has gone away, every send raises :class:`ClientDisconnected` (a
 ``ConnectionResetError``, which aiohttp treats as a quiet premature disconnect); the caller
 catches it to cancel the request's work everywhere (docs/request-lifecycle.md, step 12). aiohttp's runners do not cancel
@@ -47,7 +52,10 @@ class ClientDisconnected(ConnectionResetError):
 class SSEWriter:
     """Writes SSE events to one client and notices when it disconnects."""
 
-    def __init__(self, *, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, *, headers: Mapping[str, str] | None = None, write_timeout_s: float | None = None
+    ) -> None:
+        self._write_timeout_s = write_timeout_s
         self._response = web.StreamResponse(status=200)
         self._response.headers.update(SSE_HEADERS)
         if headers:
@@ -115,9 +123,21 @@ class SSEWriter:
             raise RuntimeError("SSEWriter.prepare() must be awaited before sending")
         self._check_connected()
         try:
-            await self._response.write(text.encode("utf-8"))
+            async with asyncio.timeout(self._write_timeout_s):
+                await self._response.write(text.encode("utf-8"))
         except ConnectionError as exc:  # includes aiohttp's ClientConnectionResetError
             raise ClientDisconnected("client disconnected") from exc
+        except TimeoutError as exc:
+            self._drop()
+            logger.info("dropped a streaming client that stopped reading for %gs",
+                        self._write_timeout_s)  # fmt: skip
+            raise ClientDisconnected("client stopped reading") from exc
+
+    def _drop(self) -> None:
+        """Abort the connection: its unsent buffer is discarded, the socket closed."""
+        transport = self._request.transport if self._request is not None else None
+        if transport is not None:
+            transport.abort()
 
     def _check_connected(self) -> None:
         if self.is_disconnected():

@@ -23,8 +23,10 @@ from aiohttp import web
 from services.common.errors import TandemError, UnavailableError
 from services.common.metrics import TandemMetrics
 from services.common.pb import tokenizer_pb2
+from services.common.protocol import check_peer
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
+from services.gateway.body_budget import BodyBudget
 from services.gateway.choice import ChoiceDeps
 from services.gateway.config import GatewayConfig
 from services.gateway.decode_admission import DecodeAdmission
@@ -53,6 +55,8 @@ class GatewayState:
     admission: AdmissionLimiter
     metrics: TandemMetrics
     membership: Membership
+    body_budget: BodyBudget
+    token_limiter: RateLimiter | None = None
     model_info: tokenizer_pb2.ModelInfo | None = None
     token_texts: TokenTexts = field(default_factory=TokenIdTexts)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -85,8 +89,13 @@ class GatewayState:
                 f"the tokenizer service is not available yet: {err.message}",
                 code="backend_unavailable",
             ) from err
+        why = check_peer(info.protocol_version)
+        if why is not None:
+            raise UnavailableError(f"the tokenizer service is refused: {why}",
+                                   code="backend_incompatible")  # fmt: skip
         if self.model_info is None:
             self.model_info = info
+            self.router.model_fingerprint = info.model_fingerprint
             logger.info(
                 "serving model %s (context %d tokens, vocab %d)",
                 info.name, info.context_length, info.vocab_size,
@@ -101,7 +110,8 @@ class GatewayState:
             try:
                 await self._fetch_model_info()
             except UnavailableError as err:
-                logger.debug("model info not available yet: %s", err.message)
+                log = logger.warning if err.code == "backend_incompatible" else logger.debug
+                log("model info not available yet: %s", err.message)
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
 
     # ---- background work ------------------------------------------------------------------
@@ -128,6 +138,7 @@ class GatewayState:
             count_prefill_path=self._count_prefill_path,
             max_migrations=self.config.max_migrations,
             count_migration=self.metrics.migrations.inc,
+            prefix_salt=self.config.tls.prefix_salt if self.config.tls is not None else b"",
             admission=DecodeAdmission(
                 self.router, self.spawn, timeout_s=self.config.decode_admission_timeout_s,
                 count_wait=self.metrics.decode_admission_waits.inc,

@@ -2,8 +2,9 @@
 
 Clients use them to count tokens before sending (``/tokenize`` renders a chat with the model's
 template exactly as ``/v1/chat/completions`` would, without truncating it) and to turn ids back
-into text. Both go to the tokenizer service, are authenticated like ``/v1`` routes, and answer
-errors in OpenAI's shape:
+into text. Both go to the tokenizer service, are authenticated, rate limited (requests per client)
+and admitted like ``/v1`` routes (their bodies read within the body budget, then an admission
+slot taken for the tokenizer call), and answer errors in OpenAI's shape:
 
 - ``/tokenize`` ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
   "add_generation_prompt": true}``, optional ``"model"`` and ``"return_token_strs"`` →
@@ -15,6 +16,7 @@ errors in OpenAI's shape:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
@@ -23,7 +25,7 @@ from aiohttp import web
 from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2, tokenizer_pb2
 from services.gateway.api_schema import DETOKENIZE, MAX_UINT32, TOKENIZE
-from services.gateway.http_errors import read_json_body
+from services.gateway.client_limits import check_request_rate, client_id, read_body_in_budget
 from services.gateway.openai_fields import (
     bool_or,
     check_vocabulary,
@@ -40,13 +42,14 @@ _DETOKENIZE_KEYS = DETOKENIZE.names
 
 
 async def _body(
-    request: web.Request, allowed: frozenset[str]
+    request: web.Request, allowed: frozenset[str], held: contextlib.ExitStack
 ) -> tuple[GatewayState, Mapping[str, object]]:
+    """Authenticate, count the request, read and check the body, take an admission slot (the
+    body lease and the slot join ``held``)."""
     state = request.app[STATE_KEY]
-    state.auth.check(request.headers.get("Authorization"))
-    obj = require_object(
-        await read_json_body(request, timeout_s=state.config.body_read_timeout_s)
-    )
+    api_key = state.auth.check(request.headers.get("Authorization"))
+    check_request_rate(state, client_id(api_key, request))
+    obj = require_object(await read_body_in_budget(state, request, held))
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise InvalidArgumentError(f"Unrecognized request argument supplied: {unknown[0]}",
@@ -55,11 +58,17 @@ async def _body(
     model = get_str(obj, "model")
     if model is not None:
         check_served_model(model, state.served_names)
+    held.enter_context(state.admission.try_acquire())
     return state, obj
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    state, obj = await _body(request, _TOKENIZE_KEYS)
+    with contextlib.ExitStack() as held:
+        state, obj = await _body(request, _TOKENIZE_KEYS, held)
+        return await _tokenize(state, obj)
+
+
+async def _tokenize(state: GatewayState, obj: Mapping[str, object]) -> web.Response:
     if ("prompt" in obj) == ("messages" in obj):
         raise InvalidArgumentError("Give exactly one of 'prompt' and 'messages'.",
                                    param="prompt" if "messages" not in obj else "messages")
@@ -91,7 +100,12 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    state, obj = await _body(request, _DETOKENIZE_KEYS)
+    with contextlib.ExitStack() as held:
+        state, obj = await _body(request, _DETOKENIZE_KEYS, held)
+        return await _detokenize(state, obj)
+
+
+async def _detokenize(state: GatewayState, obj: Mapping[str, object]) -> web.Response:
     if obj.get("tokens") is None:
         raise missing("tokens")
     ids = parse_int_list(obj, "tokens", maximum=MAX_UINT32)

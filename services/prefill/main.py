@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=float(os.environ.get("TANDEM_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)),
         help="free a request's KV if decode has not acknowledged it by then (default 30)",
     )
+    parser.add_argument(
+        "--decode-members", action="append", default=None, metavar="ADDR",
+        help="the decode workers this worker may ship KV to, host:port (a name stands for every "
+             "address it resolves to, re-resolved as the pool changes); repeat or comma-separate; "
+             "a Prefill naming another decode_address is refused (env TANDEM_DECODE_MEMBERS; "
+             "default: any server holding a decode certificate)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,4 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from services.prefill.server import start_prefill_worker
 
     options = options_from_args(args, "prefill")
-    return run_worker(lambda: start_prefill_worker(options, lease_seconds=args.lease_seconds))
+    values = args.decode_members or [os.environ.get("TANDEM_DECODE_MEMBERS", "")]
+    members = tuple(a.strip() for v in values for a in v.split(",") if a.strip())
+    return run_worker(lambda: start_prefill_worker(options, lease_seconds=args.lease_seconds,
+                                                   decode_members=members))

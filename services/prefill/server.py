@@ -9,7 +9,11 @@ call directly; it returns a :class:`~services.engine.runtime.worker_runtime.Work
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
+from services.common.member_addresses import MemberAddresses
 from services.common.metrics import TandemMetrics
 from services.common.pb import prefill_pb2_grpc
 from services.engine.core.loaders import LoadedModel
@@ -28,6 +32,8 @@ from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.prefill.worker import PrefillWorker
 
+logger = logging.getLogger(__name__)
+
 
 async def start_prefill_worker(
     options: WorkerOptions,
@@ -39,6 +45,7 @@ async def start_prefill_worker(
     metrics: TandemMetrics | None = None,
     max_chunk_bytes: int = MAX_KV_CHUNK_BYTES,
     corrupt_chunk: CorruptChunk | None = None,
+    decode_members: Sequence[str] = (),
 ) -> WorkerHandle:
     """Build and start a prefill worker; see the module docstring.
 
@@ -51,7 +58,14 @@ async def start_prefill_worker(
         metrics: the registry to record into (default: a fresh one).
         max_chunk_bytes: KV chunk size budget.
         corrupt_chunk: test-only fault hook, see ``KVSender``.
+        decode_members: the decode pool's ``host:port`` entries (names follow DNS); a Prefill
+            whose ``decode_address`` is none of them is refused. Empty: any address (mTLS still
+            requires a decode certificate there).
     """
+    members = MemberAddresses(decode_members)
+    if not members.restricted:
+        logger.warning("no --decode-members: KV goes to whichever decode_address a gateway names "
+                       "(mutual TLS still requires a decode certificate there)")
     kind = resolve_kv_transport(options.kv_transport, options.device)
 
     def prefill_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
@@ -73,7 +87,7 @@ async def start_prefill_worker(
             corrupt_chunk=corrupt_chunk,
         )  # fmt: skip
         worker = PrefillWorker(engine_loop, sender)
-        servicer = PrefillServicer(worker, worker_id=options.worker_id)
+        servicer = PrefillServicer(worker, worker_id=options.worker_id, decode_members=members)
         return worker, servicer, prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME
 
     # prefill-only requests end at their first token: no text to make

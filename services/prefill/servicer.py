@@ -3,7 +3,9 @@
 Validation failures raise typed errors (the server's ErrorInterceptor turns them into
 INVALID_ARGUMENT etc.); a request past its ``deadline_unix`` is answered DEADLINE_EXCEEDED
 without computing, and one that runs past it is cancelled (freeing its blocks) and answered the
-same. A client that cancels the call cancels the work the same way.
+same. A client that cancels the call cancels the work the same way. A ``decode_address`` that
+is not a current decode member (``--decode-members``, ``services/common/member_addresses.py``)
+is refused with INVALID_ARGUMENT before any compute or connection.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import grpc
 import grpc.aio
 
 from services.common.errors import InvalidArgumentError
+from services.common.member_addresses import MemberAddresses
 from services.common.pb import prefill_pb2, prefill_pb2_grpc
 from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
 from services.engine.runtime.worker_servicer import WorkerServicer, require_request_id
@@ -30,6 +33,17 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServicer):
     role = "prefill"
     worker: PrefillWorker
 
+    def __init__(
+        self,
+        worker: PrefillWorker,
+        *,
+        worker_id: str,
+        address: str = "",
+        decode_members: MemberAddresses | None = None,
+    ) -> None:
+        super().__init__(worker, worker_id=worker_id, address=address)
+        self.decode_members = decode_members if decode_members is not None else MemberAddresses(())
+
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
@@ -38,6 +52,10 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServicer):
             raise InvalidArgumentError("token_ids must not be empty", param="prompt")
         if not request.decode_address:
             raise InvalidArgumentError("decode_address is required", param="decode_address")
+        if not await self.decode_members.allows(request.decode_address):
+            raise InvalidArgumentError(
+                f"decode_address {request.decode_address} is not a decode worker of this "
+                "deployment (--decode-members)", param="decode_address", code="not_a_member")
         params = sampling_params_from_proto(request.params)
         timeout = None
         if request.deadline_unix:

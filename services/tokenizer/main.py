@@ -154,11 +154,13 @@ async def serve(config: TokenizerServiceConfig) -> int:
 
 
 def model_fingerprint(source: ModelSource) -> str:
-    """``ModelConfig.fingerprint()`` of ``source`` without torch, or "" when it cannot be read."""
+    """The model fingerprint of ``source`` (shape and weights' digest,
+    ``services/common/model_fingerprint.py``) without torch, or "" when it cannot be read."""
     from services.common.config_reader import read_model_config  # plain Python + gguf, no torch
+    from services.common.model_fingerprint import fingerprint, weights_digest
 
     try:
-        return read_model_config(source).fingerprint()
+        return fingerprint(read_model_config(source).fingerprint(), weights_digest(source))
     except ModelLoadError as exc:
         logger.warning("no model fingerprint for %s: %s", source.name, exc.message)
     return ""

@@ -44,6 +44,7 @@ from typing import Any
 import grpc.aio
 
 from services.common.errors import InvalidArgumentError
+from services.common.protocol import PROTOCOL_VERSION
 from services.common.pb import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.context_window import fit_chat, fit_prompt
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -211,6 +212,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             context_length=tok.context_length or 0,
             chat_template=tok.chat_template or "",
             model_fingerprint=self._fingerprint,
+            protocol_version=PROTOCOL_VERSION,
         )
         if tok.bos_token_id is not None:
             info.bos_token_id = tok.bos_token_id

@@ -82,7 +82,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "special_tokens", "context_length", "chat_template", "model_fingerprint")
+    __slots__ = ("name", "vocab_size", "bos_token_id", "eos_token_ids", "pad_token_id", "special_tokens", "context_length", "chat_template", "model_fingerprint", "protocol_version")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class ModelInfo(_message.Message):
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     bos_token_id: int
@@ -108,4 +109,5 @@ class ModelInfo(_message.Message):
     context_length: int
     chat_template: str
     model_fingerprint: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, int]] = ..., context_length: _Optional[int] = ..., chat_template: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ..., special_tokens: _Optional[_Mapping[str, int]] = ..., context_length: _Optional[int] = ..., chat_template: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...

@@ -165,12 +165,12 @@ class BlockManager:
         """Whether ``allocate(num_blocks)`` would succeed now."""
         return num_blocks <= self.num_free_blocks
 
-    def match_prefix(self, token_ids: Sequence[int]) -> int:
+    def match_prefix(self, token_ids: Sequence[int], root: bytes = b"") -> int:
         """Tokens of this prompt already cached, exactly as ``allocate_prompt`` would reuse them.
 
         Read-only (no reference counts, LRU order or statistics change), for routing decisions.
         """
-        return len(self._match(token_ids)) * self.block_size
+        return len(self._match(token_ids, root)) * self.block_size
 
     def cached_digests(self) -> list[bytes]:
         """Every key the prefix cache holds now (blocks in use or evictable): a snapshot that,
@@ -204,8 +204,11 @@ class BlockManager:
             )
         return [self._take_fresh() for _ in range(num_blocks)]
 
-    def allocate_prompt(self, token_ids: Sequence[int], extra_tokens: int = 0) -> PrefixAllocation:
-        """Blocks for a new prompt, reusing cached full blocks of its prefix.
+    def allocate_prompt(
+        self, token_ids: Sequence[int], extra_tokens: int = 0, *, root: bytes = b""
+    ) -> PrefixAllocation:
+        """Blocks for a new prompt, reusing cached full blocks of its prefix (keyed under the
+        chain ``root``: the deployment's and the request's salt, ``prefix_hash.prefix_root``).
 
         The result holds at least ``len(token_ids) + extra_tokens`` slots. Matched blocks gain a
         reference (and leave the evictable LRU); the rest are fresh. At least one prompt token is
@@ -219,7 +222,7 @@ class BlockManager:
         """
         if extra_tokens < 0:
             raise InvalidArgumentError("extra_tokens must be non-negative", param="extra_tokens")
-        matched = self._match(token_ids)
+        matched = self._match(token_ids, root)
         num_fresh = self.blocks_needed(len(token_ids) + extra_tokens) - len(matched)
         reclaimed = sum(1 for b in matched if b in self._evictable)
         if num_fresh > self.num_free_blocks - reclaimed:
@@ -246,7 +249,9 @@ class BlockManager:
         if missing > 0:
             block_ids.extend(self.allocate(missing))
 
-    def cache_full_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+    def cache_full_blocks(
+        self, block_ids: Sequence[int], token_ids: Sequence[int], root: bytes = b""
+    ) -> None:
         """Register the hash-chain key of every full block of ``token_ids`` whose KV is written.
 
         Idempotent: blocks already registered are skipped (their stored key is reused as the
@@ -256,11 +261,12 @@ class BlockManager:
         Args:
             block_ids: the sequence's block table (in use).
             token_ids: the tokens whose KV has been computed into those blocks.
+            root: the chain's salt (as given to ``allocate_prompt``).
         """
         if not self.enable_prefix_caching:
             return
         num_full = min(len(token_ids) // self.block_size, len(block_ids))
-        parent = b""
+        parent = root
         stored: list[bytes] = []
         for i in range(num_full):
             block_id = block_ids[i]
@@ -322,13 +328,14 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _match(self, token_ids: Sequence[int]) -> list[int]:
+    def _match(self, token_ids: Sequence[int], root: bytes = b"") -> list[int]:
         """Cached blocks for the prompt's longest cached prefix, leaving >= 1 token to compute."""
         if not self.enable_prefix_caching or not self._hash_to_block:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size if token_ids else 0
         matched: list[int] = []
-        for key in iter_block_hashes(token_ids[: max_blocks * self.block_size], self.block_size):
+        prefix = token_ids[: max_blocks * self.block_size]
+        for key in iter_block_hashes(prefix, self.block_size, root):
             block_id = self._hash_to_block.get(key)
             if block_id is None:
                 break

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from services.common.errors import InvalidArgumentError
+from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.grammar import GrammarCompiler, advance
@@ -65,6 +66,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (cuda_graphs.py)
+    prefix_salt: bytes = b""  # the deployment's prefix-cache salt (prefix_hash.prefix_root)
 
 
 @dataclass(slots=True)
@@ -274,7 +276,7 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             if self.config.enable_prefix_caching and seq.num_computed_tokens // self.config.block_size > before:
                 self.block_manager.cache_full_blocks(
-                    seq.block_ids, seq.all_token_ids()[: seq.num_computed_tokens]
+                    seq.block_ids, seq.all_token_ids()[: seq.num_computed_tokens], seq.cache_root
                 )
             if not item.sample or sampled is None:
                 continue
@@ -357,6 +359,7 @@ class LLMEngine:
             sampling=state,
             prefill_only=prefill_only,
             arrival_time=time.monotonic(),
+            cache_root=prefix_root(self.config.prefix_salt, params.cache_salt),
         )
 
     def _matcher(self, params: SamplingParams) -> object | None:

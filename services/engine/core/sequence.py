@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     arrival_time: float = 0.0
+    cache_root: bytes = b""  # its prefix-cache chain's salt (prefix_hash.prefix_root)
 
     @property
     def output_token_ids(self) -> list[int]:

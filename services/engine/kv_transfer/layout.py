@@ -26,7 +26,7 @@ def engine_layout(engine: LLMEngine) -> common_pb2.KVLayout:
     """The layout of ``engine``'s KV pool."""
     layout = engine.layout
     return common_pb2.KVLayout(
-        model_fingerprint=engine.loaded.config.fingerprint(),
+        model_fingerprint=engine.loaded.fingerprint or engine.loaded.config.fingerprint(),
         dtype=layout.dtype,
         block_size=layout.block_size,
         num_layers=layout.num_layers,

@@ -6,7 +6,9 @@ One transfer's state machine (ReceiveState), keyed by request id:
                  compute"): the blocks its prompt's KV needs were allocated on the engine thread
                  and are held under the request id for a lease (``reservation_lease_seconds`` by
                  default). No room: RESOURCE_EXHAUSTED at once, nothing allocated, no entry, so
-                 the gateway tries another decode worker before any prefill work is done. The
+                 the gateway tries another decode worker before any prefill work is done. What
+                 reservations hold is bounded per caller and in total (``reservation_quota.py``;
+                 over a bound: RESOURCE_EXHAUSTED at once too). The
                  header then takes these blocks (step 1). A lease that ends with no header frees
                  them and drops the entry (no tombstone: a late header is served like one
                  without a reservation, and a waiting ``Generate`` keeps waiting); an abort frees
@@ -73,6 +75,7 @@ from services.engine.kv_transfer.checks import (
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
 from services.engine.kv_transfer.payload import PrefilledRequest, write_payload
+from services.engine.kv_transfer.reservation_quota import ReservationQuota
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ class _Entry:
     owns_blocks: bool = False
     task: asyncio.Task[object] | None = None
     expires: float = 0.0  # RESERVED: when the lease ends (time.monotonic)
+    caller: str = ""  # RESERVED: who reserved (reservation_quota.py)
+    reserved_blocks: int = 0  # RESERVED: how many blocks the reservation holds
 
 
 class KVReceiver:
@@ -144,6 +149,7 @@ class KVReceiver:
         reservation_lease_seconds: float = DEFAULT_RESERVATION_LEASE_SECONDS,
         reap_interval: float | None = None,
         metrics: TandemMetrics | None = None,
+        quota: ReservationQuota | None = None,
     ) -> None:
         if not (0 < reservation_lease_seconds < float("inf")):
             raise InvalidArgumentError("the reservation lease must be positive",
@@ -159,6 +165,7 @@ class KVReceiver:
         self.reap_interval = (reap_interval if reap_interval is not None
                               else min(1.0, park_seconds / 4, reservation_lease_seconds / 4))
         self.metrics = metrics
+        self.quota = (quota or ReservationQuota()).validate()
         self._entries: dict[str, _Entry] = {}
         self._changed: asyncio.Future[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -189,7 +196,7 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ reserving
     async def reserve(
-        self, request_id: str, num_tokens: int, lease_seconds: float = 0.0
+        self, request_id: str, num_tokens: int, lease_seconds: float = 0.0, *, caller: str = ""
     ) -> Reservation:
         """Hold the blocks ``num_tokens`` prompt tokens' KV will fill, before the prefill starts
         (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; never longer
@@ -199,7 +206,8 @@ class KVReceiver:
             InvalidArgumentError: bad arguments (``checks.check_reservation``), or the request
                 id already has a reservation or a transfer here (a duplicate is refused, not
                 merged: two callers must never share an id).
-            ResourceExhaustedError: no room; nothing was allocated and nothing is kept.
+            ResourceExhaustedError: no room, or ``caller`` (or everyone) already holds what
+                :class:`ReservationQuota` allows; nothing was allocated and nothing is kept.
             AbortedError: the request was aborted here (before or during the allocation).
         """
         check_reservation(request_id, num_tokens, lease_seconds, max_model_len=self.max_model_len)
@@ -216,9 +224,10 @@ class KVReceiver:
                 f"request {request_id!r} already has a reservation or a KV transfer here",
                 param="request_id",
             )
+        self._check_quota(caller, num_blocks, request_id)
         now = time.monotonic()
         entry = _Entry(request_id, ReceiveState.RESERVED, now, owns_blocks=True,
-                       expires=now + lease)
+                       expires=now + lease, caller=caller, reserved_blocks=num_blocks)
         self._entries[request_id] = entry
         try:
             await self.engine_loop.allocate_blocks(request_id, num_blocks)
@@ -239,6 +248,22 @@ class KVReceiver:
             raise entry.error or AbortedError(f"request {request_id!r} was aborted", code="aborted")
         self._count_reservation("granted")
         return Reservation(request_id, num_blocks, lease, self.engine_loop.stats.num_blocks_free)
+
+    def _check_quota(self, caller: str, num_blocks: int, request_id: str) -> None:
+        """Raise ResourceExhaustedError when the reservation would pass a quota bound."""
+        by_caller = total = 0
+        for entry in self._entries.values():
+            if entry.state is ReceiveState.RESERVED:
+                total += entry.reserved_blocks
+                if entry.caller == caller:
+                    by_caller += entry.reserved_blocks
+        try:
+            self.quota.check(num_blocks=num_blocks, held_by_caller=by_caller, held_total=total,
+                             pool_blocks=self.engine_loop.stats.num_blocks_total)  # fmt: skip
+        except ResourceExhaustedError as err:
+            self._count_reservation("refused")
+            logger.info("KV reservation refused: %s", err.message, extra={"request_id": request_id})
+            raise
 
     def _drop_reservation(self, entry: _Entry, *, release: bool) -> None:
         """Forget a reservation still waiting for its header (no tombstone); free its blocks

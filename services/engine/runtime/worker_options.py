@@ -121,6 +121,7 @@ class WorkerOptions:
             max_num_batched_tokens=self.max_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=not self.enforce_eager,
+            prefix_salt=self.tls.prefix_salt if self.tls is not None else b"",
         )
 
 

@@ -12,12 +12,14 @@ import grpc.aio
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import common_pb2
+from services.common.protocol import PROTOCOL_VERSION
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.engine_stats import EngineStats
 
 
 def worker_stats(
-    stats: EngineStats, *, role: str, worker_id: str, address: str, extra_waiting: int = 0
+    stats: EngineStats, *, role: str, worker_id: str, address: str, extra_waiting: int = 0,
+    model_fingerprint: str = "",
 ) -> common_pb2.WorkerStats:
     """The ``GetStats`` answer for an engine snapshot."""
     return common_pb2.WorkerStats(
@@ -33,6 +35,8 @@ def worker_stats(
         address=address,
         prefix_cache_hit_tokens=stats.prefix_hits,
         prefix_cache_query_tokens=stats.prefix_queries,
+        model_fingerprint=model_fingerprint,
+        protocol_version=PROTOCOL_VERSION,
     )
 
 
@@ -74,7 +78,9 @@ class WorkerServicer:
     ) -> common_pb2.WorkerStats:
         return worker_stats(self.worker.engine_loop.stats, role=self.role,
                             worker_id=self.worker_id, address=self.address,
-                            extra_waiting=self.waiting_outside_the_engine())  # fmt: skip
+                            extra_waiting=self.waiting_outside_the_engine(),
+                            model_fingerprint=self.worker.engine_loop.engine.loaded.fingerprint,
+                            )  # fmt: skip
 
     def waiting_outside_the_engine(self) -> int:
         """Requests this role holds that the engine does not see yet (decode: parked KV)."""

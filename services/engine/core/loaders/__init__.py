@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import ModelLoadError
+from services.common.model_fingerprint import fingerprint, weights_digest
 from services.common.model_source import ModelSource, resolve_model
 from services.engine.core.attention_backends import make_attention_backend
 from services.engine.core.loaders.dummy import dummy_config, iter_dummy_weights
@@ -83,6 +84,7 @@ class LoadedModel:
     model: CausalLM
     dtype: torch.dtype  # activations and KV cache
     weight_format: str = "float32"  # a name from DTYPE_CHOICES other than auto
+    fingerprint: str = ""  # shape + weights' digest (services/common/model_fingerprint.py)
 
     @property
     def int8_activations(self) -> bool:
@@ -192,5 +194,6 @@ def load_model(
     if gaps:
         logger.info("%s models do not take yet: %s", config.architecture, "; ".join(gaps))
     return LoadedModel(
-        source=source, config=config, model=net, dtype=compute, weight_format=weight_format
+        source=source, config=config, model=net, dtype=compute, weight_format=weight_format,
+        fingerprint=fingerprint(config.fingerprint(), weights_digest(source)),
     )

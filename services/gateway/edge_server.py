@@ -1,0 +1,166 @@
+"""The gateway's listening socket: HTTPS, a header read timeout, a connection cap, and the rule
+that an unauthenticated gateway listens on loopback only.
+
+The gateway is the edge: the one place untrusted clients reach (docs/security.md). What a client
+may hold there before it is even a request is bounded here; what a request may hold is bounded
+by the handlers (body budget, admission, rate limits, ``max_tokens``, the SSE write timeout).
+
+1. :func:`require_auth_beyond_loopback` — outside loopback the gateway refuses to start without
+   API keys unless the operator says ``--allow-no-auth``;
+2. :func:`https_context` — stdlib ``ssl`` server context from ``--https-cert/--https-key``
+   (TLS 1.2+, ALPN ``http/1.1``); the names differ from the issue's ``--tls-*`` because those
+   already name every service's *internal* mTLS identity, the gateway's included;
+3. :func:`start_edge` — an aiohttp runner whose keep-alive timer is the header read timeout
+   (aiohttp 3.14 arms it when a connection opens and after each response, and it closes the
+   connection if no complete request header arrived by then: a slow-header client is dropped),
+   and whose protocol factory (:class:`ConnectionCap`) answers 503 and closes any connection
+   past ``max_connections`` before reading from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import ssl
+import time
+from typing import Any
+
+from aiohttp import web
+
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from services.gateway.config import GatewayConfig
+
+logger = logging.getLogger(__name__)
+
+_REFUSAL_LOG_EVERY_S = 10.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def require_auth_beyond_loopback(host: str, *, auth_enabled: bool, allow_no_auth: bool) -> None:
+    """Refuse an unauthenticated gateway on a non-loopback address.
+
+    Raises:
+        FailedPreconditionError: ``host`` is not loopback, no API key is configured and
+            ``allow_no_auth`` is False.
+    """
+    if auth_enabled or allow_no_auth or is_loopback(host):
+        return
+    raise FailedPreconditionError(
+        f"the gateway would listen on {host or 'every interface'} with no API keys, so anyone who "
+        "reaches it could use the model: give keys (--api-keys-file or TANDEM_API_KEYS), listen "
+        "on loopback (--host 127.0.0.1), or pass --allow-no-auth (env TANDEM_ALLOW_NO_AUTH=1) "
+        "if something in front of it authenticates clients",
+        param="allow_no_auth",
+    )
+
+
+def https_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server TLS context for the certificate chain ``cert`` and its private key ``key``.
+
+    Raises:
+        InvalidArgumentError: a file is missing, unreadable, or not a matching PEM pair.
+    """
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as err:
+        raise InvalidArgumentError(
+            f"cannot load the HTTPS certificate {cert} with key {key}: {err}", param="https_cert"
+        ) from err
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+class _Refusal(asyncio.Protocol):
+    """Answers one 503 (OpenAI's error shape) and closes, reading nothing."""
+
+    _BODY = json.dumps({"error": {
+        "message": "The server has too many open connections. Please retry shortly.",
+        "type": "server_error", "param": None, "code": "server_overloaded"}}).encode()  # fmt: skip
+    _RESPONSE = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: "
+        + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY
+    )  # fmt: skip
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.write(self._RESPONSE)
+        transport.close()
+
+
+class ConnectionCap:
+    """A protocol factory: aiohttp's request handler while fewer than ``limit`` connections
+    are open, else :class:`_Refusal`."""
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self._server = server
+        self._limit = limit
+        self._refused = 0
+        self._logged_at = 0.0
+
+    def __call__(self) -> asyncio.Protocol:
+        if len(self._server.connections) < self._limit:
+            return self._server()
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _REFUSAL_LOG_EVERY_S:
+            logger.warning("refused %d connection(s): %d open is the cap (--max-connections)",
+                           self._refused, self._limit)  # fmt: skip
+            self._logged_at, self._refused = now, 0
+        return _Refusal()
+
+
+class EdgeRunner(web.AppRunner):
+    """An AppRunner whose sites accept connections through a :class:`ConnectionCap`."""
+
+    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._max_connections = max_connections
+
+    @property
+    def server(self) -> Any:  # what sites hand to loop.create_server: a protocol factory
+        inner = super().server
+        return None if inner is None else ConnectionCap(inner, self._max_connections)
+
+
+async def start_edge(
+    app: web.Application, config: GatewayConfig, *, shutdown_grace: float = 10.0
+) -> tuple[web.AppRunner, str]:
+    """Start serving ``app`` as ``config`` says; return the runner (``cleanup()`` it) and the
+    base URL clients use (the bound port, when ``config.port`` is 0).
+
+    Raises:
+        InvalidArgumentError: the HTTPS files cannot be loaded.
+        UnavailableError: the address could not be bound.
+    """
+    ssl_context = None
+    if config.https_cert is not None and config.https_key is not None:
+        ssl_context = https_context(config.https_cert, config.https_key)
+    runner = EdgeRunner(
+        app, max_connections=config.edge.max_connections, access_log=None,
+        shutdown_timeout=shutdown_grace, keepalive_timeout=config.edge.header_read_timeout_s,
+    )  # fmt: skip
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context)
+    try:
+        await site.start()
+    except OSError as err:
+        await runner.cleanup()
+        raise UnavailableError(f"could not listen on {config.host}:{config.port}: {err}") from err
+    scheme = "https" if ssl_context is not None else "http"
+    host = config.host if config.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return runner, f"{scheme}://{host}:{site.port}"

@@ -1,0 +1,206 @@
+"""A decode worker under attack from inside the deployment's network (issue 32, part 4), on real
+prefill and decode workers (gRPC over mutual TLS on 127.0.0.1, the tiny model): a ``Reserve``
+flood and forged ``TransferKV`` streams change nothing for a well-behaved request running at the
+same time, what a flood may hold is bounded per caller and in total
+(services/engine/kv_transfer/reservation_quota.py), and a prefill worker ships KV only to a
+current decode member (services/common/member_addresses.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+
+from services.common.cert_authority import issue
+from services.common.errors import ResourceExhaustedError
+from services.common.grpc_channel import open_channel
+from services.common.internal_tls import InternalTls
+from services.common.member_addresses import MemberAddresses
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.peer_roles import peer_identity
+from services.common.sampling_params import SamplingParams
+from services.common.wire import sampling_params_to_proto
+from services.engine.core.loaders import LoadedModel, load_model
+from services.engine.kv_transfer import ReceiveState
+from services.engine.kv_transfer.reservation_quota import ReservationQuota
+from tests.test_prefill_decode import Cluster, cluster, prompt_of, reference, tokens_of
+from tests.tls_identities import session_ca, tls_for
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+POOL = 64  # decode blocks in these tests
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_llama_dir))
+
+
+def other_identity(role: str) -> InternalTls:
+    """A second certificate of ``role`` from the deployment CA: another process, another
+    caller."""
+    issued = issue(session_ca(), role)
+    return InternalTls.from_pem(issued.cert_pem, issued.key_pem, session_ca().cert_pem)
+
+
+async def flood(stub: decode_pb2_grpc.DecodeStub, prefix: str, tries: int = 64) -> list[int]:
+    """Reserve 64-token chunks until refused; the blocks each granted reservation holds."""
+    granted = []
+    for i in range(tries):
+        try:
+            grant = await stub.Reserve(decode_pb2.ReserveRequest(
+                request_id=f"{prefix}-{i}", num_tokens=64, lease_seconds=600))  # fmt: skip
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-reserved" in (err.details() or "")
+            break
+        granted.append(grant.num_blocks)
+    return granted
+
+
+def test_quota_bounds_per_caller_and_in_total() -> None:
+    quota = ReservationQuota(total_fraction=0.5, caller_fraction=0.25)
+    quota.check(num_blocks=40, held_by_caller=0, held_total=0, pool_blocks=64)  # a first one
+    quota.check(num_blocks=4, held_by_caller=12, held_total=12, pool_blocks=64)
+    with pytest.raises(ResourceExhaustedError, match="max-reserved-per-caller"):
+        quota.check(num_blocks=5, held_by_caller=12, held_total=12, pool_blocks=64)
+    quota.check(num_blocks=4, held_by_caller=4, held_total=28, pool_blocks=64)
+    with pytest.raises(ResourceExhaustedError, match="max-reserved-fraction"):
+        quota.check(num_blocks=5, held_by_caller=4, held_total=28, pool_blocks=64)
+    # a caller holding nothing passes both: a flood cannot starve another gateway
+    quota.check(num_blocks=20, held_by_caller=0, held_total=32, pool_blocks=64)
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(Exception):
+            ReservationQuota(total_fraction=bad).validate()
+
+
+def test_peer_identity_tells_processes_apart() -> None:
+    a = peer_identity("ipv4:10.0.0.5:41234", {"x509_pem_cert": [b"A"]})
+    assert a == peer_identity("ipv4:10.0.0.5:50000", {"x509_pem_cert": [b"A"]})  # same process
+    assert a != peer_identity("ipv4:10.0.0.5:41234", {"x509_pem_cert": [b"B"]})
+    assert a != peer_identity("ipv4:10.0.0.6:41234", {"x509_pem_cert": [b"A"]})
+    assert peer_identity("ipv6:[::1]:5000", {}) == "ipv6:[::1]"
+
+
+async def test_a_reserve_flood_changes_nothing_for_a_running_request(model: LoadedModel) -> None:
+    prompt = prompt_of(40)
+    expected = reference(model, [prompt], PARAMS)[0]
+    async with cluster(model, decode_blocks=POOL) as c:
+        attacker = open_channel(c.decode_handle.address, tls=other_identity("gateway"))
+        try:
+            stub = decode_pb2_grpc.DecodeStub(attacker)
+            good = asyncio.create_task(c.run("good", prompt, PARAMS))
+            granted = await flood(stub, "flood")
+            # one caller holds at most a quarter of the pool (its first grant always passes)
+            assert 0 < sum(granted) <= POOL // 4
+            second_channel = open_channel(c.decode_handle.address, tls=other_identity("gateway"))
+            more = await flood(decode_pb2_grpc.DecodeStub(second_channel), "flood2")
+            # another caller: up to half the pool in total, plus each caller's first grant
+            assert sum(granted) + sum(more) <= POOL // 2 + 4
+            _, messages = await good
+            assert tokens_of(messages) == expected
+            # the well-behaved caller still reserves and serves, beside the flood
+            await c.decode_stub.Reserve(decode_pb2.ReserveRequest(request_id="good2",
+                                                                  num_tokens=40))  # fmt: skip
+            _, messages = await c.run("good2", prompt, PARAMS)
+            assert tokens_of(messages) == expected
+            stats = c.decode_handle.engine_loop.stats
+            assert stats.num_preemptions == 0
+            for prefix, grants in (("flood", granted), ("flood2", more)):
+                for i in range(len(grants)):
+                    await stub.Abort(common_pb2.AbortRequest(request_id=f"{prefix}-{i}"))
+            await c.wait_idle()
+            await second_channel.close()
+        finally:
+            await attacker.close()
+
+
+def _forged(c: Cluster, rid: str, tokens: list[int], *, corrupt: bool
+            ) -> AsyncIterator[decode_pb2.KVTransferMessage]:  # fmt: skip
+    receiver = c.decode_handle.worker.receiver
+    blocks = -(-len(tokens) // receiver.layout.block_size)
+    total = blocks * receiver.block_bytes
+    data = b"\x7f" * total  # KV the attacker chose
+
+    async def messages() -> AsyncIterator[decode_pb2.KVTransferMessage]:
+        yield decode_pb2.KVTransferMessage(header=decode_pb2.KVHeader(
+            request_id=rid, layout=receiver.layout, num_tokens=len(tokens), num_blocks=blocks,
+            total_bytes=total, prompt_token_ids=tokens, first_token_id=7,
+            params=sampling_params_to_proto(PARAMS), num_prompt_tokens=len(tokens)))
+        crc = zlib.crc32(data) ^ (1 if corrupt else 0)
+        yield decode_pb2.KVTransferMessage(chunk=decode_pb2.KVChunk(
+            first_block=0, num_blocks=blocks, data=data, crc32=crc, offset=0))
+        yield decode_pb2.KVTransferMessage(commit=decode_pb2.KVCommit(num_chunks=1,
+                                                                      total_bytes=total))
+    return messages()  # fmt: skip
+
+
+async def test_forged_transfers_change_nothing_for_a_running_request(model: LoadedModel) -> None:
+    prompt = prompt_of(40)
+    expected = reference(model, [prompt], PARAMS)[0]
+    async with cluster(model, decode_blocks=POOL) as c:
+        good = asyncio.create_task(c.run("good", prompt, PARAMS))
+        gateway_channel = open_channel(c.decode_handle.address, tls=tls_for("gateway"))
+        prefill_channel = open_channel(c.decode_handle.address, tls=other_identity("prefill"))
+        # a gateway's certificate may not send KV at all
+        as_gateway = decode_pb2_grpc.DecodeStub(gateway_channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await as_gateway.TransferKV(_forged(c, "forged-a", prompt, corrupt=False))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # a prefill certificate with a chunk that fails its checksum: DATA_LOSS, nothing kept
+        as_prefill = decode_pb2_grpc.DecodeStub(prefill_channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await as_prefill.TransferKV(_forged(c, "forged-b", prompt, corrupt=True))
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert c.decode_handle.worker.receiver.state("forged-b") in (None, ReceiveState.FAILED)
+        with pytest.raises(grpc.aio.AioRpcError):  # its Generate gets an error, never tokens
+            async for _ in c.generate("forged-b", wait=1.0):
+                pass
+        _, messages = await good
+        assert tokens_of(messages) == expected
+        # the refused KV never entered the prefix cache: the same prompt still decodes right
+        _, messages = await c.run("after", prompt, PARAMS)
+        assert tokens_of(messages) == expected
+        await c.wait_idle()
+        await gateway_channel.close()
+        await prefill_channel.close()
+
+
+async def test_member_addresses_follow_dns() -> None:
+    answers = {"decode": ["10.0.0.1:50071", "10.0.0.2:50071"]}
+    now = [0.0]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise OSError("no such host")
+        return answers[host]
+
+    members = MemberAddresses(["decode:50071", "10.9.9.9:7"], refresh_s=5.0, resolver=resolver,
+                              clock=lambda: now[0])  # fmt: skip
+    assert await members.allows("10.0.0.2:50071") and await members.allows("10.9.9.9:7")
+    assert not await members.allows("10.0.0.3:50071")  # not (yet) a member
+    assert not await members.allows("decode:50071")  # names are never sent, addresses are
+    answers["decode"] = ["10.0.0.3:50071"]  # a replica came, the others left
+    assert not await members.allows("10.0.0.3:50071")  # resolved less than 5 s ago
+    now[0] = 6.0
+    assert await members.allows("10.0.0.3:50071")
+    assert not await members.allows("10.0.0.1:50071")
+    del answers["decode"]  # a DNS hiccup keeps the members known
+    now[0] = 12.0
+    assert not await members.allows("10.0.0.4:50071") and await members.allows("10.0.0.3:50071")
+    assert await MemberAddresses(()).allows("192.0.2.1:1")  # no entries: anything
+    assert await MemberAddresses(["localhost:5000"]).allows("127.0.0.1:5000")  # real DNS
+
+
+async def test_prefill_refuses_a_decode_address_outside_its_members(model: LoadedModel) -> None:
+    async with cluster(model, prefill_kw={"decode_members": ["127.0.0.1:1"]}) as c:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill("elsewhere", prompt_of(20))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a decode worker of this deployment" in (err.value.details() or "")
+        pre, dec = await c.stats()
+        assert pre.kv_blocks_in_use == 0 and dec.kv_blocks_in_use == 0  # nothing computed

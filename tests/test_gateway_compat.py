@@ -1,0 +1,100 @@
+"""The gateway refuses peers it cannot trust to serve the same thing (issue 32, part 4), on the
+real gateway over fake gRPC workers: a worker that speaks another internal protocol version
+(services/common/protocol.py) or serves a model whose fingerprint (shape and weights' digest,
+services/common/model_fingerprint.py) is not the tokenizer's gets no request, and a tokenizer of
+another protocol leaves the gateway answering 503."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+
+from services.common.model_fingerprint import fingerprint, weights_digest
+from services.common.model_source import resolve_model
+from services.common.protocol import PROTOCOL_VERSION, check_peer
+from services.engine.core.loaders import load_model
+from services.gateway.state import STATE_KEY
+from services.tokenizer.main import model_fingerprint
+from tests.gateway_fakes import MODEL, StackFactory, make_stack, post_raw  # noqa: F401
+
+CHAT = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def _ready(url: str) -> tuple[int, dict[str, object]]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/ready") as r:
+        return r.status, await r.json()
+
+
+async def _until_refused(stack: object, index: int) -> str:
+    router = stack.app[STATE_KEY].router  # type: ignore[attr-defined]
+    for _ in range(100):
+        worker = router.workers("decode")[index]
+        if not worker.healthy and worker.last_error:
+            return str(worker.last_error)
+        await asyncio.sleep(0.05)
+    raise AssertionError("the worker was never refused")
+
+
+def test_protocol_versions() -> None:
+    assert check_peer(PROTOCOL_VERSION) is None
+    assert "older" in (check_peer(0) or "")
+    assert "newer" in (check_peer(PROTOCOL_VERSION + 1) or "")
+
+
+async def test_a_worker_of_another_protocol_gets_no_request(make_stack: StackFactory) -> None:
+    stack = await make_stack(decode=2)
+    stack.decodes[0].protocol_version = 0  # a worker from before the field existed
+    why = await _until_refused(stack, 0)
+    assert "protocol 0" in why
+    for _ in range(4):
+        status, _, _ = await post_raw(stack.url + "/v1/chat/completions", CHAT)
+        assert status == 200
+    assert stack.decodes[0].generate_ids == [] and len(stack.decodes[1].generate_ids) == 4
+    status, body = await _ready(stack.url)
+    assert status == 200 and "refused" in json.dumps(body["decode"])
+
+
+async def test_a_worker_with_other_weights_gets_no_request(make_stack: StackFactory) -> None:
+    stack = await make_stack(decode=2)
+    stack.tokenizer.model_fingerprint = "aaaaaaaaaaaaaaaa"
+    stack.decodes[0].model_fingerprint = "aaaaaaaaaaaaaaaa"
+    stack.decodes[1].model_fingerprint = "bbbbbbbbbbbbbbbb"  # same shape, a fine-tune, say
+    assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
+    why = await _until_refused(stack, 1)
+    assert "bbbbbbbbbbbbbbbb" in why and "aaaaaaaaaaaaaaaa" in why
+    before = len(stack.decodes[1].generate_ids)
+    for _ in range(4):
+        assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
+    assert len(stack.decodes[1].generate_ids) == before
+
+
+async def test_a_tokenizer_of_another_protocol_is_refused(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stack.tokenizer.protocol_version = PROTOCOL_VERSION + 1
+    status, raw, _ = await post_raw(stack.url + "/v1/chat/completions", CHAT)
+    error = json.loads(raw)["error"]
+    assert status == 503 and "newer" in error["message"]
+    assert stack.decodes[0].generate_ids == []
+
+
+def test_workers_and_tokenizer_agree_and_the_weights_count(tiny_llama_dir: Path) -> None:
+    source = resolve_model(str(tiny_llama_dir))
+    loaded = load_model(str(tiny_llama_dir))
+    assert loaded.fingerprint == model_fingerprint(source) != ""
+    assert loaded.fingerprint == fingerprint(loaded.config.fingerprint(), weights_digest(source))
+    # one byte of the weights changes the fingerprint
+    copy = tiny_llama_dir.parent / "tiny-copy"
+    if not copy.exists():
+        copy.mkdir()
+        for f in tiny_llama_dir.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        weights = sorted(copy.glob("*.safetensors"))[0]
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 1
+        weights.write_bytes(bytes(data))
+    other = resolve_model(str(copy))
+    assert model_fingerprint(other) != model_fingerprint(source)
+    assert load_model(str(copy)).config.fingerprint() == loaded.config.fingerprint()
