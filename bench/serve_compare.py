@@ -38,7 +38,7 @@ engine's offline throughput on the same prompts.
 
     python bench/serve_compare.py [--concurrency 1 4 16 32] [--num-prompts 32]
         [--input-tokens 256] [--output-tokens 128] [--output-dir bench-serve]
-        [--model default|PATH.gguf] [--stacks tandem ...] [--anchors llama-server vllm ...]
+        [--model default|PATH.gguf] [--stacks tandem ... tandem-plaintext] [--anchors llama-server vllm ...]
         [--llama-server PATH] [--vllm-python PATH] [--vllm-model DIR]
         [--llama-cpp-path DIR]   # where 'llama-cpp-python[server]'s extra packages live
 
@@ -83,7 +83,13 @@ STACKS = {  # name -> tandem up flags (ports apart from the defaults and from ea
                               "--tokenizer-metrics-port", "9501", "--prefill-port", "50461",
                               "--prefill-metrics-port", "9511", "--decode-port", "50471",
                               "--decode-metrics-port", "9521"],
+    # the default stack with every internal hop in plaintext: what mutual TLS costs served
+    "tandem-plaintext": ["--insecure-internal", "--gateway-port", "8500",
+                         "--tokenizer-port", "50551", "--tokenizer-metrics-port", "9601",
+                         "--prefill-port", "50561", "--prefill-metrics-port", "9611",
+                         "--decode-port", "50571", "--decode-metrics-port", "9621"],
 }  # fmt: skip
+DEFAULT_STACKS = ("tandem", "tandem-colocated", "tandem-remote-prefill")
 LLAMA_PORT = 8300
 LLAMA_SERVER_PORT = 8310
 VLLM_PORT = 8320
@@ -333,8 +339,9 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--output-dir", type=Path, default=Path("bench-serve"))
     parser.add_argument("--model", default="default", help="'default' or a GGUF path")
-    parser.add_argument("--stacks", nargs="+", choices=list(STACKS), default=list(STACKS),
-                        help="which Tandem stacks to serve (default: all three)")
+    parser.add_argument("--stacks", nargs="+", choices=list(STACKS), default=list(DEFAULT_STACKS),
+                        help="which Tandem stacks to serve (default: all but tandem-plaintext, "
+                        "the default stack without mutual TLS)")
     parser.add_argument("--anchors", nargs="*", choices=ANCHORS, default=list(ANCHORS),
                         help="which other servers to run where they can (default: all)")
     parser.add_argument("--llama-server", default=None, help="the llama-server binary")
