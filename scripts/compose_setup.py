@@ -104,9 +104,12 @@ def build_image(repo: Path, files: list[str], plan: BuildPlan, image: str) -> di
     return {"build_s": took, "image_mb": size / 1e6}
 
 
-def compose_env(port: int) -> dict[str, str]:
-    """The caller's environment without TANDEM_*/COMPOSE_* settings, gateway on ``port``."""
+def compose_env(port: int, dtype: str = "") -> dict[str, str]:
+    """The caller's environment without TANDEM_*/COMPOSE_* settings, gateway on ``port``, the
+    workers' ``--dtype`` ``dtype`` (compose.yaml's TANDEM_DTYPE) when given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "COMPOSE_"))}
+    if dtype:
+        env["TANDEM_DTYPE"] = dtype
     if port:
         env["TANDEM_PORT"] = str(port)
     return env
