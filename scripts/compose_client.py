@@ -105,8 +105,8 @@ class Client:
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, int]:
         """A greedy, unstreamed turn: ``(text, prompt tokens, prompt tokens served from cache)``."""
-        reply = self.sdk.chat.completions.create(
-            model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens)  # type: ignore[arg-type]
+        reply = self.sdk.chat.completions.create(  # type: ignore[call-overload]
+            model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens)
         usage = reply.usage
         assert usage is not None
         details = usage.prompt_tokens_details

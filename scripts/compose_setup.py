@@ -64,7 +64,9 @@ def _local_torch_wheels(given: Path | None) -> list[Path]:
     return sorted(w for d in dirs if d.is_dir() for w in d.glob("torch-*+cpu-*.whl"))
 
 
-def plan_build(repo: Path, base: str | None, index: str | None, wheels_dir: Path | None) -> BuildPlan:
+def plan_build(
+    repo: Path, base: str | None, index: str | None, wheels_dir: Path | None
+) -> BuildPlan:
     """What to pass the build on this machine (see the module docstring)."""
     args = {"BASE_IMAGE": base or _base_image(repo)}
     wheels = _local_torch_wheels(wheels_dir)

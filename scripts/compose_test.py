@@ -50,9 +50,10 @@ TOKENS = 64
 # (autotune), so on a busy machine two processes of one image can take different prompt paths
 # and part at a near-tie of greedy text. q4 (4-bit weights, float activations) is one path.
 DTYPE = "q4"
+ANIMALS = [("cat", "swim"), ("dog", "sing"), ("fox", "paint"), ("owl", "cook"), ("bear", "dance"),
+           ("frog", "knit")]  # fmt: skip
 PROMPTS = [f"Write a story number {i} about a {animal} who learns to {skill}."
-           for i, (animal, skill) in enumerate([("cat", "swim"), ("dog", "sing"), ("fox", "paint"),
-                                                ("owl", "cook"), ("bear", "dance"), ("frog", "knit")])]  # fmt: skip
+           for i, (animal, skill) in enumerate(ANIMALS)]  # fmt: skip
 TOPICS = ["the history of the printing press", "how bees build their hives",
           "the water cycle on Earth"]  # fmt: skip
 
@@ -98,7 +99,8 @@ def ready_lists_every_replica(stack: Stack, client: Client) -> bool:
 
 def generated(stack: Stack) -> dict[str, float]:
     """Tokens each running decode replica has sampled (its own metrics), by container."""
-    return {r.container: worker_metric(r.ip, METRICS_PORT["decode"], "tandem:generation_tokens_total")
+    port = METRICS_PORT["decode"]
+    return {r.container: worker_metric(r.ip, port, "tandem:generation_tokens_total")
             for r in running(stack, "decode")}  # fmt: skip
 
 
@@ -149,14 +151,15 @@ def kill_mid_stream(stack: Stack, client: Client, reference: dict[str, str],
         futures = {pool.submit(client.stream, p, TOKENS, going): p for p in PROMPTS}
         if not going.event.wait(300):
             raise CheckFailed("the streams did not all get going")
-        serving = {w["address"].rsplit(":", 1)[0] for w in client.ready()["decode"] if w["in_flight"]}
+        decode = client.ready()["decode"]
+        serving = {w["address"].rsplit(":", 1)[0] for w in decode if w["in_flight"]}
         victim = next(r for r in running(stack, "decode") if r.ip in serving)
         kill(victim.container)
         outcomes = {futures[f]: f.result(timeout=600) for f in futures}
     logger.info("killed %s with %d streams emitting", victim.container, len(PROMPTS))
     for prompt, out in outcomes.items():
-        check(out.error is None and out.finish_reason == "length" and out.completion_tokens == TOKENS,
-              f"stream {prompt[:24]!r} completed: {out}")  # fmt: skip
+        complete = out.finish_reason == "length" and out.completion_tokens == TOKENS
+        check(out.error is None and complete, f"stream {prompt[:24]!r} completed: {out}")
         check(out.text == reference[prompt], f"stream {prompt[:24]!r} has the undisturbed text")
     moved = client.metric("tandem:migrations_total") - migrations
     check(moved >= 1, f"the gateway migrated {moved:.0f} streams off {victim.container}")
@@ -207,7 +210,8 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
     logger.info("after docker kill, %s is %s (restart policies skip a user's kill)", killed, state)
     stack.up(SCALE)  # compose starts it again
     stack.wait_healthy({"tokenizer": 1, **SCALE, "gateway": 1}, timeout=600)
-    wait_for("/ready lists every replica again", lambda: ready_lists_every_replica(stack, client), 120)
+    wait_for("/ready lists every replica again", lambda: ready_lists_every_replica(stack, client),
+             120)  # fmt: skip
     served_again(stack, client, killed)
 
     crashed = kill_mid_stream(stack, client, reference, stack.crash)
@@ -215,7 +219,8 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
     logger.info("%s restarted by its restart policy (RestartCount=%d)", crashed, restarts)
     stack.wait_healthy({"tokenizer": 1, **SCALE, "gateway": 1}, timeout=600)
     check(stack.restart_count(crashed) >= 1, f"compose's restart: policy restarted {crashed}")
-    wait_for("/ready lists every replica again", lambda: ready_lists_every_replica(stack, client), 120)
+    wait_for("/ready lists every replica again", lambda: ready_lists_every_replica(stack, client),
+             120)  # fmt: skip
     served_again(stack, client, crashed)
     wait_for("every live replica's tandem:kv_blocks_in_use is 0", lambda: kv_idle(stack), 120)
     return figures
@@ -232,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the SDK's line per request
     total = time.monotonic()
     plan: BuildPlan = plan_build(REPO, args.base_image, args.torch_index_url, args.torch_wheels)
     figures = build_image(REPO, FILES, plan, IMAGE)
