@@ -249,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         figures |= scenario(stack, client)
         ok = True
-    except (CheckFailed, StackError, StopIteration, TimeoutError) as exc:
+    except (CheckFailed, StackError) as exc:
         logger.error("FAILED: %s\n--- last service logs ---\n%s", exc, stack.logs())
+    except Exception:  # anything else, e.g. the SDK's errors: with its traceback
+        logger.exception("FAILED\n--- last service logs ---\n%s", stack.logs())
     finally:
         stack.down()
     left = stack.leftovers()
