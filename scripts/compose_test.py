@@ -109,7 +109,8 @@ def generated(stack: Stack) -> dict[str, float]:
 
 def offline_text(prompt: str) -> str:
     """``tandem generate``'s greedy text for ``prompt`` in the image, without the stack."""
-    out = run(["docker", "run", "--rm", "--network", "none", IMAGE, "tandem", "generate", "--chat",
+    out = run(["docker", "run", "--rm", "--network", "none", "-e", "TANDEM_AUTOTUNE=fixed", IMAGE,
+               "tandem", "generate", "--chat",
                prompt, "--max-tokens", str(TOKENS), "--temperature", "0", "--ignore-eos", "--json",
                "--dtype", DTYPE], timeout=900)  # fmt: skip
     return str(json.loads(out.strip().splitlines()[-1])["text"])

@@ -259,20 +259,37 @@ def test_a_choice_that_changes_results_takes_its_fixed_path_on_a_busy_machine(
     tmp_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """int8 or float32 activations: measured while busy, each process would follow its own noisy
-    timing and two workers could part in greedy text; with ``when_busy`` they all take that path
-    (and a quiet measurement still decides, and is cached)."""
+    timing and two workers could part in greedy text; with ``fixed`` they all take that path (and
+    a quiet measurement still decides, and is cached), as every process does under
+    TANDEM_AUTOTUNE=fixed, measuring nothing."""
     busy = [True]
     monkeypatch.setattr(autotune, "_machine_busy", lambda: busy[0])
     monkeypatch.setattr(autotune, "_others_share", lambda before, after: 0.0)
-    _, _, run_kernel, run_torch = _runners(kernel_slow_from=8)
+
+    def run_kernel(rows: int) -> None:  # near calls: 30% apart, the kernel slower from 8 rows
+        time.sleep(0.0026 if rows >= 8 else 0.002)
+
+    def run_torch(rows: int) -> None:
+        time.sleep(0.002 if rows >= 8 else 0.0026)
+
     args = {"isa": "avx2", "build": "fake.so", "shapes": [(8, 8)], "run_kernel": run_kernel,
             "run_torch": run_torch, "rows": (1, 8)}  # fmt: skip
-    assert choose_regimes("q4", when_busy=True, **args).use_kernel == (True, True)  # type: ignore[arg-type]
-    assert choose_regimes("q4", when_busy=False, **args).use_kernel == (False, False)  # type: ignore[arg-type]
+    assert choose_regimes("q4", fixed=True, **args).use_kernel == (True, True)  # type: ignore[arg-type]
+    assert choose_regimes("q4", fixed=(False, True), **args).use_kernel == (False, True)  # type: ignore[arg-type]
     assert not list(tmp_cache.glob("autotune-*.json"))
     busy[0] = False
-    assert choose_regimes("q4", when_busy=True, **args).use_kernel == (True, False)  # type: ignore[arg-type]
+    assert choose_regimes("q4", fixed=True, **args).use_kernel == (True, False)  # type: ignore[arg-type]
     assert len(list(tmp_cache.glob("autotune-*.json"))) == 1
+    busy[0] = True  # a clear loss stands, busy or not: a slow build must not run
+    kernel_calls, _, slow_kernel, fast_torch = _runners(kernel_slow_from=8)
+    args.update(run_kernel=slow_kernel, run_torch=fast_torch, shapes=[(12, 12)])
+    assert choose_regimes("q4", fixed=True, **args).use_kernel == (True, False)  # type: ignore[arg-type]
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "fixed")
+    kernel_calls.clear()
+    args.update(shapes=[(16, 16)])
+    assert choose_regimes("q4", fixed=(True, True), **args).use_kernel == (True, True)  # type: ignore[arg-type]
+    assert not kernel_calls  # nothing measured
+    assert choose_regimes("q4", **args).use_kernel == (True, False)  # type: ignore[arg-type]
 
 
 def test_unreadable_or_unwritable_cache_remeasures(

@@ -343,6 +343,8 @@ TUNE_BYTES = 64 << 20  # weight bytes all timing runs read, at most (one layer a
 # PyTorch cost the 32-row one-call path (-9% batch-32 decode). A prefill tie goes to PyTorch's
 # GEMM, whose lead grows with the row count.
 LINEAR_MARGINS = (0.0,) * (len(REGIME_ROWS) - 1) + (MARGIN,)  # the last regime is the prefill one
+# without a measurement (busy, or TANDEM_AUTOTUNE=fixed): what the measurements mostly chose
+LINEAR_FIXED = (True,) * (len(REGIME_ROWS) - 1) + (False,)
 
 
 # decode batches the int8-activation decode kernel must win at (against float32 activations) to
@@ -372,6 +374,7 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
         run_kernel=_runner(timed, Linear.kernel_forward),
         run_torch=_runner(timed, Linear.torch_forward),
         margin=LINEAR_MARGINS,
+        fixed=LINEAR_FIXED,
     )
     for layer in layers:
         layer.regimes = regimes
@@ -386,7 +389,7 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
             run_kernel=_runner(timed, Linear.int8_forward),
             run_torch=_runner(timed, Linear.float_forward),
             rows=REGIME_ROWS[-1:],
-            when_busy=True,
+            fixed=True,
         )
         if not int8.use_kernel[0]:
             for layer in layers:
@@ -401,7 +404,7 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
             run_torch=_runner(timed, Linear.float_forward),
             rows=DECODE_TUNE_ROWS,
             margin=0.0,
-            when_busy=True,
+            fixed=True,
         )
         if not all(decode.use_kernel):  # one path for every decode batch: a row's result must
             for layer in layers:  # not depend on how many sequences shared its step

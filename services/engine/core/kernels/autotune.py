@@ -58,6 +58,9 @@ REPEATS = 5
 # decides, and a tie goes to the reference path. 10%, not less: on a shared 2-core VM a 5% win at
 # the 256-row regime was noise once, and the float32 kernel then ran 512-row prefills at 0.6x MKL.
 MARGIN = 0.10
+# a ratio a busy machine's noise is not taken to explain: measured while busy, a choice that
+# changes results follows its measurement only beyond it, else the caller's fixed path
+CLEAR = 2.0
 # other processes' share of all CPUs during a measurement above which it is not cached
 OTHERS_LIMIT = 0.15
 
@@ -86,10 +89,12 @@ class KernelRegimes:
     def describe(self) -> str:
         ratios = ", ".join(
             f"{rows} row{'s' if rows > 1 else ''} {ratio:.2f}x"  # rows: batch size for attention
-            for rows, ratio in zip(self.rows, self.speedup, strict=True)
+            for rows, ratio in zip(self.rows, self.speedup, strict=False)
         )
         torch_rows = [str(r) for r, k in zip(self.rows, self.use_kernel, strict=True) if not k]
         verdict = f"PyTorch for {', '.join(torch_rows)} rows" if torch_rows else "kernel everywhere"
+        if not self.speedup:
+            return f"not measured -> {verdict}"
         return f"kernel/PyTorch speed {ratios} -> {verdict}"
 
 
@@ -103,20 +108,32 @@ def choose_regimes(
     run_torch: Callable[[int], object],
     rows: Sequence[int] = REGIME_ROWS,
     margin: float | Sequence[float] = MARGIN,
-    when_busy: bool | None = None,
+    fixed: bool | Sequence[bool] | None = None,
 ) -> KernelRegimes:
     """Time ``run_kernel(n)`` against ``run_torch(n)`` for each ``n`` in ``rows`` (or reuse the
     cached decision for this build, format and set of shapes) and return the per-regime choice:
     the kernel where it is faster by more than ``margin`` (one value, or one per row count).
 
-    ``when_busy``: for a choice that changes results, not only speed (int8 or float32
-    activations), the path every regime takes when the measurement was taken on a busy machine
-    (and is not cached): processes that start together on a loaded machine then agree with each
-    other (a stream migrated between them keeps its greedy text) instead of each following its
-    own noisy timing."""
+    ``fixed``: for a choice that changes results, not only speed (a C kernel's sums against
+    PyTorch's, int8 against float32 activations), the path each regime takes (one value for all,
+    or one per row count) when no measurement may decide: one taken on a busy machine (not
+    cached either) where the two paths are within :data:`CLEAR` of each other, or any while
+    ``TANDEM_AUTOTUNE=fixed`` (replicas that must compute the same bits, each in a container of
+    its own: compose). Processes that start together on a loaded
+    machine then agree with each other, and a stream migrated between them keeps its greedy
+    text, instead of each following its own noisy timing.
+    """
     margins = (margin,) * len(rows) if isinstance(margin, int | float) else tuple(margin)
     if len(margins) != len(rows):
         raise ValueError(f"{len(margins)} margins for {len(rows)} row counts")
+    pinned = None if fixed is None else KernelRegimes(
+        rows=tuple(rows),
+        use_kernel=(fixed,) * len(rows) if isinstance(fixed, bool) else tuple(fixed),
+    )
+    if pinned is not None and os.environ.get("TANDEM_AUTOTUNE", "") == "fixed":
+        logger.info("CPU %s kernel [%s, %s]: %s (TANDEM_AUTOTUNE=fixed)", fmt, isa, build,
+                    pinned.describe())  # fmt: skip
+        return pinned
     key = _cache_key(fmt, build, shapes, rows, margins)
     path = cache_dir() / f"autotune-{key}.json"
     with _measuring_lock():
@@ -135,11 +152,17 @@ def choose_regimes(
         f"; machine busy (other processes used {others:.0%} of the CPUs), not cached"
         if busy else "",
     )  # fmt: skip
-    if busy and when_busy is not None:
-        regimes = KernelRegimes(rows=regimes.rows, use_kernel=(when_busy,) * len(regimes.rows),
-                                speedup=regimes.speedup)
-        logger.info("CPU %s kernel: %s on a busy machine (the choice changes results; every "
-                    "process starting now takes the same)", fmt, regimes.describe())  # fmt: skip
+    if busy and pinned is not None:
+        use = tuple(
+            measured if ratio >= CLEAR or ratio <= 1 / CLEAR else fixed_path
+            for measured, fixed_path, ratio in zip(
+                regimes.use_kernel, pinned.use_kernel, regimes.speedup, strict=True
+            )
+        )  # a clear win or loss stands (a slow build must not run); a near call takes the fixed path
+        regimes = KernelRegimes(rows=regimes.rows, use_kernel=use, speedup=regimes.speedup)
+        logger.info("CPU %s kernel: %s on a busy machine (the choice changes results: near calls "
+                    "take the fixed path, as every process starting now does)", fmt,
+                    regimes.describe())  # fmt: skip
     return regimes
 
 
