@@ -126,6 +126,8 @@ def choose_regimes(
     margins = (margin,) * len(rows) if isinstance(margin, int | float) else tuple(margin)
     if len(margins) != len(rows):
         raise ValueError(f"{len(margins)} margins for {len(rows)} row counts")
+    if fixed is not None and not isinstance(fixed, bool) and len(fixed) != len(rows):
+        raise ValueError(f"{len(fixed)} fixed paths for {len(rows)} row counts")
     pinned = None if fixed is None else KernelRegimes(
         rows=tuple(rows),
         use_kernel=(fixed,) * len(rows) if isinstance(fixed, bool) else tuple(fixed),
