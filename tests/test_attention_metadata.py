@@ -154,6 +154,10 @@ def test_a_recomputed_sequence_splits_its_generated_rows_off() -> None:
                                    block_tables=tables[:1], block_size=BLOCK, prompt_counts=[0])  # fmt: skip
     assert only.mixed is not None and only.mixed.prefill is None
     assert only.mixed.decode.context_lens == [7, 8, 9]
+    one = AttentionMetadata.build(is_prefill=True, query_lens=[6], context_lens=[6],
+                                  block_tables=tables[:1], block_size=BLOCK, prompt_counts=[5])  # fmt: skip
+    assert one.mixed is not None and one.mixed.decode_rows.tolist() == [5]  # one generated row
+    assert one.mixed.prefill is not None and one.mixed.prefill.query_lens == [5]
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 30.0)])

@@ -82,7 +82,8 @@ class AttentionMetadata:
         batch = len(query_lens)
         token_seqs = token_rows = prefill_mask = mixed = None
         tails = decode_tails(query_lens, prompt_counts) if is_prefill else []
-        if any(tails) and (batch > 1 or tails[0] > 1):  # attended in halves: no padded mask
+        one_prompt_token = batch == 1 and query_lens[0] == 1 and not (prompt_counts and prompt_counts[0] == 0)
+        if any(tails) and not one_prompt_token:  # attended in halves: no padded mask
             mixed = MixedSplit.build(query_lens, context_lens, block_tables, block_size, device,
                                      tails)  # fmt: skip
         if is_prefill:  # token t is the token_rows[t]-th new token of sequence token_seqs[t]
