@@ -102,14 +102,14 @@ def agreement(got: list[list[int]], expected: list[list[int]]) -> tuple[int, lis
 # ---------------------------------------------------------------------------- dtype names
 
 
-def test_auto_picks_q4_a8_for_the_default_gguf_when_the_kernels_build() -> None:
+def test_auto_picks_q4_a8_decode_for_the_default_gguf_when_the_kernels_build() -> None:
     source = resolve_model("default")
     assert source.kind == "gguf"
     kernel = load_cpu_qgemv()
     if kernel is None or kernel.isa == "generic":
         expected = "float32"
     else:
-        expected = "q4_a8" if load_cpu_q4a8_gemm() is not None else "q4"
+        expected = "q4_a8_decode" if load_cpu_q4a8_gemm() is not None else "q4"
     assert resolve_dtype("auto", source) == expected
     assert resolve_dtype("auto", source, "cuda") == "bfloat16"  # resolving needs no GPU
     assert resolve_dtype("q8_0", source) == "q8_0" and resolve_dtype("float32", source) == "float32"

@@ -22,11 +22,9 @@ Weight dtypes (``--dtype``):
   decode kernel, kept per matrix where it measured at least as fast): llama.cpp's trade for
   decode as well. A migrated or preempted stream recomputes its generated tokens through the
   same decode kernels (matmuls and attention, :class:`~services.engine.core.attention.MixedSplit`)
-  and goes on with its greedy text exactly on the same engine; opt-in because a stream moved to
-  a second engine over the same weights has been seen to part from its text tens of tokens
-  later (cause not found yet: tests/test_structured_outputs.py's hand-off test under it);
+  and goes on with its greedy text exactly;
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
-  or AVX-512, the format the checkpoint already stores: ``q4_a8`` for 4-bit GGUFs (``q4``
+  or AVX-512, the format the checkpoint already stores: ``q4_a8_decode`` for 4-bit GGUFs (``q4``
   when the 8-bit-activation kernel doesn't build), ``q4`` (as stored) for GGUFs of 5- and 6-bit blocks
   without 4-bit ones, ``q8_0`` for other quantized ones, ``bfloat16`` /
   ``float16`` (weight-only) for matrices stored in that 16-bit type (HF folders or GGUF), so no
@@ -69,7 +67,7 @@ HALF_DTYPES = ("bfloat16", "float16")
 QUANT_DTYPES = ("q8_0", "q4")
 # the weights each 8-bit-activation dtype holds (its prompt tokens' rows round x to int8)
 INT8_ACTIVATION_DTYPES = {"q4_a8": "q4", "q4_a8_decode": "q4"}
-INT8_DECODE_DTYPES = ("q4_a8_decode",)  # generated tokens' rows over int8 too (opt-in)
+INT8_DECODE_DTYPES = ("q4_a8_decode",)  # generated tokens' rows over int8 too
 DTYPE_CHOICES = ("auto", *DTYPES, *QUANT_DTYPES, *INT8_ACTIVATION_DTYPES)
 _FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 _KEPT_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q6_K"}  # held as stored by ``q4`` too
@@ -95,8 +93,8 @@ class LoadedModel:
 
     @property
     def int8_decode(self) -> bool:
-        """Whether generated tokens' rows round theirs too (``q4_a8_decode``: integer multiply-adds
-        in decode steps, as llama.cpp; opt-in)."""
+        """Whether generated tokens' rows round theirs too (``q4_a8_decode``, ``auto``'s pick for
+        4-bit GGUFs: integer multiply-adds in decode steps, as llama.cpp)."""
         return self.weight_format in INT8_DECODE_DTYPES
 
 
@@ -143,7 +141,7 @@ def resolve_dtype(name: str, source: ModelSource, device: str = "cpu") -> str:
     if quantized & _FOUR_BIT_TYPES:
         from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
 
-        return "q4_a8" if load_cpu_q4a8_gemm() is not None else "q4"
+        return "q4_a8_decode" if load_cpu_q4a8_gemm() is not None else "q4"
     if quantized & _KEPT_TYPES:
         return "q4"
     if quantized:
