@@ -17,39 +17,26 @@ Everything runs on the gateway's event loop: no locks.
 from __future__ import annotations
 
 import logging
-from types import TracebackType
 
 from services.common.errors import InvalidArgumentError
 from services.gateway.rate_limit import RateLimitError
+from services.gateway.release_once import ReleaseOnce
 
 logger = logging.getLogger(__name__)
 
 
-class BodyLease:
+class BodyLease(ReleaseOnce):
     """``size`` bytes of the budget; ``release()`` is idempotent. Also a context manager."""
 
-    __slots__ = ("_budget", "size", "_released")
+    __slots__ = ("_budget", "size")
 
     def __init__(self, budget: BodyBudget, size: int) -> None:
+        super().__init__()
         self._budget = budget
         self.size = size
-        self._released = False
 
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._budget._give_back(self.size)
-
-    def __enter__(self) -> BodyLease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
+    def _give_back(self) -> None:
+        self._budget._give_back(self.size)
 
 
 class BodyBudget:

@@ -26,9 +26,9 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from types import TracebackType
 
 from services.common.errors import InvalidArgumentError, ResourceExhaustedError
+from services.gateway.release_once import ReleaseOnce
 
 logger = logging.getLogger(__name__)
 
@@ -168,41 +168,17 @@ class RateLimiter:
             del self._buckets[key]
 
 
-class AdmissionSlot:
+class AdmissionSlot(ReleaseOnce):
     """One admitted request; ``release()`` is idempotent. Also a (async) context manager."""
 
-    __slots__ = ("_limiter", "_released")
+    __slots__ = ("_limiter",)
 
     def __init__(self, limiter: AdmissionLimiter) -> None:
+        super().__init__()
         self._limiter = limiter
-        self._released = False
 
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._limiter._release()
-
-    def __enter__(self) -> AdmissionSlot:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    async def __aenter__(self) -> AdmissionSlot:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
+    def _give_back(self) -> None:
+        self._limiter._release()
 
 
 class AdmissionLimiter:
