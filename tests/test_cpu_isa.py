@@ -3,7 +3,8 @@
 Per build: the float32, q8_0, q4, bfloat16 and float16 kernels equal a float64 reference (the
 compact ones on the dequantized weight, both the few-rows register path and the group-by-group path);
 every one of the 65,536 bfloat16 and float16 bit patterns widens exactly; a row's result
-does not depend on its batch mates (one row, 4- and 2-tile sets, register blocks, group blocks); tiling round-trips; the
+does not depend on its batch mates (one row, 4- and 2-tile sets, register blocks, group blocks); tiling round-trips
+and stores nibbles in step order; the
 decode- and prefill-attention kernels equal the torch reference. Also: a bad or unsupported ``TANDEM_CPU_ISA``
 is a clear build error and the loaders fall back to PyTorch.
 """
@@ -166,6 +167,39 @@ def test_tile_untile_round_trip(isa: str, fmt: str) -> None:
         assert (got is None) == (expected is None)
         if got is not None and expected is not None:
             assert torch.equal(got, expected)
+
+
+def test_q4_tiles_keep_float16_scales_and_refuse_others(isa: str) -> None:
+    """q4 tiles hold the file's float16 scale and offset (4 bytes a group and column, not 8): a
+    value float16 does not hold is refused, never rounded."""
+    _, qgemv = _kernels(isa)
+    weight = _q4_weight(3)
+    assert qgemv.block_bytes["q4"] == 4 * qgemv.tile + 32 * qgemv.tile // 2
+    off = QuantizedWeight("q4", weight.qs, weight.scales * (1 + 2**-20), weight.mins)
+    with pytest.raises(ValueError, match="float16"):
+        qgemv.tile_weight(off)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "span", "sub", "strided"),
+    [("q4", 32, 32, False), ("q4_k", 256, 32, False), ("q5", 32, 32, True),
+     ("q5_k", 256, 32, True), ("q6_k", 256, 16, True)],
+)  # fmt: skip
+def test_nibbles_are_stored_in_step_order(fmt: str, span: int, sub: int, strided: bool) -> None:
+    """Step k of a group holds, per column byte, its 4 inputs side by side (one 32-bit word, the
+    operand order of vpmaddubsw): 4k..4k+3, or k + (sub / 4) i for the formats with high-bit
+    words; and the order is undone exactly."""
+    half, steps = 8, sub // 4
+    rows = torch.randint(0, 256, (2, 3, span, half), dtype=torch.uint8)
+    stored = cpu_qgemv.to_steps(rows, fmt)
+    assert stored.shape == (2, 3, span // 4, half, 4)
+    for g in range(span // sub):
+        for k in range(steps):
+            for i in range(4):
+                j = g * sub + (k + steps * i if strided else 4 * k + i)
+                assert torch.equal(stored[:, :, g * steps + k, :, i], rows[:, :, j, :])
+    back = cpu_qgemv.from_steps(stored.reshape(2, 3, span, half), fmt)
+    assert torch.equal(back, rows)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

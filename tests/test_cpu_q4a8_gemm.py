@@ -53,8 +53,9 @@ def one_thread() -> Iterator[None]:
 def _q4_weight(seed: int, out: int = OUT, inputs: int = IN) -> QuantizedWeight:
     gen = torch.Generator().manual_seed(seed)
     qs = torch.randint(0, 256, (out, inputs // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(out, inputs // 32, generator=gen) * 0.02
-    return QuantizedWeight("q4", qs, scales, -8 * scales * torch.rand(out, inputs // 32, generator=gen))
+    scales = (torch.rand(out, inputs // 32, generator=gen) * 0.02).half().float()  # as GGUF holds them
+    mins = (-8 * scales * torch.rand(out, inputs // 32, generator=gen)).half().float()
+    return QuantizedWeight("q4", qs, scales, mins)
 
 
 def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

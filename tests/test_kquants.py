@@ -213,8 +213,10 @@ def test_tiles_hold_every_bit(isa: str, ggml_type: T) -> None:
     weight = _weight(ggml_type, seed=6)
     packed = qgemv.tile_weight(weight)
     assert packed.shape[1] == IN // qgemv.block_inputs[weight.format]
-    bits = {T.Q5_0: 7.0, T.Q5_1: 7.0, T.Q4_K: 4.5, T.Q5_K: 5.5, T.Q6_K: 6.5625}[ggml_type]
-    assert packed.numel() * 8 == bits * packed.shape[0] * qgemv.tile * IN  # K types: the file's
+    # the file's bits a weight (Q5_0: 5.5, its offset implied; Q5_1 6): Q5_0 / Q5_1 tiles hold
+    # the f16 scale and offset, the K types their super-blocks as they are
+    bits = {T.Q5_0: 6.0, T.Q5_1: 6.0, T.Q4_K: 4.5, T.Q5_K: 5.5, T.Q6_K: 6.5625}[ggml_type]
+    assert packed.numel() * 8 == bits * packed.shape[0] * qgemv.tile * IN
     back = qgemv.untile(packed, weight.format, OUT)
     for name, tensor in weight.tensors().items():
         assert torch.equal(getattr(back, name).view(torch.uint8), tensor.view(torch.uint8)), name

@@ -14,13 +14,13 @@
  * uncancelled (measured on SmolLM2: layer outputs 2-7x further from float32, KL 0.02 instead of
  * 0.004). This still changes the numbers: --dtype q4_a8 (auto's pick for 4-bit GGUFs), never q4.
  *
- * Weights are cpu_qgemv.c's q4 or q4_k tiles, read as they are (q4_k: each group's scale d * sc
- * and offset -dmin * m are unpacked into float32s next to the panel, once per tile, so the row
- * blocks run q4's code; its nibbles are laid out as q4's, a super-block's 8 groups one after
- * another): a thread repacks one tile at a time into
- * a panel (per group: [8 k-quads][TILE outputs][4 inputs] bytes, the order vpmaddubsw pairs them
- * in) in its own buffer, then runs every row block over it. The repack costs a few instructions
- * per 64 weights once per call; the panel (in / 32 * 512 bytes on AVX2) stays in L1/L2 while
+ * Weights are cpu_qgemv.c's q4 or q4_k tiles, read as they are (each group's scale and offset,
+ * q4's f16 pair or q4_k's d * sc and -dmin * m, are unpacked into float32s next to the panel,
+ * once per tile, so the row blocks run one code; q4_k's nibbles are laid out as q4's, a
+ * super-block's 8 groups one after another; stored in step order, [8 k-quads][TILE / 2 output bytes][4 inputs]): a thread
+ * splits one tile's nibbles at a time into a panel (per group: [8 k-quads][TILE outputs][4
+ * inputs] bytes, the order vpmaddubsw pairs them in) in its own buffer, then runs every row block
+ * over it. The split costs three instructions per 64 weights once per call; the panel (in / 32 * 512 bytes on AVX2) stays in L1/L2 while
  * all rows pass. No second copy of the weight is kept.
  *
  * Register blocks: Q8_ROWS rows x TILE outputs (two integer vectors): AVX-512 4 rows, AVX2 3.
@@ -33,7 +33,7 @@
 #include "cpu_qgemv.c" /* the tile layouts, format codes and scales this file reads */
 
 #define GROUP 32
-#define Q4_BLOCK (8 * TILE + GROUP * TILE / 2)
+#define Q4_BLOCK q4_BLOCK
 #define Q4K_NIBBLES (16 * TILE)                     /* cpu_qgemv.c's q4_k block: f16 d, dmin, */
 #define Q4K_BLOCK (Q4K_NIBBLES + 8 * GROUP * TILE / 2) /* 12 bytes of 6-bit scales, nibbles */
 #define PANEL_GROUP (GROUP * TILE) /* one group of a tile's panel: [8][TILE][4] bytes */
@@ -146,91 +146,47 @@ static int64_t tile_bytes(int format, int64_t groups) {
 static inline const uint8_t *group_nibbles(int format, const uint8_t *tile, int64_t g) {
     if (format == FORMAT_Q4_K)
         return tile + g / 8 * Q4K_BLOCK + Q4K_NIBBLES + g % 8 * (GROUP * TILE / 2);
-    return tile + g * Q4_BLOCK + 8 * TILE;
+    return tile + g * Q4_BLOCK + Q4_NIBBLES;
 }
 
-/* A q4_k tile's scale and offset per group and output, float32 [groups][2][TILE] as a q4 block
- * starts (its scales, then its offsets): d * sc and -(dmin * m), exact products of an f16 and a
- * 6-bit integer, sc and m unpacked from the column's 12 bytes [12][TILE] as cpu_qgemv.c's
- * k_scale_min does. Made once per tile with its panel, so the row blocks read them as q4's. */
-static void k_scales(const uint8_t *tile, int64_t groups, float *out) {
+/* A tile's scale and offset per group and output, float32 [groups][2][TILE] (its scales, then
+ * its offsets), from cpu_qgemv.c's own scale function for the format: q4's f16 scale and offset
+ * widened; q4_k's d * sc and -(dmin * m), exact products of an f16 and a 6-bit integer. Made once
+ * per tile with its panel, so the row blocks read float32s whatever the format. */
+static void tile_scales(int format, const uint8_t *tile, int64_t groups, float *out) {
+    const qformat *f = format_of(format);
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *block = tile + g / 8 * Q4K_BLOCK;
-        const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
-        const int s = (int)(g % 8);
-        for (int v = 0; v < 2; v++) {
-            const uint8_t *p = block + 4 * TILE + v * LANES;
-            int_vec scale, min;
-            if (s < 4) {
-                scale = widen_u8(p + s * TILE) & 63;
-                min = widen_u8(p + (s + 4) * TILE) & 63;
-            } else {
-                const int_vec low = widen_u8(p + (s + 4) * TILE);
-                scale = (low & 15) | ((widen_u8(p + (s - 4) * TILE) >> 6) << 4);
-                min = (low >> 4) | ((widen_u8(p + s * TILE) >> 6) << 4);
-            }
-            float *sm = out + g * 2 * TILE + v * LANES;
-            store_vec(sm, f16_to_float(d + v * LANES) * __builtin_convertvector(scale, vec));
-            const vec dm = f16_to_float(dmin + v * LANES);
-            store_vec(sm + TILE, -(dm * __builtin_convertvector(min, vec)));
+        const uint8_t *block = tile + g * GROUP / f->span * f->block;
+        vec scale[VECS], min[VECS];
+        f->scale(block, (int)(g * GROUP % f->span / f->sub), scale, min);
+        for (int v = 0; v < VECS; v++) {
+            store_vec(out + g * 2 * TILE + v * LANES, scale[v]);
+            store_vec(out + g * 2 * TILE + TILE + v * LANES, min[v]);
         }
     }
 }
 
 /* One tile's values, all groups, into the panel order: panel[g][k][c][j] = q[g][4k + j][c]
- * (k-quad k, output c of the tile, input j of the quad). A block row holds output c in the
- * low nibble of byte c and output c + LANES in the high nibble. */
+ * (k-quad k, output c of the tile, input j of the quad). The tile's nibbles are already in that
+ * order (cpu_qgemv.c's step order: step k's column byte c holds inputs 4k..4k+3 of outputs c and
+ * c + LANES), so a step splits into its low nibbles (outputs 0..LANES-1) and high ones. */
 static void pack_tile(int format, const uint8_t *tile, int64_t groups, uint8_t *panel) {
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *q = group_nibbles(format, tile, g);
         uint8_t *p = panel + g * PANEL_GROUP;
-#if defined(__AVX2__) && !defined(__AVX512F__)
-        /* 4 rows of 8 bytes: nibbles split, dwords (row, 4 outputs) regrouped per 128-bit lane,
-         * then bytes [row][output] -> [output][row] within each lane. */
-        const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        const __m256i low = _mm256_set1_epi8(15);
         for (int k = 0; k < 8; k++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + k * 4 * LANES));
-            const __m256i lo = _mm256_and_si256(raw, low);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            const __m256i a = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, perm), shuf);
-            const __m256i b = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, perm), shuf);
-            _mm256_storeu_si256((__m256i *)(p + k * 4 * TILE), a);
-            _mm256_storeu_si256((__m256i *)(p + k * 4 * TILE + 4 * LANES), b);
+            const int_vec raw = load_words(q + k * 4 * LANES);
+            int_vec low = raw & 0x0F0F0F0F, high = (raw >> 4) & 0x0F0F0F0F;
+            memcpy(p + k * 4 * TILE, &low, sizeof low);
+            memcpy(p + k * 4 * TILE + 4 * LANES, &high, sizeof high);
         }
-#elif defined(__AVX512F__)
-        /* 4 rows of 16 bytes: the same with 4 dwords per row (vpermd across the whole register). */
-        const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        const __m512i shuf = _mm512_broadcast_i32x4(
-            _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-        const __m512i low = _mm512_set1_epi8(15);
-        for (int k = 0; k < 8; k++) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(q + k * 4 * LANES));
-            const __m512i lo = _mm512_and_si512(raw, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            _mm512_storeu_si512((void *)(p + k * 4 * TILE),
-                                _mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, lo), shuf));
-            _mm512_storeu_si512((void *)(p + k * 4 * TILE + 4 * LANES),
-                                _mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, hi), shuf));
-        }
-#else
-        for (int k = 0; k < 8; k++)
-            for (int c = 0; c < TILE; c++)
-                for (int j = 0; j < 4; j++) {
-                    const uint8_t byte = q[(4 * k + j) * LANES + c % LANES];
-                    p[k * 4 * TILE + c * 4 + j] = c < LANES ? byte & 15 : byte >> 4;
-                }
-#endif
     }
 }
 
 /* R rows x one tile (two integer vectors of LANES outputs) over all groups. */
-/* sm: group g's float32 scales [TILE] and offsets [TILE] at sm + g * sm_stride bytes (a q4 tile's
- * blocks, or k_scales' buffer). */
+/* sm: tile_scales' float32 scales [TILE] and offsets [TILE] per group. */
 static inline __attribute__((always_inline)) void rows_tile(
-    int R, const uint8_t *panel, const uint8_t *sm, int64_t sm_stride, int64_t groups,
+    int R, const uint8_t *panel, const float *sm, int64_t groups,
     const int8_t *q, int64_t in, const float *d, const float *s, const float *bias, float *y,
     int64_t ldy, int64_t cols) {
     vec acc[Q8_ROWS][2];
@@ -258,7 +214,7 @@ static inline __attribute__((always_inline)) void rows_tile(
                 part[r][1] = add_i16(part[r][1], maddubs(w1, a));
             }
         }
-        const float *scale = (const float *)(sm + g * sm_stride), *min = scale + TILE;
+        const float *scale = sm + g * 2 * TILE, *min = scale + TILE;
         const vec sc[2] = {load_vec(scale), load_vec(scale + LANES)};
         const vec mn[2] = {load_vec(min), load_vec(min + LANES)};
         for (int r = 0; r < R; r++) {
@@ -302,10 +258,9 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* the panel, then for q4_k its scales and offsets (k_scales) */
-        const int64_t k_bytes =
-            format == FORMAT_Q4_K ? groups * 2 * TILE * (int64_t)sizeof(float) : 0;
-        uint8_t *panel = malloc((size_t)(groups * PANEL_GROUP + k_bytes));
+        /* the panel, then its scales and offsets (tile_scales) */
+        const int64_t scale_bytes = groups * 2 * TILE * (int64_t)sizeof(float);
+        uint8_t *panel = malloc((size_t)(groups * PANEL_GROUP + scale_bytes));
         if (!panel) {
 #pragma omp atomic write
             failed = 1;
@@ -317,19 +272,14 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             pack_tile(format, tile, groups, panel);
-            const uint8_t *sm = tile;
-            int64_t sm_stride = Q4_BLOCK;
-            if (format == FORMAT_Q4_K) {
-                k_scales(tile, groups, (float *)(panel + groups * PANEL_GROUP));
-                sm = panel + groups * PANEL_GROUP;
-                sm_stride = 2 * TILE * (int64_t)sizeof(float);
-            }
+            float *sm = (float *)(panel + groups * PANEL_GROUP);
+            tile_scales(format, tile, groups, sm);
             int64_t r = 0;
             for (; r + Q8_ROWS <= rows; r += Q8_ROWS)
-                rows_tile(Q8_ROWS, panel, sm, sm_stride, groups, q + r * in, in, d + r * groups,
+                rows_tile(Q8_ROWS, panel, sm, groups, q + r * in, in, d + r * groups,
                           s + r * groups, bt, y + r * out + t * TILE, out, cols);
             for (; r < rows; r++)
-                rows_tile(1, panel, sm, sm_stride, groups, q + r * in, in, d + r * groups,
+                rows_tile(1, panel, sm, groups, q + r * in, in, d + r * groups,
                           s + r * groups, bt, y + r * out + t * TILE, out, cols);
         }
         free(panel);
@@ -352,10 +302,10 @@ const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
  *
  * The GEMM above repacks a whole tile into a panel once and runs every row over it; a decode step
  * has one row (or a few), so a repack would cost as much as the multiply. This kernel reads the
- * tiles of cpu_qgemv.c as they are (q8_0, q4, q5, q4_k, q5_k, q6_k) and puts each weight vector
- * into vpmaddubsw's order in registers: 4 input rows of a tile ([4][TILE / 2] bytes of nibbles,
- * one load) are transposed to [output][4 inputs] (vpermd + vpshufb on AVX2, the same on AVX-512),
- * split into the low and high nibbles (outputs 0..LANES-1 and LANES..TILE-1), the 5- and 6-bit
+ * tiles of cpu_qgemv.c as they are (q8_0, q4, q5, q4_k, q5_k, q6_k). Their nibbles are stored in
+ * vpmaddubsw's order (cpu_qgemv.c's step order: one load is a step's [output][4 inputs] bytes),
+ * so a step is one load, split into the low and high nibbles (outputs 0..LANES-1 and
+ * LANES..TILE-1; q8_0's rows are transposed in registers, vpermd + vpshufb), the 5- and 6-bit
  * formats' high bits or-ed in, and multiplied by the row's 4 int8 inputs broadcast (vpmaddubsw:
  * 2 products per 16-bit lane), summed in 16-bit lanes over as many 4-input steps as cannot
  * overflow (SAFE: 8 for 4-bit values, 4 for 5-bit, 2 for 6-bit, 1 for q8_0's signed bytes, which
@@ -367,8 +317,9 @@ const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
  *
  * The 5- and 6-bit formats keep a group's high bits as one 32-bit word per output (bit j, or
  * bits 2j..2j+1, for input j). Their 4-input steps take strided inputs (q5: k, k + 8, k + 16,
- * k + 24; q6_k: k, k + 4, k + 8, k + 12 of a 16-input group), so each step's high bits are one
- * shift and one mask of the word; the rounded row is permuted to match once per call (permute_rows).
+ * k + 24; q6_k: k, k + 4, k + 8, k + 12 of a 16-input group, as their nibbles are stored), so each
+ * step's high bits are one shift and one mask of the word; the rounded row is permuted to match
+ * once per call (permute_rows).
  *
  * One row keeps everything in registers; more rows put each group's weights in that order once
  * into a scratch block and run every row over it. Both run the same chain per output (the integer
@@ -376,7 +327,8 @@ const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
  */
 #define A8_VEC_BYTES (4 * LANES) /* one ivec: 4 inputs x LANES outputs, or 4 rows of a tile's nibbles */
 
-/* 4 rows of LANES bytes ([row][column]) -> [column][row], the order vpmaddubsw pairs them in. */
+/* 4 rows of LANES bytes ([row][column]) -> [column][row], the order vpmaddubsw pairs them in
+ * (q8_0: its int8 rows are stored input by input). */
 static inline ivec panel4(ivec raw) {
 #if defined(__AVX512F__)
     const __m512i perm = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -420,27 +372,10 @@ static inline void split_nibbles(ivec v, ivec *w) {
     w[1] = (ivec)(((int_vec)v >> 4) & 0x0F0F0F0F);
 }
 
-/* Four steps' rows of nibbles, raw[i] = rows k0 + i + stride * (0, 1, 2, 3) ([row][column]):
- * contiguous rows (stride 1) are one load a step; strided ones load the 4 vectors of 4 rows at
- * p, p + stride rows, ... and transpose them by 8-byte rows (AVX2: 4 unpacks, 4 lane permutes). */
-static inline void steps_rows(const uint8_t *nibbles, int k0, int stride, ivec *raw) {
-    if (stride == 1) {
-        for (int i = 0; i < 4; i++) raw[i] = load_i(nibbles + 4 * (k0 + i) * LANES);
-        return;
-    }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    const uint8_t *p = nibbles + k0 * LANES;
-    const __m256i a = load_i(p), b = load_i(p + stride * LANES), c = load_i(p + 2 * stride * LANES),
-                  d = load_i(p + 3 * stride * LANES);
-    const __m256i ab0 = _mm256_unpacklo_epi64(a, b), ab1 = _mm256_unpackhi_epi64(a, b);
-    const __m256i cd0 = _mm256_unpacklo_epi64(c, d), cd1 = _mm256_unpackhi_epi64(c, d);
-    raw[0] = _mm256_permute2x128_si256(ab0, cd0, 0x20);
-    raw[1] = _mm256_permute2x128_si256(ab1, cd1, 0x20);
-    raw[2] = _mm256_permute2x128_si256(ab0, cd0, 0x31);
-    raw[3] = _mm256_permute2x128_si256(ab1, cd1, 0x31);
-#else
-    for (int i = 0; i < 4; i++) raw[i] = rows4(nibbles + (k0 + i) * LANES, stride * LANES);
-#endif
+/* Four steps of a group's nibbles (step order), steps k0..k0+3: one vector each, already in
+ * vpmaddubsw's order ([column][4 inputs], low nibbles outputs 0..LANES-1, high ones the rest). */
+static inline void steps_load(const uint8_t *nibbles, int k0, ivec *raw) {
+    for (int i = 0; i < 4; i++) raw[i] = load_i(nibbles + 4 * (k0 + i) * LANES);
 }
 
 /* u * s over signed weight bytes w: |w| times s with w's sign (vpabsb / vpsignb). */
@@ -467,9 +402,9 @@ static inline ivec maddubs_signed(ivec w, ivec s) {
 
 /* Per format: SUB inputs per scale, SAFE 4-input steps summed in 16 bits, STRIDE of a step's
  * inputs within a group (1: k*4..k*4+3; q5 8, q6_k 4: k, k + STRIDE, ...), OFFSET (whether it
- * has one), NAME##_a8rows(block, g, k0, raw): four steps' rows of group g (steps_rows; q8_0: none),
+ * has one), NAME##_a8rows(block, g, k0, raw): four steps of group g (steps_load; q8_0: none),
  * and NAME##_a8quad(block, g, k, raw, w): step k of group g as two panel vectors (outputs
- * 0..LANES-1, LANES..TILE-1) from its raw rows. */
+ * 0..LANES-1, LANES..TILE-1) from its raw step. */
 #define q8_A8SAFE 1
 #define q4_A8SAFE 8
 #define q4k_A8SAFE 8
@@ -510,16 +445,16 @@ static inline void q8_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec 
 
 static inline void q4_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
     (void)g;
-    steps_rows(block + 8 * TILE, k0, 1, raw);
+    steps_load(block + Q4_NIBBLES, k0, raw);
 }
 
 static inline void q4k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
-    steps_rows(block + Q4K_NIBBLES + g * GROUP * LANES, k0, 1, raw);
+    steps_load(block + Q4K_NIBBLES + g * GROUP * LANES, k0, raw);
 }
 
 static inline void q4_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
     (void)block, (void)g, (void)k;
-    split_nibbles(panel4(raw), w);
+    split_nibbles(raw, w);
 }
 #define q4k_a8quad q4_a8quad
 
@@ -527,7 +462,7 @@ static inline void q4_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec 
  * word per output (input j at bit j): byte i of output c's 32-bit lane is input k + 8i, bit
  * k + 8i. */
 static inline void five_bit_quad(const uint8_t *words, int k, ivec raw, ivec *w) {
-    split_nibbles(panel4(raw), w);
+    split_nibbles(raw, w);
     for (int v = 0; v < 2; v++) {
         const int_vec word = load_words(words + v * 4 * LANES);
         w[v] = (ivec)((int_vec)w[v] | (((word >> k) & 0x01010101) << 4));
@@ -536,16 +471,16 @@ static inline void five_bit_quad(const uint8_t *words, int k, ivec raw, ivec *w)
 
 static inline void q5_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
     (void)g;
-    steps_rows(block + 12 * TILE, k0, 8, raw);
+    steps_load(block + Q5_NIBBLES, k0, raw);
 }
 
 static inline void q5_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
     (void)g;
-    five_bit_quad(block + 8 * TILE, k, raw, w);
+    five_bit_quad(block + Q5_HIGH, k, raw, w);
 }
 
 static inline void q5k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
-    steps_rows(block + Q5K_NIBBLES + g * GROUP * LANES, k0, 8, raw);
+    steps_load(block + Q5K_NIBBLES + g * GROUP * LANES, k0, raw);
 }
 
 static inline void q5k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
@@ -555,11 +490,11 @@ static inline void q5k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec
 /* Step k of a 16-input group: inputs k, k + 4, k + 8, k + 12, bits 4-5 from the group's word per
  * output (input j at bits 2j..2j+1): byte i of output c's lane is input k + 4i, bits 2k + 8i. */
 static inline void q6k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
-    steps_rows(block + Q6K_NIBBLES + g * 16 * LANES, k0, 4, raw);
+    steps_load(block + Q6K_NIBBLES + g * 16 * LANES, k0, raw);
 }
 
 static inline void q6k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
-    split_nibbles(panel4(raw), w);
+    split_nibbles(raw, w);
     const uint8_t *words = block + Q6K_HIGH + g * 4 * TILE;
     for (int v = 0; v < 2; v++) {
         const int_vec word = load_words(words + v * 4 * LANES);
@@ -591,6 +526,7 @@ static inline int a8_source(int format, int stride, int p) {
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : splat(0.0f); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            prefetch_block(block, NAME##_BLOCK);                                                  \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
@@ -644,6 +580,7 @@ static inline int a8_source(int format, int stride, int p) {
                 store_vec(accm + r * TILE + c * LANES, bias ? load_vec(bias + c * LANES) : splat(0.0f)); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            prefetch_block(block, NAME##_BLOCK);                                                  \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \

@@ -10,12 +10,18 @@
  * Every format is a value per weight and a scale (and for some an offset) per group of SUB inputs
  * of one output feature: w[o, i] = q[o, i] * scale[o, g] + min[o, g]. Tiled like cpu_gemv.c, TILE
  * output features at a time, each (tile, block of SPAN inputs) one contiguous block; "nibbles"
- * below are [inputs][TILE / 2] bytes, byte c of an input row holding column c in its low nibble
- * and column c + TILE / 2 in its high one:
+ * below are [inputs][TILE / 2] bytes in "step order": per step of 4 inputs, [TILE / 2][4] bytes,
+ * byte (c, i) holding input i of the step for column c in its low nibble and column c + TILE / 2
+ * in its high one. A step's inputs are 4k..4k+3 of a group of 32 for q4 and q4_k; k, k + 8,
+ * k + 16, k + 24 of 32 for q5 and q5_k; k, k + 4, k + 8, k + 12 of 16 for q6_k (their high bits'
+ * words then give a step's bits with one shift). Why that order: a step's 4 bytes per column are
+ * one 32-bit lane, exactly the operand order of vpmaddubsw (cpu_q4a8_gemm.c's int8 decode rows
+ * load a step and multiply, with no transpose in the loop), and the float path takes input i of
+ * a step as byte i of each lane (one shift):
  *
  *   q8_0: float scale[TILE], int8 q[32][TILE]                                   SPAN = SUB = 32
- *   q4:   float scale[TILE], float min[TILE], nibbles[32]                       SPAN = SUB = 32
- *   q5:   float scale[TILE], float min[TILE], uint32 high[TILE], nibbles[32]    SPAN = SUB = 32
+ *   q4:   f16 scale[TILE], f16 min[TILE], nibbles[32]                           SPAN = SUB = 32
+ *   q5:   f16 scale[TILE], f16 min[TILE], uint32 high[TILE], nibbles[32]        SPAN = SUB = 32
  *         (bit 4 of each value: one word per column, input j's at bit j)
  *   q6_k: f16 d[TILE], int8 sc[16][TILE], uint32 high[16][TILE], nibbles[256]   SPAN 256, SUB 16
  *         (bits 4-5 of each value, input j's at bits 2 (j % 16) of word j / 16; the value is
@@ -63,10 +69,13 @@
 #define q8_BLOCK (4 * TILE + GROUP * TILE)
 #define q4_SPAN GROUP
 #define q4_SUB GROUP
-#define q4_BLOCK (8 * TILE + GROUP * TILE / 2)
+#define Q4_NIBBLES (4 * TILE) /* offsets in a q4 block: the nibbles after f16 scales and mins */
+#define q4_BLOCK (Q4_NIBBLES + GROUP * TILE / 2)
 #define q5_SPAN GROUP
 #define q5_SUB GROUP
-#define q5_BLOCK (12 * TILE + GROUP * TILE / 2)
+#define Q5_HIGH (4 * TILE) /* offsets in a q5 block: the fifth bits' words, the nibbles */
+#define Q5_NIBBLES (8 * TILE)
+#define q5_BLOCK (Q5_NIBBLES + GROUP * TILE / 2)
 #define Q6K_HIGH (18 * TILE)  /* offsets in a q6_k block: the high-bit words, the nibbles */
 #define Q6K_NIBBLES (82 * TILE)
 #define q6k_SPAN SUPER
@@ -87,18 +96,19 @@
 #define f16_SPAN GROUP
 #define f16_SUB GROUP
 #define f16_BLOCK HALF_BLOCK
-/* The formats whose high bits come from a shift by the input's place: their group's inputs fully
+/* The formats whose values come from a shift by the input's place (every nibble format: its byte
+ * in a step's word; the 5- and 6-bit ones: their high bits too): their group's inputs fully
  * unrolled, so every shift count is a constant and a word is loaded once per group (left to the
  * compiler, a variable count and a branch per input measured 2-4x slower). The others: the
- * compiler's choice, as before. */
+ * compiler's choice. */
 #define PRAGMA(text) _Pragma(#text)
 #define UNROLL(n) PRAGMA(GCC unroll n)
 #define q5_UNROLL UNROLL(32)
 #define q5k_UNROLL UNROLL(32)
 #define q6k_UNROLL UNROLL(16)
 #define q8_UNROLL
-#define q4_UNROLL
-#define q4k_UNROLL
+#define q4_UNROLL UNROLL(32)
+#define q4k_UNROLL UNROLL(32)
 #define bf16_UNROLL
 #define f16_UNROLL
 
@@ -114,14 +124,31 @@ static inline int_vec load_words(const uint8_t *p) { return *(const qwords_u *)p
 
 static inline vec int_to_vec(int_vec v) { return __builtin_convertvector(v, vec); }
 
+/* Column bytes of place i of step k (nibbles in step order: one 32-bit word per column), each
+ * zero-extended to its lane. */
+static inline int_vec step_bytes(const uint8_t *nibbles, int k, int i) {
+    return (load_words(nibbles + k * 4 * LANES) >> (8 * i)) & 255;
+}
+
+/* Input j of a group of nibbles in step order: 4j..4j+3 a step (q4, q4_k) or strided through the
+ * group's `steps` steps (q5, q5_k, q6_k), zero-extended per column. */
+static inline int_vec nibble_bytes(const uint8_t *group, int j, int steps) {
+    return steps ? step_bytes(group, j % steps, j / steps) : step_bytes(group, j / 4, j % 4);
+}
+
+static inline void bytes_to_float(int_vec wide, vec *w) {
+    w[0] = int_to_vec(wide & 15);
+    w[1] = int_to_vec(wide >> 4);
+}
+
 /* Input j of one block: its integer values (no scale, no offset) as two float vectors
  * (columns 0..LANES-1 and LANES..TILE-1). Exact: every value is a small integer. */
 static inline void q4_values(const uint8_t *block, int j, vec *w) {
-    nibbles_to_float(block + 8 * TILE + j * LANES, &w[0], &w[1]);
+    bytes_to_float(nibble_bytes(block + Q4_NIBBLES, j, 0), w);
 }
 
 static inline void q4k_values(const uint8_t *block, int j, vec *w) {
-    nibbles_to_float(block + Q4K_NIBBLES + j * LANES, &w[0], &w[1]);
+    bytes_to_float(nibble_bytes(block + Q4K_NIBBLES, j, 0), w);
 }
 
 static inline void q8_values(const uint8_t *block, int j, vec *w) {
@@ -136,20 +163,21 @@ static inline int_vec fifth_bit(int_vec word, int j) {
     return (j >= 4 ? word >> (j - 4) : word << (4 - j)) & 16;
 }
 
-/* A nibbles row (input j) and the words of its fifth bits: 5-bit values 0..31. */
-static inline void five_bits(const uint8_t *row, const uint8_t *words, int j, vec *w) {
-    const int_vec wide = widen_u8(row);
+/* Input j of a group's nibbles (step order, strided by 8) and the words of its fifth bits: 5-bit
+ * values 0..31. */
+static inline void five_bits(const uint8_t *group, const uint8_t *words, int j, vec *w) {
+    const int_vec wide = nibble_bytes(group, j, GROUP / 4);
     w[0] = int_to_vec((wide & 15) | fifth_bit(load_words(words), j));
     w[1] = int_to_vec((wide >> 4) | fifth_bit(load_words(words + 4 * LANES), j));
 }
 
 static inline void q5_values(const uint8_t *block, int j, vec *w) {
-    five_bits(block + 12 * TILE + j * LANES, block + 8 * TILE, j, w);
+    five_bits(block + Q5_NIBBLES, block + Q5_HIGH, j, w);
 }
 
 static inline void q5k_values(const uint8_t *block, int j, vec *w) {
-    five_bits(block + Q5K_NIBBLES + j * LANES, block + 16 * TILE + (j / GROUP) * 4 * TILE,
-              j % GROUP, w);
+    five_bits(block + Q5K_NIBBLES + (j / GROUP) * GROUP * LANES,
+              block + 16 * TILE + (j / GROUP) * 4 * TILE, j % GROUP, w);
 }
 
 /* Bits 4-5 of 6-bit values from a word per column holding 16 inputs' pairs, input k's at bits
@@ -160,7 +188,7 @@ static inline int_vec high_pair(int_vec word, int k) {
 
 /* q6_k: the unsigned values 0..63 (the offset of -32 is the group's min, -32 * scale). */
 static inline void q6k_values(const uint8_t *block, int j, vec *w) {
-    const int_vec wide = widen_u8(block + Q6K_NIBBLES + j * LANES);
+    const int_vec wide = nibble_bytes(block + Q6K_NIBBLES + (j / 16) * 16 * LANES, j % 16, 4);
     const uint8_t *words = block + Q6K_HIGH + (j / 16) * 4 * TILE;
     w[0] = int_to_vec((wide & 15) | high_pair(load_words(words), j % 16));
     w[1] = int_to_vec((wide >> 4) | high_pair(load_words(words + 4 * LANES), j % 16));
@@ -212,12 +240,15 @@ static inline void q8_scale(const uint8_t *block, const block_scales *bs, int s,
         scale[c] = load_vec((const float *)block + c * LANES), min[c] = splat(0.0f);
 }
 
+/* q4 and q5: the file's f16 scale and offset (GGUF's Q4_0 / Q5_0 offset -8 d / -16 d, Q4_1 /
+ * Q5_1's m: all exact in f16), widened per group: 4 bytes a group and column, as the file holds
+ * them, not 8. */
 static inline void q4_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
                             vec *min) {
     (void)s, (void)bs;
-    const float *f = (const float *)block;
+    const uint16_t *f = (const uint16_t *)block;
     for (int c = 0; c < VECS; c++)
-        scale[c] = load_vec(f + c * LANES), min[c] = load_vec(f + TILE + c * LANES);
+        scale[c] = f16_to_float(f + c * LANES), min[c] = f16_to_float(f + TILE + c * LANES);
 }
 #define q5_scale q4_scale
 
@@ -314,6 +345,16 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
         }
 }
 
+/* A decode row streams each weight from memory once, a tile's blocks front to back; the
+ * hardware prefetchers alone left a core's stream well below what memory gives two cores
+ * (measured on Zen 3: an int8 q4_k row from DRAM 18-20 GB/s on 2 threads; prefetching the
+ * block PREFETCH_AHEAD bytes on, 23-32 GB/s). Prefetches never fault: past the weight's end
+ * they are dropped. */
+#define PREFETCH_AHEAD 8192
+static inline void prefetch_block(const uint8_t *block, int64_t bytes) {
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_AHEAD + l, 0, 0);
+}
+
 /* R rows over one quantized tile, its values converted in registers. Per output and group, one
  * chain: part = sum_j x[j] * q[j] (fused multiply-adds in input order, from zero), then
  * acc += scale * part and acc += min * sum(x over the group); acc starts at the bias.
@@ -330,6 +371,7 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : (vec){0}; \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            prefetch_block(block, NAME##_BLOCK);                                                  \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
@@ -421,7 +463,10 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
             block_scales bs[N];                                                                   \
-            for (int n = 0; n < N; n++) NAME##_prep(block + n * tile_bytes, &bs[n]);              \
+            for (int n = 0; n < N; n++) {                                                         \
+                prefetch_block(block + n * tile_bytes, NAME##_BLOCK);                             \
+                NAME##_prep(block + n * tile_bytes, &bs[n]);                                      \
+            }                                                                                     \
             for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
                 const int64_t i0 = b * NAME##_SPAN + s * NAME##_SUB;                              \
                 vec part[N][VECS];                                                                \
@@ -637,7 +682,7 @@ int tandem_qdequant_t(int format, const uint8_t *w, int64_t in, int64_t out, flo
 
 /* Rows index[0..n) of a tiled weight [out_features, in], dequantized into dst [n, in] (float32,
  * contiguous): an embedding lookup on a tied head's tiles, exactly the values tandem_qdequant_t
- * gives. q8_0, q4 and the 16-bit floats read only the column of each block that holds the row;
+ * gives. q8_0 and the 16-bit floats read only the column of each block that holds the row;
  * the other formats dequantize a group of the tile at a time and keep the row's column. Returns 0,
  * or -1 for an unknown format or an index out of range. */
 int tandem_qgather_rows(int format, const uint8_t *w, int64_t in, int64_t out_features,
@@ -658,13 +703,6 @@ int tandem_qgather_rows(int format, const uint8_t *w, int64_t in, int64_t out_fe
             if (format == FORMAT_Q8_0) {
                 const int8_t *q = (const int8_t *)(block + 4 * TILE);
                 for (int j = 0; j < GROUP; j++) out[j] = (float)q[j * TILE + c] * scale[c];
-            } else if (format == FORMAT_Q4) {
-                const uint8_t *q = block + 8 * TILE;
-                const int64_t half = TILE / 2, shift = c < half ? 0 : 4;
-                for (int j = 0; j < GROUP; j++) {
-                    const int value = (q[j * half + c % half] >> shift) & 15;
-                    out[j] = (float)value * scale[c] + scale[TILE + c];
-                }
             } else if (!f->scaled) { /* 16-bit floats: gather the column, widen a vector at a time */
                 const uint16_t *q = (const uint16_t *)block;
                 uint16_t column[GROUP];

@@ -48,12 +48,13 @@ _K_SCALES = "k_scales"  # a K super-block's 8 six-bit scales and mins in 12 byte
 # Per format, a block's parts in order (cpu_qgemv.c's layouts): the canonical tensor each comes
 # from, its dtype in the tiles and the inputs one of its entries covers; per part a block holds
 # [span / that][TILE] entries. "qh" is read as 32-bit words (a group's fifth bits, or 16 inputs'
-# bits 4-5), the nibbles [span][TILE / 2] bytes, column c low and c + TILE / 2 high; the K
+# bits 4-5), the nibbles [span][TILE / 2] bytes, column c low and c + TILE / 2 high, in step
+# order (to_steps: 4 inputs of a column byte side by side); the K
 # scales [12][TILE] bytes per super-block, made from the canonical scales and mins.
 _PARTS: dict[str, list[tuple[str, torch.dtype, int]]] = {
     FORMAT_Q8_0: [("scales", _F32, 32), ("qs", torch.int8, 1)],
-    FORMAT_Q4: [("scales", _F32, 32), ("mins", _F32, 32), (_NIBBLES, torch.uint8, 1)],
-    FORMAT_Q5: [("scales", _F32, 32), ("mins", _F32, 32), ("qh", _I32, 32),
+    FORMAT_Q4: [("scales", _F16, 32), ("mins", _F16, 32), (_NIBBLES, torch.uint8, 1)],
+    FORMAT_Q5: [("scales", _F16, 32), ("mins", _F16, 32), ("qh", _I32, 32),
                 (_NIBBLES, torch.uint8, 1)],
     FORMAT_Q6_K: [("d", _F16, 256), ("scales", torch.int8, 16), ("qh", _I32, 16),
                   (_NIBBLES, torch.uint8, 1)],
@@ -105,7 +106,8 @@ class CpuQGemv:
         """Canonical ``[out, in]`` weight → uint8 ``[ceil(out / tile), in / span, block]`` tiles.
 
         Raises:
-            ValueError: ``in`` is not a multiple of the format's block inputs.
+            ValueError: ``in`` is not a multiple of the format's block inputs, or a q4 / q5
+                scale or offset is not a float16 value.
         """
         fmt, (out_features, in_features) = weight.format, weight.shape
         span = self.block_inputs[fmt]
@@ -119,13 +121,14 @@ class CpuQGemv:
                 low = torch.stack([qs & 0x0F, qs >> 4], dim=-1).reshape(out_features, in_features)
                 q = self._columns(low, blocks)  # [T, B, span, tile]
                 half = self.tile // 2
-                packed.append((q[..., :half] | (q[..., half:] << 4)).reshape(tiles, blocks, -1))
+                rows = q[..., :half] | (q[..., half:] << 4)  # [T, B, span, half]
+                packed.append(to_steps(rows, fmt).reshape(tiles, blocks, -1))
                 continue
             if name == _K_SCALES:
                 assert weight.scales is not None and weight.mins is not None
                 source = pack_k_scales(weight.scales, weight.mins)
             else:
-                source = getattr(weight, name).contiguous().view(dtype)
+                source = _stored(getattr(weight, name), dtype, fmt, name)
             part = self._columns(source, blocks).contiguous().view(torch.uint8)
             packed.append(part.reshape(tiles, blocks, -1))
         tiled = torch.cat(packed, dim=-1).contiguous()
@@ -157,7 +160,8 @@ class CpuQGemv:
         start = 0
         for name, dtype, per in _PARTS[fmt]:
             if name == _NIBBLES:
-                q = packed[..., start : start + span * tile // 2].reshape(tiles, blocks, span, -1)
+                steps = packed[..., start : start + span * tile // 2]
+                q = from_steps(steps.reshape(tiles, blocks, span, -1), fmt)
                 values = unlay(torch.cat([q & 0x0F, q >> 4], dim=-1)).reshape(out_features, -1, 2)
                 tensors["qs"] = values[..., 0] | (values[..., 1] << 4)
                 start += span * tile // 2
@@ -170,7 +174,11 @@ class CpuQGemv:
             size = span // per * tile * dtype.itemsize
             raw = packed[..., start : start + size].contiguous().view(dtype)
             canonical = LAYOUTS[fmt][name][0]
-            tensors[name] = unlay(raw.reshape(tiles, blocks, span // per, tile)).view(canonical)
+            stored = unlay(raw.reshape(tiles, blocks, span // per, tile))
+            tensors[name] = (
+                stored.to(canonical) if stored.is_floating_point() and canonical.is_floating_point
+                else stored.view(canonical)
+            )
             start += size
         return QuantizedWeight(fmt, **tensors, **{  # type: ignore[arg-type]
             name: None for name in ("scales", "mins", "qh", "d", "dmin") if name not in tensors
@@ -274,6 +282,61 @@ class QGemvCall:
         if status != 0:
             raise MemoryError("the CPU quantized matmul kernel could not allocate its buffers")
         return y
+
+
+def _stored(source: torch.Tensor, dtype: torch.dtype, fmt: str, name: str) -> torch.Tensor:
+    """A canonical part as the tiles hold it: the same bits viewed as ``dtype``, or (q4 and q5's
+    float32 scales and offsets) rounded to float16, which must keep every value: GGUF's Q4_0 /
+    Q4_1 / Q5_0 / Q5_1 store them as float16 (Q4_0 and Q5_0's offsets -8 d and -16 d are exact).
+
+    Raises:
+        ValueError: a value float16 does not hold exactly.
+    """
+    source = source.contiguous()
+    if source.dtype == dtype or not (source.is_floating_point() and dtype.is_floating_point):
+        return source.view(dtype)
+    narrow = source.to(dtype)
+    if not torch.equal(narrow.to(source.dtype), source):
+        raise ValueError(f"{fmt} {name} must be float16 values (as GGUF stores them) for the CPU tiles")
+    return narrow
+
+
+# Inputs per step group of the nibble formats' step order, and whether a step's 4 inputs are
+# strided through the group (cpu_qgemv.c's "step order"): q4 and q4_k 4k..4k+3 of 32; q5 and q5_k
+# k, k+8, k+16, k+24 of 32; q6_k k, k+4, k+8, k+12 of 16 (their high bits' words hold a group's
+# bits input by input, so a strided step's bits are one shift away).
+_STEP_GROUPS: dict[str, tuple[int, bool]] = {
+    FORMAT_Q4: (32, False), FORMAT_Q4_K: (32, False), FORMAT_Q5: (32, True),
+    FORMAT_Q5_K: (32, True), FORMAT_Q6_K: (16, True),
+}  # fmt: skip
+
+
+def to_steps(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Nibble rows ``[..., span, half]`` (input, column byte) → the step order
+    ``[..., span / 4, half, 4]``: per group of inputs and step k, column byte c's 4 inputs side by
+    side (one 32-bit word per column), the order ``vpmaddubsw`` multiplies them in."""
+    sub, strided = _STEP_GROUPS[fmt]
+    *lead, span, half = rows.shape
+    g = rows.reshape(*lead, span // sub, sub, half)
+    if strided:  # input k + (sub / 4) i at step k, place i
+        steps = g.reshape(*lead, span // sub, 4, sub // 4, half).permute(
+            *range(len(lead)), -4, -2, -1, -3)
+    else:  # input 4k + i
+        steps = g.reshape(*lead, span // sub, sub // 4, 4, half).transpose(-1, -2)
+    return steps.reshape(*lead, span // 4, half, 4).contiguous()
+
+
+def from_steps(steps: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The inverse of :func:`to_steps`: ``[..., span, half]`` bytes in step order (the same
+    number of bytes, read as ``[span / 4, half, 4]``) → nibble rows ``[..., span, half]``."""
+    sub, strided = _STEP_GROUPS[fmt]
+    *lead, span, half = steps.shape
+    g = steps.reshape(*lead, span // sub, sub // 4, half, 4)
+    if strided:  # [k][c][i] → [i][k][c]
+        rows = g.permute(*range(len(lead)), -4, -1, -3, -2)
+    else:  # [k][c][i] → [k][i][c]
+        rows = g.transpose(-1, -2)
+    return rows.reshape(*lead, span, half).contiguous()
 
 
 def pack_k_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
