@@ -6,19 +6,22 @@ What a user does, checked step by step (tests/test_compose_stack.py runs it unde
 1. build the image (Docker Hub or download.pytorch.org out of reach: a Debian-built base image,
    scripts/debian_base_image.sh, and a local torch wheel with PyPI; see ``--help``);
 2. ``docker compose -f compose.yaml -f compose.cpu.yaml up -d``: every healthcheck healthy, and
-   the gateway's ``/ready`` lists every worker container by its address;
+   the gateway's ``/ready`` lists every worker and tokenizer container by its address (two
+   tokenizer replicas);
 3. greedy streamed chat completions through the published port with the ``openai`` SDK equal
    ``tandem generate`` in the same image;
 4. ``up -d --scale prefill=2 --scale decode=3``: ``/ready`` lists every replica (DNS), requests
    land on more than one decode replica (each replica's own metrics), and each conversation's
    next turn is served from the prefix cache of the replica that holds its first;
-5. a decode replica killed mid-stream, twice: by ``docker kill`` (Docker then leaves it stopped,
+5. one tokenizer replica killed: every request still answers (the gateway retries a failed
+   call on the other replica), ``/ready`` stays ready, and ``compose up`` starts it again;
+6. a decode replica killed mid-stream, twice: by ``docker kill`` (Docker then leaves it stopped,
    as after any user's stop, and ``compose up`` starts it again) and by a crash (SIGKILL to its
    init from the host, which the ``restart:`` policy answers): every stream completes with its
    undisturbed greedy text (see :func:`undisturbed` for prompts at a near-tie), the gateway
    counts the migration, routes to the restarted replica again, and every live replica's
    ``tandem:kv_blocks_in_use`` returns to 0;
-6. ``docker compose down -v`` leaves no container, network or volume of the project.
+7. ``docker compose down -v`` leaves no container, network or volume of the project.
 
 Exit status 0 when every check passed; the log says what was measured (build time, image size,
 time to healthy and ready) and, on failure, what broke, with the services' last log lines.
@@ -45,6 +48,7 @@ FILES = ["compose.yaml", "compose.cpu.yaml"]
 IMAGE = "tandem:cpu"  # compose.cpu.yaml's image
 METRICS_PORT = {"prefill": 9111, "decode": 9121}  # services/common/ports.py defaults
 SCALE = {"prefill": 2, "decode": 3}
+TOKENIZERS = {"tokenizer": 2}  # compose.yaml's deploy.replicas
 TOKENS = 64
 # The workers' and `tandem generate`'s --dtype. Not `auto`: its q4_a8 rounds prompt rows to int8
 # only where the int8 GEMM measured faster than float activations when the process started
@@ -88,12 +92,12 @@ def running(stack: Stack, service: str) -> list[Replica]:
 
 
 def ready_lists_every_replica(stack: Stack, client: Client) -> bool:
-    """``/ready`` is ready, and its prefill and decode workers are exactly the running
-    containers' addresses, all healthy."""
+    """``/ready`` is ready, and its tokenizer replicas and prefill and decode workers are exactly
+    the running containers' addresses, all healthy."""
     ready = client.ready()
     if ready.get("status") != "ready":
         return False
-    for role in ("prefill", "decode"):
+    for role in ("tokenizer", "prefill", "decode"):
         listed = {w["address"].rsplit(":", 1)[0] for w in ready[role] if w["healthy"]}
         if listed != {r.ip for r in running(stack, role)} or len(listed) != len(ready[role]):
             return False
@@ -143,6 +147,24 @@ def spread_and_prefix_routing(stack: Stack, client: Client) -> None:
         check(cached >= prompt_tokens // 16 * 16 > 0,
               f"next turn on {topic!r} served {cached} of its first {prompt_tokens} prompt "
               "tokens from the replica holding them")  # fmt: skip
+
+
+def survive_a_tokenizer_kill(stack: Stack, client: Client) -> None:
+    """Kill one of the two tokenizer replicas: every request still answers (a call that meets
+    the dead replica is retried on the other) and ``/ready`` stays ready; then start it again."""
+    victim = running(stack, "tokenizer")[0]
+    stack.kill(victim.container)
+    started = time.monotonic()
+    outcomes = [client.stream(p, 8) for p in PROMPTS * 2]
+    took = time.monotonic() - started
+    check(all(o.error is None and o.completion_tokens == 8 for o in outcomes),
+          f"{len(outcomes)} streams with {victim.container} killed ({took:.1f} s): {outcomes}")
+    ready = client.ready()
+    check(ready.get("status") == "ready", f"/ready with one tokenizer replica down: {ready}")
+    stack.up(SCALE)  # compose starts it again
+    stack.wait_healthy({**TOKENIZERS, **SCALE, "gateway": 1}, timeout=600)
+    wait_for("/ready lists both tokenizer replicas again",
+             lambda: ready_lists_every_replica(stack, client), 120)  # fmt: skip
 
 
 def kill_mid_stream(stack: Stack, client: Client, reference: dict[str, set[str]],
@@ -215,7 +237,7 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
     offline = offline_text(PROMPTS[0])
     started = time.monotonic()
     stack.up()
-    figures["healthy_s"] = stack.wait_healthy({"tokenizer": 1, "prefill": 1, "decode": 1,
+    figures["healthy_s"] = stack.wait_healthy({**TOKENIZERS, "prefill": 1, "decode": 1,
                                                "gateway": 1}, timeout=900)  # fmt: skip
     wait_for("/ready lists every worker", lambda: ready_lists_every_replica(stack, client), 120)
     figures["ready_s"] = time.monotonic() - started
@@ -223,11 +245,12 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
 
     started = time.monotonic()
     stack.up(SCALE)
-    stack.wait_healthy({"tokenizer": 1, **SCALE, "gateway": 1}, timeout=900)
+    stack.wait_healthy({**TOKENIZERS, **SCALE, "gateway": 1}, timeout=900)
     wait_for("/ready lists all 2 prefill and 3 decode replicas by DNS",
              lambda: ready_lists_every_replica(stack, client), 120)  # fmt: skip
     figures["scale_ready_s"] = time.monotonic() - started
     spread_and_prefix_routing(stack, client)
+    survive_a_tokenizer_kill(stack, client)
 
     reference = undisturbed(client)
     killed = kill_mid_stream(stack, client, reference, stack.kill)
@@ -235,7 +258,7 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
     state = next(r.state for r in stack.replicas("decode") if r.container == killed)
     logger.info("after docker kill, %s is %s (restart policies skip a user's kill)", killed, state)
     stack.up(SCALE)  # compose starts it again
-    stack.wait_healthy({"tokenizer": 1, **SCALE, "gateway": 1}, timeout=600)
+    stack.wait_healthy({**TOKENIZERS, **SCALE, "gateway": 1}, timeout=600)
     wait_for("/ready lists every replica again", lambda: ready_lists_every_replica(stack, client),
              120)  # fmt: skip
     served_again(stack, client, killed)
@@ -243,7 +266,7 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
     crashed = kill_mid_stream(stack, client, reference, stack.crash)
     restarts = stack.restart_count(crashed)
     logger.info("%s restarted by its restart policy (RestartCount=%d)", crashed, restarts)
-    stack.wait_healthy({"tokenizer": 1, **SCALE, "gateway": 1}, timeout=600)
+    stack.wait_healthy({**TOKENIZERS, **SCALE, "gateway": 1}, timeout=600)
     check(stack.restart_count(crashed) >= 1, f"compose's restart: policy restarted {crashed}")
     wait_for("/ready lists every replica again", lambda: ready_lists_every_replica(stack, client),
              120)  # fmt: skip

@@ -74,12 +74,15 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     """Character-level: ``role: content\\n`` per message, then ``assistant:`` when asked."""
 
     def __init__(self) -> None:
+        self.address = ""
         self.requests: list[Any] = []
         self.protocol_version = PROTOCOL_VERSION
         self.model_fingerprint = ""
+        self.delay = 0.0  # seconds each Tokenize waits before answering
 
     async def Tokenize(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
+        await asyncio.sleep(self.delay)
         if request.WhichOneof("input") == "chat":
             text = "".join(f"{m.role}: {m.content}\n" for m in request.chat.messages)
             if request.add_generation_prompt:
@@ -283,6 +286,7 @@ class Stack:
     decodes: list[FakeDecode]
     servers: dict[str, GrpcServerHandle]
     metrics: TandemMetrics
+    tokenizers: list[FakeTokenizer] = field(default_factory=list)  # the first is ``tokenizer``
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
     def client(self, api_key: str = "none") -> openai.AsyncOpenAI:
@@ -320,16 +324,18 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
     async def make(
-        *, prefill: int = 1, decode: int = 1, policy: dict[str, Any] | None = None,
-        keys: tuple[str, ...] = (), **overrides: Any,
+        *, prefill: int = 1, decode: int = 1, tokenizer: int = 1,
+        policy: dict[str, Any] | None = None, keys: tuple[str, ...] = (), **overrides: Any,
     ) -> Stack:  # fmt: skip
-        tokenizer = FakeTokenizer()
         servers: dict[str, GrpcServerHandle] = {}
-        tok = await start_grpc_server(
-            [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer, "tandem.v1.Tokenizer")],
-            tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
-        )  # fmt: skip
-        servers[tok.address] = tok
+        tokenizers = [FakeTokenizer() for _ in range(tokenizer)]
+        for t in tokenizers:
+            tok = await start_grpc_server(
+                [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, t, "tandem.v1.Tokenizer")],
+                tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
+            )  # fmt: skip
+            t.address = tok.address
+            servers[tok.address] = tok
         decoders: dict[str, FakeDecode] = {}
         decodes = [FakeDecode(f"decode-{i}") for i in range(decode)]
         for d in decodes:
@@ -354,8 +360,8 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                                     "prefill_policy": PrefillPolicy(remote_min_tokens=0,
                                                                     max_prefill_queue=10**6)}
         settings.update(overrides)
+        settings.setdefault("tokenizer_addresses", tuple(t.address for t in tokenizers))
         config = GatewayConfig(
-            tokenizer_address=tok.address,
             prefill_addresses=tuple(prefill_addrs),
             decode_addresses=tuple(decoders),
             host="127.0.0.1",
@@ -375,7 +381,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
                 await handle.stop(0)
 
         stack = Stack(
-            url, app, tokenizer, prefills, decodes, servers, metrics
+            url, app, tokenizers[0], prefills, decodes, servers, metrics, tokenizers
         )
         cleanups.append(cleanup)
         return stack

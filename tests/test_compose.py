@@ -1,10 +1,11 @@
 """compose.yaml, compose.cpu.yaml and the Dockerfile: Compose accepts the file, every service's
-command is one the ``tandem`` CLI parses, the services point at each other consistently, only
-the gateway publishes a port, prefill and decode reserve a GPU (and the CPU override removes
-that), and the container healthcheck helper answers for gRPC and HTTP. The optional
-``monitoring`` profile (Prometheus + Grafana) is only started on request, scrapes every
-service's metrics port, and mounts provisioning files that exist (the dashboard itself:
-tests/test_dashboard.py).
+command is one the ``tandem`` CLI parses, the services point at each other consistently, the
+tokenizer runs two replicas, only the gateway publishes a port, prefill and decode reserve a GPU
+(and the CPU override removes that), and the container healthcheck helper answers for gRPC and
+HTTP. The optional ``monitoring`` profile (Prometheus + Grafana) is only started on request, is
+published on loopback only, has no default Grafana password (its entrypoint script runs here),
+scrapes every service's metrics port, and mounts provisioning files that exist (the dashboard
+itself: tests/test_dashboard.py).
 
 ``docker-compose config`` runs when the binary exists (CI installs Debian's ``docker-compose``
 package, v1.29); the CPU override uses ``!reset`` (Compose >= 2.24), so it is checked by
@@ -185,7 +186,17 @@ def test_services_point_at_each_other(compose: dict[str, Any]) -> None:
     http_port = _port_of(gateway)
     assert services["gateway"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{http_port}/health"
     depends = services["gateway"]["depends_on"]
-    assert all(depends[n]["condition"] == "service_healthy" for n in SERVICES[:3])
+    # what serving needs (a tokenizer, a decode worker) is healthy first; prefill is optional
+    assert depends["tokenizer"]["condition"] == depends["decode"]["condition"] == "service_healthy"
+    assert depends["prefill"]["condition"] == "service_started"
+
+
+def test_the_tokenizer_is_a_pool_of_two(compose: dict[str, Any]) -> None:
+    tokenizer = compose["services"]["tokenizer"]
+    assert tokenizer["deploy"] == {"replicas": 2}  # the gateway retries a call on the other
+    assert "container_name" not in tokenizer and "ports" not in tokenizer  # replicas may exist
+    gateway = command_of(compose["services"]["gateway"])
+    assert gateway[gateway.index("--tokenizer") + 1] == "tokenizer:50051"  # a name: every replica
 
 
 def test_one_image_only_gateway_published_gpu_reserved(compose: dict[str, Any]) -> None:
@@ -214,7 +225,8 @@ def test_cpu_override_removes_reservations(compose: dict[str, Any]) -> None:
     assert set(services) == set(SERVICES) | set(SETUP) | set(MONITORING)
     assert services["prometheus"] == compose["services"]["prometheus"]  # untouched
     for name in SERVICES:
-        assert "deploy" not in services[name], name
+        expected = compose["services"][name]["deploy"] if name == "tokenizer" else None
+        assert services[name].get("deploy") == expected, name  # GPU reservations gone
         assert services[name]["image"] == "tandem:cpu"
         assert services[name]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
         assert command_of(services[name]) == command_of(compose["services"][name])
@@ -252,8 +264,35 @@ def test_monitoring_profile_is_optional_and_mounts_what_exists(compose: dict[str
         (REPO / mounts["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").read_text()
     )["datasources"][0]
     assert datasource["url"] == "http://prometheus:9090"
-    assert interpolate(prometheus["ports"][0]).endswith(":9090")
+    for name, port in (("prometheus", 9090), ("grafana", 3000)):  # loopback only
+        (published,) = services[name]["ports"]
+        assert interpolate(published) == f"127.0.0.1:{port}:{port}", name
     assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_grafana_has_no_default_password(compose: dict[str, Any], tmp_path: Path) -> None:
+    """GRAFANA_ADMIN_PASSWORD when set; else a random password made once and kept in Grafana's
+    volume. The entrypoint script runs here with sh, Grafana's own /run.sh replaced by an echo."""
+    grafana = compose["services"]["grafana"]
+    assert interpolate(grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"]) == ""
+    assert grafana["entrypoint"][:2] == ["sh", "-c"]
+    script = (grafana["entrypoint"][2].replace("$$", "$")  # Compose's escape for a literal $
+              .replace("/var/lib/grafana", str(tmp_path))
+              .replace("exec /run.sh", 'echo "$GF_SECURITY_ADMIN_PASSWORD"'))
+
+    def start(password: str) -> str:
+        """The admin password Grafana's /run.sh would start with."""
+        env = {"PATH": os.environ["PATH"], "GF_SECURITY_ADMIN_PASSWORD": password}
+        return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()  # fmt: skip
+
+    secret = tmp_path / "admin-password"
+    password = start("")
+    assert len(password) >= 24 and password != "admin"
+    assert secret.read_text().strip() == password  # readable later with `compose exec`
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert start("") == password  # kept across restarts
+    assert start("s3cret-from-env") == "s3cret-from-env"  # GRAFANA_ADMIN_PASSWORD wins
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port(compose: dict[str, Any]) -> None:

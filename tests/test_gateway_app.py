@@ -502,12 +502,13 @@ def test_cli_parses_gateway_flags(tmp_path: Path) -> None:
     from services.cli import build_parser
     from services.gateway.main import config_from_args
 
-    argv = ["serve", "gateway", "--tokenizer", "tok:1", "--prefill", "p1:2,p2:3", "--prefill",
-            "p3:4", "--decode", "d:5", "--port", "9000", "--safety-policy", "off",
+    argv = ["serve", "gateway", "--tokenizer", "tok:1,tok2:1", "--prefill", "p1:2,p2:3",
+            "--prefill", "p3:4", "--decode", "d:5", "--port", "9000", "--safety-policy", "off",
             "--served-model-name", "a", "b", "--rate-limit-rpm", "10", "--no-truncate",
             *tls_flags("gateway")]  # fmt: skip
     args = build_parser(argv).parse_args(argv)
     config = config_from_args(args)
+    assert config.tokenizer_addresses == ("tok:1", "tok2:1")
     assert config.prefill_addresses == ("p1:2", "p2:3", "p3:4")
     assert config.decode_addresses == ("d:5",) and config.port == 9000
     assert config.served_model_names == ("a", "b") and not config.truncate_chats

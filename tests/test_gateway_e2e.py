@@ -371,7 +371,7 @@ async def _limited_gateway(stack: Stack, **overrides: Any) -> tuple[web.AppRunne
 
     settings: dict[str, Any] = {"prefill_addresses": (stack.prefill,), **overrides}
     config = GatewayConfig(
-        tokenizer_address=stack.tokenizer, decode_addresses=(stack.decode,), host="127.0.0.1",
+        tokenizer_addresses=(stack.tokenizer,), decode_addresses=(stack.decode,), host="127.0.0.1",
         port=0, **settings, tls=tls_for("gateway"),
     )  # fmt: skip
     app = build_app(config, auth=ApiKeyAuth(["sk-e2e-key-0001"]), policy=AllowAllPolicy())

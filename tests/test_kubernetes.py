@@ -3,7 +3,9 @@ validates offline against the Kubernetes OpenAPI schemas (strict: unknown fields
 container's command is one the ``tandem`` CLI parses (after Kubernetes' ``$(VAR)`` expansion and
 with the container's environment as the parser's defaults), and the pieces fit together: probes
 on the right ports and gRPC service names, draining that outlasts the gateway's re-resolution,
-headless Services the gateway finds the workers by, HPAs on metrics the workers export.
+headless Services the gateway finds the tokenizer replicas and the workers by, HPAs on metrics
+the workers export, internal services bound to the pod IP, and NetworkPolicies that let only the
+gateway (and prefill, for KV) reach them, Prometheus their metrics and kubelet their health.
 
 No cluster is needed. The overlays use a small subset of kustomize (``resources``, ``images``,
 strategic-merge ``patches`` found by kind and name), which :func:`render` implements; when
@@ -36,6 +38,7 @@ IMAGES = {"base": "tandem:latest", "overlays/cpu": "tandem:cpu", "overlays/gpu":
 DEVICES = {"base": "auto", "overlays/cpu": "cpu", "overlays/gpu": "cuda"}
 ROLES = ("tokenizer", "prefill", "decode", "gateway")
 WORKERS = ("prefill", "decode")
+POOLS = ("tokenizer", *WORKERS)  # behind the gateway: replicas it finds by a headless Service
 # The oldest Kubernetes the manifests are meant for (gRPC probes are GA there) and the newest
 # the installed kubernetes-validate ships schemas for.
 OLDEST_K8S = "1.27.0"
@@ -306,7 +309,9 @@ def test_every_command_is_accepted_by_the_cli(
         assert args.port == container_port(container, "http" if role == "gateway" else "grpc")
         if role != "gateway":
             assert args.metrics_port == container_port(container, "metrics")
-            assert args.host == "0.0.0.0"
+            assert args.host == POD_IP  # not every interface: network-policy.yaml says who
+        else:
+            assert args.host == "0.0.0.0"  # port-forward reaches it over the pod's loopback
         if role in WORKERS:
             assert args.device == DEVICES[name]
             assert args.model == "default"
@@ -393,7 +398,7 @@ def test_probes_resources_and_draining(
 
         sleep = _sleep_seconds(container)
         assert spec["terminationGracePeriodSeconds"] >= sleep + grace + 5, role
-        if role in WORKERS:  # the gateway drops the pod before it stops taking new work
+        if role in POOLS:  # the gateway drops the pod before it stops taking new work
             assert sleep >= 2 * gateway.resolve_interval + 5, role
 
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
@@ -424,12 +429,12 @@ def test_gateway_finds_workers_through_services(
             service["selector"]
         )
         headless = service.get("clusterIP") == "None"
-        assert headless == (role in WORKERS), role  # workers: one DNS record per ready pod
+        assert headless == (role in POOLS), role  # pools: one DNS record per ready pod
         if headless:
             assert service.get("publishNotReadyAddresses", False) is False
     gateway = _gateway_args(objects, monkeypatch)
     config = config_from_args(gateway)
-    entries = {"tokenizer": [config.tokenizer_address], "prefill": config.prefill_addresses,
+    entries = {"tokenizer": config.tokenizer_addresses, "prefill": config.prefill_addresses,
                "decode": config.decode_addresses}  # fmt: skip
     for role, addresses in entries.items():
         assert len(addresses) == 1, role
@@ -490,8 +495,18 @@ def test_hpas_scale_each_pool_on_its_own_metrics(rendered: dict[str, list[Obj]],
         assert pdb["spec"]["selector"]["matchLabels"] == (
             one(objects, "Deployment", role)["spec"]["selector"]["matchLabels"]
         )
-    for role in ("tokenizer", "gateway"):
-        assert one(objects, "Deployment", role)["spec"]["replicas"] >= 1
+    assert one(objects, "Deployment", "gateway")["spec"]["replicas"] >= 1
+    # no single point: two tokenizer replicas, spread over nodes, one kept through disruptions
+    tokenizer = one(objects, "Deployment", "tokenizer")["spec"]
+    assert tokenizer["replicas"] >= 2
+    assert tokenizer["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    spread = pod_spec(one(objects, "Deployment", "tokenizer"))["affinity"]["podAntiAffinity"]
+    (term,) = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"] == tokenizer["selector"]
+    pdb = one(objects, "PodDisruptionBudget", "tokenizer")["spec"]
+    assert pdb["selector"] == tokenizer["selector"]
+    assert 1 <= pdb["minAvailable"] < tokenizer["replicas"]
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
@@ -511,3 +526,98 @@ def test_images_and_gpus(rendered: dict[str, list[Obj]], name: str) -> None:
         else:
             assert gpus is None, (name, role)
             assert "nodeSelector" not in spec and "tolerations" not in spec
+
+
+# --- network policies ------------------------------------------------------------------------
+
+NAMESPACE = {"kubernetes.io/metadata.name": "tandem"}  # every namespace carries this label
+OUTSIDE = "outside any pod (a node's kubelet, a client)"
+# Where a connection may come from: (the namespace's labels, the pod's labels), None for an
+# address that is no pod's; the Tandem roles are added from the rendering.
+OTHER_PEERS: dict[str, tuple[dict[str, str], dict[str, str]] | None] = {
+    "another pod of the namespace": (NAMESPACE, {"app": "other"}),
+    "prometheus": ({"kubernetes.io/metadata.name": "monitoring"},
+                   {"app.kubernetes.io/name": "prometheus"}),
+    "a pod of another namespace": ({"kubernetes.io/metadata.name": "default"}, {}),
+    OUTSIDE: None,
+}
+
+
+def _selects(selector: Obj, labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are evaluated here"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _admits(entry: Obj, peer: tuple[dict[str, str], dict[str, str]] | None) -> bool:
+    """Whether one ``from`` entry of a policy in the namespace admits ``peer``."""
+    if "ipBlock" in entry:
+        block = entry["ipBlock"]
+        return block["cidr"] in ("0.0.0.0/0", "::/0") and not block.get("except")
+    if peer is None:  # no pod: only an ipBlock can name it
+        return False
+    namespace, labels = peer
+    assert set(entry) <= {"podSelector", "namespaceSelector"}, entry
+    if "namespaceSelector" in entry:
+        in_namespace = _selects(entry["namespaceSelector"], namespace)
+    else:
+        in_namespace = namespace == NAMESPACE  # a bare podSelector: the policy's own namespace
+    return in_namespace and _selects(entry.get("podSelector", {}), labels)
+
+
+def _pod_labels(objects: list[Obj], role: str) -> dict[str, str]:
+    return dict(one(objects, "Deployment", role)["spec"]["template"]["metadata"]["labels"])
+
+
+def reachable(objects: list[Obj], role: str, port: str) -> set[str]:
+    """The peers that may open a connection to ``role``'s pods on their container port named
+    ``port``, as Kubernetes evaluates ingress NetworkPolicies (the union of every rule of every
+    policy that selects the pod; a pod no policy selects admits everyone)."""
+    peers = {r: (NAMESPACE, _pod_labels(objects, r)) for r in ROLES} | OTHER_PEERS
+    number = container_port(the_container(objects, role), port)
+    policies = [p["spec"] for p in by_kind(objects, "NetworkPolicy").values()
+                if "Ingress" in p["spec"]["policyTypes"]
+                and _selects(p["spec"]["podSelector"], _pod_labels(objects, role))]  # fmt: skip
+    if not policies:
+        return set(peers)
+    admitted: set[str] = set()
+    for rule in (r for p in policies for r in p.get("ingress", [])):
+        ports = rule.get("ports")
+        assert all(p.get("protocol", "TCP") == "TCP" for p in ports or ())
+        if ports is not None and not any(p["port"] in (port, number) for p in ports):
+            continue
+        entries = rule.get("from")
+        admitted |= {name for name, peer in peers.items()
+                     if entries is None or any(_admits(e, peer) for e in entries)}  # fmt: skip
+    return admitted
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_network_policies_let_only_the_gateway_in(
+    rendered: dict[str, list[Obj]], name: str
+) -> None:
+    objects = rendered[name]
+    everyone = {*ROLES, *OTHER_PEERS}
+    expected = {
+        ("tokenizer", "grpc"): {"gateway"},
+        ("prefill", "grpc"): {"gateway"},
+        # Generate and TransferKV share the port: mTLS roles keep them apart (peer_roles.py)
+        ("decode", "grpc"): {"gateway", "prefill"},
+        ("gateway", "http"): everyone,  # the edge
+    }
+    for role in POOLS:
+        expected[(role, "health")] = everyone  # kubelet's probes: plaintext health only
+        expected[(role, "metrics")] = {"prometheus"}  # the `monitoring` namespace
+    for role in ROLES:
+        ports = {p["name"] for p in the_container(objects, role)["ports"]}
+        assert ports == {port for r, port in expected if r == role}, role  # every port judged
+        for port in sorted(ports):
+            assert reachable(objects, role, port) == expected[(role, port)], (role, port)
+    # every port a policy names is a port of some pod it selects (a typo would open nothing)
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        selected = [r for r in ROLES if _selects(policy["spec"]["podSelector"],
+                                                 _pod_labels(objects, r))]  # fmt: skip
+        assert selected, policy["metadata"]["name"]
+        named = {p["name"] for r in selected for p in the_container(objects, r)["ports"]}
+        for rule in policy["spec"].get("ingress", []):
+            for port in rule.get("ports", []):
+                assert port["port"] in named, (policy["metadata"]["name"], port)

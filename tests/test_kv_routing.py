@@ -113,7 +113,7 @@ async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  
     handles = [await start_decode_worker(
         WorkerOptions(tls=tls_for("decode"), host="127.0.0.1", port=0, num_blocks=32, block_size=4,
                       worker_id=f"decode-{i}"), loaded=model) for i in range(2)]  # fmt: skip
-    config = GatewayConfig(tokenizer_address="127.0.0.1:1", prefill_addresses=(),
+    config = GatewayConfig(tokenizer_addresses=("127.0.0.1:1",), prefill_addresses=(),
                            decode_addresses=tuple(h.address for h in handles),
                            tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)
@@ -183,7 +183,7 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
 
     monkeypatch.setattr(prefix_index, "RETRY_MIN_S", 60.0)  # only a wake-up can resubscribe soon
     port = free_ports(1)[0]
-    config = GatewayConfig(tokenizer_address="127.0.0.1:1", prefill_addresses=(),
+    config = GatewayConfig(tokenizer_addresses=("127.0.0.1:1",), prefill_addresses=(),
                            decode_addresses=(f"127.0.0.1:{port}",),
                            tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)

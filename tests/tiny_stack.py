@@ -134,7 +134,7 @@ async def tiny_stack(
         loaded=loaded, metrics=TandemMetrics(process_metrics=False),
     )  # fmt: skip
     config = GatewayConfig(
-        tokenizer_address=tok_server.address, prefill_addresses=(prefill.address,),
+        tokenizer_addresses=(tok_server.address,), prefill_addresses=(prefill.address,),
         decode_addresses=(decode.address,), host="127.0.0.1", port=0, stats_interval_s=0.25,
         body_read_timeout_s=body_read_timeout_s,
         prefill_policy=PrefillPolicy(remote_min_tokens=REMOTE_PREFILL_MIN_TOKENS),

@@ -14,9 +14,11 @@ the handlers share.
 
 Lifecycle (aiohttp signals):
 
-1. start-up: poll every worker once (so the first request can be routed), then keep polling in
-   the background; ask the tokenizer service for the model's facts (in the background until it
-   answers, so the gateway may start before its backend);
+1. start-up: resolve the tokenizer and worker entries given by DNS name (``membership.py``);
+   check every tokenizer replica's health and poll every worker once (so the first request can
+   be routed), then keep both up to date in the background; ask the tokenizer pool for the
+   model's facts (in the background until a replica answers, so the gateway may start before
+   its backend);
 2. shutdown: stop polling, give in-flight cleanup (aborts) a moment, close the gRPC channels.
 """
 
@@ -47,6 +49,7 @@ from services.gateway.safety import SafetyPolicy, load_policy
 from services.gateway.state import STATE_KEY, GatewayState
 from services.gateway.status_routes import health, model, models, ready
 from services.gateway.token_routes import detokenize, tokenize, version_route
+from services.gateway.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +79,17 @@ def build_state(
     metrics = metrics if metrics is not None else TandemMetrics()
     router = Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s,
                     weights=config.routing, metrics=metrics)
+    tokenizers = TokenizerPool(backend.tokenizers, interval_s=config.stats_interval_s)
     membership = Membership(
         backend, router,
-        {"prefill": config.prefill_addresses, "decode": config.decode_addresses},
-        interval_s=config.resolve_interval_s,
+        {"tokenizer": config.tokenizer_addresses, "prefill": config.prefill_addresses,
+         "decode": config.decode_addresses},
+        tokenizers=tokenizers, interval_s=config.resolve_interval_s,
     )  # fmt: skip
     return GatewayState(
         config=config,
         backend=backend,
+        tokenizers=tokenizers,
         router=router,
         membership=membership,
         policy=policy if policy is not None else load_policy(config.safety_policy),
@@ -134,11 +140,11 @@ async def _start(app: web.Application) -> None:
     app[_LOG_FILTER_KEY] = MalformedHttpLogFilter()
     attach_log_filter(app[_LOG_FILTER_KEY])
     await state.membership.start()
-    await state.router.start()
+    await asyncio.gather(state.tokenizers.start(), state.router.start())
     app[_WATCH_KEY] = asyncio.create_task(state.watch_model_info(), name="tandem-model-info")
     logger.info(
         "gateway backends: tokenizer %s, prefill %s, decode %s",
-        state.config.tokenizer_address,
+        ",".join(state.config.tokenizer_addresses),
         ",".join(state.config.prefill_addresses),
         ",".join(state.config.decode_addresses),
     )
@@ -152,6 +158,7 @@ async def _shutdown(app: web.Application) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await watch
     await state.membership.stop()
+    await state.tokenizers.stop()
     await state.router.stop()
 
 

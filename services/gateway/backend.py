@@ -11,7 +11,9 @@ an UNAVAILABLE worker becomes a 503, a bad prompt a 400 naming its ``param``.
   prefill starts), Generate (as a :class:`GenerateStream` that can be cancelled), Abort (never
   raises: cleanup must not fail), GetStats, the prefix-cache feed (``PrefixCache.Watch``), health.
 - :class:`Backend`: all of them over one mutual-TLS channel per address and server role
-  (``services/common/internal_tls.py``); ``await close()`` closes them.
+  (``services/common/internal_tls.py``), each client made once per address; ``await close()``
+  closes them. The pools over them are ``tokenizer_pool.py`` (tokenizer replicas, with retry)
+  and ``router.py`` (workers).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ async def _health(channel: grpc.aio.Channel, service: str, timeout: float) -> st
 
 
 class TokenizerClient:
-    """The tokenizer service."""
+    """One tokenizer replica (``tokenizer_pool.py`` spreads calls over them and retries)."""
 
     def __init__(self, address: str, channel: grpc.aio.Channel, timeouts: BackendTimeouts) -> None:
         self.address = address
@@ -307,14 +309,20 @@ class Backend:
                 "--insecure-internal)", param="tls")
         self._tls: InternalTls = config.tls
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
-        t = config.timeouts
-        self.tokenizer = TokenizerClient(
-            config.tokenizer_address, self._channel(config.tokenizer_address, "tokenizer"), t
-        )
-        self._timeouts = t
+        self._timeouts = config.timeouts
+        self._tokenizers: dict[str, TokenizerClient] = {}
         self._workers: dict[tuple[Role, str], WorkerClient] = {}
+        self.tokenizers = tuple(self.tokenizer(a) for a in config.tokenizer_addresses)
         self.prefill = tuple(self.worker("prefill", a) for a in config.prefill_addresses)
         self.decode = tuple(self.worker("decode", a) for a in config.decode_addresses)
+
+    def tokenizer(self, address: str) -> TokenizerClient:
+        """The client of the tokenizer replica at ``address`` (made once, then reused)."""
+        if address not in self._tokenizers:
+            self._tokenizers[address] = TokenizerClient(
+                address, self._channel(address, "tokenizer"), self._timeouts
+            )
+        return self._tokenizers[address]
 
     def worker(self, role: Role, address: str) -> WorkerClient:
         """The client of the ``role`` worker at ``address`` (made once, then reused)."""

@@ -179,7 +179,7 @@ async def _tokenize(
     state: GatewayState, record: RequestRecord, request: tokenizer_pb2.TokenizeRequest
 ) -> tokenizer_pb2.TokenizeResponse:
     start = time.monotonic()
-    reply = await state.backend.tokenizer.tokenize(request)
+    reply = await state.tokenizers.tokenize(request)
     record.tokenize_s = time.monotonic() - start
     record.dropped_messages = reply.dropped_messages
     return reply
@@ -291,7 +291,7 @@ async def _prepare_completion(
         ids = req.prompt
         _check_ids(ids, params.max_tokens, info)
         start = time.monotonic()
-        prompt_text = await state.backend.tokenizer.detokenize(ids, skip_special_tokens=False)
+        prompt_text = await state.tokenizers.detokenize(ids, skip_special_tokens=False)
         record.tokenize_s = time.monotonic() - start
         await _check_input(state, (prompt_text,), "prompt")
     if req.echo and params.logprobs is not None:

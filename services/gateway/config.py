@@ -122,7 +122,8 @@ class GatewayConfig:
     """Everything the gateway needs besides its secrets.
 
     Attributes:
-        tokenizer_address: ``host:port`` of the tokenizer service.
+        tokenizer_addresses: the tokenizer replicas (``host:port`` each; a DNS name stands for
+            every address it resolves to, as for workers; at least one).
         prefill_addresses / decode_addresses: the worker pools (at least one decode worker; no
             prefill worker means every prompt is prefilled by its decode worker).
         host / port: where the HTTP server listens.
@@ -146,9 +147,10 @@ class GatewayConfig:
         body_read_timeout_s: a request body must arrive whole within this many seconds of its
             headers, or the client gets 408 and is disconnected (a slow-loris client holds no
             admission slot or worker meanwhile: bodies are read before either is taken).
-        stats_interval_s: how often worker load is polled for routing and readiness.
-        resolve_interval_s: how often worker entries given by DNS name are re-resolved
-            (``membership.py``).
+        stats_interval_s: how often worker load and tokenizer health are polled for routing and
+            readiness.
+        resolve_interval_s: how often tokenizer and worker entries given by DNS name are
+            re-resolved (``membership.py``).
         truncate_chats: fit long conversations by dropping the oldest turns (docs/request-lifecycle.md, step 3) instead
             of answering 400.
         tool_call_parser: the model's tool-call format (``tool_calls.TOOL_CALL_PARSERS``;
@@ -170,7 +172,7 @@ class GatewayConfig:
             channels are opened (``InternalTls.plaintext()`` is plaintext).
     """
 
-    tokenizer_address: str
+    tokenizer_addresses: tuple[str, ...]
     prefill_addresses: tuple[str, ...]
     decode_addresses: tuple[str, ...]
     host: str = "0.0.0.0"
@@ -203,7 +205,7 @@ class GatewayConfig:
 
     def validate(self) -> GatewayConfig:
         """Raise InvalidArgumentError (naming the flag) on an unusable value; return self."""
-        if not self.tokenizer_address:
+        if not self.tokenizer_addresses:
             raise InvalidArgumentError("a tokenizer address is required", param="tokenizer")
         if not self.decode_addresses:
             raise InvalidArgumentError("at least one decode address is required", param="decode")

@@ -1,7 +1,8 @@
 """``tandem serve gateway``: the OpenAI-compatible HTTP front door (torch-free).
 
-Flags say where the backend services are (``--tokenizer``, ``--prefill`` and ``--decode``, the
-last two repeatable or comma-separated; ``--no-prefill`` for none), which prompts go to the
+Flags say where the backend services are (``--tokenizer``, ``--prefill`` and ``--decode``, each
+repeatable or comma-separated, a DNS name standing for every replica; ``--no-prefill`` for
+none), which prompts go to the
 prefill pool (``prefill_policy.py``) and how requests are limited; API keys come from
 ``--api-keys-file`` and/or the ``TANDEM_API_KEYS`` environment variable (comma-separated), read
 here in :func:`run`, never at import time. Outside loopback the gateway refuses to start without
@@ -120,9 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "429 (default %(default)s)")
     parser.add_argument(
         "--tokenizer",
-        default=DEFAULT_TOKENIZER,
+        action="append",
+        default=None,
         metavar="ADDR",
-        help=f"tokenizer service host:port (default {DEFAULT_TOKENIZER})",
+        help=f"tokenizer service host:port; repeat or comma-separate for a pool (a call that "
+        f"fails on one replica is retried on another; default {DEFAULT_TOKENIZER})",
     )
     parser.add_argument(
         "--prefill",
@@ -270,14 +273,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stats-interval",
         type=float,
         default=1.0,
-        help="seconds between worker load polls (default %(default)s)",
+        help="seconds between worker load and tokenizer health polls (default %(default)s)",
     )
     parser.add_argument(
         "--resolve-interval",
         type=float,
         default=5.0,
-        help="seconds between re-resolutions of workers given by DNS name; every address a "
-        "name has is a worker (default %(default)s)",
+        help="seconds between re-resolutions of tokenizers and workers given by DNS name; every "
+        "address a name has is a replica (default %(default)s)",
     )
     parser.add_argument(
         "--prefill-timeout",
@@ -314,7 +317,7 @@ def _addresses(values: list[str] | None, default: str) -> tuple[str, ...]:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     """The :class:`GatewayConfig` for parsed flags (validated)."""
     return GatewayConfig(
-        tokenizer_address=args.tokenizer,
+        tokenizer_addresses=_addresses(args.tokenizer, DEFAULT_TOKENIZER),
         prefill_addresses=() if args.no_prefill else _addresses(args.prefill, DEFAULT_PREFILL),
         decode_addresses=_addresses(args.decode, DEFAULT_DECODE),
         host=args.host,

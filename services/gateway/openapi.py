@@ -153,13 +153,23 @@ def _response_schemas() -> dict[str, JsonSchema]:
         "HealthResponse": _obj({"status": {"const": "ok"}}),
         "ReadyResponse": _obj({
             "status": {"enum": ["ready", "not_ready"]},
-            "problems": {"type": "array", "items": _STR},
+            "problems": {"type": "array", "items": _STR,
+                         "description": "Why the gateway cannot serve (empty when ready)."},
+            "warnings": {"type": "array", "items": _STR,
+                         "description": "What is degraded but still serves, e.g. no healthy "
+                                        "prefill worker (decode workers prefill prompts)."},
             "model": _NULL_STR,
-            "tokenizer": _obj({"address": _STR, "status": _STR}),
-            "prefill": {"type": "array", "items": {"type": "object"}},
-            "decode": {"type": "array", "items": {"type": "object"}},
+            "tokenizer": {"type": "array", "items": _obj(
+                {"address": _STR, "healthy": {"type": "boolean"}, "status": _STR, "error": _STR},
+                optional=("error",)), "description": "Every tokenizer replica."},
+            "prefill": {"type": "array", "items": {"type": "object"},
+                        "description": "Every prefill worker (optional: may be empty or down)."},
+            "decode": {"type": "array", "items": {"type": "object"},
+                       "description": "Every decode worker."},
             "in_flight": _COUNT,
-        }, description="Per-dependency details; 503 lists the problems."),
+        }, description="Per-replica details; 503 lists the problems. Ready means a healthy "
+           "tokenizer replica serving the model and a healthy decode worker; prefill workers "
+           "are optional."),
         "ErrorResponse": _obj({"error": _obj({
             "message": _STR, "type": _STR, "param": _NULL_STR, "code": _NULL_STR,
         })}, description="OpenAI's error shape: param names the offending field."),
@@ -298,7 +308,8 @@ def _paths() -> dict[str, Any]:
                          {"200": _json(_ref("VersionResponse"), "The version.")}),
         "/health": _get("Liveness: 200 while the process serves HTTP", "health",
                         {"200": _json(_ref("HealthResponse"), "Alive.")}),
-        "/ready": _get("Readiness: the tokenizer and a worker of each pool are reachable",
+        "/ready": _get("Readiness: a tokenizer replica and a decode worker are reachable "
+                       "(prefill workers are optional)",
                        "ready", {"200": _json(ready, "Ready."),
                                  "503": _json(ready, "Not ready; problems says why.")}),
         "/metrics": _get("Prometheus metrics", "metrics", {"200": {

@@ -5,9 +5,9 @@ Built once per application by ``app.build_app`` and stored on the aiohttp app; n
 module-level global, so tests can run several gateways in one process.
 
 The model's facts (``ModelInfo``: name, context length, vocabulary size) come from the tokenizer
-service. The gateway starts even when that service is not up yet: :meth:`GatewayState.watch_model_info`
-keeps asking in the background, and a request arriving before the answer tries once more itself
-and otherwise gets 503.
+service (any replica of the pool, ``tokenizer_pool.py``). The gateway starts even when that
+service is not up yet: :meth:`GatewayState.watch_model_info` keeps asking in the background, and
+a request arriving before the answer tries once more itself and otherwise gets 503.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from aiohttp import web
 from services.common.errors import TandemError, UnavailableError
 from services.common.metrics import TandemMetrics
 from services.common.pb import tokenizer_pb2
-from services.common.protocol import check_peer
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
@@ -35,6 +34,7 @@ from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy
 from services.gateway.token_texts import TokenIdTexts, TokenTexts, load_token_texts
+from services.gateway.tokenizer_pool import INCOMPATIBLE_CODE, TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class GatewayState:
 
     config: GatewayConfig
     backend: Backend
+    tokenizers: TokenizerPool
     router: Router
     policy: SafetyPolicy
     auth: ApiKeyAuth
@@ -83,16 +84,14 @@ class GatewayState:
 
     async def _fetch_model_info(self) -> None:
         try:
-            info = await self.backend.tokenizer.model_info()
+            info = await self.tokenizers.fetch_model_info()
         except TandemError as err:
+            if err.code == INCOMPATIBLE_CODE:  # every replica answered and was refused
+                raise
             raise UnavailableError(
                 f"the tokenizer service is not available yet: {err.message}",
                 code="backend_unavailable",
             ) from err
-        why = check_peer(info.protocol_version)
-        if why is not None:
-            raise UnavailableError(f"the tokenizer service is refused: {why}",
-                                   code="backend_incompatible")  # fmt: skip
         if self.model_info is None:
             self.model_info = info
             self.router.model_fingerprint = info.model_fingerprint
@@ -110,7 +109,7 @@ class GatewayState:
             try:
                 await self._fetch_model_info()
             except UnavailableError as err:
-                log = logger.warning if err.code == "backend_incompatible" else logger.debug
+                log = logger.warning if err.code == INCOMPATIBLE_CODE else logger.debug
                 log("model info not available yet: %s", err.message)
                 await asyncio.sleep(MODEL_INFO_RETRY_S)
 

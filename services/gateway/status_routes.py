@@ -2,9 +2,15 @@
 
 - ``/health`` is liveness: 200 while the process serves HTTP, whatever the backend does, so an
   orchestrator never restarts a healthy gateway because a worker is down.
-- ``/ready`` is readiness: 200 only when the tokenizer service answers SERVING, the model's facts
-  are known, and at least one decode worker and (when a prefill pool is configured) one prefill
-  worker are healthy (from the router's polls); otherwise 503. Both answers carry the per-dependency details as JSON.
+- ``/ready`` is readiness: 200 when the gateway can serve, that is when at least one tokenizer
+  replica is healthy and serves the model, the model's facts are known, and at least one decode
+  worker is healthy (all from the background health checks, so a hung replica never makes the
+  probe itself time out; a replica never checked yet is checked now); otherwise 503. Prefill
+  workers are not needed: without a healthy one, decode workers prefill prompts themselves
+  (``prefill_policy.py``), so a prefill pool that is configured but down is a *warning*, not a
+  problem. Both answers carry every replica's details as JSON: ``problems`` (why not ready),
+  ``warnings`` (what is degraded), ``tokenizer``, ``prefill`` and ``decode`` (one entry per
+  replica, ``healthy`` and, when it is not, ``error``), ``model`` and ``in_flight``.
 - ``/v1/models`` lists the served model names and ``/v1/models/{model}`` shows one
   (authenticated like every ``/v1`` route).
 """
@@ -17,8 +23,6 @@ from typing import cast
 from aiohttp import web
 
 from services.common.errors import NotFoundError
-
-from services.gateway.backend import Role
 from services.gateway.openai_responses import JsonDict, ModelCard, models_response
 from services.gateway.state import STATE_KEY
 
@@ -61,27 +65,31 @@ async def health(_: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    tokenizer_status = await state.backend.tokenizer.health()
-    if tokenizer_status == "SERVING" and state.model_info is None:
+    tokenizers, router = state.tokenizers, state.router
+    await tokenizers.poll_new()
+    if tokenizers.healthy_count() and state.model_info is None:
         try:
             await state.require_model_info()
         except Exception:
             logger.debug("model info not available for /ready", exc_info=True)
-    router = state.router
     problems: list[str] = []
-    if tokenizer_status != "SERVING":
-        problems.append(f"tokenizer: {tokenizer_status}")
+    warnings: list[str] = []
+    replicas = tokenizers.replicas()
+    if tokenizers.healthy_count() == 0:
+        seen = "; ".join(f"{r.address}: {r.describe().get('error', r.status)}" for r in replicas)
+        problems.append(f"tokenizer: no healthy replica (of {len(replicas)}): {seen}")
     elif state.model_info is None:
         problems.append("tokenizer: model info not available")
-    roles: tuple[Role, ...] = ("prefill", "decode") if router.workers("prefill") else ("decode",)
-    for role in roles:
-        if router.healthy_count(role) == 0:
-            problems.append(f"{role}: no healthy worker")
+    if router.healthy_count("decode") == 0:
+        problems.append("decode: no healthy worker")
+    if router.workers("prefill") and router.healthy_count("prefill") == 0:
+        warnings.append("prefill: no healthy worker; decode workers prefill every prompt")
     body = {
         "status": "ready" if not problems else "not_ready",
         "problems": problems,
+        "warnings": warnings,
         "model": state.served_names[0] if state.served_names else None,
-        "tokenizer": {"address": state.backend.tokenizer.address, "status": tokenizer_status},
+        "tokenizer": tokenizers.describe(),
         "prefill": [router.describe(w) for w in router.workers("prefill")],
         "decode": [router.describe(w) for w in router.workers("decode")],
         "in_flight": state.admission.in_flight,

@@ -89,7 +89,7 @@ async def _tokenize(state: GatewayState, obj: Mapping[str, object]) -> web.Respo
     # Counting must not fail on a prompt too long to generate after: give it the largest
     # context the tokenizer allows, so only a prompt longer than any context is refused.
     call.context_length = 1 << 30
-    reply = await state.backend.tokenizer.tokenize(call)
+    reply = await state.tokenizers.tokenize(call)
     ids = list(reply.token_ids)
     strs = None
     if bool_or(obj, "return_token_strs", False):
@@ -111,7 +111,7 @@ async def _detokenize(state: GatewayState, obj: Mapping[str, object]) -> web.Res
     ids = parse_int_list(obj, "tokens", maximum=MAX_UINT32)
     check_vocabulary(ids, state.model_info.vocab_size if state.model_info is not None else 0,
                      "tokens")  # fmt: skip
-    text = await state.backend.tokenizer.detokenize(ids, skip_special_tokens=False)
+    text = await state.tokenizers.detokenize(ids, skip_special_tokens=False)
     return web.json_response({"prompt": text})
 
 
