@@ -328,33 +328,30 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         policy: dict[str, Any] | None = None, keys: tuple[str, ...] = (), **overrides: Any,
     ) -> Stack:  # fmt: skip
         servers: dict[str, GrpcServerHandle] = {}
+
+        async def serve(add: Any, servicer: Any, service: str, role: str) -> str:
+            handle = await start_grpc_server(
+                [(add, servicer, service)], tls=tls_for(role), host="127.0.0.1", port=0, grace=0.1,
+            )  # fmt: skip
+            servers[handle.address] = handle
+            return handle.address
+
         tokenizers = [FakeTokenizer() for _ in range(tokenizer)]
         for t in tokenizers:
-            tok = await start_grpc_server(
-                [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, t, "tandem.v1.Tokenizer")],
-                tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
-            )  # fmt: skip
-            t.address = tok.address
-            servers[tok.address] = tok
+            t.address = await serve(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, t,
+                                    "tandem.v1.Tokenizer", "tokenizer")  # fmt: skip
         decoders: dict[str, FakeDecode] = {}
         decodes = [FakeDecode(f"decode-{i}") for i in range(decode)]
         for d in decodes:
-            h = await start_grpc_server(
-                [(decode_pb2_grpc.add_DecodeServicer_to_server, d, "tandem.v1.Decode")],
-                tls=tls_for("decode"), host="127.0.0.1", port=0, grace=0.1,
-            )  # fmt: skip
-            d.address = h.address
-            decoders[h.address] = d
-            servers[h.address] = h
+            d.address = await serve(decode_pb2_grpc.add_DecodeServicer_to_server, d,
+                                    "tandem.v1.Decode", "decode")  # fmt: skip
+            decoders[d.address] = d
         prefills = [FakePrefill(f"prefill-{i}", decoders) for i in range(prefill)]
-        prefill_addrs = []
-        for p in prefills:
-            h = await start_grpc_server(
-                [(prefill_pb2_grpc.add_PrefillServicer_to_server, p, "tandem.v1.Prefill")],
-                tls=tls_for("prefill"), host="127.0.0.1", port=0, grace=0.1,
-            )  # fmt: skip
-            prefill_addrs.append(h.address)
-            servers[h.address] = h
+        prefill_addrs = [
+            await serve(prefill_pb2_grpc.add_PrefillServicer_to_server, p, "tandem.v1.Prefill",
+                        "prefill")
+            for p in prefills
+        ]  # fmt: skip
         # Every prompt goes to the prefill pool unless a test asks for conditional disaggregation.
         settings: dict[str, Any] = {"stats_interval_s": 0.2,
                                     "prefill_policy": PrefillPolicy(remote_min_tokens=0,
