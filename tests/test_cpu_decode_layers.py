@@ -8,7 +8,7 @@ one never runs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from services.engine.core.kernels.loaded import forget_loaded_kernels
 from services.engine.core.kernels.native_build import supported_isas
 from services.engine.core.linear import Linear
 from services.engine.core.loaders import LoadedModel, load_model
+from services.engine.core.quant.quantized_weight import to_half
 from tests.conftest import native_kernel_or_skip
 from tests.test_model_families import FAMILIES
 
@@ -57,10 +58,15 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     forget_loaded_kernels()
 
 
-def _engine_with_every_kernel(tiny_llama_dir: Path, dtype: str) -> tuple[LoadedModel, LLMEngine]:
-    """The tiny model packed for the native kernels, every op forced onto its kernel (whatever
-    this machine's timings chose), the one-call layers bound for up to MAX_ROWS rows."""
+def _engine_with_every_kernel(
+    tiny_llama_dir: Path, dtype: str, prepare: Callable[[LoadedModel], None] | None = None
+) -> tuple[LoadedModel, LLMEngine]:
+    """The tiny model packed for the native kernels (``prepare`` runs on it before packing),
+    every op forced onto its kernel (whatever this machine's timings chose), the one-call layers
+    bound for up to MAX_ROWS rows."""
     loaded = load_model(str(tiny_llama_dir), dtype)
+    if prepare is not None:
+        prepare(loaded)
     engine = LLMEngine(loaded, EngineConfig(num_blocks=160))
     model = loaded.model
     for module in model.modules():
@@ -119,6 +125,50 @@ def test_one_call_equals_the_per_op_path_bit_for_bit(
         assert torch.equal(one_call, per_op), rows
         assert torch.equal(pool, stored), rows  # the same K/V written into the same slots
         assert not torch.equal(stored, start)
+
+
+def _in_parts(loaded: LoadedModel) -> None:
+    """Every layer's q/k/v and gate/up as a file with two formats stores them: q and k (gate) in
+    Q8_0, v (up) in bfloat16, each kept as its own part."""
+    for layer in loaded.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear, split in ((attn.qkv_proj, attn.q_size + attn.kv_size),
+                              (mlp.gate_up_proj, mlp.gate_up_proj.out_features // 2)):  # fmt: skip
+            weight = linear.quant
+            assert weight is not None and weight.format == "q8_0"
+            rest = to_half(weight.map_rows(lambda t: t[split:]).dequantize(), "bfloat16")
+            linear.set_parts([weight.map_rows(lambda t: t[:split]), rest])
+
+
+@pytest.mark.parametrize("family", ONE_CALL_FAMILIES)
+def test_projections_in_parts_equal_the_per_op_path(
+    isa: str, family: str, family_dirs: dict[str, Path]
+) -> None:
+    """A fused projection whose parts are stored in two formats: each part runs its own kernel,
+    in one call and per op alike, bit for bit, and their outputs sit where the fused one's did
+    (the K/V stored and the step's output match the model dequantized as one weight)."""
+    loaded, engine = _engine_with_every_kernel(family_dirs[family], "q8_0", _in_parts)
+    model, call = loaded.model, loaded.model.decode_layers
+    assert call is not None and {t.format for t in call.tiles()} == {"q8_0", "bfloat16"}
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_format == "q8_0+bfloat16" and len(qkv.kernel_tiles(1) or ()) == 2
+    torch.manual_seed(0)
+    pool = engine.kv.data
+    with torch.inference_mode():
+        pool.normal_()
+    start = pool.clone()
+    for rows in (1, 3, 8, 32):
+        pool.copy_(start)
+        per_op = _decode_step(loaded, engine, rows, native=False)
+        stored = pool.clone()
+        pool.copy_(start)
+        one_call = _decode_step(loaded, engine, rows, native=True)
+        assert torch.equal(one_call, per_op), rows
+        assert torch.equal(pool, stored), rows
+    x = torch.randn(5, qkv.in_features)
+    with torch.inference_mode():
+        reference = x @ qkv.dequantized_weight().T
+        assert torch.allclose(qkv(x), reference, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ONE_CALL_FAMILIES)

@@ -20,6 +20,8 @@ checks compare token ids and text, never the answer's content.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import os
 from pathlib import Path
 
@@ -237,6 +239,9 @@ def test_served_chat_completion_through_tandem_up(
 def test_quantized_default_against_float32(ours: LoadedModel, gguf_path: Path, tokenizer: Tokenizer) -> None:
     """``--dtype auto`` against float32 on 8 prompts × 32 greedy tokens; the README's numbers."""
     quant = load_model(str(gguf_path), "auto")
+    # half the layers store v as Q8_0 next to Q5_0 q and k: each part kept as stored
+    held = Counter(layer.self_attn.qkv_proj.weight_format for layer in quant.model.layers)
+    assert held == Counter({"q5": 9, "q5+q8_0": 9}), held
     prompts = _prompts(tokenizer)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref_engine = LLMEngine(ours, EngineConfig(num_blocks=256))

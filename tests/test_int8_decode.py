@@ -187,14 +187,16 @@ def test_linear_rounds_generated_rows_with_the_decode_kernel(
             mixed = layer(big)
         assert torch.equal(mixed[order[7:]], decode(big[order[7:]]))
         assert torch.equal(mixed[order[:7]], prompt_path[order[:7]])
-    assert layer.kernel_tiles(1) is not None and layer.kernel_tiles(1).int8_activations
+    tiles = layer.kernel_tiles(1)
+    assert tiles is not None and len(tiles) == 1 and tiles[0].int8_activations
 
     plain, _ = _linear(ggml_type, 1)  # the same weight without int8_decode: float32 rows
     pack_linears(nn.Sequential(plain), PackPlan(qkernel=qgemv, a8kernel=a8))
     assert not plain.int8_decode
     with torch.inference_mode():
         assert torch.equal(plain(big), plain.float_forward(big))
-    assert not plain.kernel_tiles(1).int8_activations
+    plain_tiles = plain.kernel_tiles(1)
+    assert plain_tiles is not None and not plain_tiles[0].int8_activations
 
 
 class SlowDecode(CpuQ4A8Gemm):

@@ -239,3 +239,43 @@ def test_linear_layer_serves_the_new_formats(isa: str) -> None:
         layer.pack(PackPlan(qkernel=qgemv))
         assert layer.weight_format == "q6_k" and layer.quant is None and layer.packed is not None
         assert torch.allclose(layer(x), F.linear(x, weight.dequantize(), layer.bias), atol=1e-4)
+
+
+def test_a_fused_layer_keeps_parts_of_different_formats(isa: str) -> None:
+    """A Q4_K_M file's q/k/v: Q4_K q and k next to a Q6_K v. The loader keeps each as stored (one
+    part per run of a format, no Q8_0 re-quantization), and the layer, with its fused bias, is
+    the fused product whether it dequantizes per call or runs each part's kernel."""
+    from collections import Counter
+
+    from services.engine.core.loaders.weights import _fuse
+
+    q, k, v = (_moderate(_weight(t, out, IN, seed)) for t, out, seed in
+               ((T.Q4_K, 64, 1), (T.Q4_K, 32, 2), (T.Q6_K, 32, 3)))  # fmt: skip
+    parts = _fuse([q, k, v], "q4_a8")
+    assert isinstance(parts, list) and [p.format for p in parts] == ["q4_k", "q6_k"]
+    assert sum(p.nbytes() for p in parts) == q.nbytes() + k.nbytes() + v.nbytes()
+    float_parts = _fuse([q, torch.randn(32, IN), v], "q8_0")  # a float part: Q8_0 of its own
+    assert isinstance(float_parts, list)
+    assert [p.format for p in float_parts] == ["q4_k", "q8_0", "q6_k"]
+    dense = _fuse([q, k, v], "bfloat16")  # a 16-bit load: one float weight, converted as one
+    assert isinstance(dense, torch.Tensor) and dense.shape == (128, IN)
+    layer = Linear(IN, 128, bias=True)
+    layer.set_parts(parts)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(128))  # loaded after the weight: the parts see it
+    weight = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    x = torch.randn(5, IN)
+    with torch.inference_mode():
+        assert torch.equal(layer.dequantized_weight(), weight)
+        assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-5)
+        pack_plan = PackPlan(qkernel=_kernel(isa))
+        for module in layer.modules():  # as pack_linears does: the parts are layers of their own
+            if isinstance(module, Linear):
+                module.pack(pack_plan)
+        assert layer.weight_format == "q4_k+q6_k" and layer.packed is None
+        tiles = layer.kernel_tiles(1)
+        assert tiles is not None and [t.format for t in tiles] == ["q4_k", "q6_k"]
+        assert torch.allclose(layer(x), F.linear(x, weight, layer.bias), atol=1e-4)
+    assert Counter(type(m).__name__ for m in layer.modules()) == Counter(Linear=3, ModuleList=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        Linear(IN, 100).set_parts(parts)

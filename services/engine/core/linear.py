@@ -21,6 +21,13 @@ same way), so there is never a second resident copy of the weight.
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
 
+A fused projection whose parts a file stores in different formats (a Q4_K_M GGUF's Q4_K ``q``
+and ``k`` next to a Q6_K ``v``) keeps each as stored (:meth:`Linear.set_parts`): the layer holds
+one child layer per run of same-format rows, each packed, tuned and bound as a layer of its own,
+and writes their outputs side by side. One matmul over one format would have to re-quantize the
+parts to a format that holds both (Q8_0), reading more bytes per token than the file holds and
+losing its exact blocks.
+
 With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer (``q4`` or ``q4_k``) also binds
 :mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles (kept where it measured
 faster than the weight-only path at a prefill chunk), and runs it for the rows the caller marks
@@ -92,10 +99,12 @@ class Linear(nn.Linear):
     quant: QuantizedWeight | None
     split: torch.Tensor | None
     regimes: KernelRegimes
+    parts: nn.ModuleList | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.packed = self.packed_bias = self.kernel = self.quant = self.split = None
+        self.parts = None  # set_parts: one child layer per run of same-format rows
         self.regimes = KernelRegimes()  # kernel everywhere until pack_linears measures
         self._packed_format = ""
         self._qcall: QGemvCall | None = None
@@ -106,6 +115,8 @@ class Linear(nn.Linear):
     def weight_format(self) -> str:
         """The quantized format (``"q8_0"``, ``"q4"``, ``"q4_k"``, ...), else the float dtype's
         name."""
+        if self.parts is not None:
+            return "+".join(part.weight_format for part in self._children())
         if self.quant is not None:
             return self.quant.format
         return self._packed_format or str(self.weight.dtype).removeprefix("torch.")
@@ -116,6 +127,34 @@ class Linear(nn.Linear):
         self.quant = weight
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
+    def set_parts(self, parts: list[QuantizedWeight]) -> None:
+        """Hold a weight stored as row runs of different formats (``[out_i, in]`` each, in output
+        order) as stored: one child layer per part, whose outputs this layer writes side by side.
+        A child's bias is a view of its rows of this layer's bias, so a bias loaded before or
+        after the weight reaches it."""
+        if len(parts) < 2:
+            raise ValueError("a layer in parts needs at least two of them")
+        if sum(part.shape[0] for part in parts) != self.out_features:
+            raise ValueError(f"parts of {[p.shape for p in parts]} do not fit a linear layer of "
+                             f"shape {(self.out_features, self.in_features)}")  # fmt: skip
+        children, start = [], 0
+        for part in parts:
+            rows = part.shape[0]
+            with torch.device("meta"):
+                child = Linear(self.in_features, rows, bias=False)
+            child.set_quantized(part)
+            if self.bias is not None:
+                child.bias = nn.Parameter(self.bias.data[start : start + rows], requires_grad=False)
+            children.append(child)
+            start += rows
+        self.parts = nn.ModuleList(children)
+        self.quant = None
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def _children(self) -> list[Linear]:
+        assert self.parts is not None
+        return [child for child in self.parts if isinstance(child, Linear)]
+
     def pack(self, plan: PackPlan, *, free_dense: bool = False) -> None:
         """Build the kernel layout for this layer's weight, if ``plan`` has a kernel for it.
 
@@ -123,8 +162,8 @@ class Linear(nn.Linear):
         With ``free_dense`` the ``[out, in]`` float weight is released afterwards (unless it is
         shared, e.g. a head tied to the embedding), so packing costs no extra memory.
         """
-        if self.packed is not None or self.split is not None:
-            return
+        if self.packed is not None or self.split is not None or self.parts is not None:
+            return  # a layer in parts: its children are packed as layers of their own
         if self.quant is not None:
             if plan.qkernel is None:
                 return  # the reference path: dequantize per call
@@ -184,6 +223,8 @@ class Linear(nn.Linear):
         return self._a8gemv is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([part(x) for part in self._children()], dim=-1)
         if (self._a8call is not None or self._a8gemv is not None) and x.dim() == 2:
             rows = _INT8_ROWS.get()
             if rows is True:
@@ -241,15 +282,21 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         return F.linear(x, self.dequantized_weight(), self.bias)
 
-    def kernel_tiles(self, rows: int) -> LinearTiles | None:
-        """This layer's kernel tiles, when ``rows`` generated tokens' rows run a native kernel
-        (else ``None``): the int8-activation decode kernel's where it is bound."""
+    def kernel_tiles(self, rows: int) -> tuple[LinearTiles, ...] | None:
+        """This layer's kernel tiles, one per part in output order (one for a layer not in
+        parts), when ``rows`` generated tokens' rows run a native kernel in every part (else
+        ``None``): the int8-activation decode kernel's where it is bound."""
+        if self.parts is not None:
+            tiles = [child.kernel_tiles(rows) for child in self._children()]
+            if any(t is None for t in tiles):
+                return None
+            return tuple(t for part in tiles if part is not None for t in part)
         if self.packed is None or self.kernel is None:
             return None
         if self._a8gemv is None and not self.regimes.kernel_for(rows):
             return None
-        return LinearTiles(self._packed_format, self.packed, self.packed_bias, self.in_features,
-                           self.out_features, int8_activations=self._a8gemv is not None)  # fmt: skip
+        return (LinearTiles(self._packed_format, self.packed, self.packed_bias, self.in_features,
+                            self.out_features, int8_activations=self._a8gemv is not None),)  # fmt: skip
 
     @property
     def has_quantized_tiles(self) -> bool:
@@ -265,6 +312,8 @@ class Linear(nn.Linear):
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight of a quantized or packed layer (built per call, not
         kept; for quantized tiles the C kernel dequantizes, transposed, for PyTorch's GEMM)."""
+        if self.parts is not None:
+            return torch.cat([child.dequantized_weight() for child in self._children()])
         if self.quant is not None:
             return self.quant.dequantize()
         if isinstance(self.kernel, CpuQGemv) and self.packed is not None:

@@ -20,6 +20,7 @@
  * Gemma's `1 + w` norm weights arrive folded: the RMSNorm kernel only ever multiplies by w.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_fused.c"
 #include "cpu_gemv.c"
@@ -38,6 +39,14 @@ typedef struct {
     int64_t int8;
 } tandem_linear;
 
+/* A projection as stored: 1 to MAX_PARTS runs of output rows, each in one format, whose outputs
+ * sit side by side (a Q4_K_M file's fused q/k/v holds Q4_K q and k next to a Q6_K v). */
+enum { MAX_PARTS = 3 };
+typedef struct {
+    int64_t parts;
+    tandem_linear part[MAX_PARTS];
+} tandem_projection;
+
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
@@ -45,7 +54,7 @@ typedef struct {
      * the MLP's output (Gemma's sandwich norms; NULL: none) */
     const float *input_norm, *post_norm, *attn_out_norm, *mlp_out_norm;
     const float *q_norm, *k_norm; /* [head_dim] per-head norms before the rotation, or NULL */
-    tandem_linear qkv, o, gate_up, down;
+    tandem_projection qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] views */
     int64_t window;    /* sliding window (0: global attention) */
     int64_t local_rope; /* 1: rotate with the local tables (Gemma 3's sliding layers) */
@@ -72,6 +81,26 @@ static int linear(const tandem_linear *l, const float *x, float *y, int64_t rows
                         l->in, l->out, threads);
 }
 
+/* y [rows, sum of the parts' outs] = x's projection. One part writes y itself; with more, a part's
+ * single row lands in its columns of y directly, and more rows go through scratch [rows, its
+ * out] (each kernel writes rows of its own width). */
+static int projection(const tandem_projection *p, const float *x, float *y, float *scratch,
+                      int64_t rows, int threads) {
+    if (p->parts == 1) return linear(&p->part[0], x, y, rows, threads);
+    int64_t width = 0, offset = 0;
+    for (int64_t i = 0; i < p->parts; i++) width += p->part[i].out;
+    for (int64_t i = 0; i < p->parts; i++) {
+        const tandem_linear *l = &p->part[i];
+        int status = linear(l, x, rows == 1 ? y + offset : scratch, rows, threads);
+        if (status) return status;
+        if (rows > 1)
+            for (int64_t r = 0; r < rows; r++)
+                memcpy(y + r * width + offset, scratch + r * l->out, (size_t)l->out * sizeof(float));
+        offset += l->out;
+    }
+    return 0;
+}
+
 /* x [rows, hidden] contiguous: the residual stream entering layer 0, replaced by the stream
  * leaving the last layer (before the final norm). cos / sin [rows, head_dim] (rope.py's tables),
  * local_cos / local_sin the same for layers with local_rope set (else never read);
@@ -86,18 +115,23 @@ int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layer
     const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_out = q_size + 2 * kv_size;
-    const size_t floats = (size_t)rows * (size_t)(3 * hidden + qkv_out + q_size + 3 * s->intermediate);
+    /* a part is at most its projection's width: the widest one bounds the scratch */
+    int64_t widest = qkv_out > 2 * s->intermediate ? qkv_out : 2 * s->intermediate;
+    if (hidden > widest) widest = hidden;
+    const size_t floats =
+        (size_t)rows * (size_t)(3 * hidden + qkv_out + q_size + 3 * s->intermediate + widest);
     float *buffer = malloc(floats * sizeof(float));
     if (!buffer) return -1;
     float *normed = buffer, *h = normed + rows * hidden, *stream = h + rows * hidden;
     float *qkv = stream + rows * hidden, *attn = qkv + rows * qkv_out;
     float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * s->intermediate;
+    float *scratch = act + rows * s->intermediate;
     int status = 0;
     for (int64_t index = 0; index < n_layers; index++) {
         const tandem_layer *l = &layers[index];
         const float *c = l->local_rope ? local_cos : cos, *sn = l->local_rope ? local_sin : sin;
         tandem_add_rmsnorm(x, NULL, NULL, l->input_norm, normed, rows, hidden, s->eps);
-        if ((status = linear(&l->qkv, normed, qkv, rows, threads))) break;
+        if ((status = projection(&l->qkv, normed, qkv, scratch, rows, threads))) break;
         /* q and k heads are adjacent in the fused projection: rotate both in one pass */
         if (l->q_norm)
             tandem_qk_norm_rope(qkv, qkv_out, l->q_norm, l->k_norm, c, sn, rows, s->heads,
@@ -109,17 +143,17 @@ int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layer
             s->v_sh, (int)s->kv_dtype, tables, t_sb, lens, attn, rows, s->heads, s->kv_heads, d,
             s->block_size, l->scale, l->window, l->softcap, threads, qkv + q_size, qkv_out, d,
             qkv + q_size + kv_size, qkv_out, d, slot_blocks, slot_offsets);
-        if ((status = linear(&l->o, attn, h, rows, threads))) break;
+        if ((status = projection(&l->o, attn, h, scratch, rows, threads))) break;
         if (l->attn_out_norm) /* Gemma: h = RMSNorm(h), in place */
             tandem_add_rmsnorm(h, NULL, NULL, l->attn_out_norm, h, rows, hidden, s->eps);
         /* stream = x + h (the post-attention residual), normed = RMSNorm(stream) */
         tandem_add_rmsnorm(x, h, stream, l->post_norm, normed, rows, hidden, s->eps);
-        if ((status = linear(&l->gate_up, normed, gate_up, rows, threads))) break;
+        if ((status = projection(&l->gate_up, normed, gate_up, scratch, rows, threads))) break;
         if (s->act == ACT_GELU_TANH)
             tandem_gelu_tanh_mul(gate_up, act, rows, s->intermediate);
         else
             tandem_silu_mul(gate_up, act, rows, s->intermediate);
-        if ((status = linear(&l->down, act, h, rows, threads))) break;
+        if ((status = projection(&l->down, act, h, scratch, rows, threads))) break;
         if (l->mlp_out_norm)
             tandem_add_rmsnorm(h, NULL, NULL, l->mlp_out_norm, h, rows, hidden, s->eps);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = stream[i] + h[i];

@@ -39,11 +39,19 @@ class _Linear(ctypes.Structure):
                 ("int8", _I64)]  # fmt: skip
 
 
+MAX_PARTS = 3  # MAX_PARTS in the C file: runs of one format a projection may come in (q, k, v)
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("parts", _I64), ("part", _Linear * MAX_PARTS)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR), ("post_norm", _PTR), ("attn_out_norm", _PTR),
         ("mlp_out_norm", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
-        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection),
+        ("down", _Projection),
         ("k_cache", _PTR), ("v_cache", _PTR), ("window", _I64), ("local_rope", _I64),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
     ]  # fmt: skip
@@ -75,10 +83,20 @@ class LinearTiles:
     int8_activations: bool = False
 
 
+# a projection as the layers read it: its parts' tiles in output order (a fused projection whose
+# parts a file stores in different formats has one per run of same-format rows), or one's
+Projection = tuple[LinearTiles, ...] | LinearTiles
+
+
+def _parts(projection: Projection) -> tuple[LinearTiles, ...]:
+    return projection if isinstance(projection, tuple) else (projection,)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
     """One layer as the C step reads it. Norm weights are what the RMSNorm kernel multiplies by
-    (Gemma's ``1 + w``): ``input_norm`` before attention, ``post_norm`` before the MLP,
+    (Gemma's ``1 + w``); each projection is one :class:`LinearTiles` or a tuple of its parts'
+    side by side in output order. ``input_norm`` before attention, ``post_norm`` before the MLP,
     ``attn_out_norm`` / ``mlp_out_norm`` on attention's / the MLP's output (Gemma), ``q_norm`` /
     ``k_norm`` on each q / k head before the rotation (Qwen3, Gemma 3). ``window``: the sliding
     window (``None``: global); ``local_rope``: rotate with the local tables; ``softcap``: the
@@ -86,10 +104,10 @@ class LayerWeights:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: LinearTiles
-    o: LinearTiles
-    gate_up: LinearTiles
-    down: LinearTiles
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
     scale: float
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
@@ -137,7 +155,13 @@ class CpuDecodeLayers:
         if shape.act not in ACTIVATIONS:
             raise ValueError(f"no decode-layers kernel for the {shape.act} activation")
         for weights in layers:
-            for tiles in (weights.qkv, weights.o, weights.gate_up, weights.down):
+            for projection in (weights.qkv, weights.o, weights.gate_up, weights.down):
+                parts = _parts(projection)
+                if not 1 <= len(parts) <= MAX_PARTS or len({t.in_features for t in parts}) != 1:
+                    raise ValueError(f"a projection comes in 1 to {MAX_PARTS} parts of one input "
+                                     f"size, not {[(t.out_features, t.in_features) for t in parts]}")
+            for tiles in (t for p in (weights.qkv, weights.o, weights.gate_up, weights.down)
+                          for t in _parts(p)):  # fmt: skip
                 if tiles.format != "float32" and tiles.format not in FORMAT_CODES:
                     raise ValueError(f"no decode-layers kernel for {tiles.format} weights")
                 if tiles.int8_activations and tiles.format not in DECODE_FORMATS:
@@ -159,6 +183,14 @@ def _linear(tiles: LinearTiles) -> _Linear:
     bias = None if tiles.bias is None else tiles.bias.data_ptr()
     return _Linear(code, tiles.packed.data_ptr(), bias, tiles.in_features, tiles.out_features,
                    int(tiles.int8_activations))
+
+
+def _projection(projection: Projection) -> _Projection:
+    parts = _parts(projection)
+    entry = _Projection(len(parts))
+    for index, tiles in enumerate(parts):
+        entry.part[index] = _linear(tiles)
+    return entry
 
 
 class DecodeLayersCall:
@@ -185,15 +217,16 @@ class DecodeLayersCall:
             entry.q_norm, entry.k_norm = _ptr(weights.q_norm), _ptr(weights.k_norm)
             entry.window, entry.local_rope = weights.window or 0, int(weights.local_rope)
             entry.scale, entry.softcap = weights.scale, weights.softcap or 0.0
-            entry.qkv, entry.o = _linear(weights.qkv), _linear(weights.o)
-            entry.gate_up, entry.down = _linear(weights.gate_up), _linear(weights.down)
+            entry.qkv, entry.o = _projection(weights.qkv), _projection(weights.o)
+            entry.gate_up, entry.down = _projection(weights.gate_up), _projection(weights.down)
         self._shape: _Shape | None = None
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.caches_of: object = None  # the pool the caches were taken from (the caller's key)
 
     def tiles(self) -> list[LinearTiles]:
-        """Every projection of every layer, in order."""
-        return [t for w in self._layers_py for t in (w.qkv, w.o, w.gate_up, w.down)]
+        """Every projection of every layer, in order (each part of one in parts)."""
+        return [t for w in self._layers_py for p in (w.qkv, w.o, w.gate_up, w.down)
+                for t in _parts(p)]  # fmt: skip
 
     def set_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]], owner: object) -> None:
         """Each layer's ``(k_cache, v_cache)`` ``[blocks, block_size, kv_heads, head_dim]`` views

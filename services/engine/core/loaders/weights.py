@@ -8,8 +8,9 @@ so no memory is spent initialising weights that are about to be overwritten.
 Quantized models (``quantize="q8_0"`` or ``"q4"``): linear and embedding weights arrive as
 :class:`QuantizedWeight` (a GGUF's blocks) or as float tensors, which are quantized to Q8_0 here;
 their float parameters are never allocated. ``quantize="bfloat16"`` / ``"float16"`` (CPU's
-weight-only 16-bit formats) casts them to 16-bit floats here, from whatever arrives. Fused parts in different formats (e.g. a Q4_K ``q``
-next to a Q6_K-requantized ``v``) are re-quantized together to Q8_0, the format that holds both.
+weight-only 16-bit formats) casts them to 16-bit floats here, from whatever arrives. Fused parts
+in different formats (a Q4_K_M file's Q4_K ``q`` and ``k`` next to a Q6_K ``v``) stay as stored:
+the layer holds one run of rows per format (:meth:`Linear.set_parts`).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     pending: dict[str, dict[int, Weight]] = {}
-    mixed: Counter[str] = Counter()  # fused projections whose parts came in different formats
+    parted: Counter[str] = Counter()  # fused projections whose parts came in different formats
     for name, tensor in weights:
         target = _target_name(name)
         if target is None:
@@ -112,8 +113,10 @@ def load_weights(
         parts = pending.setdefault(dest_name, {})
         parts[part] = tensor
         if len(parts) == count:
-            _place(model, params, dest_name, _fuse([parts[i] for i in range(len(parts))], mixed),
-                   quantize)  # fmt: skip
+            fused = _fuse([parts[i] for i in range(len(parts))], quantize)
+            if isinstance(fused, list):
+                parted["+".join(p.format for p in fused)] += 1
+            _place(model, params, dest_name, fused, quantize)
             loaded.add(dest_name)
             del pending[dest_name]
     if model.config.tie_word_embeddings:
@@ -122,9 +125,9 @@ def load_weights(
             model.lm_head.set_quantized(model.embed_tokens.quant)
         else:
             model.lm_head.weight = model.embed_tokens.weight
-    if mixed:  # one matmul holds one format: these lose their exact blocks (and gain bytes)
-        logger.info("fused projections re-quantized to q8_0 (parts in different formats): %s",
-                    ", ".join(f"{kinds} x{n}" for kinds, n in mixed.most_common()))
+    if parted:
+        logger.info("fused projections kept in their parts' formats: %s",
+                    ", ".join(f"{kinds} x{n}" for kinds, n in parted.most_common()))
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
@@ -152,30 +155,47 @@ def _target_name(name: str) -> tuple[str, int | None, int] | None:
     return f"layers.{layer}.{rest}", None, 1
 
 
-def _fuse(parts: list[Weight], mixed: Counter[str] | None = None) -> Weight:
-    """Concatenate fused parts along rows; mixed formats meet in Q8_0 (counted in ``mixed``)."""
+def _fuse(parts: list[Weight], quantize: str | None) -> Weight | list[QuantizedWeight]:
+    """Concatenate fused parts along rows. Quantized parts in different formats (kept
+    quantized: ``quantize`` is a quantized format) become one weight per run of same-format parts,
+    in order, a float part quantized to Q8_0 as a weight of its own would be; otherwise the
+    parts meet in float32 (``_place`` converts them as one weight)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts, dim=0)  # type: ignore[arg-type]
     if all(isinstance(p, QuantizedWeight) for p in parts):
         formats = {p.format for p in parts}  # type: ignore[union-attr]
         if len(formats) == 1:
             return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
-    dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts]
-    if mixed is not None:
-        mixed["+".join(p.format if isinstance(p, QuantizedWeight) else "float" for p in parts)] += 1
-    return quantize_q8_0(torch.cat(dense, dim=0))
+    if quantize and quantize not in HALF_FORMATS:
+        runs: list[list[QuantizedWeight]] = []
+        for part in parts:
+            held = part if isinstance(part, QuantizedWeight) else quantize_q8_0(part.float())
+            if runs and runs[-1][0].format == held.format:
+                runs[-1].append(held)
+            else:
+                runs.append([held])
+        return [QuantizedWeight.cat(run) for run in runs]
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts])
 
 
 def _place(
     model: nn.Module,
     params: dict[str, torch.nn.Parameter],
     name: str,
-    value: Weight,
+    value: Weight | list[QuantizedWeight],
     quantize: str | None,
 ) -> None:
-    """Put one (possibly quantized) weight where ``name`` says."""
+    """Put one (possibly quantized, or in parts: see :func:`_fuse`) weight where ``name`` says."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
+    if isinstance(value, list):
+        if not isinstance(module, Linear) or attr != "weight":
+            raise ModelLoadError(f"weight {name} comes in parts but is not a linear layer's")
+        try:
+            module.set_parts(value)
+        except ValueError as exc:
+            raise ModelLoadError(f"weight {name}: {exc}") from exc
+        return
     if quantize and attr == "weight" and isinstance(module, Linear | Embedding):
         fits = isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] % GROUP == 0
         if quantize in HALF_FORMATS and (fits or isinstance(value, QuantizedWeight)):

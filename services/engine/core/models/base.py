@@ -255,7 +255,7 @@ def _layer_weights(layer: DecoderLayer, local_rope: bool) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     tiles = [linear.kernel_tiles(1) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                    mlp.down_proj)]  # fmt: skip
-    qkv, o, gate_up, down = (t for t in tiles if t is not None)
+    qkv, o, gate_up, down = (t for t in tiles if t is not None)  # one entry per part
     norms = layer.one_call_norms()
     assert norms is not None
 
