@@ -306,12 +306,13 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port(compose: dict[str,
         scraped[name] = sd["port"]
     gateway = command_of(compose["services"]["gateway"])
     assert scraped == {
-        "gateway": _port_of(gateway),  # the gateway serves /metrics on its HTTP port
-        "tokenizer": ports.TOKENIZER_METRICS_PORT,  # the others on their default metrics port
+        "gateway": ports.GATEWAY_METRICS_PORT,  # every service on its default metrics port,
+        "tokenizer": ports.TOKENIZER_METRICS_PORT,  # the gateway's not its HTTP port
         "prefill": ports.prefill_metrics_port(0),
         "decode": ports.decode_metrics_port(0),
     }
-    for name in SERVICES:
+    assert _port_of(gateway) != ports.GATEWAY_METRICS_PORT
+    for name in (*SERVICES, "gateway"):
         assert "--metrics-port" not in command_of(compose["services"][name]), name
     promtool = shutil.which("promtool")
     if promtool is not None:  # Debian's prometheus package ships it (scripts/install_browser.sh)
