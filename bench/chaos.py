@@ -38,7 +38,8 @@ import aiohttp
 
 logger = logging.getLogger("chaos")
 
-PORTS = ["--gateway-port", "8600", "--tokenizer-port", "50651", "--tokenizer-metrics-port", "9701",
+PORTS = ["--gateway-port", "8600", "--gateway-metrics-port", "9702",
+         "--tokenizer-port", "50651", "--tokenizer-metrics-port", "9701",
          "--prefill-port", "50661", "--prefill-metrics-port", "9711", "--decode-port", "50671",
          "--decode-metrics-port", "9721"]  # fmt: skip
 GATEWAY = "http://127.0.0.1:8600"
@@ -146,7 +147,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if all(v == 0 for v in leaked.values()):
                 break
             await asyncio.sleep(1)
-        migrations = await metric(session, 8600, "tandem:migrations_total")
+        migrations = await metric(session, 9702, "tandem:migrations_total")  # gateway metrics
     return {"outcomes": outcomes, "kills": kills, "elapsed": elapsed, "leaked": leaked,
             "migrations": migrations}  # fmt: skip
 

@@ -43,12 +43,14 @@ from serve_compare import _process  # noqa: E402
 logger = logging.getLogger("serve_profile")
 
 GATEWAY = 8600
-PORTS = ["--gateway-port", str(GATEWAY), "--tokenizer-port", "50651",
+GATEWAY_METRICS = 9702  # the gateway's /metrics is on a port of its own, not the API's
+PORTS = ["--gateway-port", str(GATEWAY), "--gateway-metrics-port", str(GATEWAY_METRICS),
+         "--tokenizer-port", "50651",
          "--tokenizer-metrics-port", "9701", "--prefill-port", "50661",
          "--prefill-metrics-port", "9711", "--decode-port", "50671",
          "--decode-metrics-port", "9721"]  # fmt: skip
 PROCESSES = {  # name -> metrics URL
-    "gateway": f"http://127.0.0.1:{GATEWAY}/metrics",
+    "gateway": f"http://127.0.0.1:{GATEWAY_METRICS}/metrics",
     "tokenizer": "http://127.0.0.1:9701/metrics",
     "prefill": "http://127.0.0.1:9711/metrics",
     "decode": "http://127.0.0.1:9721/metrics",

@@ -1,7 +1,7 @@
 """What scripts/compose_test.py sends and reads from a running compose stack: chat completions
-through the official ``openai`` SDK on the published gateway port, the gateway's ``/ready`` and
-``/metrics``, and each worker replica's own Prometheus ``/metrics`` (reached from the host by the
-replica's address on the compose network; those ports are not published).
+through the official ``openai`` SDK on the published gateway port, the gateway's ``/ready``, and
+each replica's own Prometheus ``/metrics``, the gateway's included (reached from the host by the
+replica's address on the compose network; metrics ports are not published).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def worker_metric(ip: str, port: int, name: str) -> float:
-    """One unlabelled metric of the worker replica at ``ip`` (its metrics ``port``)."""
+    """One unlabelled metric of the replica (a worker's or the gateway's) at ``ip`` (its metrics
+    ``port``)."""
     return scrape(f"http://{ip}:{port}/metrics").get(name, 0.0)
 
 
@@ -116,5 +117,3 @@ class Client:
     def ready(self) -> dict[str, Any]:
         return get_json(self.base_url + "/ready")
 
-    def metric(self, name: str) -> float:
-        return scrape(self.base_url + "/metrics").get(name, 0.0)

@@ -67,6 +67,7 @@ class LaunchConfig:
     gateway: bool = True
     host: str = "127.0.0.1"
     gateway_port: int = ports.GATEWAY_HTTP_PORT
+    gateway_metrics_port: int = ports.GATEWAY_METRICS_PORT
     tokenizer_port: int = ports.TOKENIZER_GRPC_PORT
     tokenizer_metrics_port: int = ports.TOKENIZER_METRICS_PORT
     prefill_port: int = ports.PREFILL_GRPC_PORT_BASE
@@ -217,6 +218,7 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
 
     if gateway:
         argv = [*base, "gateway", "--host", host, "--port", str(config.gateway_port),
+                "--metrics-port", str(config.gateway_metrics_port),
                 "--model", config.model, "--tokenizer", specs[0].address,
                 *tls_flags("gateway")]  # fmt: skip
         for spec in specs[1:]:
@@ -230,8 +232,9 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 service="gateway",
                 argv=(*argv, *config.gateway_args),
                 address=url,
-                metrics_url=f"{url}/metrics",
-                ports=((config.gateway_port, "gateway HTTP"),),
+                metrics_url=f"http://{_join(client_host, config.gateway_metrics_port)}/metrics",
+                ports=((config.gateway_port, "gateway HTTP"),
+                       (config.gateway_metrics_port, "gateway metrics")),
             )
         )
     _check_distinct_ports(specs)

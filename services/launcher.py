@@ -9,7 +9,7 @@ Default ports (from ``services/common/ports.py``; the ``--*-port`` flags move th
 ==============  ===================================  =============================
 process         serves                               Prometheus ``/metrics``
 ==============  ===================================  =============================
-gateway         HTTP 8000 (``--gateway-port``)       the gateway's own port, 8000
+gateway         HTTP 8000 (``--gateway-port``)       9102 (``--gateway-metrics-port``)
 tokenizer       gRPC 50051 (``--tokenizer-port``)    9101 (``--tokenizer-metrics-port``)
 prefill ``i``   gRPC 50061 + i (``--prefill-port``)  9111 + i (``--prefill-metrics-port``)
 decode ``i``    gRPC 50071 + i (``--decode-port``)   9121 + i (``--decode-metrics-port``)
@@ -112,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--host", default="127.0.0.1",
         help="interface every service binds (default 127.0.0.1; 0.0.0.0 exposes them)")
     add("--gateway-port", type=int, default=ports.GATEWAY_HTTP_PORT)
+    add("--gateway-metrics-port", type=int, default=ports.GATEWAY_METRICS_PORT,
+        help="the gateway's Prometheus /metrics port (default 9102; not the API's port)")
     add("--tokenizer-port", type=int, default=ports.TOKENIZER_GRPC_PORT)
     add("--tokenizer-metrics-port", type=int, default=ports.TOKENIZER_METRICS_PORT)
     add("--prefill-port", type=int, default=ports.PREFILL_GRPC_PORT_BASE,
@@ -164,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         gateway=args.gateway,
         host=args.host,
         gateway_port=args.gateway_port,
+        gateway_metrics_port=args.gateway_metrics_port,
         tokenizer_port=args.tokenizer_port,
         tokenizer_metrics_port=args.tokenizer_metrics_port,
         prefill_port=args.prefill_port,

@@ -30,7 +30,7 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.grpc_server import GrpcServerHandle, start_grpc_server
-from services.common.metrics import TandemMetrics
+from services.common.metrics import TandemMetrics, serve_metrics_http
 from services.common.pb import (
     common_pb2,
     decode_pb2,
@@ -287,6 +287,7 @@ class Stack:
     servers: dict[str, GrpcServerHandle]
     metrics: TandemMetrics
     tokenizers: list[FakeTokenizer] = field(default_factory=list)  # the first is ``tokenizer``
+    metrics_url: str = ""  # the gateway's /metrics, on its own port as in production
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
     def client(self, api_key: str = "none") -> openai.AsyncOpenAI:
@@ -295,7 +296,7 @@ class Stack:
         return made
 
     async def metric(self, name: str) -> float:
-        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
+        async with aiohttp.ClientSession() as s, s.get(self.metrics_url) as r:
             text = await r.text()
         return sum(
             float(line.rsplit(" ", 1)[1])
@@ -369,16 +370,19 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         safety = RuleBasedPolicy.from_dict(policy) if policy is not None else None
         app = build_app(config, auth=ApiKeyAuth(keys), policy=safety, metrics=metrics)
         runner, url = await start_edge(app, config, shutdown_grace=1.0)
+        metrics_http = await serve_metrics_http(metrics, "127.0.0.1", 0)
 
         async def cleanup() -> None:
             for made in stack.clients:
                 await made.close()
+            await metrics_http.close()
             await runner.cleanup()
             for handle in servers.values():
                 await handle.stop(0)
 
         stack = Stack(
-            url, app, tokenizers[0], prefills, decodes, servers, metrics, tokenizers
+            url, app, tokenizers[0], prefills, decodes, servers, metrics, tokenizers,
+            metrics_url=metrics_http.url,
         )
         cleanups.append(cleanup)
         return stack

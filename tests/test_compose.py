@@ -272,27 +272,37 @@ def test_monitoring_profile_is_optional_and_mounts_what_exists(compose: dict[str
 
 def test_grafana_has_no_default_password(compose: dict[str, Any], tmp_path: Path) -> None:
     """GRAFANA_ADMIN_PASSWORD when set; else a random password made once and kept in Grafana's
-    volume. The entrypoint script runs here with sh, Grafana's own /run.sh replaced by an echo."""
+    volume. The entrypoint script itself runs here with sh (no Docker needed): only its volume
+    path moves to a temporary directory, and Grafana's own /run.sh becomes a program that prints
+    the password it was started with (a new process: it sees only what the script exported)."""
     grafana = compose["services"]["grafana"]
     assert interpolate(grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"]) == ""
     assert grafana["entrypoint"][:2] == ["sh", "-c"]
-    script = (grafana["entrypoint"][2].replace("$$", "$")  # Compose's escape for a literal $
-              .replace("/var/lib/grafana", str(tmp_path))
-              .replace("exec /run.sh", 'echo "$GF_SECURITY_ADMIN_PASSWORD"'))
+    assert "grafana-data:/var/lib/grafana" in grafana["volumes"]  # the file lives in the volume
+    original = grafana["entrypoint"][2].replace("$$", "$")  # Compose's escape for a literal $
+    assert original.count("/var/lib/grafana") == 1 and original.count("exec /run.sh") == 1
 
-    def start(password: str) -> str:
-        """The admin password Grafana's /run.sh would start with."""
+    def start(password: str, volume: Path) -> str:
+        """The admin password Grafana's /run.sh would start with, on the volume ``volume``."""
+        volume.mkdir(exist_ok=True)
+        script = (original.replace("/var/lib/grafana", str(volume))
+                  .replace("exec /run.sh",
+                           """exec sh -c 'printf "%s\\n" "${GF_SECURITY_ADMIN_PASSWORD:-}"'"""))
         env = {"PATH": os.environ["PATH"], "GF_SECURITY_ADMIN_PASSWORD": password}
         return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True,
                               timeout=30, check=True).stdout.strip()  # fmt: skip
 
-    secret = tmp_path / "admin-password"
-    password = start("")
+    volume = tmp_path / "grafana-data"
+    secret = volume / "admin-password"
+    password = start("", volume)
     assert len(password) >= 24 and password != "admin"
     assert secret.read_text().strip() == password  # readable later with `compose exec`
     assert secret.stat().st_mode & 0o777 == 0o600
-    assert start("") == password  # kept across restarts
-    assert start("s3cret-from-env") == "s3cret-from-env"  # GRAFANA_ADMIN_PASSWORD wins
+    assert start("", volume) == password  # kept across restarts
+    assert start("", tmp_path / "another-volume") != password  # random, not a fixed default
+    assert start("s3cret-from-env", volume) == "s3cret-from-env"  # GRAFANA_ADMIN_PASSWORD wins
+    secret.write_text("")  # an empty file (a failed first start) gets a new password
+    assert start("", volume) not in ("", password)
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port(compose: dict[str, Any]) -> None:
@@ -306,12 +316,13 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port(compose: dict[str,
         scraped[name] = sd["port"]
     gateway = command_of(compose["services"]["gateway"])
     assert scraped == {
-        "gateway": _port_of(gateway),  # the gateway serves /metrics on its HTTP port
-        "tokenizer": ports.TOKENIZER_METRICS_PORT,  # the others on their default metrics port
+        "gateway": ports.GATEWAY_METRICS_PORT,  # every service on its default metrics port,
+        "tokenizer": ports.TOKENIZER_METRICS_PORT,  # the gateway's not its HTTP port
         "prefill": ports.prefill_metrics_port(0),
         "decode": ports.decode_metrics_port(0),
     }
-    for name in SERVICES:
+    assert _port_of(gateway) != ports.GATEWAY_METRICS_PORT
+    for name in (*SERVICES, "gateway"):
         assert "--metrics-port" not in command_of(compose["services"][name]), name
     promtool = shutil.which("promtool")
     if promtool is not None:  # Debian's prometheus package ships it (scripts/install_browser.sh)

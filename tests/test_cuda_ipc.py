@@ -230,12 +230,11 @@ def test_the_placer_copies_whole_blocks_only() -> None:
 
 
 async def test_a_distributed_decode_worker_ignores_a_cuda_ipc_offer() -> None:
-    host = ChannelHost(bind_host="127.0.0.1", host="127.0.0.1", op_timeout=5.0)
-    host.start()
+    host = ChannelHost(host="127.0.0.1", op_timeout=5.0)
     try:
         offer = decode_pb2.KVChannelOffer(peer_id="p", peer_instance="i", device="cuda:0",
                                           gpu_uuid=GPU, cuda_ipc=decode_pb2.CudaIpcPool())
-        assert host.admit(offer) is None and host.num_built == 0
+        assert host.admit(offer, "ipv4:127.0.0.1") is None and host.num_built == 0
     finally:
         host.close()
 

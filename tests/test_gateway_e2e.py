@@ -7,7 +7,8 @@ Checked: greedy text (chat and text completions, streamed and not) equals the en
 sampling with n > 1 is reproducible; a client that disconnects mid-stream leaves zero KV blocks
 in use on every worker; input and output safety blocks with nothing unsafe in the raw bytes;
 401 / 413 / 429 and malformed bodies (an in-process gateway over the same workers); and
-``/metrics`` moving after requests. No test leaves a process behind.
+``/metrics`` moving after requests, on the gateway's own ``--metrics-port`` (the API's port
+answers 404 there). No test leaves a process behind.
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ class Stack:
     prefill: str
     decode: str
     logs: Path
+    metrics_url: str  # the gateway's own metrics port: /metrics is not on the API's
 
     def client(self, **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
@@ -138,7 +140,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("e2e-logs")
     policy = logs / "policy.json"
     policy.write_text(json.dumps(TEST_POLICY))
-    tok, pre, dec, http = free_port(), free_port(), free_port(), free_port()
+    tok, pre, dec, http, http_metrics = (free_port(), free_port(), free_port(), free_port(),
+                                         free_port())
     # q4: the default GGUF's 4-bit weights with float32 activations, whose greedy text is the
     # float32 engine's (the reference below); auto's q4_a8 rounds prompts' activations as
     # llama.cpp does, and answers FRANCE without "Paris" (README).
@@ -166,6 +169,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         asyncio.run(wait_all())
         procs.append(_spawn([
             "serve", "gateway", "--host", "127.0.0.1", "--port", str(http),
+            "--metrics-port", str(http_metrics),
             "--tokenizer", addrs["tandem.v1.Tokenizer"], "--prefill", addrs["tandem.v1.Prefill"],
             "--decode", addrs["tandem.v1.Decode"], "--model", "default",
             "--safety-policy", str(policy), "--stats-interval", "0.25",
@@ -185,7 +189,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 raise RuntimeError((logs / "gateway.log").read_text()[-3000:])
             time.sleep(0.2)
         yield Stack(url, addrs["tandem.v1.Tokenizer"], addrs["tandem.v1.Prefill"],
-                    addrs["tandem.v1.Decode"], logs)  # fmt: skip
+                    addrs["tandem.v1.Decode"], logs,
+                    f"http://127.0.0.1:{http_metrics}/metrics")  # fmt: skip
     finally:
         _stop(procs)
 
@@ -348,6 +353,9 @@ def test_output_safety_block(stack: Stack, stream: bool) -> None:
 
 
 def test_metrics_move_after_requests(stack: Stack) -> None:
+    with pytest.raises(urllib.error.HTTPError) as public:  # not on the port clients reach
+        urllib.request.urlopen(stack.url + "/metrics", timeout=10)
+    assert public.value.code == 404
     before = stack.metrics()
     stack.client().completions.create(model=MODEL, prompt=FOX, max_tokens=5, temperature=0)
     after = stack.metrics()
@@ -444,8 +452,15 @@ async def test_local_prefill_matches_the_engine(stack: Stack, engine: Any, mode:
             model=MODEL, prompt=FOX, temperature=0, max_tokens=24, stream=True
         )
         assert "".join([c.choices[0].text async for c in stream]) == engine(fox_ids, 24)
-        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-            text = await r.text()
+        from services.common.metrics import serve_metrics_http
+        from services.gateway.state import STATE_KEY
+
+        metrics_http = await serve_metrics_http(runner.app[STATE_KEY].metrics, "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s, s.get(metrics_http.url) as r:
+                text = await r.text()
+        finally:
+            await metrics_http.close()
         assert 'tandem:prefill_path_total{path="local"} 2.0' in text
         assert 'tandem:prefill_path_total{path="remote"} 0.0' in text
     finally:

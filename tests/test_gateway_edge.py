@@ -1,7 +1,8 @@
 """The gateway as the edge (issue 32, part 3), against the real gateway on 127.0.0.1 over fake
 gRPC workers (tests/gateway_fakes.py), with real clients: curl and the openai SDK over HTTPS,
 raw sockets for clients that misbehave (slow headers, a body that never ends, a stream nobody
-reads), aiohttp bound to another loopback address for a second anonymous client.
+reads), aiohttp bound to another loopback address for a second anonymous client; and
+Prometheus ``/metrics`` on a port of its own, never the API's.
 """
 
 from __future__ import annotations
@@ -136,6 +137,45 @@ def test_https_context_refuses_bad_files() -> None:
     assert info.value.param == "https_cert"
     with pytest.raises(InvalidArgumentError):
         https_context("/nonexistent.pem", "/nonexistent-key.pem")
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+async def test_metrics_are_on_their_own_port_not_the_api_s(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    await stack.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/metrics") as r:
+            assert r.status == 404  # the API's port: clients never see load and latency
+        async with s.get(stack.metrics_url) as r:
+            assert r.status == 200
+            assert 'tandem:request_success_total{finished_reason="length"} 1.0' in await r.text()
+
+
+def test_the_metrics_port_flag() -> None:
+    import argparse
+
+    from services.common import ports
+    from services.common.errors import InvalidArgumentError
+    from services.gateway.main import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    insecure = ["--insecure-internal"]
+    config = config_from_args(parser.parse_args(insecure))
+    assert config.metrics_port == ports.GATEWAY_METRICS_PORT != config.port
+    assert config.metrics_host is None  # the gateway's --host
+    args = insecure + ["--metrics-port", "-1"]
+    assert config_from_args(parser.parse_args(args)).metrics_port is None
+    args = insecure + ["--metrics-port", "9999", "--metrics-host", "127.0.0.1"]
+    config = config_from_args(parser.parse_args(args))
+    assert (config.metrics_port, config.metrics_host) == (9999, "127.0.0.1")
+    with pytest.raises(InvalidArgumentError, match="must differ from --port") as same:
+        config_from_args(parser.parse_args(insecure + ["--port", "8100", "--metrics-port", "8100"]))
+    assert same.value.param == "metrics_port"
+    with pytest.raises(InvalidArgumentError, match="--metrics-port"):
+        config_from_args(parser.parse_args(insecure + ["--metrics-port", "70000"]))
 
 
 # ------------------------------------------------------------------------------ auth

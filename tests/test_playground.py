@@ -126,8 +126,9 @@ def _ready(gateway: str) -> dict[str, Any]:
         return json.loads(err.read())
 
 
-def _metric(gateway: str, sample: str) -> float:
-    with urllib.request.urlopen(gateway + "/metrics", timeout=10) as response:
+def _metric(metrics_url: str, sample: str) -> float:
+    """``sample``'s value on the gateway's own metrics port (``metrics_url``)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(sample + " "))  # fmt: skip
@@ -200,7 +201,8 @@ def test_chat_streams_and_stop_cancels_in_chromium(
     driver.find_element(By.ID, "json-mode").click()
 
     # Stop: a long reply is cancelled mid-stream; the worker frees its KV blocks at once.
-    aborted_before = _metric(gateway, 'tandem:request_success_total{finished_reason="abort"}')
+    aborted_before = _metric(up.metrics_urls["gateway"],
+                             'tandem:request_success_total{finished_reason="abort"}')
     _fill(driver.find_element(By.ID, "max-tokens"), "1024")
     driver.find_element(By.ID, "prompt").send_keys(
         "Write a very long story about a dragon who learns to fly, in ten chapters."
@@ -238,4 +240,5 @@ def test_chat_streams_and_stop_cancels_in_chromium(
 
     _until(driver, "the decode worker's KV blocks to return to 0", all_freed, 20)
     _until(driver, "the gateway to count the abort", lambda: _metric(
-        gateway, 'tandem:request_success_total{finished_reason="abort"}') > aborted_before, 10)
+        up.metrics_urls["gateway"], 'tandem:request_success_total{finished_reason="abort"}')
+        > aborted_before, 10)

@@ -20,9 +20,12 @@ import grpc
 import grpc.aio
 import pytest
 
+from services.common.cert_authority import issue
 from services.common.grpc_channel import open_channel
 from services.common.grpc_server import start_grpc_server
+from services.common.internal_tls import InternalTls
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.common.peer_roles import peer_identity
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.decode.server import start_decode_worker
@@ -37,7 +40,7 @@ from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.runtime.worker_options import WorkerOptions
 from services.engine.runtime.worker_runtime import WorkerHandle
 from services.prefill.server import start_prefill_worker
-from tests.tls_identities import tls_for
+from tests.tls_identities import session_ca, tls_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -229,6 +232,44 @@ async def test_the_channel_needs_both_ends_else_the_payload_stays_on_grpc(
         _, responses = await c.run("mixed", prompt)
         assert tokens_of(responses) == expected
         assert c.prefill_group() is None and c.decode_group() is None  # never set up
+        await c.wait_idle()
+
+
+async def test_the_channel_store_answers_only_the_prefill_worker_it_was_advertised_to(
+    model: LoadedModel,
+) -> None:
+    """The pair's rendezvous store is ``Decode.KVStore`` on the decode worker's mTLS port: a
+    client without a certificate, a gateway's (the wrong role) and another prefill worker's
+    (not the peer the group was advertised to) cannot read or write the live group's keys, and
+    the pair goes on using its group."""
+    async with cluster(model, transport="distributed") as c:
+        await c.run("before", prompt_of(40))
+        group = c.decode_group()
+        assert group is not None
+        address = c.decode_handle.address
+        probe = decode_pb2.KVStoreRequest(group=group.key, op=decode_pb2.KVStoreRequest.GET,
+                                          keys=[f"{group.key}/0"], timeout_seconds=0.1)  # fmt: skip
+        other = issue(session_ca(), "prefill")
+        other_prefill = InternalTls.from_pem(other.cert_pem, other.key_pem, session_ca().cert_pem)
+        clients = {
+            "no certificate": (grpc.aio.insecure_channel(address), grpc.StatusCode.UNAVAILABLE),
+            "a gateway": (open_channel(address, tls=tls_for("gateway"), server_role="decode"),
+                          grpc.StatusCode.PERMISSION_DENIED),
+            "another prefill worker": (open_channel(address, tls=other_prefill,
+                                                    server_role="decode"),
+                                       grpc.StatusCode.NOT_FOUND),
+        }  # fmt: skip
+        for who, (channel, expected) in clients.items():
+            async with channel:
+                for request in (probe, decode_pb2.KVStoreRequest(
+                        group=group.key, op=decode_pb2.KVStoreRequest.SET,
+                        keys=[f"{group.key}/0"], value=b"attacker:1")):  # fmt: skip
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await decode_pb2_grpc.DecodeStub(channel).KVStore(request, timeout=5)
+                    assert refused.value.code() == expected, who
+        _, responses = await c.run("after", prompt_of(40))
+        assert responses[-1].finish_reason == "length"
+        assert c.decode_group() is group and not group.broken and c.groups_built() == (1, 1)
         await c.wait_idle()
 
 
@@ -429,7 +470,8 @@ class SilentDecode(decode_pb2_grpc.DecodeServicer):
         header = (await anext(request_iterator)).header
         metadata = ACCEPTED_METADATA
         if self.channel is not None and header.HasField("channel"):
-            admitted = self.channel.admit(header.channel)
+            caller = peer_identity(context.peer(), context.auth_context())
+            admitted = self.channel.admit(header.channel, caller)
             assert admitted is not None
             metadata = (*metadata, admitted[1].metadata())
         await context.send_initial_metadata(metadata)
@@ -441,14 +483,18 @@ class SilentDecode(decode_pb2_grpc.DecodeServicer):
             self.cancelled.set()
             raise
 
+    async def KVStore(self, request, context):  # type: ignore[no-untyped-def]
+        assert self.channel is not None
+        return await self.channel.store.serve(
+            request, peer_identity(context.peer(), context.auth_context()))
+
 
 async def test_lease_expires_when_decode_never_acknowledges(
     model: LoadedModel, transport: str
 ) -> None:
     channel = None
     if transport == "distributed":
-        channel = ChannelHost(bind_host="127.0.0.1", host="127.0.0.1", op_timeout=5.0)
-        channel.start()
+        channel = ChannelHost(host="127.0.0.1", op_timeout=5.0)
     silent = SilentDecode(channel)
     server = await start_grpc_server(
         [(decode_pb2_grpc.add_DecodeServicer_to_server, silent, "tandem.v1.Decode")],

@@ -117,6 +117,7 @@ def test_services_and_rpcs() -> None:
         "Generate": ("GenerateRequest", "GenerateResponse", False, True),
         "Abort": ("AbortRequest", "AbortResponse", False, False),
         "GetStats": ("StatsRequest", "WorkerStats", False, False),
+        "KVStore": ("KVStoreRequest", "KVStoreResponse", False, False),
     }
     assert decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name == "tandem.v1.Decode"
 

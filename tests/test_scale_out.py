@@ -102,7 +102,7 @@ def test_a_conversations_next_turn_lands_where_its_prefix_is_cached(stack: Up) -
     workers = ready["prefill"] + ready["decode"]
     assert any(w.get("prefix_cache_blocks", 0) > 0 for w in workers), workers
     assert any(w.get("prefix_cache_hit_rate", 0) > 0 for w in workers), workers
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(stack.metrics_urls["gateway"], timeout=10) as response:
         metrics = response.read().decode()
     assert 'tandem:worker_prefix_cache_hit_rate{role="decode"' in metrics
 
@@ -213,7 +213,7 @@ def test_killing_a_prefill_and_a_decode_worker_under_load_loses_nothing(stack: U
         if outcome.error is None:
             assert outcome.text == reference[prompt].text, prompt
     assert not errors, errors  # retries and migrations absorbed both deaths
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(stack.metrics_urls["gateway"], timeout=10) as response:
         metrics = response.read().decode()
     migrations = next(float(line.split()[-1]) for line in metrics.splitlines()
                       if line.startswith("tandem:migrations_total "))  # fmt: skip

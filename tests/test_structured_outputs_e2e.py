@@ -77,7 +77,7 @@ def _client(stack: Up) -> Any:
 
 
 def _paths(stack: Up) -> dict[str, float]:
-    with urllib.request.urlopen(stack.rows["gateway"][0] + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(stack.metrics_urls["gateway"], timeout=10) as response:
         text = response.read().decode()
     out = {}
     for path in ("local", "remote"):
@@ -194,7 +194,7 @@ def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
     assert not thread.is_alive()
     assert chunks[-1] == "<stop>", chunks[-5:]
     jsonschema.validate(json.loads("".join(chunks[:-1])), schema)
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(stack.metrics_urls["gateway"], timeout=10) as response:
         metrics = response.read().decode()
     assert any(line.startswith("tandem:migrations_total ") and float(line.split()[-1]) >= 1
                for line in metrics.splitlines())  # fmt: skip

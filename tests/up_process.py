@@ -29,9 +29,10 @@ READY_TIMEOUT_S = 180.0
 
 def port_flags(num_prefill: int, num_decode: int) -> list[str]:
     # Worker ports are bases (worker i gets base + i): give every role its own free block.
-    count = 2 + 2 * num_prefill + 2 * num_decode
+    count = 3 + 2 * num_prefill + 2 * num_decode
     free = iter(free_ports(count + 8))
-    flags = ["--tokenizer-port", str(next(free)), "--tokenizer-metrics-port", str(next(free))]
+    flags = ["--tokenizer-port", str(next(free)), "--tokenizer-metrics-port", str(next(free)),
+             "--gateway-metrics-port", str(next(free))]
     for role, n in (("prefill", num_prefill), ("decode", num_decode)):
         if n == 1:
             flags += [f"--{role}-port", str(next(free)), f"--{role}-metrics-port", str(next(free))]
@@ -100,6 +101,7 @@ class Up:
     process: subprocess.Popen[str]
     log: IO[str]
     rows: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (address, pid)
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # name -> its /metrics
     stdout_lines: list[str] = field(default_factory=list)
 
     @property
@@ -127,8 +129,9 @@ class Up:
             pytest.fail(f"tandem up not ready in {timeout:g}s; stderr:\n{self.stderr()[-4000:]}")
         header = next(i for i, line in enumerate(self.stdout_lines) if line.startswith("service "))
         for line in self.stdout_lines[header + 1 : -1]:
-            name, address, _metrics, pid = line.split()
+            name, address, metrics, pid = line.split()
             self.rows[name] = (address, int(pid))
+            self.metrics_urls[name] = metrics
 
 
 StartUp = Callable[..., Up]

@@ -2,8 +2,8 @@
 
 Each process builds one :class:`TandemMetrics` at start-up, on its own ``CollectorRegistry``
 (nothing is registered at import time, so tests and several in-process servers never collide),
-and exposes it on ``GET /metrics``: the gateway mounts :func:`metrics_handler` in its own HTTP
-app, workers call :func:`serve_metrics_http`. Each process has its own registry and port, so
+and exposes it on ``GET /metrics`` on a port of its own (:func:`serve_metrics_http`; the gateway
+too, on ``--metrics-port``, never on the API's port). Each process has its own registry and port, so
 its own metrics carry no ``role`` label; Prometheus' ``job`` / ``instance`` labels tell processes apart.
 
 Who records what:
@@ -369,7 +369,7 @@ class MetricsHttpServer:
 async def serve_metrics_http(
     metrics: TandemMetrics, host: str = "0.0.0.0", port: int = 0
 ) -> MetricsHttpServer:
-    """Serve ``GET /metrics`` (and a trivial ``GET /health``) on ``host:port`` for a worker.
+    """Serve ``GET /metrics`` (and a trivial ``GET /health``) on ``host:port`` for a process.
 
     Port 0 picks a free port; the returned server reports the bound one.
 

@@ -13,6 +13,7 @@ method                          allowed roles
 ``tandem.v1.Prefill/*``         gateway
 ``tandem.v1.Decode/*``          gateway (Reserve, Generate, Abort, GetStats)
 ``tandem.v1.Decode/TransferKV`` prefill
+``tandem.v1.Decode/KVStore``    prefill (the KV channel's rendezvous store)
 ``tandem.v1.PrefixCache/Watch`` gateway
 ``grpc.health.v1.Health/*``     any role of the deployment
 reflection                      any role of the deployment
@@ -60,6 +61,7 @@ ACCESS_POLICY: dict[tuple[str, str], frozenset[str]] = {
     ("tandem.v1.Prefill", "*"): frozenset({GATEWAY}),
     ("tandem.v1.Decode", "*"): frozenset({GATEWAY}),
     ("tandem.v1.Decode", "TransferKV"): frozenset({PREFILL}),
+    ("tandem.v1.Decode", "KVStore"): frozenset({PREFILL}),
     ("tandem.v1.PrefixCache", "*"): frozenset({GATEWAY}),
     ("grpc.health.v1.Health", "*"): ANY_ROLE,
     ("grpc.reflection.v1alpha.ServerReflection", "*"): ANY_ROLE,

@@ -3,7 +3,7 @@
 ==============  ==========================  ==========================
 process         gRPC / HTTP                 Prometheus ``/metrics``
 ==============  ==========================  ==========================
-gateway         HTTP 8000                   on its own port, 8000
+gateway         HTTP 8000                   9102
 tokenizer       gRPC 50051                  9101
 prefill ``i``   gRPC 50061 + i              9111 + i
 decode ``i``    gRPC 50071 + i              9121 + i
@@ -11,7 +11,8 @@ decode ``i``    gRPC 50071 + i              9121 + i
 
 Up to :data:`MAX_WORKERS_PER_ROLE` (10) prefill and 10 decode workers fit on one host with these
 defaults (i = 0..9); more need explicit ports. Metrics start at 9101 to leave 9100 to the
-Prometheus node exporter. All values are defaults only; nothing here is read from the environment.
+Prometheus node exporter. Every process serves ``/metrics`` on a port of its own, never on a port
+clients use, so a NetworkPolicy can open metrics to the monitoring namespace alone. All values are defaults only; nothing here is read from the environment.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ PREFILL_GRPC_PORT_BASE = 50061
 DECODE_GRPC_PORT_BASE = 50071
 
 TOKENIZER_METRICS_PORT = 9101
+GATEWAY_METRICS_PORT = 9102
 PREFILL_METRICS_PORT_BASE = 9111
 DECODE_METRICS_PORT_BASE = 9121
 

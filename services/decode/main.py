@@ -2,10 +2,11 @@
 
 Start-up: load the model and its tokenizer (for stop strings and text deltas; token ids only
 when the model has none), start the engine thread, the KV receiver with its reaper (parked KV,
-reservation leases) and, with ``--kv-transport distributed``, the KV channel's store, the
-gRPC server (Decode + health + reflection) and the Prometheus endpoint; then serve until
-SIGINT / SIGTERM and stop gracefully (in-flight streams get a grace period, then every parked
-transfer and running request is freed and the engine thread stops).
+reservation leases) and, with ``--kv-transport distributed``, the KV channel (its rendezvous
+store is the ``Decode.KVStore`` RPC), the gRPC server (Decode + health + reflection) and the
+Prometheus endpoint; then serve until SIGINT / SIGTERM and stop gracefully (in-flight streams get
+a grace period, then every parked transfer and running request is freed and the engine thread
+stops).
 
 Only flags live here, so building the ``tandem`` parser never imports torch; the worker
 itself is started by :func:`services.decode.server.start_decode_worker` (tests call it directly).
@@ -20,7 +21,6 @@ from services.common import ports
 from services.decode.options import (
     DEFAULT_RESERVATION_LEASE_SECONDS,
     DEFAULT_WAIT_FOR_KV_SECONDS,
-    check_kv_dist_port,
     check_reservation_lease,
 )
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
@@ -54,11 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the most of the KV pool one caller's reservations hold (one gateway process: peer "
              "address and certificate), so one cannot starve another (default 0.25)",
     )
-    parser.add_argument(
-        "--kv-dist-port", type=int, default=0,
-        help="with --kv-transport distributed: the port of the store prefill workers meet this "
-             "worker's KV channel at (default 0: a free one, advertised in each go-ahead)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
     from services.decode.server import start_decode_worker
 
     lease = check_reservation_lease(args.reservation_lease_seconds)
-    kv_dist_port = check_kv_dist_port(args.kv_dist_port)
     from services.engine.kv_transfer.reservation_quota import ReservationQuota
 
     defaults = ReservationQuota()
@@ -79,5 +73,5 @@ def run(args: argparse.Namespace) -> int:
     options = options_from_args(args, "decode")
     return run_worker(lambda: start_decode_worker(
         options, wait_for_kv_seconds=args.wait_for_kv_seconds, reservation_lease_seconds=lease,
-        kv_dist_port=kv_dist_port, reservation_quota=quota,
+        reservation_quota=quota,
     ))

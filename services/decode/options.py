@@ -23,11 +23,3 @@ def check_reservation_lease(seconds: float) -> float:
             param="reservation_lease_seconds",
         )
     return seconds
-
-
-def check_kv_dist_port(port: int) -> int:
-    """``--kv-dist-port`` must be 0 (a free port) or a port number; returns it."""
-    if not 0 <= port <= 65535:
-        raise InvalidArgumentError(f"--kv-dist-port must be in [0, 65535], got {port}",
-                                   param="kv_dist_port")
-    return port

@@ -1,6 +1,7 @@
 """Start a decode worker in this process: the shared worker runtime (with the output text) plus
 the decode role (the KV receiver with its reaper for parked KV and reservation leases, the KV
-channel's store with ``--kv-transport distributed``, the CUDA IPC endpoint with ``cuda-ipc``,
+channel's pair groups and their rendezvous store (served as ``Decode.KVStore``) with
+``--kv-transport distributed``, the CUDA IPC endpoint with ``cuda-ipc``,
 the ``Decode`` servicer).
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
@@ -15,11 +16,11 @@ from services.common.pb import decode_pb2_grpc
 from services.decode.options import (
     DEFAULT_RESERVATION_LEASE_SECONDS,
     DEFAULT_WAIT_FOR_KV_SECONDS,
-    check_kv_dist_port,
     check_reservation_lease,
 )
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.decode.worker import DecodeWorker
+from services.engine.kv_transfer.channel_store import ChannelStore
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
 from services.engine.core.loaders import LoadedModel
 from services.engine.kv_transfer import (
@@ -45,7 +46,6 @@ async def start_decode_worker(
     loaded: LoadedModel | None = None,
     tokenizer: Tokenizer | None = None,
     metrics: TandemMetrics | None = None,
-    kv_dist_port: int = 0,
     reservation_quota: ReservationQuota | None = None,
 ) -> WorkerHandle:
     """Build and start a decode worker; see the module docstring.
@@ -61,14 +61,11 @@ async def start_decode_worker(
             quarter of the shorter wait, at most 1 s).
         loaded / tokenizer: already loaded model and tokenizer (tests share them).
         metrics: the registry to record into (default: a fresh one).
-        kv_dist_port: with ``options.kv_transport`` distributed, the port of the KV channel's
-            store (0: a free one).
         reservation_quota: bounds on reserved KV per caller and in total (default: 50% of the
             pool in total, 25% per caller; ``reservation_quota.py``).
     """
 
     check_reservation_lease(reservation_lease_seconds)
-    check_kv_dist_port(kv_dist_port)
     quota = (reservation_quota or ReservationQuota()).validate()
     kind = resolve_kv_transport(options.kv_transport, options.device)
 
@@ -79,15 +76,15 @@ async def start_decode_worker(
             metrics=metrics, quota=quota,
         )  # fmt: skip
         channel: KVChannelEndpoint | None = None
+        channel_store: ChannelStore | None = None
         if kind == "distributed":  # the stall reaper ends a stalled piece first
-            host = ChannelHost(port=kv_dist_port, bind_host=options.host,
-                               host=options.reachable_host(), op_timeout=2 * receiver.park_seconds)
-            host.start()  # listens now: a taken --kv-dist-port fails the start-up
-            channel = DistributedKVEndpoint(receiver, host)
+            host = ChannelHost(host=options.reachable_host(),
+                               op_timeout=2 * receiver.park_seconds)  # fmt: skip
+            channel, channel_store = DistributedKVEndpoint(receiver, host), host.store
         elif kind == "cuda-ipc":
             channel = CudaIpcEndpoint(receiver)
         worker = DecodeWorker(engine_loop, receiver, wait_for_kv_seconds=wait_for_kv_seconds,
-                              channel=channel)  # fmt: skip
+                              channel=channel, channel_store=channel_store)  # fmt: skip
         servicer = DecodeServicer(worker, worker_id=options.worker_id)
         return worker, servicer, decode_pb2_grpc.add_DecodeServicer_to_server, SERVICE_NAME
 

@@ -3,7 +3,8 @@
 ``Reserve`` holds a request's destination blocks before its prefill starts (RESOURCE_EXHAUSTED at
 once when there is no room); ``TransferKV`` is the receiving end of the KV transports (it takes
 the reserved blocks, if any; its go-ahead advertises the KV channel when this worker hosts one);
-``Generate`` streams one
+``KVStore`` is the rendezvous store of that channel's pair groups (answering only the peer a group
+was advertised to); ``Generate`` streams one
 ``GenerateResponse`` per engine output (the first starts with prefill's token; the last carries
 the finish reason). A ``Generate`` that carries the prompt (``prompt_token_ids``) is prefilled
 here instead (local prefill: no transfer). Typed errors become status codes through the
@@ -58,7 +59,14 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
         async def accept(channel: tuple[tuple[str, str], ...]) -> None:
             await context.send_initial_metadata((*ACCEPTED_METADATA, *channel))
 
-        return await self.worker.receive_kv(request_iterator, accept)
+        caller = peer_identity(context.peer(), context.auth_context())
+        return await self.worker.receive_kv(request_iterator, accept, caller)
+
+    async def KVStore(
+        self, request: decode_pb2.KVStoreRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.KVStoreResponse:
+        return await self.worker.serve_store(
+            request, peer_identity(context.peer(), context.auth_context()))
 
     async def Generate(
         self, request: decode_pb2.GenerateRequest, context: grpc.aio.ServicerContext

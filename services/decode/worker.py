@@ -29,12 +29,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from services.common.errors import AbortedError, NotFoundError
+from services.common.errors import AbortedError, FailedPreconditionError, NotFoundError
 from services.common.pb import decode_pb2
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import RequestOutput
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVReceiver
+from services.engine.kv_transfer.channel_store import ChannelStore
 from services.engine.kv_transfer.transport import AcceptWithMetadata, KVChannelEndpoint
 
 logger = logging.getLogger(__name__)
@@ -50,11 +51,15 @@ class DecodeWorker:
         *,
         wait_for_kv_seconds: float = 30.0,
         channel: KVChannelEndpoint | None = None,
+        channel_store: ChannelStore | None = None,
     ) -> None:
+        """``channel``: the payload channel's endpoint, if this worker serves one;
+        ``channel_store``: the distributed channel's rendezvous store (``Decode.KVStore``)."""
         self.engine_loop = engine_loop
         self.receiver = receiver
         self.wait_for_kv_seconds = wait_for_kv_seconds
         self.channel = channel
+        self.channel_store = channel_store
 
     def start(self) -> None:
         self.receiver.start()
@@ -68,12 +73,27 @@ class DecodeWorker:
         self,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
         accept: AcceptWithMetadata,
+        caller: str = "",
     ) -> decode_pb2.KVTransferAck:
         """Run one ``TransferKV`` stream; ``accept(metadata)`` sends the go-ahead (with the KV
-        channel's advert when the sender offered one and this worker serves that channel)."""
+        channel's advert when the sender offered one and this worker serves that channel);
+        ``caller``: the sender's identity (a channel's store answers only that peer)."""
         if self.channel is not None:
-            return await self.channel.receive(messages, accept)
+            return await self.channel.receive(messages, accept, caller)
         return await self.receiver.receive(messages, lambda: accept(()))
+
+    async def serve_store(
+        self, request: decode_pb2.KVStoreRequest, caller: str
+    ) -> decode_pb2.KVStoreResponse:
+        """One op on the KV channel's rendezvous store (``Decode.KVStore``) for ``caller``.
+
+        Raises:
+            FailedPreconditionError: this worker hosts no distributed KV channel.
+        """
+        if self.channel_store is None:
+            raise FailedPreconditionError("this decode worker hosts no KV channel store "
+                                          "(--kv-transport distributed)")  # fmt: skip
+        return await self.channel_store.serve(request, caller)
 
     async def generate(
         self, request_id: str, wait_for_kv_seconds: float | None = None

@@ -6,7 +6,9 @@ the handlers share.
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
   ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /openapi.json``
-  (``openapi.py``), ``GET /`` (the playground), ``GET /health``, ``GET /ready``, ``GET /metrics``;
+  (``openapi.py``), ``GET /`` (the playground), ``GET /health``, ``GET /ready`` (Prometheus
+  ``GET /metrics`` is not here: ``main.serve`` serves it on ``--metrics-port``, a port of its own
+  that clients of the API need not reach);
 - the OpenAI error middleware (every failure is ``{"error": {...}}`` with OpenAI's status);
 - ``client_max_size`` = ``max_body_bytes``, so larger bodies are refused with 413;
 - requests that are not valid HTTP are logged as one rate-limited WARNING line instead of an
@@ -30,7 +32,7 @@ import logging
 
 from aiohttp import web
 
-from services.common.metrics import TandemMetrics, metrics_handler
+from services.common.metrics import TandemMetrics
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
@@ -126,7 +128,6 @@ def build_app(
     app.router.add_get("/version", version_route)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics_handler(state.metrics))
     app.router.add_get("/openapi.json", openapi_route)
     app.router.add_get("/", playground)
     app.on_startup.append(_start)

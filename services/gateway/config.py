@@ -127,6 +127,10 @@ class GatewayConfig:
         prefill_addresses / decode_addresses: the worker pools (at least one decode worker; no
             prefill worker means every prompt is prefilled by its decode worker).
         host / port: where the HTTP server listens.
+        metrics_port / metrics_host: where Prometheus ``GET /metrics`` is served, on a port of
+            its own (never the API's: the API port is open to clients, the metrics port only to
+            the monitoring namespace in Kubernetes); ``metrics_port`` None serves none (tests),
+            ``metrics_host`` None binds ``host``.
         served_model_names: names accepted in ``model`` and listed by ``/v1/models``; empty means
             the name the tokenizer service reports (ModelInfo.name).
         safety_policy: a policy file, ``None`` for the shipped default, or ``"off"``.
@@ -177,6 +181,8 @@ class GatewayConfig:
     decode_addresses: tuple[str, ...]
     host: str = "0.0.0.0"
     port: int = 8000
+    metrics_port: int | None = None
+    metrics_host: str | None = None
     served_model_names: tuple[str, ...] = ()
     safety_policy: str | None = None
     rate_limit_rpm: float | None = None
@@ -211,6 +217,14 @@ class GatewayConfig:
             raise InvalidArgumentError("at least one decode address is required", param="decode")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port}", param="port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise InvalidArgumentError("--metrics-port must be in [0, 65535] (or -1: none), got "
+                                       f"{self.metrics_port}", param="metrics_port")  # fmt: skip
+        if self.metrics_port is not None and self.metrics_port != 0 and (
+                self.metrics_port == self.port
+                and (self.metrics_host or self.host) == self.host):  # fmt: skip
+            raise InvalidArgumentError("--metrics-port must differ from --port: /metrics is not "
+                                       "served on the API's port", param="metrics_port")  # fmt: skip
         if self.rate_limit_rpm is not None and not self.rate_limit_rpm > 0:
             raise InvalidArgumentError("rate limit must be positive", param="rate_limit_rpm")
         if self.rate_limit_burst is not None and not self.rate_limit_burst >= 1:

@@ -10,7 +10,9 @@ keys unless ``--allow-no-auth``; ``--https-cert/--https-key`` serve HTTPS (``edg
 
 Run loop:
   1. build the application (``app.build_app``) and bind ``--host:--port`` (``edge_server.start_edge``:
-     TLS, header read timeout, connection cap);
+     TLS, header read timeout, connection cap), and Prometheus ``/metrics`` on its own
+     ``--metrics-port`` (default 9102, like the workers' metrics ports: never the API's port,
+     which clients reach; ``--metrics-host`` binds another interface, e.g. 127.0.0.1);
   2. serve until SIGINT / SIGTERM;
   3. shut down gracefully: in-flight requests get ``--shutdown-grace`` seconds, then their
      handlers are cancelled and each aborts its work on the workers; channels are closed.
@@ -27,6 +29,7 @@ import signal
 from aiohttp import web
 
 from services.common import ports
+from services.common.metrics import MetricsHttpServer, serve_metrics_http
 from services.common.internal_tls import add_tls_arguments, tls_from_args
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.prefill_policy import (
@@ -83,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--host", default="0.0.0.0", help="interface to listen on")
     parser.add_argument("--port", type=int, default=ports.GATEWAY_HTTP_PORT, help="HTTP port")
+    parser.add_argument("--metrics-port", type=int, default=ports.GATEWAY_METRICS_PORT,
+                        help="Prometheus /metrics port, separate from the API's (default "
+                             f"{ports.GATEWAY_METRICS_PORT}; 0 picks a free one; -1 disables)")
+    parser.add_argument("--metrics-host", default=None,
+                        help="interface /metrics listens on (default: --host)")
     edge = parser.add_argument_group("the edge: HTTPS, auth and per-client limits "
                                      "(docs/security.md)")  # fmt: skip
     edge.add_argument("--https-cert", default=env(HTTPS_CERT_ENV) or None, metavar="PEM",
@@ -322,6 +330,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         decode_addresses=_addresses(args.decode, DEFAULT_DECODE),
         host=args.host,
         port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.metrics_host,
         served_model_names=tuple(args.served_model_name or ()),
         safety_policy=args.safety_policy,
         rate_limit_rpm=args.rate_limit_rpm,
@@ -389,8 +399,15 @@ async def serve(app: web.Application, config: GatewayConfig, *, shutdown_grace: 
         InvalidArgumentError: the HTTPS files cannot be loaded.
         UnavailableError: the address could not be bound.
     """
+    from services.gateway.state import STATE_KEY
+
     runner, url = await start_edge(app, config, shutdown_grace=shutdown_grace)
+    metrics_http: MetricsHttpServer | None = None
     try:
+        if config.metrics_port is not None:
+            metrics_http = await serve_metrics_http(app[STATE_KEY].metrics,
+                                                    config.metrics_host or config.host,
+                                                    config.metrics_port)  # fmt: skip
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -399,4 +416,6 @@ async def serve(app: web.Application, config: GatewayConfig, *, shutdown_grace: 
         await stop.wait()
         logger.info("gateway shutting down")
     finally:
+        if metrics_http is not None:
+            await metrics_http.close()
         await runner.cleanup()

@@ -13,9 +13,10 @@ documented request bodies are the accepted ones. The rest is stated here once:
 4. the served model's facts when known: ``ModelName`` lists the served names and ``TokenId`` is
    bounded by the vocabulary (otherwise any string, any uint32).
 
-Routes outside the OpenAI API (``/health``, ``/ready``, ``/metrics``, ``/version``, ``/`` and this
-one) are documented too; a method a path does not serve is 405 and an unknown path 404, both in
-OpenAI's error shape.
+Routes outside the OpenAI API (``/health``, ``/ready``, ``/version``, ``/`` and this one) are
+documented too; a method a path does not serve is 405 and an unknown path 404, both in OpenAI's
+error shape. Prometheus ``/metrics`` is not on this server: the gateway serves it on its own
+``--metrics-port`` (docs/metrics.md), so it is not in this document.
 """
 
 from __future__ import annotations
@@ -312,9 +313,6 @@ def _paths() -> dict[str, Any]:
                        "(prefill workers are optional)",
                        "ready", {"200": _json(ready, "Ready."),
                                  "503": _json(ready, "Not ready; problems says why.")}),
-        "/metrics": _get("Prometheus metrics", "metrics", {"200": {
-            "description": "The Prometheus text format.",
-            "content": {"text/plain": {"schema": _STR}}}}),
         "/openapi.json": _get("This document", "openapi", {"200": _json(
             {"type": "object"}, "The OpenAPI 3.1 document.")}),
         "/": _get("The browser playground", "playground", {"200": {

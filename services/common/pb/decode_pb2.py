@@ -25,35 +25,41 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"O\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"h\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\"\x8e\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\x06\n\x04kind\"\xef\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x07 \x01(\r\x12.\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0b \x01(\r\x12*\n\x07\x63hannel\x18\x0c \x01(\x0b\x32\x19.tandem.v1.KVChannelOffer\"\xb2\x01\n\x0eKVChannelOffer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x15\n\rpeer_instance\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rretired_group\x18\x04 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12(\n\x08\x63uda_ipc\x18\x06 \x01(\x0b\x32\x16.tandem.v1.CudaIpcPool\x12\x15\n\rsource_blocks\x18\x07 \x03(\r\"\xf0\x01\n\x0b\x43udaIpcPool\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\r\n\x05\x64type\x18\t \x01(\t\x12\r\n\x05shape\x18\n \x03(\x04\"v\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x15\n\rchannel_bytes\x18\x06 \x01(\x04\"3\n\x08KVCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"p\n\rKVTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13wait_for_kv_seconds\x18\x02 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x05 \x03(\r\"\xc6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r2\xd2\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x46\n\nTransferKV\x12\x1c.tandem.v1.KVTransferMessage\x1a\x18.tandem.v1.KVTransferAck(\x01\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x9a\x02\n\x0eKVStoreRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12(\n\x02op\x18\x02 \x01(\x0e\x32\x1c.tandem.v1.KVStoreRequest.Op\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x05 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\"w\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\x07\n\x03SET\x10\x01\x12\x07\n\x03GET\x10\x02\x12\x07\n\x03\x41\x44\x44\x10\x03\x12\t\n\x05\x43HECK\x10\x04\x12\x08\n\x04WAIT\x10\x05\x12\x0f\n\x0b\x43OMPARE_SET\x10\x06\x12\x0e\n\nDELETE_KEY\x10\x07\x12\x0c\n\x08NUM_KEYS\x10\x08\"<\n\x0fKVStoreResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08\"O\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"h\n\x0fReserveResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\"\x8e\x01\n\x11KVTransferMessage\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVHeaderH\x00\x12#\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x12.tandem.v1.KVChunkH\x00\x12%\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVCommitH\x00\x42\x06\n\x04kind\"\xef\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x07 \x01(\r\x12.\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12)\n\x06params\x18\t \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x0b \x01(\r\x12*\n\x07\x63hannel\x18\x0c \x01(\x0b\x32\x19.tandem.v1.KVChannelOffer\"\xb2\x01\n\x0eKVChannelOffer\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x15\n\rpeer_instance\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rretired_group\x18\x04 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x05 \x01(\t\x12(\n\x08\x63uda_ipc\x18\x06 \x01(\x0b\x32\x16.tandem.v1.CudaIpcPool\x12\x15\n\rsource_blocks\x18\x07 \x03(\r\"\xf0\x01\n\x0b\x43udaIpcPool\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\r\n\x05\x64type\x18\t \x01(\t\x12\r\n\x05shape\x18\n \x03(\x04\"v\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x15\n\rchannel_bytes\x18\x06 \x01(\x04\"3\n\x08KVCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"p\n\rKVTransferAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13wait_for_kv_seconds\x18\x02 \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x05 \x03(\r\"\xc6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r2\x94\x03\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.tandem.v1.ReserveRequest\x1a\x1a.tandem.v1.ReserveResponse\x12\x46\n\nTransferKV\x12\x1c.tandem.v1.KVTransferMessage\x1a\x18.tandem.v1.KVTransferAck(\x01\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12@\n\x07KVStore\x12\x19.tandem.v1.KVStoreRequest\x1a\x1a.tandem.v1.KVStoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.common.pb.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESERVEREQUEST']._serialized_start=61
-  _globals['_RESERVEREQUEST']._serialized_end=140
-  _globals['_RESERVERESPONSE']._serialized_start=142
-  _globals['_RESERVERESPONSE']._serialized_end=246
-  _globals['_KVTRANSFERMESSAGE']._serialized_start=249
-  _globals['_KVTRANSFERMESSAGE']._serialized_end=391
-  _globals['_KVHEADER']._serialized_start=394
-  _globals['_KVHEADER']._serialized_end=761
-  _globals['_KVCHANNELOFFER']._serialized_start=764
-  _globals['_KVCHANNELOFFER']._serialized_end=942
-  _globals['_CUDAIPCPOOL']._serialized_start=945
-  _globals['_CUDAIPCPOOL']._serialized_end=1185
-  _globals['_KVCHUNK']._serialized_start=1187
-  _globals['_KVCHUNK']._serialized_end=1305
-  _globals['_KVCOMMIT']._serialized_start=1307
-  _globals['_KVCOMMIT']._serialized_end=1358
-  _globals['_KVTRANSFERACK']._serialized_start=1360
-  _globals['_KVTRANSFERACK']._serialized_end=1472
-  _globals['_GENERATEREQUEST']._serialized_start=1475
-  _globals['_GENERATEREQUEST']._serialized_end=1636
-  _globals['_GENERATERESPONSE']._serialized_start=1639
-  _globals['_GENERATERESPONSE']._serialized_end=1837
-  _globals['_DECODE']._serialized_start=1840
-  _globals['_DECODE']._serialized_end=2178
+  _globals['_KVSTOREREQUEST']._serialized_start=62
+  _globals['_KVSTOREREQUEST']._serialized_end=344
+  _globals['_KVSTOREREQUEST_OP']._serialized_start=225
+  _globals['_KVSTOREREQUEST_OP']._serialized_end=344
+  _globals['_KVSTORERESPONSE']._serialized_start=346
+  _globals['_KVSTORERESPONSE']._serialized_end=406
+  _globals['_RESERVEREQUEST']._serialized_start=408
+  _globals['_RESERVEREQUEST']._serialized_end=487
+  _globals['_RESERVERESPONSE']._serialized_start=489
+  _globals['_RESERVERESPONSE']._serialized_end=593
+  _globals['_KVTRANSFERMESSAGE']._serialized_start=596
+  _globals['_KVTRANSFERMESSAGE']._serialized_end=738
+  _globals['_KVHEADER']._serialized_start=741
+  _globals['_KVHEADER']._serialized_end=1108
+  _globals['_KVCHANNELOFFER']._serialized_start=1111
+  _globals['_KVCHANNELOFFER']._serialized_end=1289
+  _globals['_CUDAIPCPOOL']._serialized_start=1292
+  _globals['_CUDAIPCPOOL']._serialized_end=1532
+  _globals['_KVCHUNK']._serialized_start=1534
+  _globals['_KVCHUNK']._serialized_end=1652
+  _globals['_KVCOMMIT']._serialized_start=1654
+  _globals['_KVCOMMIT']._serialized_end=1705
+  _globals['_KVTRANSFERACK']._serialized_start=1707
+  _globals['_KVTRANSFERACK']._serialized_end=1819
+  _globals['_GENERATEREQUEST']._serialized_start=1822
+  _globals['_GENERATEREQUEST']._serialized_end=1983
+  _globals['_GENERATERESPONSE']._serialized_start=1986
+  _globals['_GENERATERESPONSE']._serialized_end=2184
+  _globals['_DECODE']._serialized_start=2187
+  _globals['_DECODE']._serialized_end=2591
 # @@protoc_insertion_point(module_scope)

@@ -1,11 +1,60 @@
 from services.common.pb import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVStoreRequest(_message.Message):
+    __slots__ = ("group", "op", "keys", "value", "expected", "amount", "timeout_seconds")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OP_UNSPECIFIED: _ClassVar[KVStoreRequest.Op]
+        SET: _ClassVar[KVStoreRequest.Op]
+        GET: _ClassVar[KVStoreRequest.Op]
+        ADD: _ClassVar[KVStoreRequest.Op]
+        CHECK: _ClassVar[KVStoreRequest.Op]
+        WAIT: _ClassVar[KVStoreRequest.Op]
+        COMPARE_SET: _ClassVar[KVStoreRequest.Op]
+        DELETE_KEY: _ClassVar[KVStoreRequest.Op]
+        NUM_KEYS: _ClassVar[KVStoreRequest.Op]
+    OP_UNSPECIFIED: KVStoreRequest.Op
+    SET: KVStoreRequest.Op
+    GET: KVStoreRequest.Op
+    ADD: KVStoreRequest.Op
+    CHECK: KVStoreRequest.Op
+    WAIT: KVStoreRequest.Op
+    COMPARE_SET: KVStoreRequest.Op
+    DELETE_KEY: KVStoreRequest.Op
+    NUM_KEYS: KVStoreRequest.Op
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    op: KVStoreRequest.Op
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_seconds: float
+    def __init__(self, group: _Optional[str] = ..., op: _Optional[_Union[KVStoreRequest.Op, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class KVStoreResponse(_message.Message):
+    __slots__ = ("value", "number", "ok")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ok: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_tokens", "lease_seconds")

@@ -61,6 +61,11 @@ class DecodeStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.KVStore = channel.unary_unary(
+                '/tandem.v1.Decode/KVStore',
+                request_serializer=tandem_dot_v1_dot_decode__pb2.KVStoreRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.KVStoreResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -103,6 +108,18 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVStore(self, request, context):
+        """The rendezvous store of a KV channel's pair group (--kv-transport distributed): one
+        torch.distributed Store operation on the namespace of the group this worker advertised to
+        the caller. Prefill role only. Errors: NOT_FOUND (no such group for this caller: unknown,
+        retired, or advertised to another peer), INVALID_ARGUMENT (a bad op or no key),
+        RESOURCE_EXHAUSTED (a value or a key count over the namespace's bounds), UNAVAILABLE (GET or
+        WAIT timed out before the keys were set), FAILED_PRECONDITION (this worker hosts no channel).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +147,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'KVStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVStore,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.KVStoreRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.KVStoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +290,33 @@ class Decode:
             '/tandem.v1.Decode/GetStats',
             tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Decode/KVStore',
+            tandem_dot_v1_dot_decode__pb2.KVStoreRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.KVStoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,8 @@ one small module each:
 - ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
   default, ``Decode.TransferKV`` client streams), ``distributed_transport.DistributedKVTransport``
   (the same streams, the payload bytes over a ``torch.distributed`` pair group: ``pair_group``;
-  decode's side is ``distributed_endpoint``), ``cuda_ipc.CudaIpcKVTransport`` (the same
+  decode's side is ``distributed_endpoint``; the pairs' rendezvous store is ``channel_store``
+  on decode, reached from prefill over mutual-TLS gRPC by ``remote_store``), ``cuda_ipc.CudaIpcKVTransport`` (the same
   streams, the payload copied device to device out of prefill's pool mapped through CUDA IPC
   when both workers share a GPU; decode's side is ``cuda_ipc.CudaIpcEndpoint``) and
   ``transport.InProcessTransport`` (a direct call into a receiver object, for tests); all run

@@ -335,9 +335,11 @@ class CudaIpcEndpoint:
         self,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
         on_accept: AcceptWithMetadata,
+        caller: str = "",
     ) -> decode_pb2.KVTransferAck:
         """Like ``KVReceiver.receive``; ``on_accept(metadata)`` sends the go-ahead, with the
-        CUDA IPC advert when this transfer's payload is copied on the device."""
+        CUDA IPC advert when this transfer's payload is copied on the device (``caller`` is not
+        needed: the pool handle travels on this authenticated stream)."""
         transfer = _Transfer(self)
 
         async def accept() -> None:

@@ -3,9 +3,12 @@ payload pieces over pair groups, for an unchanged :class:`~receiver.KVReceiver`.
 
 The pair set-up and the wire are in ``distributed_transport.py``'s docstring; this side's part:
 
-  1. :class:`ChannelHost` (one per decode worker with ``--kv-transport distributed``) listens
-     with a ``TCPStore`` on ``--kv-dist-port`` and keeps one :class:`PairGroup` per prefill
-     worker (keyed by its id), built lazily when that worker's first offer arrives.
+  1. :class:`ChannelHost` (one per decode worker with ``--kv-transport distributed``) hosts the
+     pairs' rendezvous store (``channel_store.ChannelStore``, served to prefill by the
+     ``Decode.KVStore`` RPC on this worker's mutual-TLS gRPC server: no port of its own) and
+     keeps one :class:`PairGroup` per prefill worker (keyed by its id), built lazily when that
+     worker's first offer arrives; the group's store namespace answers only the peer (host and
+     certificate) whose ``TransferKV`` call it was advertised on.
   2. :class:`DistributedKVEndpoint.receive` runs one ``TransferKV`` stream: it reads the header's
      offer, and when the receiver gives its go-ahead (blocks allocated), admits the pair and
      adds the advert (group, tag) to the go-ahead's metadata.
@@ -23,23 +26,21 @@ The pair set-up and the wire are in ``distributed_transport.py``'s docstring; th
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import logging
 import secrets
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from services.common.errors import DataLossError, UnavailableError
+from services.common.errors import DataLossError
 from services.common.pb import decode_pb2
+from services.engine.kv_transfer.channel_store import ChannelStore
 from services.engine.kv_transfer.transport import AcceptWithMetadata, Metadata
 from services.engine.kv_transfer.pair_group import (
     BUILT_BACKENDS,
     DECODE_RANK,
     SETUP_TIMEOUT_SECONDS,
+    STORE_OVER_GRPC,
     ChannelAdvert,
     PairGroup,
     pair_backend,
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 class _Peer:
     instance: str
     pair: PairGroup
+    owner: str  # the peer identity the group's store namespace answers
 
 
 class ChannelHost:
@@ -61,70 +63,56 @@ class ChannelHost:
     def __init__(
         self,
         *,
-        port: int = 0,
-        bind_host: str = "0.0.0.0",
         host: str | None = None,
         op_timeout: float,
         setup_timeout: float = SETUP_TIMEOUT_SECONDS,
     ) -> None:
-        """``bind_host``: the interface the store listens on (the worker's ``--host``);
-        ``host``: where prefill reaches this worker (None: the machine's name);
-        ``op_timeout``: longest wait for one piece."""
-        self.bind_host = bind_host.strip("[]") or "0.0.0.0"
+        """``host``: the interface Gloo's pair connections use on this worker (None: the
+        machine's name); ``op_timeout``: longest wait for one piece."""
         self.host = host
-        self.requested_port = port
         self.op_timeout = op_timeout
         self.setup_timeout = setup_timeout
         self.device = "cpu"  # pieces are received as host bytes (payload.py)
         self.instance = secrets.token_hex(4)
-        self.address = ""
+        self.store = ChannelStore(max_wait=setup_timeout)
         self.num_built = 0
         self._numbers = itertools.count(1)
-        self._store: dist.TCPStore | None = None
+        self._open = True
         self._peers: dict[str, _Peer] = {}
         self._refused: set[str] = set()
 
-    def start(self) -> None:
-        """Listen (binding ``bind_host``: the store itself would listen on every interface)."""
-        family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
-        try:
-            sock = socket.create_server((self.bind_host, self.requested_port), family=family)
-        except OSError as err:
-            raise UnavailableError(f"--kv-dist-port {self.requested_port} on {self.bind_host} is "
-                                   f"not available: {err.strerror or err}") from err
-        port = sock.getsockname()[1]
-        timeout = datetime.timedelta(seconds=self.setup_timeout)
-        self._store = dist.TCPStore(self.bind_host, port, None, True, timeout,
-                                    wait_for_workers=False,
-                                    master_listen_fd=sock.detach())  # the store owns it now
-        host = self.host or socket.gethostname()
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        logger.info("KV channel store listening on %s:%d (advertised as %s)", self.bind_host,
-                    port, self.address)  # fmt: skip
-
     def close(self) -> None:
+        self._open = False
         for peer in self._peers.values():
             peer.pair.retire("the decode worker is stopping")
         self._peers.clear()
-        self._store = None
+        self.store.close_all()
 
     def retire_broken(self, pair: PairGroup) -> None:
         """Take a group whose op failed or was abandoned out of service at once."""
         for peer_id, peer in list(self._peers.items()):
             if peer.pair is pair:
-                pair.retire("an op failed or was abandoned")
-                del self._peers[peer_id]
+                self._retire(peer_id, "an op failed or was abandoned")
+
+    def _retire(self, peer_id: str, reason: str) -> None:
+        peer = self._peers.pop(peer_id)
+        peer.pair.retire(reason)
+        self.store.close(peer.pair.key)  # its rendezvous keys go with it
 
     def group(self, peer_id: str) -> PairGroup | None:
         """The group in service with prefill worker ``peer_id`` (None: none)."""
         peer = self._peers.get(peer_id)
         return None if peer is None else peer.pair
 
-    def admit(self, offer: decode_pb2.KVChannelOffer) -> tuple[PairGroup, ChannelAdvert] | None:
+    def admit(
+        self, offer: decode_pb2.KVChannelOffer, caller: str
+    ) -> tuple[PairGroup, ChannelAdvert] | None:
         """The pair group one transfer from ``offer``'s worker uses (held: the caller releases
-        it) and the advert for its go-ahead; None when this pair cannot have a channel."""
-        if self._store is None or not offer.peer_id or offer.HasField("cuda_ipc"):
-            return None  # no store, or a CUDA IPC offer (cuda_ipc.py): no pair group for it
+        it) and the advert for its go-ahead; None when this pair cannot have a channel.
+        ``caller``: the ``TransferKV`` peer's identity, the only one a new group's store
+        namespace answers."""
+        if not self._open or not offer.peer_id or offer.HasField("cuda_ipc"):
+            return None  # stopping, or a CUDA IPC offer (cuda_ipc.py): no pair group for it
         backend = pair_backend(self.device, offer.device or "cpu")
         if backend not in BUILT_BACKENDS:
             if offer.peer_id not in self._refused:
@@ -137,20 +125,21 @@ class ChannelHost:
             reason = ("the prefill worker restarted" if peer.instance != offer.peer_instance
                       else "prefill retired it" if peer.pair.key == offer.retired_group
                       else "an op failed or was abandoned" if peer.pair.broken
+                      else "another peer claims this prefill worker's id" if peer.owner != caller
                       else "")  # fmt: skip
             if reason:
-                peer.pair.retire(reason)
-                del self._peers[offer.peer_id]
+                self._retire(offer.peer_id, reason)
                 peer = None
         if peer is None:
             pair = PairGroup(f"{self.instance}.{next(self._numbers)}", DECODE_RANK, backend,
                              op_timeout=self.op_timeout)  # fmt: skip
-            store = self._store
+            store = self.store.open(pair.key, caller)
             pair.build(lambda: store, host=self.host, timeout=self.setup_timeout)
-            peer = self._peers[offer.peer_id] = _Peer(offer.peer_instance, pair)
+            peer = self._peers[offer.peer_id] = _Peer(offer.peer_instance, pair, caller)
             self.num_built += 1
         peer.pair.acquire()
-        return peer.pair, ChannelAdvert(backend, self.address, peer.pair.key, peer.pair.next_tag())
+        advert = ChannelAdvert(backend, STORE_OVER_GRPC, peer.pair.key, peer.pair.next_tag())
+        return peer.pair, advert
 
 
 class DistributedKVEndpoint:
@@ -161,17 +150,18 @@ class DistributedKVEndpoint:
         self.host = host
 
     def close(self) -> None:
-        """Stop the channel's store and retire its groups."""
+        """Retire the channel's groups and drop their store namespaces."""
         self.host.close()
 
     async def receive(
         self,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
         on_accept: AcceptWithMetadata,
+        caller: str = "",
     ) -> decode_pb2.KVTransferAck:
         """Like ``KVReceiver.receive``; ``on_accept(metadata)`` sends the go-ahead with the
-        channel advert (if any) in its metadata."""
-        transfer = _Transfer(self.host)
+        channel advert (if any) in its metadata; ``caller``: the peer's identity."""
+        transfer = _Transfer(self.host, caller)
         pieces = transfer.messages(messages)
 
         async def accept() -> None:
@@ -187,8 +177,9 @@ class DistributedKVEndpoint:
 class _Transfer:
     """One stream's view of the channel: the offer, the admitted pair and tag, bytes so far."""
 
-    def __init__(self, host: ChannelHost) -> None:
+    def __init__(self, host: ChannelHost, caller: str = "") -> None:
         self.host = host
+        self.caller = caller
         self.offer: decode_pb2.KVChannelOffer | None = None
         self.total_bytes = 0
         self.received = 0
@@ -199,7 +190,7 @@ class _Transfer:
     def admit(self) -> Metadata:
         if self.offer is None:
             return ()
-        admitted = self.host.admit(self.offer)
+        admitted = self.host.admit(self.offer, self.caller)
         if admitted is None:
             return ()
         self.pair, advert = admitted

@@ -9,22 +9,28 @@ the same code a GPU deployment would (NCCL when both ends' tensors are CUDA: ``p
 
 Pair set-up (one group per prefill–decode pair, no global world):
 
-  1. Rendezvous: every decode worker started with ``--kv-transport distributed`` hosts a
-     ``TCPStore`` on ``--kv-dist-port`` (0: a free one), bound to its ``--host`` and advertised
-     at its reachable host (``distributed_endpoint.ChannelHost``). Nothing is set up at start.
+  1. Rendezvous: every decode worker started with ``--kv-transport distributed`` hosts the
+     pairs' rendezvous store in-process (``channel_store.py``), served as the ``Decode.KVStore``
+     RPC on its own mutual-TLS gRPC server: only a prefill certificate may call it, and a
+     group's namespace answers only the peer the group was advertised to. No port of its own,
+     and nothing is set up at start. (It was a ``TCPStore``, which anyone who reached its port
+     could read and write.)
   2. Offer: a prefill worker configured the same way puts a ``KVChannelOffer`` in each header
      (its id, a random instance id, its tensors' device, the last group it retired with that
      decode worker).
   3. Go-ahead: a decode worker that hosts a channel answers the offer in its go-ahead (initial
-     metadata ``tandem-kv-channel: <backend> <store> <group> <tag>``): the pair's current group,
-     or a new one (keyed ``<decode instance>.<n>``, never reused) that it starts building as rank
-     1 — lazily, on the pair's first transfer. A worker without a channel (``--kv-transport
-     grpc``) sends the plain go-ahead, and the transfer stays on gRPC.
-  4. Join: prefill builds its side as rank 0 (a ``TCPStore`` client of the advertised store, a
-     ``PrefixStore`` of the group's key, a 2-rank Gloo group) or reuses the group it holds under
-     that key; later transfers of the pair reuse it. If it cannot (timeout, unreachable store,
-     an unbuilt backend), this transfer's chunks carry their data on gRPC as usual and the pair
-     is not offered again for :data:`RETRY_SECONDS`.
+     metadata ``tandem-kv-channel: <backend> grpc <group> <tag>``): the pair's current group,
+     or a new one (keyed ``<decode instance>.<n>``, never reused, its store namespace opened
+     for this caller) that it starts building as rank 1 — lazily, on the pair's first
+     transfer. A worker without a channel (``--kv-transport grpc``) sends the plain go-ahead,
+     and the transfer stays on gRPC.
+  4. Join: prefill builds its side as rank 0 (a :class:`~remote_store.RemoteStore` of the
+     group's namespace, calling ``Decode.KVStore`` over the channel this transfer uses, a
+     ``PrefixStore`` of the group's key, a 2-rank Gloo group) or reuses the group it holds
+     under that key; later transfers of the pair reuse it. If it cannot (timeout, a refused
+     store call, an unbuilt backend, an advert naming a ``host:port`` store: an older decode
+     worker's unauthenticated ``TCPStore``, never joined), this transfer's chunks carry their
+     data on gRPC as usual and the pair is not offered again for :data:`RETRY_SECONDS`.
   5. Transfer: each chunk is announced on gRPC (``KVChunk`` with its crc32, offset and blocks,
      no data, ``channel_bytes`` set), then its bytes are sent with the transfer's tag; decode
      receives them, fills them into the chunk and hands it to the unchanged receiver (crc32
@@ -49,15 +55,12 @@ out, or the peer drops the group.
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import datetime
 import logging
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
-
-import torch.distributed as dist
 
 from services.common.errors import UnavailableError
 from services.common.pb import decode_pb2
@@ -67,9 +70,10 @@ from services.engine.kv_transfer.pair_group import (
     PREFILL_RANK,
     SETUP_TIMEOUT_SECONDS,
     ChannelAdvert,
+    STORE_OVER_GRPC,
     PairGroup,
-    split_host_port,
 )
+from services.engine.kv_transfer.remote_store import RemoteStore
 from services.engine.kv_transfer.transport import KVStream, KVTransport
 
 logger = logging.getLogger(__name__)
@@ -112,8 +116,6 @@ class DistributedKVTransport(KVTransport):
         self.grpc = grpc
         self.num_built = 0
         self._decodes: dict[str, _Decode] = {}
-        self._stores: dict[str, tuple[str, dist.Store]] = {}  # decode -> (store address, client)
-        self._stores_lock = threading.Lock()
 
     def open(self, address: str) -> KVStream:
         return DistributedKVStream(self, address, self.grpc.open(address))
@@ -123,8 +125,6 @@ class DistributedKVTransport(KVTransport):
             if decode.pair is not None:
                 decode.pair.retire("the prefill worker is stopping")
         self._decodes.clear()
-        with self._stores_lock:
-            self._stores.clear()
         await self.grpc.close()
 
     def group(self, address: str) -> PairGroup | None:
@@ -149,9 +149,11 @@ class DistributedKVTransport(KVTransport):
         """The group ``advert`` names, built (or reused) and held for one transfer (the caller
         releases it); None when it cannot be had: the transfer then stays on gRPC."""
         decode = self._decodes.setdefault(address, _Decode())
-        if advert.backend not in BUILT_BACKENDS:
-            logger.warning("decode %s advertised a %s KV channel, which this build lacks",
-                           address, advert.backend)  # fmt: skip
+        if advert.backend not in BUILT_BACKENDS or advert.store != STORE_OVER_GRPC:
+            logger.warning("decode %s advertised a %s KV channel with its store at %r, which this "
+                           "build does not join (only %s backends, store over mutual-TLS gRPC)",
+                           address, advert.backend, advert.store,
+                           "/".join(BUILT_BACKENDS))  # fmt: skip
             decode.retry_after = time.monotonic() + RETRY_SECONDS
             return None
         if decode.pair is not None and decode.pair.broken:
@@ -164,8 +166,8 @@ class DistributedKVTransport(KVTransport):
                 self._retire(decode, f"decode {address} moved to group {advert.group}")
             pair = PairGroup(advert.group, PREFILL_RANK, advert.backend,
                              op_timeout=self.op_timeout)  # fmt: skip
-            pair.build(lambda: self._store(address, advert.store), host=self.host,
-                       timeout=self.setup_timeout)  # fmt: skip
+            store = self._store(address, advert.group)
+            pair.build(lambda: store, host=self.host, timeout=self.setup_timeout)
             decode.pair = pair
             self.num_built += 1
         pair.acquire()
@@ -196,19 +198,17 @@ class DistributedKVTransport(KVTransport):
             decode.retired.append(decode.pair.key)
             decode.pair = None
 
-    def _store(self, decode: str, address: str) -> dist.Store:
-        """A client of the store at ``address`` of the decode worker at ``decode`` (on the
-        set-up thread; one per decode worker, replaced when it moved, e.g. restarted)."""
-        with self._stores_lock:
-            known = self._stores.get(decode)
-        if known is not None and known[0] == address:
-            return known[1]
-        host, port = split_host_port(address)
-        store = dist.TCPStore(host, port, None, False,
-                              datetime.timedelta(seconds=self.setup_timeout))  # fmt: skip
-        with self._stores_lock:
-            self._stores[decode] = (address, store)
-        return store
+    def _store(self, address: str, group: str) -> RemoteStore:
+        """``group``'s namespace of the rendezvous store of the decode worker at ``address``,
+        over this transport's mutual-TLS channel to it (made on the event loop; its ops run on
+        the group's set-up thread)."""
+        stub = self.grpc.stub(address)
+
+        async def call(request: decode_pb2.KVStoreRequest,
+                       deadline: float) -> decode_pb2.KVStoreResponse:  # fmt: skip
+            return await stub.KVStore(request, timeout=deadline)
+
+        return RemoteStore(call, group, asyncio.get_running_loop(), self.setup_timeout)
 
 
 class DistributedKVStream(KVStream):

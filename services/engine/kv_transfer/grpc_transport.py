@@ -90,12 +90,16 @@ class GrpcKVTransport(KVTransport):
         self._stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
 
     def open(self, address: str) -> GrpcKVStream:
+        return GrpcKVStream(self.stub(address))
+
+    def stub(self, address: str) -> decode_pb2_grpc.DecodeStub:
+        """The ``Decode`` stub on the cached channel to ``address`` (opened on first use)."""
         stub = self._stubs.get(address)
         if stub is None:
             channel = open_channel(address, tls=self._tls, server_role=DECODE)
             self._channels[address] = channel
             stub = self._stubs[address] = decode_pb2_grpc.DecodeStub(channel)
-        return GrpcKVStream(stub)
+        return stub
 
     async def close(self) -> None:
         channels, self._channels, self._stubs = self._channels, {}, {}

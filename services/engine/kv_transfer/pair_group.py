@@ -1,7 +1,8 @@
 """One prefill–decode pair's collective channel: a standalone 2-rank ``torch.distributed`` group.
 
 No global world: each pair gets its own group, built from a ``PrefixStore`` (the group's key) over
-the decode worker's ``TCPStore``, prefill as rank 0, decode as rank 1. Building is the rendezvous
+the group's namespace of the decode worker's rendezvous store (``channel_store.py``; prefill
+reaches it over mutual-TLS gRPC, ``remote_store.py``), prefill as rank 0, decode as rank 1. Building is the rendezvous
 (both ranks must construct the group at about the same time), so it runs on a thread and both
 sides start it when a transfer first needs the pair (``distributed_transport.py`` says when).
 
@@ -43,7 +44,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from services.common.errors import InvalidArgumentError, UnavailableError
+from services.common.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ SETUP_TIMEOUT_SECONDS = 10.0
 """Longest a pair's rendezvous (store connection and group construction) may take."""
 CHANNEL_KEY = "tandem-kv-channel"
 """Initial-metadata key of the decode worker's go-ahead that advertises the channel."""
+STORE_OVER_GRPC = "grpc"
+"""The advert's store: the ``Decode.KVStore`` RPC on the connection the go-ahead came over (a
+``host:port`` there meant an unauthenticated ``TCPStore``, which prefill no longer joins)."""
 BUILT_BACKENDS = ("gloo",)
 """Backends this build can make pair groups with."""
 _MAX_TAG = 2**31 - 1
@@ -71,7 +75,7 @@ class ChannelAdvert:
     group to build or reuse, and the tag this transfer's pieces use."""
 
     backend: str
-    store: str  # host:port
+    store: str  # STORE_OVER_GRPC
     group: str
     tag: int
 
@@ -89,14 +93,6 @@ class ChannelAdvert:
                 return cls(parts[0], parts[1], parts[2], int(parts[3]))
             logger.warning("ignoring a malformed KV channel advert %r", value)
         return None
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` → (host, port)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise InvalidArgumentError(f"not a host:port address: {address!r}", param="address")
-    return host.strip("[]"), int(port)
 
 
 async def in_thread(fn: Callable[[], T], name: str) -> T:
@@ -164,6 +160,7 @@ class PairGroup:
         self.users = 0
         self.num_bytes = 0  # payload bytes this side moved (sent or received)
         self._group: dist.ProcessGroupGloo | None = None
+        self._store: dist.Store | None = None  # a Python store must outlive the group's use
         self._built: asyncio.Future[None] | None = None
         self._next_tag = 0
 
@@ -172,7 +169,10 @@ class PairGroup:
         the store the pair's keys live under (a ``PrefixStore`` of ``key`` is added here)."""
 
         def construct() -> dist.ProcessGroupGloo:
-            return _new_group(self.backend, dist.PrefixStore(self.key, connect()), self.rank,
+            store = connect()
+            # the PrefixStore keeps only a Python store's C++ half alive (remote_store.py)
+            self._store = store
+            return _new_group(self.backend, dist.PrefixStore(self.key, store), self.rank,
                               timeout, host)  # fmt: skip
 
         async def run() -> None:
@@ -183,6 +183,7 @@ class PairGroup:
                 self.broken = True
                 raise
             if self.retired:
+                self._drop()
                 return  # nobody will use it: let it go
             self._group = group
             logger.info("KV pair group %s ready (rank %d, %s) in %.3fs", self.key, self.rank,
@@ -259,7 +260,7 @@ class PairGroup:
     def release(self) -> None:
         self.users -= 1
         if self.retired and self.users <= 0:
-            self._group = None
+            self._drop()
 
     def retire(self, reason: str) -> None:
         """Take the group out of service; it is dropped once no transfer holds it."""
@@ -268,4 +269,9 @@ class PairGroup:
         self.retired = True
         logger.info("KV pair group %s retired: %s", self.key, reason)
         if self.users <= 0:
-            self._group = None
+            self._drop()
+
+    def _drop(self) -> None:
+        """Let the torch group go (closing its connections), then the store it was built on."""
+        self._group = None
+        self._store = None

@@ -60,7 +60,11 @@ class KVChannelEndpoint(Protocol):
         self,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
         on_accept: AcceptWithMetadata,
-    ) -> decode_pb2.KVTransferAck: ...
+        caller: str = "",
+    ) -> decode_pb2.KVTransferAck:
+        """Run one transfer; ``caller`` is the sending peer's identity
+        (``peer_roles.peer_identity``)."""
+        ...
 
     def close(self) -> None: ...
 
