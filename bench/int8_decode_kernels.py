@@ -62,11 +62,11 @@ def main() -> None:
     for ggml_type, out, n_in in SHAPES:
         weight = from_gguf_blocks(random_blocks(ggml_type, out, n_in, 0), ggml_type, (out, n_in))
         assert weight is not None
-        packed = qgemv.tile_weight(weight)
+        packed, fmt = qgemv.tile_weight(weight), qgemv.tile_format(weight)
         size = packed.numel()
         copies = [packed] + [packed.clone() for _ in range(max(0, args.bytes // size - 1))]
-        floats = [qgemv.bind(p, weight.format, None, out) for p in copies]
-        ints = [a8.bind_decode(p, None, out, weight.format) for p in copies]
+        floats = [qgemv.bind(p, fmt, None, out) for p in copies]
+        ints = [a8.bind_decode(p, None, out, fmt) for p in copies]
         for rows in args.rows:
             x = torch.randn(rows, n_in)
             best = {"f": float("inf"), "i": float("inf")}
@@ -77,7 +77,7 @@ def main() -> None:
                         for call in calls:
                             call(x)
                         best[key] = min(best[key], (time.perf_counter() - start) / len(calls))
-            print(f"| {weight.format} | {out}x{n_in} | {rows} | {best['f'] * 1e6:.0f} | "
+            print(f"| {fmt} | {out}x{n_in} | {rows} | {best['f'] * 1e6:.0f} | "
                   f"{best['i'] * 1e6:.0f} | {best['f'] / best['i']:.2f}x | "
                   f"{size / best['i'] / 1e9:.1f} |", flush=True)  # fmt: skip
         del copies, floats, ints

@@ -97,7 +97,7 @@ def test_kernel_equals_the_int8_reference(isa: str, ggml_type: T, rows: int) -> 
     qgemv, a8 = _kernels(isa)
     weight = _weight(ggml_type, seed=rows)
     bias = torch.randn(OUT)
-    call = a8.bind_decode(qgemv.tile_weight(weight), qgemv.tile_bias(bias), OUT, weight.format)
+    call = a8.bind_decode(qgemv.tile_weight(weight), qgemv.tile_bias(bias), OUT, qgemv.tile_format(weight))
     x = _rows(rows, seed=rows)
     got = call(x).double()
     expected = reference(x, weight, bias)
@@ -111,7 +111,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T
     """Every row block (4, 2, 1 rows) and thread count runs the same chain per output: bit equal."""
     qgemv, a8 = _kernels(isa)
     weight = _weight(ggml_type, seed=3)
-    call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, weight.format)
+    call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, qgemv.tile_format(weight))
     x = _rows(9, seed=5)
     previous = torch.get_num_threads()
     try:
@@ -144,7 +144,7 @@ def test_bad_arguments_are_errors(isa: str) -> None:
         a8.bind_decode(packed, None, OUT + qgemv.tile, "q4_k")
     with pytest.raises(ValueError, match="do not hold"):
         a8.bind_decode(packed[..., :-1], None, OUT, "q4_k")
-    assert set(DECODE_FORMATS) == {"q8_0", "q4", "q5", "q4_k", "q5_k", "q6_k"}
+    assert set(DECODE_FORMATS) == {"q8_0", "q4", "q5", "q5_0", "q4_k", "q5_k", "q6_k"}
 
 
 # ------------------------------------------------------------------------------- in a Linear
@@ -171,7 +171,7 @@ def test_linear_rounds_generated_rows_with_the_decode_kernel(
     layer, weight = _linear(ggml_type, 1)
     pack_linears(nn.Sequential(layer), PackPlan(qkernel=qgemv, a8kernel=a8, int8_decode=True))
     assert layer.int8_decode
-    decode = a8.bind_decode(layer.packed, None, OUT, weight.format)
+    decode = a8.bind_decode(layer.packed, None, OUT, layer.weight_format)
     big = _rows(40, seed=2)
     with torch.inference_mode():
         for rows in (1, 5, 40):
@@ -179,7 +179,7 @@ def test_linear_rounds_generated_rows_with_the_decode_kernel(
             with int8_rows(False):
                 assert torch.equal(layer(big[:rows]), decode(big[:rows]))
         with int8_rows(True):
-            prompt_path = a8(big, layer.packed, None, OUT, weight.format) if layer.int8_activations \
+            prompt_path = a8(big, layer.packed, None, OUT, layer.weight_format) if layer.int8_activations \
                 else layer.float_forward(big)
             assert torch.equal(layer(big), prompt_path)
         order = torch.randperm(40)

@@ -173,7 +173,7 @@ def test_kernel_equals_float64_reference(isa: str, ggml_type: T) -> None:
     bias = torch.randn(OUT)
     x = torch.randn(max(ROWS), IN)
     expected = x.double() @ dense.T + bias.double()
-    call = qgemv.bind(packed, weight.format, qgemv.tile_bias(bias), OUT)
+    call = qgemv.bind(packed, qgemv.tile_format(weight), qgemv.tile_bias(bias), OUT)
     together = call(x)
     assert together.shape == (max(ROWS), OUT)
     scale = expected.abs().max()
@@ -198,8 +198,8 @@ def test_one_row_tile_sets(isa: str, ggml_type: T, threads: int, out: int) -> No
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        one = qgemv(x[:1], packed, weight.format, None, out)
-        two = qgemv(x, packed, weight.format, None, out)
+        one = qgemv(x[:1], packed, qgemv.tile_format(weight), None, out)
+        two = qgemv(x, packed, qgemv.tile_format(weight), None, out)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two[:1])
@@ -212,18 +212,19 @@ def test_tiles_hold_every_bit(isa: str, ggml_type: T) -> None:
     qgemv = _kernel(isa)
     weight = _weight(ggml_type, seed=6)
     packed = qgemv.tile_weight(weight)
-    assert packed.shape[1] == IN // qgemv.block_inputs[weight.format]
-    # the file's bits a weight (Q5_0: 5.5, its offset implied; Q5_1 6): Q5_0 / Q5_1 tiles hold
-    # the f16 scale and offset, the K types their super-blocks as they are
-    bits = {T.Q5_0: 6.0, T.Q5_1: 6.0, T.Q4_K: 4.5, T.Q5_K: 5.5, T.Q6_K: 6.5625}[ggml_type]
+    assert packed.shape[1] == IN // qgemv.block_inputs[qgemv.tile_format(weight)]
+    # the file's bits a weight: Q5_0 tiles (q5_0) hold the f16 scale, its offset implied (-16
+    # times it), Q5_1 tiles the f16 scale and offset, the K types their super-blocks as they are
+    assert qgemv.tile_format(weight) == ("q5_0" if ggml_type == T.Q5_0 else weight.format)
+    bits = {T.Q5_0: 5.5, T.Q5_1: 6.0, T.Q4_K: 4.5, T.Q5_K: 5.5, T.Q6_K: 6.5625}[ggml_type]
     assert packed.numel() * 8 == bits * packed.shape[0] * qgemv.tile * IN
-    back = qgemv.untile(packed, weight.format, OUT)
+    back = qgemv.untile(packed, qgemv.tile_format(weight), OUT)
     for name, tensor in weight.tensors().items():
         assert torch.equal(getattr(back, name).view(torch.uint8), tensor.view(torch.uint8)), name
     dense = weight.dequantize()
-    assert torch.equal(qgemv.dequantize_t(packed, weight.format, OUT).T, dense)
+    assert torch.equal(qgemv.dequantize_t(packed, qgemv.tile_format(weight), OUT).T, dense)
     index = torch.tensor([[0, OUT - 1, 17], [16, 5, 5]])
-    assert torch.equal(qgemv.gather_rows(packed, weight.format, index, OUT), dense[index])
+    assert torch.equal(qgemv.gather_rows(packed, qgemv.tile_format(weight), index, OUT), dense[index])
 
 
 def test_linear_layer_serves_the_new_formats(isa: str) -> None:

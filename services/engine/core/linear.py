@@ -167,7 +167,8 @@ class Linear(nn.Linear):
         if self.quant is not None:
             if plan.qkernel is None:
                 return  # the reference path: dequantize per call
-            self.kernel, self._packed_format = plan.qkernel, self.quant.format
+            self.kernel = plan.qkernel  # the tiles' format: the quant's, or a compact variant
+            self._packed_format = plan.qkernel.tile_format(self.quant)
             self.packed = plan.qkernel.tile_weight(self.quant)
             self.quant = None  # the tiles hold every bit of it (see CpuQGemv.untile)
             if self.bias is not None:

@@ -409,18 +409,21 @@ static inline ivec maddubs_signed(ivec w, ivec s) {
 #define q4_A8SAFE 8
 #define q4k_A8SAFE 8
 #define q5_A8SAFE 4
+#define q50_A8SAFE 4
 #define q5k_A8SAFE 4
 #define q6k_A8SAFE 2
 #define q8_A8STRIDE 1
 #define q4_A8STRIDE 1
 #define q4k_A8STRIDE 1
 #define q5_A8STRIDE 8
+#define q50_A8STRIDE 8
 #define q5k_A8STRIDE 8
 #define q6k_A8STRIDE 4
 #define q8_A8OFFSET 0
 #define q4_A8OFFSET 1
 #define q4k_A8OFFSET 1
 #define q5_A8OFFSET 1
+#define q50_A8OFFSET 1
 #define q5k_A8OFFSET 1
 #define q6k_A8OFFSET 1
 
@@ -477,6 +480,16 @@ static inline void q5_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
 static inline void q5_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
     (void)g;
     five_bit_quad(block + Q5_HIGH, k, raw, w);
+}
+
+static inline void q50_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
+    (void)g;
+    steps_load(block + Q50_NIBBLES, k0, raw);
+}
+
+static inline void q50_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec *w) {
+    (void)g;
+    five_bit_quad(block + Q50_HIGH, k, raw, w);
 }
 
 static inline void q5k_a8rows(const uint8_t *block, int g, int k0, ivec *raw) {
@@ -629,6 +642,7 @@ static inline int a8_source(int format, int stride, int p) {
 DEFINE_A8FORMAT(q8)
 DEFINE_A8FORMAT(q4)
 DEFINE_A8FORMAT(q5)
+DEFINE_A8FORMAT(q50)
 DEFINE_A8FORMAT(q4k)
 DEFINE_A8FORMAT(q5k)
 DEFINE_A8FORMAT(q6k)
@@ -650,6 +664,7 @@ static const a8format A8FORMATS[N_FORMATS] = {
     [FORMAT_Q8_0] = A8FORMAT_OF(q8), [FORMAT_Q4] = A8FORMAT_OF(q4),
     [FORMAT_Q5] = A8FORMAT_OF(q5), [FORMAT_Q4_K] = A8FORMAT_OF(q4k),
     [FORMAT_Q5_K] = A8FORMAT_OF(q5k), [FORMAT_Q6_K] = A8FORMAT_OF(q6k),
+    [FORMAT_Q5_0] = A8FORMAT_OF(q50),
 };
 
 static const a8format *a8format_of(int format) {

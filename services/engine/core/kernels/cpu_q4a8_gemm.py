@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES, matmul_input
+from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES, TILE_Q5_0, matmul_input
 from services.engine.core.kernels.native_build import load_kernel
 from services.engine.core.quant.quantized_weight import (
     FORMAT_Q4,
@@ -38,8 +38,8 @@ SOURCE = Path(__file__).with_name("cpu_q4a8_gemm.c")
 
 FORMATS = {FORMAT_Q4: GROUP, FORMAT_Q4_K: SUPER}  # the tile formats the GEMM reads: inputs per block
 # the tile formats the decode-rows kernel (tandem_a8_gemv) reads: inputs per block
-DECODE_FORMATS = {FORMAT_Q8_0: GROUP, FORMAT_Q4: GROUP, FORMAT_Q5: GROUP, FORMAT_Q4_K: SUPER,
-                  FORMAT_Q5_K: SUPER, FORMAT_Q6_K: SUPER}  # fmt: skip
+DECODE_FORMATS = {FORMAT_Q8_0: GROUP, FORMAT_Q4: GROUP, FORMAT_Q5: GROUP, TILE_Q5_0: GROUP,
+                  FORMAT_Q4_K: SUPER, FORMAT_Q5_K: SUPER, FORMAT_Q6_K: SUPER}  # fmt: skip
 
 
 class CpuQ4A8Gemm:

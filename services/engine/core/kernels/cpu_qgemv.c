@@ -23,6 +23,8 @@
  *   q4:   f16 scale[TILE], f16 min[TILE], nibbles[32]                           SPAN = SUB = 32
  *   q5:   f16 scale[TILE], f16 min[TILE], uint32 high[TILE], nibbles[32]        SPAN = SUB = 32
  *         (bit 4 of each value: one word per column, input j's at bit j)
+ *   q5_0: f16 scale[TILE], uint32 high[TILE], nibbles[32]    (q5 whose min is -16 * scale:
+ *         Q5_0, 5.5 bits a weight as the file holds it)
  *   q6_k: f16 d[TILE], int8 sc[16][TILE], uint32 high[16][TILE], nibbles[256]   SPAN 256, SUB 16
  *         (bits 4-5 of each value, input j's at bits 2 (j % 16) of word j / 16; the value is
  *         (q - 32) * d * sc, llama.cpp's Q6_K super-block kept as it is: 6.5625 bits a weight)
@@ -76,6 +78,13 @@
 #define Q5_HIGH (4 * TILE) /* offsets in a q5 block: the fifth bits' words, the nibbles */
 #define Q5_NIBBLES (8 * TILE)
 #define q5_BLOCK (Q5_NIBBLES + GROUP * TILE / 2)
+/* q50: Q5_0 as the file holds it, 22 bytes per 32 weights: q5 without the offset, which Q5_0
+ * defines as -16 times the scale (so the kernels derive it; a q5 tile stores it, 2 bytes more) */
+#define q50_SPAN GROUP
+#define q50_SUB GROUP
+#define Q50_HIGH (2 * TILE)
+#define Q50_NIBBLES (6 * TILE)
+#define q50_BLOCK (Q50_NIBBLES + GROUP * TILE / 2)
 #define Q6K_HIGH (18 * TILE)  /* offsets in a q6_k block: the high-bit words, the nibbles */
 #define Q6K_NIBBLES (82 * TILE)
 #define q6k_SPAN SUPER
@@ -104,6 +113,7 @@
 #define PRAGMA(text) _Pragma(#text)
 #define UNROLL(n) PRAGMA(GCC unroll n)
 #define q5_UNROLL UNROLL(32)
+#define q50_UNROLL UNROLL(32)
 #define q5k_UNROLL UNROLL(32)
 #define q6k_UNROLL UNROLL(16)
 #define q8_UNROLL
@@ -114,7 +124,7 @@
 
 enum {
     FORMAT_Q8_0 = 0, FORMAT_Q4 = 1, FORMAT_BF16 = 2, FORMAT_F16 = 3, FORMAT_Q5 = 4,
-    FORMAT_Q6_K = 5, FORMAT_Q4_K = 6, FORMAT_Q5_K = 7, N_FORMATS = 8
+    FORMAT_Q6_K = 5, FORMAT_Q4_K = 6, FORMAT_Q5_K = 7, FORMAT_Q5_0 = 8, N_FORMATS = 9
 };
 
 /* unaligned, aliasing 32-bit words (a q5 / q6_k block's high bits) */
@@ -175,6 +185,10 @@ static inline void q5_values(const uint8_t *block, int j, vec *w) {
     five_bits(block + Q5_NIBBLES, block + Q5_HIGH, j, w);
 }
 
+static inline void q50_values(const uint8_t *block, int j, vec *w) {
+    five_bits(block + Q50_NIBBLES, block + Q50_HIGH, j, w);
+}
+
 static inline void q5k_values(const uint8_t *block, int j, vec *w) {
     five_bits(block + Q5K_NIBBLES + (j / GROUP) * GROUP * LANES,
               block + 16 * TILE + (j / GROUP) * 4 * TILE, j % GROUP, w);
@@ -218,6 +232,7 @@ static inline void none_prep(const uint8_t *block, block_scales *bs) { (void)blo
 #define q8_prep none_prep
 #define q4_prep none_prep
 #define q5_prep none_prep
+#define q50_prep none_prep
 #define bf16_prep none_prep
 #define f16_prep none_prep
 
@@ -251,6 +266,14 @@ static inline void q4_scale(const uint8_t *block, const block_scales *bs, int s,
         scale[c] = f16_to_float(f + c * LANES), min[c] = f16_to_float(f + TILE + c * LANES);
 }
 #define q5_scale q4_scale
+
+static inline void q50_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
+                             vec *min) {
+    (void)s, (void)bs;
+    const uint16_t *f = (const uint16_t *)block;
+    for (int c = 0; c < VECS; c++)
+        scale[c] = f16_to_float(f + c * LANES), min[c] = scale[c] * splat(-16.0f);
+}
 
 static inline void q6k_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
                              vec *min) {
@@ -301,6 +324,7 @@ static inline void q4k_scale(const uint8_t *block, const block_scales *bs, int s
     }
 DEFINE_FINISH(q4)
 DEFINE_FINISH(q5)
+DEFINE_FINISH(q50)
 DEFINE_FINISH(q6k)
 DEFINE_FINISH(q4k)
 DEFINE_FINISH(q5k)
@@ -503,6 +527,7 @@ static inline void prefetch_block(const uint8_t *block, int64_t bytes) {
 #define bf16_ROW_TILES ONE_ROW_TILES
 #define f16_ROW_TILES ONE_ROW_TILES
 #define q5_ROW_TILES 2
+#define q50_ROW_TILES 2
 #define q5k_ROW_TILES 2
 #define q6k_ROW_TILES 2
 
@@ -520,6 +545,7 @@ static inline void prefetch_block(const uint8_t *block, int64_t bytes) {
 DEFINE_FORMAT(q8)
 DEFINE_FORMAT(q4)
 DEFINE_FORMAT(q5)
+DEFINE_FORMAT(q50)
 DEFINE_FORMAT(q6k)
 DEFINE_FORMAT(q4k)
 DEFINE_FORMAT(q5k)
@@ -559,6 +585,7 @@ typedef struct {
 DEFINE_SCALE_AT(q8)
 DEFINE_SCALE_AT(q4)
 DEFINE_SCALE_AT(q5)
+DEFINE_SCALE_AT(q50)
 DEFINE_SCALE_AT(q6k)
 DEFINE_SCALE_AT(q4k)
 DEFINE_SCALE_AT(q5k)
@@ -577,6 +604,7 @@ static const qformat FORMATS[N_FORMATS] = {
     [FORMAT_Q6_K] = FORMAT_OF(q6k, 1, 1, q6k_scale_at),
     [FORMAT_Q4_K] = FORMAT_OF(q4k, 1, 1, q4k_scale_at),
     [FORMAT_Q5_K] = FORMAT_OF(q5k, 1, 1, q5k_scale_at),
+    [FORMAT_Q5_0] = FORMAT_OF(q50, 1, 1, q50_scale_at),
 };
 
 static const qformat *format_of(int format) {

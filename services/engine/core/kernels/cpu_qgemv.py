@@ -40,8 +40,12 @@ from services.engine.core.quant.quantized_weight import (
 SOURCE = Path(__file__).with_name("cpu_qgemv.c")
 FORMAT_CODES = {
     FORMAT_Q8_0: 0, FORMAT_Q4: 1, FORMAT_BF16: 2, FORMAT_F16: 3, FORMAT_Q5: 4, FORMAT_Q6_K: 5,
-    FORMAT_Q4_K: 6, FORMAT_Q5_K: 7,
+    FORMAT_Q4_K: 6, FORMAT_Q5_K: 7, "q5_0": 8,
 }  # fmt: skip
+# A tile format with no canonical one of its own: q5 whose offset is -16 times its scale (GGUF's
+# Q5_0), tiled without the offset (the kernels derive it) so the tiles hold the file's 22 bytes
+# per 32 weights, not 24. :meth:`CpuQGemv.tile_format` says which a weight takes.
+TILE_Q5_0 = "q5_0"
 _F32, _F16, _I32 = torch.float32, torch.float16, torch.int32
 _NIBBLES = "nibbles"  # the values' low 4 bits, two columns a byte
 _K_SCALES = "k_scales"  # a K super-block's 8 six-bit scales and mins in 12 bytes, as in the file
@@ -56,6 +60,7 @@ _PARTS: dict[str, list[tuple[str, torch.dtype, int]]] = {
     FORMAT_Q4: [("scales", _F16, 32), ("mins", _F16, 32), (_NIBBLES, torch.uint8, 1)],
     FORMAT_Q5: [("scales", _F16, 32), ("mins", _F16, 32), ("qh", _I32, 32),
                 (_NIBBLES, torch.uint8, 1)],
+    TILE_Q5_0: [("scales", _F16, 32), ("qh", _I32, 32), (_NIBBLES, torch.uint8, 1)],
     FORMAT_Q6_K: [("d", _F16, 256), ("scales", torch.int8, 16), ("qh", _I32, 16),
                   (_NIBBLES, torch.uint8, 1)],
     FORMAT_Q4_K: [("d", _F16, 256), ("dmin", _F16, 256), (_K_SCALES, torch.uint8, 256),
@@ -102,14 +107,24 @@ class CpuQGemv:
         self.isa: str = isa().decode()
         self.build = Path(str(library._name)).name  # the cached library's file name
 
+    @staticmethod
+    def tile_format(weight: QuantizedWeight) -> str:
+        """The tile format :meth:`tile_weight` lays ``weight`` out in (the kernels' ``fmt``): its
+        own format, or ``q5_0`` for a q5 weight whose every offset is -16 times its scale."""
+        if weight.format == FORMAT_Q5 and weight.mins is not None and weight.scales is not None:
+            if torch.equal(weight.mins, weight.scales * -16.0):
+                return TILE_Q5_0
+        return weight.format
+
     def tile_weight(self, weight: QuantizedWeight) -> torch.Tensor:
-        """Canonical ``[out, in]`` weight → uint8 ``[ceil(out / tile), in / span, block]`` tiles.
+        """Canonical ``[out, in]`` weight → uint8 ``[ceil(out / tile), in / span, block]`` tiles,
+        in :meth:`tile_format`'s format.
 
         Raises:
             ValueError: ``in`` is not a multiple of the format's block inputs, or a q4 / q5
                 scale or offset is not a float16 value.
         """
-        fmt, (out_features, in_features) = weight.format, weight.shape
+        fmt, (out_features, in_features) = self.tile_format(weight), weight.shape
         span = self.block_inputs[fmt]
         if in_features % span:
             raise ValueError(f"{fmt} tiles need a multiple of {span} inputs, got {in_features}")
@@ -148,7 +163,8 @@ class CpuQGemv:
         return t.reshape(tiles, self.tile, blocks, -1).permute(0, 2, 3, 1)
 
     def untile(self, packed: torch.Tensor, fmt: str, out_features: int) -> QuantizedWeight:
-        """The inverse of :meth:`tile_weight` (padding rows dropped)."""
+        """The inverse of :meth:`tile_weight` (padding rows dropped; ``q5_0`` tiles give the q5
+        weight, its offsets -16 times its scales)."""
         tiles, blocks, _ = packed.shape
         tile, span = self.tile, self.block_inputs[fmt]
 
@@ -173,13 +189,15 @@ class CpuQGemv:
                 continue
             size = span // per * tile * dtype.itemsize
             raw = packed[..., start : start + size].contiguous().view(dtype)
-            canonical = LAYOUTS[fmt][name][0]
+            canonical = LAYOUTS[FORMAT_Q5 if fmt == TILE_Q5_0 else fmt][name][0]
             stored = unlay(raw.reshape(tiles, blocks, span // per, tile))
             tensors[name] = (
                 stored.to(canonical) if stored.is_floating_point() and canonical.is_floating_point
                 else stored.view(canonical)
             )
             start += size
+        if fmt == TILE_Q5_0:
+            fmt, tensors["mins"] = FORMAT_Q5, tensors["scales"] * -16.0
         return QuantizedWeight(fmt, **tensors, **{  # type: ignore[arg-type]
             name: None for name in ("scales", "mins", "qh", "d", "dmin") if name not in tensors
         })  # fmt: skip
@@ -307,7 +325,7 @@ def _stored(source: torch.Tensor, dtype: torch.dtype, fmt: str, name: str) -> to
 # bits input by input, so a strided step's bits are one shift away).
 _STEP_GROUPS: dict[str, tuple[int, bool]] = {
     FORMAT_Q4: (32, False), FORMAT_Q4_K: (32, False), FORMAT_Q5: (32, True),
-    FORMAT_Q5_K: (32, True), FORMAT_Q6_K: (16, True),
+    FORMAT_Q5_K: (32, True), FORMAT_Q6_K: (16, True), TILE_Q5_0: (32, True),
 }  # fmt: skip
 
 
