@@ -181,7 +181,7 @@ async def test_reflection_lists_services_and_serves_descriptors(
     services, (file_name, *methods) = await asyncio.to_thread(describe)
     assert TOKENIZER in services
     assert file_name == "tandem/v1/decode.proto"
-    assert methods == ["Reserve", "TransferKV", "Generate", "Abort", "GetStats"]
+    assert methods == ["Reserve", "TransferKV", "Generate", "Abort", "GetStats", "KVStore"]
 
 
 async def test_stop_reports_not_serving_then_cancels_in_flight(tokenizer: FakeTokenizer) -> None:
