@@ -21,12 +21,9 @@ same way), so there is never a second resident copy of the weight.
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
 
-A fused projection whose parts a file stores in different formats (a Q4_K_M GGUF's Q4_K ``q``
-and ``k`` next to a Q6_K ``v``) keeps each as stored (:meth:`Linear.set_parts`): the layer holds
-one child layer per run of same-format rows, each packed, tuned and bound as a layer of its own,
-and writes their outputs side by side. One matmul over one format would have to re-quantize the
-parts to a format that holds both (Q8_0), reading more bytes per token than the file holds and
-losing its exact blocks.
+A fused projection whose parts a file stores in different formats (Q4_K ``q``/``k``, Q6_K ``v``)
+keeps each as stored (:meth:`Linear.set_parts`): one child layer per run of same-format rows,
+outputs side by side, where one matmul would need them re-quantized to a common, larger format.
 
 With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer (``q4`` or ``q4_k``) also binds
 :mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles (kept where it measured
@@ -169,7 +166,7 @@ class Linear(nn.Linear):
                 return  # the reference path: dequantize per call
             self.kernel = plan.qkernel  # the tiles' format: the quant's, or a compact variant
             self._packed_format = plan.qkernel.tile_format(self.quant)
-            self.packed = plan.qkernel.tile_weight(self.quant)
+            self.packed = plan.qkernel.tile_weight(self.quant, self._packed_format)
             self.quant = None  # the tiles hold every bit of it (see CpuQGemv.untile)
             if self.bias is not None:
                 self.packed_bias = plan.qkernel.tile_bias(self.bias.detach())

@@ -160,12 +160,12 @@ class CpuDecodeLayers:
                 if not 1 <= len(parts) <= MAX_PARTS or len({t.in_features for t in parts}) != 1:
                     raise ValueError(f"a projection comes in 1 to {MAX_PARTS} parts of one input "
                                      f"size, not {[(t.out_features, t.in_features) for t in parts]}")
-            for tiles in (t for p in (weights.qkv, weights.o, weights.gate_up, weights.down)
-                          for t in _parts(p)):  # fmt: skip
-                if tiles.format != "float32" and tiles.format not in FORMAT_CODES:
-                    raise ValueError(f"no decode-layers kernel for {tiles.format} weights")
-                if tiles.int8_activations and tiles.format not in DECODE_FORMATS:
-                    raise ValueError(f"no int8-activation decode kernel for {tiles.format} weights")
+                for tiles in parts:
+                    if tiles.format != "float32" and tiles.format not in FORMAT_CODES:
+                        raise ValueError(f"no decode-layers kernel for {tiles.format} weights")
+                    if tiles.int8_activations and tiles.format not in DECODE_FORMATS:
+                        raise ValueError(
+                            f"no int8-activation decode kernel for {tiles.format} weights")
             for norm in weights.norms():
                 if norm.dtype != torch.float32 or not norm.is_contiguous():
                     raise ValueError("RMSNorm weights must be contiguous float32")

@@ -116,15 +116,15 @@ class CpuQGemv:
                 return TILE_Q5_0
         return weight.format
 
-    def tile_weight(self, weight: QuantizedWeight) -> torch.Tensor:
+    def tile_weight(self, weight: QuantizedWeight, fmt: str | None = None) -> torch.Tensor:
         """Canonical ``[out, in]`` weight → uint8 ``[ceil(out / tile), in / span, block]`` tiles,
-        in :meth:`tile_format`'s format.
+        in ``fmt``, :meth:`tile_format`'s choice (the default: asked here).
 
         Raises:
             ValueError: ``in`` is not a multiple of the format's block inputs, or a q4 / q5
                 scale or offset is not a float16 value.
         """
-        fmt, (out_features, in_features) = self.tile_format(weight), weight.shape
+        fmt, (out_features, in_features) = fmt or self.tile_format(weight), weight.shape
         span = self.block_inputs[fmt]
         if in_features % span:
             raise ValueError(f"{fmt} tiles need a multiple of {span} inputs, got {in_features}")
