@@ -5,8 +5,10 @@ some say more about the worker than about the request:
 
 1. UNAVAILABLE produced by gRPC itself (connection refused or lost; no ``tandem-error-class``
    metadata), or a stream gRPC reports "Stream removed" when its connection died mid-call: the
-   worker is down. :class:`WorkerDown` tells the choice to mark it down in the
-   router and, if nothing was sent yet, retry elsewhere.
+   worker is down. So is UNAVAILABLE with the code ``worker_unhealthy``: the worker's engine step
+   failed and it reported itself unhealthy (``services/engine/runtime/engine_loop.py``), failing
+   its streams so that they move. :class:`WorkerDown` tells the choice to mark it down in the
+   router and, if nothing was sent yet, retry elsewhere; a stream already under way migrates.
 2. NOT_FOUND from Generate (the KV never arrived), FAILED_PRECONDITION (the workers disagree on
    the model or KV layout) and ABORTED (the worker stopped the request itself): a server-side
    problem, answered 503 rather than 404 / 400 / 499.
@@ -28,6 +30,10 @@ from services.common.errors import (
 from services.common.grpc_errors import is_transport_failure
 from services.gateway.router import WorkerState
 
+WORKER_UNHEALTHY = "worker_unhealthy"
+"""The code of the UNAVAILABLE a worker answers once its engine step failed (the engine loop's
+``WORKER_UNHEALTHY``; the gateway does not import the engine)."""
+
 
 class WorkerDown(Exception):
     """A worker answered UNAVAILABLE: the router should stop using it; maybe retry."""
@@ -46,7 +52,9 @@ def worker_error(err: TandemError, worker: WorkerState) -> Exception:
     NOT_FOUND from Generate (the KV never arrived), FAILED_PRECONDITION (workers disagree on the
     model), ABORTED (the worker stopped it) become 503, DATA_LOSS stays 502, INTERNAL 500.
     """
-    if isinstance(err, UnavailableError) and _is_unavailable_status(err):
+    if isinstance(err, UnavailableError) and (
+        _is_unavailable_status(err) or err.code == WORKER_UNHEALTHY
+    ):
         return WorkerDown(worker, err)
     if isinstance(err, (NotFoundError, FailedPreconditionError, AbortedError)):
         role = worker.client.role

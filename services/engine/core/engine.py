@@ -14,6 +14,13 @@ Three entry points cover the disaggregated pipeline:
      allocated (see :attr:`LLMEngine.block_manager`); the sequence joins the running batch.
 
 The engine is single-threaded; services drive it from one thread and post work through queues.
+Its grammar matchers are owned by that thread and lent to the sampler's mask helper only within
+a step, joined before the step returns (``grammar.py`` says who owns what, when).
+
+An error that belongs to one request (its grammar's matcher failing, its output's post-processing)
+ends that request alone: its output carries the error (:attr:`RequestOutput.error`, finish reason
+``"error"``) and the step goes on for the others. Only a failure of the step itself (the forward
+pass, the KV) propagates out of :meth:`LLMEngine.step`.
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ from typing import Protocol
 
 import torch
 
-from services.common.errors import InvalidArgumentError
+from services.common.errors import InvalidArgumentError, TandemError
 from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
-from services.engine.core.grammar import GrammarCompiler, advance
+from services.engine.core.grammar import GrammarCompiler, OwnedMatcher, advance
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention, auto_cache_dtype
 from services.engine.core.kv_cache import KVLayout, KVPool, kv_cache_dtype
 from services.engine.core.loaders import LoadedModel
@@ -82,6 +89,11 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    error: TandemError | None = None  # this request failed alone (finish reason "error")
+
+
+GRAMMAR_FAILED = "grammar_failed"
+"""The error code of a request whose output grammar failed mid-stream."""
 
 
 class OutputFilter(Protocol):
@@ -237,6 +249,17 @@ class LLMEngine:
         )
         return True
 
+    def fail(self, request_id: str, error: TandemError) -> bool:
+        """End a request alone with ``error`` (its next output carries it, finish reason
+        ``"error"``) and free its blocks; False if it is unknown or done."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        out = RequestOutput(request_id, num_prompt_tokens=len(seq.prompt_token_ids))
+        self._fail_request(seq, out, error)
+        self._finished.append(out)
+        return True
+
     def finish(self, request_id: str, reason: str) -> bool:
         """End a running request now with ``reason`` and free its blocks, without an output of
         its own (the caller is finishing the output it holds: a stop string matched in the
@@ -268,7 +291,10 @@ class LLMEngine:
         self.sampler.prepare([item.seq.sampling for item in batch.items if item.sample])
         phases.steps += 1
         phases.lap("schedule")
-        sampled = self.runner.execute(batch)  # laps inputs, forward, sample
+        try:
+            sampled = self.runner.execute(batch)  # laps inputs, forward, sample
+        finally:  # the matchers come home from the mask helper on every path, a failure's too
+            self.sampler.grammar_masks.join()
         row = 0
         for item in batch.items:
             seq = item.seq
@@ -285,7 +311,11 @@ class LLMEngine:
                 num_prompt_tokens=len(seq.prompt_token_ids),
                 num_cached_tokens=seq.num_cached_tokens,
             )
-            self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
+            try:
+                self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
+            except Exception as err:  # noqa: BLE001 - this request's failure, not the step's
+                self._fail_request(seq, out, TandemError(
+                    f"request {seq.request_id} failed while appending its token: {err}"))
             row += 1
             outputs.append(out)
         phases.lap("postprocess")
@@ -369,19 +399,22 @@ class LLMEngine:
         if self.grammars is None:
             raise InvalidArgumentError("structured outputs need the model's tokenizer and "
                                        "llguidance on the worker", param="response_format")  # fmt: skip
-        return self.grammars.matcher(params.grammar)
+        return OwnedMatcher(self.grammars.matcher(params.grammar))  # owned by this thread
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprobs | None, out: RequestOutput
     ) -> None:
         matcher = seq.sampling.matcher
-        if matcher is not None and not matcher.consume_token(token):
-            logger.warning("request %s: token %d broke its grammar (%s)", seq.request_id, token,
-                           matcher.get_error())  # fmt: skip
+        broke = matcher is not None and (not matcher.consume_token(token) or matcher.is_error())
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
         out.new_token_ids.append(token)
         out.new_logprobs.append(logprob)
+        if broke:
+            self._fail_request(seq, out, TandemError(
+                f"the output grammar failed mid-stream at token {token}: {matcher.get_error()}",
+                param="response_format", code=GRAMMAR_FAILED))  # fmt: skip
+            return
         if seq.prefill_only:
             self.scheduler.finish(seq, "prefilled", keep_blocks=True)
             out.finished, out.finish_reason, out.block_ids = True, "prefilled", list(seq.block_ids)
@@ -395,8 +428,8 @@ class LLMEngine:
         params = seq.params
         produced = len(seq.output_token_ids)
         matcher = seq.sampling.matcher
-        if matcher is not None and (matcher.is_stopped() or matcher.is_error()):
-            return "stop"  # the grammar is complete (or broken: nothing more can follow)
+        if matcher is not None and matcher.is_stopped():
+            return "stop"  # the grammar is complete
         if produced >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return "stop"
@@ -405,6 +438,14 @@ class LLMEngine:
         if produced >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _fail_request(self, seq: Sequence, out: RequestOutput, error: TandemError) -> None:
+        """End ``seq`` alone with ``error`` (on ``out``); the rest of the step goes on."""
+        logger.warning("request %s failed alone: %s", seq.request_id, error.message)
+        if self.scheduler.find(seq.request_id) is seq:
+            self.scheduler.finish(seq, "error")
+        out.finished, out.finish_reason, out.error = True, "error", error
+        out.block_ids = []
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: a waiting sequence larger than the whole pool can never fit."""

@@ -27,6 +27,16 @@ Each output passes the loop's ``output_filter`` (the worker's text: ``output_tex
 on the engine thread before it is delivered, so a stop string ends its request before the next
 step.
 
+Failure isolation. An error that belongs to one request — its grammar (the engine ends it with
+:attr:`RequestOutput.error`), its output's text or stop strings (``output_filter.apply`` raising)
+— reaches that request's consumer alone, as a :class:`TandemError`, and the step's other outputs
+are delivered as usual. An exception out of ``engine.step()`` itself (the forward pass, the KV)
+cannot be pinned on one request: every request on the engine fails with an
+:class:`UnavailableError` whose code is :data:`WORKER_UNHEALTHY`, the loop turns *unhealthy* (it
+refuses new requests with that error, and calls the ``on_unhealthy`` callbacks: the worker
+reports NOT_SERVING to gRPC health checks), and the gateway, which reads that code as "this worker
+is down", migrates the streams to another decode worker instead of failing them.
+
 Blocks owned by a request id but by no sequence (a prefill-only request's after its first token,
 a decode worker's for an incoming transfer) live in :class:`HeldBlocks`, freed exactly once.
 
@@ -66,6 +76,13 @@ T = TypeVar("T")
 IDLE_POLL_SECONDS = 0.05
 """Longest sleep of a thread whose engine has work it cannot schedule yet."""
 
+WORKER_UNHEALTHY = "worker_unhealthy"
+"""The error code of requests failed by a failed engine step (and refused after it); the gateway
+(``services/gateway/worker_errors.py``) treats it as the worker being down and migrates."""
+
+OUTPUT_FAILED = "output_failed"
+"""The error code of a request whose output's post-processing (text, stop strings) failed."""
+
 
 class EngineLoop:
     """Owns the engine thread; every public coroutine is safe to call from any event loop."""
@@ -92,6 +109,8 @@ class EngineLoop:
         self._outbox: list[tuple[str, RequestSink, RequestOutput | BaseException]] = []
         self._num_steps = 0
         self._max_batch = 0
+        self._unhealthy: str | None = None  # why a step failed; set once, by the engine thread
+        self._on_unhealthy: list[Callable[[str], None]] = []
         self._publisher = StatsPublisher(engine, metrics)
         if metrics is not None:
             metrics.watch_engine_phases(engine.phases.read)
@@ -146,6 +165,18 @@ class EngineLoop:
             except UnavailableError:
                 pass
             await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def healthy(self) -> bool:
+        """False once an engine step failed (the engine's state can no longer be trusted)."""
+        return self._unhealthy is None
+
+    def on_unhealthy(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` (on the engine thread) when a step fails; at once if one
+        already did."""
+        self._on_unhealthy.append(callback)
+        if self._unhealthy is not None:
+            callback(self._unhealthy)
 
     @property
     def stats(self) -> EngineStats:
@@ -236,6 +267,7 @@ class EngineLoop:
         sink = RequestSink.create("prefill" if prefill_only else "full")
 
         def start(engine: LLMEngine) -> None:
+            self._check_healthy()
             self._check_free_id(request_id)
             engine.add_request(request_id, prompt, params, prefill_only=prefill_only,
                                resume_output_ids=resumed)  # fmt: skip
@@ -264,6 +296,7 @@ class EngineLoop:
         sink = RequestSink.create("decode")
 
         def start(engine: LLMEngine) -> None:
+            self._check_healthy()
             if request_id in self._sinks or engine.scheduler.find(request_id) is not None:
                 raise FailedPreconditionError(f"request {request_id!r} is already running")
             blocks = self._held.take(request_id)
@@ -359,8 +392,9 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step must not kill the thread
-            logger.exception("engine step failed; aborting %d requests", len(self._sinks))
-            self._fail_all(TandemError(f"engine step failed: {exc}"))
+            logger.exception("engine step failed; failing %d requests over to other workers and "
+                             "reporting this worker unhealthy", len(self._sinks))  # fmt: skip
+            self._turn_unhealthy(f"engine step failed: {type(exc).__name__}: {exc}")
             return True
         self._num_steps += 1
         sampled = sum(1 for out in outputs if out.new_token_ids)
@@ -372,8 +406,16 @@ class EngineLoop:
 
     def _deliver(self, out: RequestOutput, *, sampled_here: bool) -> None:
         rid = out.request_id
-        if self.output_filter is not None:
-            self.output_filter.apply(out, self.engine)
+        if self.output_filter is not None and out.error is None:
+            try:
+                self.output_filter.apply(out, self.engine)
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
+                logger.warning("request %s: its output text failed: %s", rid, exc)
+                if not out.finished:
+                    self.engine.finish(rid, "error")
+                out.finished, out.finish_reason = True, "error"
+                out.error = TandemError(f"request {rid}: producing its output text failed: "
+                                        f"{type(exc).__name__}: {exc}", code=OUTPUT_FAILED)  # fmt: skip
         sink = self._sinks.get(rid)
         if out.finished and out.finish_reason == "prefilled":
             self._held.hold(rid, out.block_ids, sink)
@@ -383,6 +425,9 @@ class EngineLoop:
             return
         if out.finished:
             del self._sinks[rid]
+        if out.error is not None:  # this request alone failed: its consumer gets the error
+            self._outbox.append((rid, sink, out.error))
+            return
         if self.metrics is not None:
             sink.record(self.metrics, out, sampled_here=sampled_here)
         self._outbox.append((rid, sink, out))
@@ -414,6 +459,29 @@ class EngineLoop:
         for rid, sink in sinks.items():
             self.engine.abort(rid)
             self._outbox.append((rid, sink, error))
+
+    def _turn_unhealthy(self, reason: str) -> None:
+        """A step failed: fail every request with :data:`WORKER_UNHEALTHY` (the gateway migrates
+        them), drop every sequence (its state is suspect), refuse new requests, and tell the
+        ``on_unhealthy`` callbacks (the worker's health check)."""
+        first = self._unhealthy is None
+        self._unhealthy = self._unhealthy or reason
+        self._fail_all(UnavailableError(f"{reason}; this worker is now unhealthy",
+                                        code=WORKER_UNHEALTHY))  # fmt: skip
+        scheduler = self.engine.scheduler
+        for seq in [*scheduler.running, *scheduler.waiting]:
+            self.engine.abort(seq.request_id)
+        if first:
+            for callback in self._on_unhealthy:
+                try:
+                    callback(reason)
+                except Exception:  # noqa: BLE001 - a callback must not kill the thread
+                    logger.exception("on_unhealthy callback failed")
+
+    def _check_healthy(self) -> None:
+        if self._unhealthy is not None:
+            raise UnavailableError(f"this worker is unhealthy ({self._unhealthy})",
+                                   code=WORKER_UNHEALTHY)  # fmt: skip
 
     def _shutdown(self) -> None:
         scheduler = self.engine.scheduler

@@ -207,7 +207,23 @@ async def start_worker(
     )  # fmt: skip
     handle.prefix_feed = feed
     servicer.address = handle.address
+    report_unhealthy(engine_loop, handle.server)
     return handle
+
+
+def report_unhealthy(engine_loop: EngineLoop, server: GrpcServerHandle) -> None:
+    """Once an engine step fails, report the worker NOT_SERVING to gRPC health checks, so the
+    gateway's router takes it out of rotation (its failed streams migrate: ``engine_loop``)."""
+    loop = asyncio.get_running_loop()
+
+    def unhealthy(reason: str) -> None:  # on the engine thread
+        logger.error("worker unhealthy (%s): reporting NOT_SERVING", reason)
+        try:
+            asyncio.run_coroutine_threadsafe(server.set_serving(False), loop)
+        except RuntimeError:  # the event loop is closed: the worker is stopping anyway
+            pass
+
+    engine_loop.on_unhealthy(unhealthy)
 
 
 def pin_this_thread(cpus: tuple[int, ...]) -> None:
