@@ -2,13 +2,12 @@
 
     python bench/int8_decode_accuracy.py [--model default|gemma3-270m] [--tokens 64]
 
-Loads the model as ``float32``, as ``q4_a8`` with float32 decode rows (before: only prompt rows
-rounded) and as ``q4_a8`` with the int8 decode kernel (now, where the autotune keeps it), and on
+Loads the model as ``float32``, as ``q4_a8`` (the 4-bit layers' rows rounded to int8) and as
+``q4_a8_decode`` (every layer the int8 decode kernel reads), and on
 the 8 prompts of the model's tests (SmolLM2: ``tests/test_quantized_model.py``'s chats; Gemma 3
 270M: ``tests/test_gemma3_gguf.py``'s) reports against float32: free-running greedy tokens equal
 at the same position and each prompt's common prefix; teacher-forced over float32's continuation
-(one prefill of prompt + continuation with every row marked as a generated token's, so every
-position runs the decode path), argmax agreement, max |logit diff| and KL per prompt.
+(one prefill of prompt + continuation: every row computed as the engine computes any row), argmax agreement, max |logit diff| and KL per prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import services.engine.core.model_runner as model_runner  # noqa: E402
 from services.common.model_source import resolve_model  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
-from services.engine.core.linear import Linear, int8_rows  # noqa: E402
+from services.engine.core.linear import Linear  # noqa: E402
 from services.engine.core.loaders import LoadedModel, load_model  # noqa: E402
 from tests.test_quantized_model import CHATS, agreement, prefill_logits  # noqa: E402
 
@@ -70,18 +69,17 @@ def main() -> int:
     total = sum(map(len, reference))
     print(f"{args.model}: {len(prompts)} prompts x {args.tokens} greedy tokens against float32; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    for name, int8_decode in (("q4_a8, float32 decode rows", False), ("q4_a8, int8 decode rows", True)):
+    for name, int8_decode in (("q4_a8 (4-bit layers int8)", False), ("q4_a8_decode (every int8-capable layer)", True)):
         quant, engine = load(args.model, "q4_a8", int8_decode)
         layers = [m for m in quant.model.modules() if isinstance(m, Linear) and m.packed is not None]
-        rounded = sum(layer.int8_decode for layer in layers)
+        rounded = sum(layer.int8_activations for layer in layers)
         tokens = [o.new_token_ids for o in engine.generate(prompts, greedy)]
         same, prefixes = agreement(tokens, reference)
         teacher, worst, kls = 0, 0.0, []
         with torch.inference_mode():
             for prompt, continuation in zip(prompts, reference, strict=True):
                 ids = prompt + continuation
-                with int8_rows(False):  # every row a generated token's: the decode path
-                    got = prefill_logits(quant, ids)
+                got = prefill_logits(quant, ids)  # every row as the engine computes it
                 dense = prefill_logits(f32, ids)
                 span = slice(len(prompt) - 1, len(ids) - 1)
                 worst = max(worst, (got[span] - dense[span]).abs().max().item())
@@ -91,7 +89,7 @@ def main() -> int:
                     got[span].log_softmax(-1), dense[span].log_softmax(-1), log_target=True,
                     reduction="batchmean",
                 ).item())  # fmt: skip
-        print(f"| {name} ({rounded}/{len(layers)} layers int8 at decode) | free-running "
+        print(f"| {name} ({rounded}/{len(layers)} layers int8) | free-running "
               f"{same}/{total}, common prefixes {prefixes} | teacher-forced {teacher}/{total} | "
               f"max |logit diff| {worst:.2f} | KL {min(kls):.4f}-{max(kls):.4f} |", flush=True)
         del quant, engine

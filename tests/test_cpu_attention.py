@@ -1,10 +1,8 @@
-"""The C paged decode- and prefill-attention kernels equal the torch reference, a slow prefill
-kernel loses its autotune and is never called, and ``auto`` picks the kernels on CPU."""
+"""The C paged decode- and prefill-attention kernels equal the torch reference, a decode row has
+the bits of the same row in a prefill, and ``auto`` picks the kernels on CPU."""
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention
 from services.engine.core.attention_backends import make_attention_backend
-from services.engine.core.kernels import autotune, cpu_paged_attention
+from services.engine.core.kernels import cpu_paged_attention
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from tests.conftest import native_kernel_or_skip
 
@@ -161,30 +159,43 @@ def test_prefill_kernel_rejects_what_it_does_not_take() -> None:
         fn(odd, torch.randn(4, 4, 2, 24), torch.randn(4, 4, 2, 24), meta.block_tables, [6], [6], 1.0)
 
 
-def test_slow_prefill_kernel_loses_its_autotune_and_is_never_called(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # a fresh measurement
-    monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
-    monkeypatch.setattr(autotune, "_cpu_sample", lambda: None)
-    kernel, calls = cpu_paged_attention.cpu_paged_prefill_attention, []
-
-    def slow(*args):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        time.sleep(0.005)
-        return kernel(*args)
-
-    monkeypatch.setattr(cpu_paged_attention, "cpu_paged_prefill_attention", slow)
-    backend = CpuPagedAttention()
-    backend.tune(4, 2, 16, 4)
-    assert calls and backend.prefill_regimes.measured
-    assert not any(backend.prefill_regimes.use_kernel)
-    assert all(ratio < 1 for ratio in backend.prefill_regimes.speedup)
-    calls.clear()
-    q, k, v, k_cache, v_cache, _, meta = _prefill_step(4, 2, 16, 4, [30, 9], [30, 20])
-    expected = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, 0.25)
-    assert torch.equal(backend.forward(q, k, v, k_cache, v_cache, meta, 0.25), expected)
-    assert not calls
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 30.0), (70, 50.0)])
+def test_a_decode_row_has_the_prefill_rows_bits(
+    isa: str, dtype: torch.dtype, window: int | None, softcap: float | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A position attends with the same bits as a decode row (a generated token, one query per
+    sequence) and as a prompt row of the prefill kernel: a prompt's KV after a prefix-cache hit
+    or a recomputation equals the cold one's, and a generated token's equals what a later
+    prompt holding it computes. Every instruction-set build this CPU runs, every cache dtype,
+    windows and soft-caps, contexts across key tiles and block boundaries, block tables out of
+    order."""
+    monkeypatch.setenv("TANDEM_CPU_ISA", isa)
+    cpu_paged_attention.load_cpu_attention.cache_clear()
+    try:
+        assert cpu_paged_attention.load_cpu_attention() is not None
+        gen = torch.Generator().manual_seed(3)
+        for heads, kv_heads, dim, block, ctx, rows in [
+            (4, 2, 64, 16, 200, 150), (9, 3, 64, 16, 37, 37), (8, 8, 128, 32, 130, 3),
+            (4, 1, 256, 16, 70, 5), (6, 2, 96, 1, 65, 65), (2, 2, 16, 4, 5, 1),
+        ]:  # fmt: skip
+            blocks = -(-ctx // block)
+            k_cache = torch.randn(blocks + 2, block, kv_heads, dim, generator=gen).to(dtype)
+            v_cache = torch.randn(blocks + 2, block, kv_heads, dim, generator=gen).to(dtype)
+            table = (torch.randperm(blocks + 1, generator=gen)[:blocks] + 1).view(1, -1)
+            q = torch.randn(rows, heads, dim, generator=gen) * 3
+            scale = dim**-0.5
+            prefill = cpu_paged_attention.cpu_paged_prefill_attention(
+                q, k_cache, v_cache, table, [ctx], [rows], scale, window, softcap
+            )
+            decode = cpu_paged_attention.cpu_paged_decode_attention(
+                q, k_cache, v_cache, table.expand(rows, -1), torch.arange(ctx - rows + 1, ctx + 1),
+                scale, window=window, softcap=softcap,
+            )  # fmt: skip
+            assert torch.equal(prefill, decode), (heads, kv_heads, dim, block, ctx, rows)
+    finally:
+        cpu_paged_attention.load_cpu_attention.cache_clear()
 
 
 def test_bfloat16_uses_the_torch_path() -> None:

@@ -235,13 +235,12 @@ def test_it_runs_only_where_every_op_chose_its_kernel(tiny_llama_dir: Path) -> N
     native_kernel_or_skip()
     loaded, _ = _engine_with_every_kernel(tiny_llama_dir, "float32")
     model, kernel = loaded.model, load_cpu_decode_layers()
-    for layer in model.layers:  # attention measured slower than torch from 8 sequences on
-        layer.self_attn.backend.regimes = KernelRegimes(rows=(1, 8), use_kernel=(True, False))
-    assert model.use_decode_layers(kernel) == 1
+    rows = model.use_decode_layers(kernel)
+    assert rows > 1
     model.layers[-1].mlp.down_proj.regimes = KernelRegimes(use_kernel=(False, True, True, True))
     assert model.use_decode_layers(kernel) == 0 and model.decode_layers is None
     model.layers[-1].mlp.down_proj.regimes = KernelRegimes()
-    assert model.use_decode_layers(kernel) == 1
+    assert model.use_decode_layers(kernel) == rows
     model.use_fused(None)  # the one call computes the fused ops: off with them
     assert model.decode_layers is None and model.decode_layers_rows == 0
 

@@ -11,12 +11,19 @@ lays the weight out once, after loading:
 * Without one (no C compiler, not Linux, ``TANDEM_CPU_KERNELS=0``) a float32 weight becomes
   ``[S, in, W]``: ``S`` = thread count slices, one ``bmm`` giving each intra-op thread one slice.
 
-Which path runs is decided per row count: :class:`~services.engine.core.kernels.autotune.KernelRegimes`
-(measured at load by :func:`pack_linears`) says, for decode of 1, 8, 32 rows and a prefill chunk,
-whether the kernel or the PyTorch path was faster on this machine. The PyTorch path of a packed
-layer is the split ``bmm`` for float32, and for quantized weights PyTorch's GEMM over a transient
-float32 copy that the C kernel dequantizes per call (llama.cpp hands large batches to BLAS the
-same way), so there is never a second resident copy of the weight.
+One numeric definition per layer: a row's result depends on the row alone, never on how many
+rows share the call, which step they came from, or whether they hold prompt or generated tokens.
+So a prompt's KV is the same cold, chunked, after a prefix-cache hit, prefilled on another worker
+or recomputed after a migration, and a generated token's KV equals what a later prompt that
+contains it computes (docs/determinism.md). Concretely, a packed layer runs its native kernel
+for every row count (the kernels compute each row alone); the autotune
+(:class:`~services.engine.core.kernels.autotune.KernelRegimes`, measured at load by
+:func:`pack_linears`) only decides whether a layer has a kernel at all (by its one-row regime,
+where every kernel measured is several times faster than PyTorch), not per row count. A
+float32 layer without a kernel takes ``F.linear`` (or the split ``bmm``), whose rows PyTorch's
+BLAS does not promise to keep batch-invariant: such paths (no C compiler, CUDA) are outside the
+guarantee. Keeping PyTorch's GEMM for prefill-sized calls of float-activation layers was faster
+on some shapes; what dropping it costs is measured in docs/benchmarks.md.
 
 A quantized layer (:meth:`Linear.set_quantized`) holds no float32 weight at all. Without a
 kernel it dequantizes per call (slow, exact: the reference the kernels are tested against).
@@ -25,21 +32,19 @@ A fused projection whose parts a file stores in different formats (Q4_K ``q``/``
 keeps each as stored (:meth:`Linear.set_parts`): one child layer per run of same-format rows,
 outputs side by side, where one matmul would need them re-quantized to a common, larger format.
 
-With ``PackPlan.a8kernel`` (``--dtype q4_a8``) a 4-bit layer (``q4`` or ``q4_k``) also binds
-:mod:`services.engine.core.kernels.cpu_q4a8_gemm` over the same tiles (kept where it measured
-faster than the weight-only path at a prefill chunk), and runs it for the rows the caller marks
-with :func:`int8_rows`; the rest, and every row by default, take the float32 path. The model
-runner marks the rows of prompt tokens, whatever the step's size or mix: a token's activations are
-rounded because it is a prompt token, never because of the batch it landed in, so a prompt's KV
-is the same however it was chunked, and a preempted or migrated request, whose generated tokens
-are recomputed with its prompt, gets the KV (and greedy text) it had before.
+With ``PackPlan.a8kernel`` (``--dtype q4_a8``: the 4-bit layers; ``q4_a8_decode``: every format
+the int8 decode kernel reads) a layer rounds *every* row's activations to int8 per group of 32
+(llama.cpp's scheme). Two kernels compute that, bit for bit the same per row (the same rounding,
+exact integer sums, the same float chain per output): :mod:`services.engine.core.kernels.cpu_q4a8_gemm`'s
+GEMM, which repacks a tile for many rows (4-bit formats only), and its decode kernel
+(``tandem_a8_gemv``), for a few rows or formats the GEMM does not read. Which of the two runs is
+a speed choice by row count (:data:`INT8_GEMM_MIN_ROWS`, and the GEMM is dropped where it measured
+slower), never a numeric one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,29 +60,18 @@ from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, lo
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
 from services.engine.core.quant.quantized_weight import QuantizedWeight
 
-# rows a matmul may round to int8: all (True), none (False), or (prompt rows, other rows)
-Int8Rows = bool | tuple[torch.Tensor, torch.Tensor]
-_INT8_ROWS: ContextVar[Int8Rows] = ContextVar("tandem_int8_rows", default=False)
-
-
-@contextmanager
-def int8_rows(rows: Int8Rows) -> Iterator[None]:
-    """Within the block, 8-bit-activation layers round all their inputs' rows (``True``), none
-    (``False``, the default outside any block), or only the first of two index tensors' rows (a
-    step's prompt-token rows; the second tensor's rows take the float32 path)."""
-    token = _INT8_ROWS.set(rows)
-    try:
-        yield
-    finally:
-        _INT8_ROWS.reset(token)
+# rows from which an int8 layer's call takes the GEMM (when bound) rather than the decode kernel:
+# the same bits either way; the decode kernel reads the weight as stored, the GEMM repacks each
+# tile once per call, which pays for itself over a few register blocks of rows
+INT8_GEMM_MIN_ROWS = 16
 
 @dataclass(frozen=True, slots=True)
 class PackPlan:
     """How :func:`pack_linears` lays out weights: ``kernel`` tiles (float32), ``qkernel`` tiles
     (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
     kernels against PyTorch on the model's shapes and keeps the faster path per row count;
-    ``a8kernel`` (``q4_a8``) runs 4-bit layers' prompt-token rows over int8 activations, and with
-    ``int8_decode`` every quantized layer's generated-token rows too (its decode kernel)."""
+    ``a8kernel`` (``q4_a8``) runs 4-bit layers over int8 activations, and with ``int8_decode``
+    every layer whose format the int8 decode kernel reads (every row of each, either way)."""
 
     splits: int = 0
     kernel: CpuGemv | None = None
@@ -173,15 +167,17 @@ class Linear(nn.Linear):
             self._qcall = plan.qkernel.bind(
                 self.packed, self._packed_format, self.packed_bias, self.out_features
             )
-            if plan.a8kernel is not None and self._packed_format in INT8_ACTIVATION_FORMATS:
-                self._a8call = plan.a8kernel.bind(
-                    self.packed, self.packed_bias, self.out_features, self._packed_format
-                )
-            if (plan.a8kernel is not None and plan.int8_decode
-                    and self._packed_format in INT8_DECODE_FORMATS):  # fmt: skip
+            fmt = self._packed_format
+            if plan.a8kernel is not None and fmt in INT8_DECODE_FORMATS and (
+                plan.int8_decode or fmt in INT8_ACTIVATION_FORMATS
+            ):  # int8 activations for every row of this layer
                 self._a8gemv = plan.a8kernel.bind_decode(
-                    self.packed, self.packed_bias, self.out_features, self._packed_format
+                    self.packed, self.packed_bias, self.out_features, fmt
                 )
+                if fmt in INT8_ACTIVATION_FORMATS:
+                    self._a8call = plan.a8kernel.bind(
+                        self.packed, self.packed_bias, self.out_features, fmt
+                    )
             return
         if self.weight.dtype != torch.float32:
             return
@@ -205,50 +201,31 @@ class Linear(nn.Linear):
     def free_dense(self) -> None:
         """Release the ``[out, in]`` float weight when packed layouts serve every row count."""
         serves_all = self.split is not None or (
-            self.packed is not None and not self.regimes.any_torch()
+            self.packed is not None and self.regimes.use_kernel[0]
         )
         if serves_all and not getattr(self.weight, "_tandem_shared", False):
             self.weight.data = self.weight.data.new_empty(0)
 
     @property
     def int8_activations(self) -> bool:
-        """Whether the rows :func:`int8_rows` marks are rounded to int8 here."""
-        return self._a8call is not None
-
-    @property
-    def int8_decode(self) -> bool:
-        """Whether the rows it does not mark (generated tokens') are rounded to int8 here."""
+        """Whether this layer rounds its rows' activations to int8 (every row, every call)."""
         return self._a8gemv is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts is not None:
             return torch.cat([part(x) for part in self._children()], dim=-1)
-        if (self._a8call is not None or self._a8gemv is not None) and x.dim() == 2:
-            rows = _INT8_ROWS.get()
-            if rows is True:
-                return self._prompt_rows(x)
-            if rows is False:
-                return self._generated_rows(x)
-            prompt, others = rows
-            y = x.new_empty(x.shape[0], self.out_features)
-            if prompt.numel():
-                y[prompt] = self._prompt_rows(x[prompt])
-            if others.numel():
-                y[others] = self._generated_rows(x[others])
-            return y
+        if self._a8gemv is not None and x.dim() == 2:
+            if self._a8call is not None and x.shape[0] >= INT8_GEMM_MIN_ROWS:
+                return self._a8call(x)
+            return self._a8gemv(x)
         return self.float_forward(x)
 
-    def _prompt_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self._a8call(x) if self._a8call is not None else self.float_forward(x)
-
-    def _generated_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self._a8gemv(x) if self._a8gemv is not None else self.float_forward(x)
-
     def float_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The float32-activation path for ``x``'s row count (kernel or PyTorch, as measured)."""
+        """The float32-activation path: the kernel for every row count where the layer has one
+        (its one-row regime measured it faster), else PyTorch."""
         if x.dim() != 2:
             return self.torch_forward(x)
-        if self.packed is not None and self.regimes.kernel_for(x.shape[0]):
+        if self.packed is not None and self.regimes.use_kernel[0]:
             return self.kernel_forward(x)
         return self.torch_forward(x)
 
@@ -261,9 +238,9 @@ class Linear(nn.Linear):
         return self.kernel(x, self.packed, self.packed_bias, self.out_features)
 
     def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The 8-bit-activation kernel (``pack`` must have bound it)."""
+        """The 8-bit-activation GEMM (``pack`` must have bound it)."""
         if self._a8call is None:
-            raise RuntimeError("int8_forward on a layer without the 8-bit-activation kernel")
+            raise RuntimeError("int8_forward on a layer without the 8-bit-activation GEMM")
         return self._a8call(x)
 
     def int8_decode_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,7 +268,7 @@ class Linear(nn.Linear):
             return tuple(t for part in tiles if part is not None for t in part)
         if self.packed is None or self.kernel is None:
             return None
-        if self._a8gemv is None and not self.regimes.kernel_for(rows):
+        if self._a8gemv is None and not self.regimes.use_kernel[0]:
             return None
         return (LinearTiles(self._packed_format, self.packed, self.packed_bias, self.in_features,
                             self.out_features, int8_activations=self._a8gemv is not None),)  # fmt: skip
@@ -394,11 +371,6 @@ LINEAR_MARGINS = (0.0,) * (len(REGIME_ROWS) - 1) + (MARGIN,)  # the last regime 
 LINEAR_FIXED = (True,) * (len(REGIME_ROWS) - 1) + (False,)
 
 
-# decode batches the int8-activation decode kernel must win at (against float32 activations) to
-# be kept: it then serves every generated token's row, so it must not lose at either
-DECODE_TUNE_ROWS = REGIME_ROWS[:2]
-
-
 def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
     """Time one group of same-format, same-shape layers: the first always, more while their
     weights fit in ``budget`` bytes (so the runs read weights from memory, as real steps do)."""
@@ -425,37 +397,22 @@ def _tune(fmt: str, layers: list[Linear], plan: PackPlan, budget: int) -> None:
     )
     for layer in layers:
         layer.regimes = regimes
-        if fmt == "float32" and not regimes.any_torch():
+        if fmt == "float32" and regimes.use_kernel[0]:
             layer.split = None  # the kernel won everywhere: no second layout to keep
-    if plan.a8kernel is not None and layers[0].int8_activations:
-        int8 = choose_regimes(
-            f"{fmt} int8-activations {shape}",
-            isa=plan.a8kernel.isa,
-            build=plan.a8kernel.build,
+    if layers[0]._a8call is not None:
+        gemm = choose_regimes(  # the same bits either way: only which is faster for a prompt
+            f"{fmt} int8-activation gemm {shape}",
+            isa=plan.a8kernel.isa if plan.a8kernel is not None else "?",
+            build=plan.a8kernel.build if plan.a8kernel is not None else "?",
             shapes=[(layer.out_features, layer.in_features) for layer in layers],
             run_kernel=_runner(timed, Linear.int8_forward),
-            run_torch=_runner(timed, Linear.float_forward),
+            run_torch=_runner(timed, Linear.int8_decode_forward),
             rows=REGIME_ROWS[-1:],
             fixed=True,
         )
-        if not int8.use_kernel[0]:
+        if not gemm.use_kernel[0]:
             for layer in layers:
-                layer._a8call = None  # slower than float32 activations here: never runs
-    if layers[0].int8_decode:
-        decode = choose_regimes(
-            f"{fmt} int8-activation decode {shape}",
-            isa=getattr(kernel, "isa", "?"),
-            build=plan.a8kernel.build if plan.a8kernel is not None else "?",
-            shapes=[(layer.out_features, layer.in_features) for layer in layers],
-            run_kernel=_runner(timed, Linear.int8_decode_forward),
-            run_torch=_runner(timed, Linear.float_forward),
-            rows=DECODE_TUNE_ROWS,
-            margin=0.0,
-            fixed=True,
-        )
-        if not all(decode.use_kernel):  # one path for every decode batch: a row's result must
-            for layer in layers:  # not depend on how many sequences shared its step
-                layer._a8gemv = None
+                layer._a8call = None  # the decode kernel was faster even for a prompt here
 
 
 def _runner(
@@ -484,8 +441,8 @@ def pack_plan(
     int8_decode: bool = False,
 ) -> PackPlan | None:
     """The CPU fast paths for this device and activation dtype, or ``None`` to keep ``F.linear``;
-    ``int8_activations`` adds the 4-bit x 8-bit kernel for prompt tokens' rows (``q4_a8``),
-    ``int8_decode`` its decode kernel for generated tokens' rows (``q4_a8_decode``)."""
+    ``int8_activations`` rounds the 4-bit layers' activations to int8 (``q4_a8``), with
+    ``int8_decode`` every layer the int8 decode kernel reads (``q4_a8_decode``)."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
     threads = torch.get_num_threads()

@@ -4,11 +4,11 @@ pool, and samples the sequences that reached their end.
 The scheduler decides *what* runs; this file decides *how*: token ids and positions for every
 scheduled slice, one :class:`AttentionMetadata` shared by all layers, logits only for the last
 token of each sampled sequence. On CPU it first lays the weights out for the native kernels and
-has each kernel prove itself against PyTorch on this model's shapes (``linear.pack_linears``,
-``CpuPagedAttention.tune``), then times decode steps with every layer in one C call against the
-per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size. With
-``q4_a8`` it marks which rows hold prompt tokens (:func:`prompt_token_rows`): only those round
-their activations to int8. On
+has each matmul kernel prove itself against PyTorch on this model's shapes
+(``linear.pack_linears``), then times decode steps with every layer in one C call against the
+per-op path (:meth:`ModelRunner._tune_decode_layers`) and keeps the faster per batch size. Every
+choice it makes on CPU is among paths that give a row the same bits (a token's numbers never
+depend on its step, its batch or whether it is a prompt token: see ``linear.py``). On
 CUDA, decode steps replay captured graphs (:mod:`services.engine.core.cuda_graphs`) when the
 engine asks for them (:meth:`ModelRunner.capture_decode_graphs`).
 """
@@ -22,9 +22,8 @@ from services.engine.core.cuda_graphs import DecodeGraphs
 from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
 from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, load_cpu_fused
-from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from services.engine.core.kv_cache import KVPool
-from services.engine.core.linear import Int8Rows, int8_rows, pack_linears, pack_plan
+from services.engine.core.linear import pack_linears, pack_plan
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.models import CausalLM
 from services.engine.core.sampler import Sampler, SamplerOutput
@@ -47,7 +46,6 @@ class ModelRunner:
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
         self.graphs: DecodeGraphs | None = None
-        self.int8_activations = loaded.int8_activations
         plan = pack_plan(self.device, loaded.dtype, int8_activations=loaded.int8_activations,
                          int8_decode=loaded.int8_decode)  # fmt: skip
         if plan is not None:
@@ -57,14 +55,6 @@ class ModelRunner:
             if fused is not None:
                 sampler.use_argmax(fused.argmax)
             _share_tied_table(self.model)
-            backend = self.model.layers[0].self_attn.backend if self.model.layers else None
-            if isinstance(backend, CpuPagedAttention) and plan.autotune:
-                backend.tune(
-                    self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
-                    self.block_size, kv.data.dtype,
-                )  # fmt: skip
-                if loaded.int8_decode:  # decode rows through one kernel at every batch size: a
-                    backend.regimes = KernelRegimes()  # recomputed token attends as it first did
             rows = self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
                 self._tune_decode_layers(rows)
@@ -124,11 +114,9 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        rows = prompt_token_rows(query_lens, prompt_counts, self.device) if self.int8_activations else False
         phases = self.phases
         phases.lap("inputs")
-        with int8_rows(rows):
-            hidden = self.model(ids, pos, self.kv, meta)
+        hidden = self.model(ids, pos, self.kv, meta)
         if not sample_rows:
             phases.lap("forward")
             return None
@@ -245,23 +233,3 @@ def token_slice(seq: Sequence, start: int, end: int) -> list[int]:
     if start >= len(prompt):
         return output[start - len(prompt) : end - len(prompt)]
     return prompt[start:] + output[: end - len(prompt)]
-
-
-def prompt_token_rows(query_lens: list[int], prompt_counts: list[int], device: torch.device) -> Int8Rows:
-    """Which of a step's flattened rows hold prompt tokens, for :func:`int8_rows`: ``True`` (all),
-    ``False`` (none: a decode step), or (prompt rows, other rows) as index tensors.
-
-    Sequence ``i`` contributes ``query_lens[i]`` rows, of which the first ``prompt_counts[i]`` are
-    prompt tokens (a chunk that reaches past its prompt is a preempted or migrated sequence
-    recomputing the tokens it generated: those rows are not prompt rows).
-    """
-    prompt_total, total = sum(prompt_counts), sum(query_lens)
-    if prompt_total == total or prompt_total == 0:
-        return prompt_total > 0
-    mask = torch.zeros(total, dtype=torch.bool)
-    start = 0
-    for n, p in zip(query_lens, prompt_counts, strict=True):
-        mask[start : start + p] = True
-        start += n
-    return mask.nonzero().flatten().to(device), (~mask).nonzero().flatten().to(device)
-

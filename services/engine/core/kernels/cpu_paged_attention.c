@@ -268,46 +268,6 @@ static inline __attribute__((always_inline)) void decode_task(
     }
 }
 
-/* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
- * *_ss, *_sh in elements; D contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64,
- * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, each
- * task first writes its sequence's new K and V rows (new_k, new_v [B, KVH, D] float32, strides
- * nk_* and nv_*; D contiguous) for its KV head into slot (slot_blocks[b], slot_offsets[b]): the
- * step's store and attention in one call. */
-void tandem_paged_decode_attention(
-    const float *q, int64_t q_sb, int64_t q_sh,
-    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
-    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh, int kv_dtype,
-    const int64_t *tables, int64_t t_sb, const int64_t *lens, float *out,
-    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, int64_t window, float softcap, int threads,
-    const float *new_k, int64_t nk_sb, int64_t nk_sh,
-    const float *new_v, int64_t nv_sb, int64_t nv_sh,
-    const int64_t *slot_blocks, const int64_t *slot_offsets) {
-    const int64_t group = heads / kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        const int64_t b = task / kv_heads, kh = task % kv_heads;
-        if (new_k) {
-            const int64_t block = slot_blocks[b], offset = slot_offsets[b];
-            kv_store(kv_at(k, block * k_sb + offset * k_ss + kh * k_sh, kv_dtype),
-                     new_k + b * nk_sb + kh * nk_sh, head_dim, kv_dtype);
-            kv_store(kv_at(v, block * v_sb + offset * v_ss + kh * v_sh, kv_dtype),
-                     new_v + b * nv_sb + kh * nv_sh, head_dim, kv_dtype);
-        }
-#define DECODE_TASK(KV)                                                                          \
-    decode_task(q, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables, t_sb, lens[b], out, \
-                b, kh, heads, group, head_dim, block_size, scale, window, softcap, KV)
-        if (kv_dtype == KV_BFLOAT16)
-            DECODE_TASK(KV_BFLOAT16);
-        else if (kv_dtype == KV_FLOAT16)
-            DECODE_TASK(KV_FLOAT16);
-        else
-            DECODE_TASK(KV_FLOAT32);
-#undef DECODE_TASK
-    }
-}
-
 /* ---- prefill: every query row of a step's prompts, causal, over the paged cache --------------
  *
  * PyTorch's fused CPU attention (flash) takes one prompt with nothing cached at a time, and a
@@ -578,3 +538,193 @@ void tandem_paged_prefill_attention(
     free(kt_all);
     free(kt_start);
 }
+
+/* ---- decode rows, with the prefill's arithmetic ------------------------------------------------
+ *
+ * A position's attention must give the same bits whether its token is a prompt token (the prefill
+ * kernel above) or a generated one (a decode step), so that the KV and the greedy text of a
+ * request never depend on the path it took (a prefix-cache hit, a chunked prefill, a recomputed
+ * sequence, a batch). So a decode row runs exactly the prefill's per-row chain: key tiles of
+ * KEY_TILE absolute positions, each score a multiply-add chain over D in order (score_block),
+ * the same online-softmax step per tile (softmax_tile) and the same value accumulation
+ * (value_block), one query vector per head of the group. Only the keys' layout differs: the
+ * prefill transposes a sequence's keys once for all its query rows; a decode row transposes one
+ * tile at a time into an L1 scratch (8 x 8 blocks in registers on AVX2 and AVX-512), and a 16-bit
+ * cache's values are widened per tile. The older per-block decode chain (decode_task) remains for
+ * head sizes that are not whole vectors, which the prefill kernel does not take either.
+ */
+
+#if defined(__AVX2__)
+/* 8 values of a cache of type kv from element i, as floats (exact widening). */
+static inline __attribute__((always_inline)) __m256 load8(const void *cache, int64_t i, const int kv) {
+    if (kv == KV_FLOAT32) return _mm256_loadu_ps((const float *)cache + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
+    if (kv == KV_BFLOAT16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(h);
+#else
+    float wide[8];
+    for (int l = 0; l < 8; l++) wide[l] = load_kv1(cache, i + l, kv);
+    return _mm256_loadu_ps(wide);
+#endif
+}
+#endif
+
+/* kt[d * KEY_TILE + s] = K[rows[s] + d] (elements of a cache of type kv) for s < n (n <=
+ * KEY_TILE), d < head_dim (whole vectors): 8 x 8 blocks transposed in registers where there is
+ * AVX2, each value widened exactly as it is read. */
+static inline __attribute__((always_inline)) void transpose_keys(const void *k, const int64_t *rows,
+                                                                 int64_t n, int64_t head_dim, float *kt,
+                                                                 const int kv) {
+    int64_t s = 0;
+#if defined(__AVX2__)
+    for (; s + 8 <= n; s += 8)
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m256 r0 = load8(k, rows[s] + d, kv), r1 = load8(k, rows[s + 1] + d, kv);
+            const __m256 r2 = load8(k, rows[s + 2] + d, kv), r3 = load8(k, rows[s + 3] + d, kv);
+            const __m256 r4 = load8(k, rows[s + 4] + d, kv), r5 = load8(k, rows[s + 5] + d, kv);
+            const __m256 r6 = load8(k, rows[s + 6] + d, kv), r7 = load8(k, rows[s + 7] + d, kv);
+            const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+            const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+            const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *o = kt + d * KEY_TILE + s;
+            _mm256_storeu_ps(o + 0 * KEY_TILE, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(o + 1 * KEY_TILE, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(o + 2 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(o + 3 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(o + 4 * KEY_TILE, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(o + 5 * KEY_TILE, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(o + 6 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(o + 7 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+#endif
+    for (; s < n; s++)
+        for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + s] = load_kv1(k, rows[s] + d, kv);
+}
+
+/* value_block for one query vector and NV vectors of D from column d, the values read in place
+ * from a cache of type kv (vi[s]: element index of row s): o = o * rescale + sum_s p[s] * V[s],
+ * the same operations in the same order as value_block over widened rows (widening is exact). */
+static inline __attribute__((always_inline)) void value_row(
+    float *o, const float *p, float rescale, const void *v, const int64_t *vi, int64_t slots,
+    int64_t d, const int nv, const int kv) {
+    vec acc[VECS];
+    for (int c = 0; c < nv; c++) acc[c] = load_vec(o + d + c * LANES) * rescale;
+    for (int64_t s = 0; s < slots; s++) {
+        vec vv[VECS];
+        for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s] + d + c * LANES, kv);
+        const vec ps = splat(p[s]);
+        for (int c = 0; c < nv; c++) acc[c] += ps * vv[c];
+    }
+    for (int c = 0; c < nv; c++) store_vec(o + d + c * LANES, acc[c]);
+}
+
+/* The group's query heads (kh * group + g) of one row at position pos of a sequence (its block
+ * table row `table`), over the cache as the prefill kernel attends a row (see above): out is
+ * [heads, D] of that row, q the row's [heads, D] (stride q_sh); head_dim whole vectors. */
+static inline __attribute__((always_inline)) void row_task(
+    const float *q, int64_t q_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+    const int64_t *table, int64_t pos, float *out,
+    int64_t kh, int64_t group, int64_t head_dim, int64_t block_size,
+    float scale, int64_t window, float softcap, const int kv) {
+    const int64_t nq = group;
+    float qs[nq * head_dim], o[nq * head_dim], p[nq * KEY_TILE];
+    float running_max[nq], total[nq], rescale[nq];
+    float kt[head_dim * KEY_TILE];
+    int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row */
+    for (int64_t g = 0; g < nq; g++)
+        memcpy(qs + g * head_dim, q + (kh * group + g) * q_sh, (size_t)head_dim * sizeof(float));
+    memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
+    for (int64_t x = 0; x < nq; x++) running_max[x] = -INFINITY, total[x] = 0.f;
+    const int64_t first_key = window > 0 && pos >= window ? pos - window + 1 : 0;
+    for (int64_t ks = first_key - first_key % KEY_TILE; ks <= pos; ks += KEY_TILE) {
+        const int64_t slots = pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
+        const int64_t chunks = (slots + TILE - 1) / TILE;
+        for (int64_t s = 0; s < slots; s++) {
+            const int64_t at = ks + s, block = table[at / block_size], slot = at % block_size;
+            ki[s] = block * k_sb + slot * k_ss + kh * k_sh;
+            vi[s] = block * v_sb + slot * v_ss + kh * v_sh;
+        }
+        transpose_keys(k, ki, slots, head_dim, kt, kv);
+        for (int64_t d = 0; d < head_dim; d++) /* keys past the row: scored, then given no weight */
+            for (int64_t s = slots; s < chunks * TILE; s++) kt[d * KEY_TILE + s] = 0.f;
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t x = 0;
+            for (; x + ATTN_ROWS <= nq; x += ATTN_ROWS)
+                score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE,
+                            p + x * KEY_TILE + c * TILE, scale, ATTN_ROWS);
+            for (; x < nq; x++)
+                score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE,
+                            p + x * KEY_TILE + c * TILE, scale, 1);
+        }
+        int64_t lo = window > 0 ? pos - window + 1 - ks : 0;
+        lo = lo > 0 ? lo : 0;
+        for (int64_t x = 0; x < nq; x++)
+            rescale[x] = softmax_tile(p + x * KEY_TILE, lo, slots, running_max + x, total + x, softcap);
+        for (int64_t x = 0; x < nq; x++) {
+            int64_t d = 0;
+            for (; d + TILE <= head_dim; d += TILE)
+                value_row(o + x * head_dim, p + x * KEY_TILE, rescale[x], v, vi, slots, d, VECS, kv);
+            for (; d < head_dim; d += LANES)
+                value_row(o + x * head_dim, p + x * KEY_TILE, rescale[x], v, vi, slots, d, 1, kv);
+        }
+    }
+    for (int64_t g = 0; g < nq; g++) {
+        float *og = out + (kh * group + g) * head_dim;
+        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        for (int64_t dd = 0; dd < head_dim; dd++) og[dd] = o[g * head_dim + dd] * inv;
+    }
+}
+
+/* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
+ * *_ss, *_sh in elements; D contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64,
+ * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, each
+ * task first writes its sequence's new K and V rows (new_k, new_v [B, KVH, D] float32, strides
+ * nk_* and nv_*; D contiguous) for its KV head into slot (slot_blocks[b], slot_offsets[b]): the
+ * step's store and attention in one call. */
+void tandem_paged_decode_attention(
+    const float *q, int64_t q_sb, int64_t q_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh, int kv_dtype,
+    const int64_t *tables, int64_t t_sb, const int64_t *lens, float *out,
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int64_t window, float softcap, int threads,
+    const float *new_k, int64_t nk_sb, int64_t nk_sh,
+    const float *new_v, int64_t nv_sb, int64_t nv_sh,
+    const int64_t *slot_blocks, const int64_t *slot_offsets) {
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        const int64_t b = task / kv_heads, kh = task % kv_heads;
+        if (new_k) {
+            const int64_t block = slot_blocks[b], offset = slot_offsets[b];
+            kv_store(kv_at(k, block * k_sb + offset * k_ss + kh * k_sh, kv_dtype),
+                     new_k + b * nk_sb + kh * nk_sh, head_dim, kv_dtype);
+            kv_store(kv_at(v, block * v_sb + offset * v_ss + kh * v_sh, kv_dtype),
+                     new_v + b * nv_sb + kh * nv_sh, head_dim, kv_dtype);
+        }
+#define DECODE_TASK(KV)                                                                          \
+    if (head_dim % LANES == 0)                                                                    \
+        row_task(q + b * q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables + b * t_sb,  \
+                 lens[b] - 1, out + b * heads * head_dim, kh, group, head_dim, block_size, scale, \
+                 window, softcap, KV);                                                            \
+    else                                                                                          \
+        decode_task(q, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables, t_sb, lens[b], out, \
+                    b, kh, heads, group, head_dim, block_size, scale, window, softcap, KV)
+        if (kv_dtype == KV_BFLOAT16)
+            DECODE_TASK(KV_BFLOAT16);
+        else if (kv_dtype == KV_FLOAT16)
+            DECODE_TASK(KV_FLOAT16);
+        else
+            DECODE_TASK(KV_FLOAT32);
+#undef DECODE_TASK
+    }
+}
+

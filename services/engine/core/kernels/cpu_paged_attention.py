@@ -14,12 +14,11 @@ machines where the kernels can't be built, use the torch reference it inherits.
 process (for the selected instruction set) or return ``None`` (one log line saying why);
 ``TANDEM_CPU_KERNELS=0`` turns them off.
 
-Like the matmul kernels they prove themselves: :meth:`CpuPagedAttention.tune` (called by the model
-runner once the model is loaded) times the decode kernel against the torch reference on the
-model's head shape and cache dtype at batch 1, 8 and 32 over a 256-token context, and the
-prefill kernel on one prompt of 64 and of 512 tokens (:mod:`services.engine.core.kernels.autotune`,
-cached); wherever the reference was faster, the reference runs (but for windowed or soft-capped
-layers, whose reference is a slow per-sequence loop). :func:`auto_cache_dtype` is what
+The two give a position's attention the same bits: a decode row is computed with the prefill's
+arithmetic (key tiles, multiply-add order, online-softmax steps), so a token attends the same
+whether it was a prompt token, a recomputed one or a generated one. That is why, unlike the
+matmul kernels, they are not timed against the torch reference: where they apply they always run
+(the reference is slower on every machine measured so far: docs/benchmarks.md). :func:`auto_cache_dtype` is what
 ``--kv-cache-dtype auto`` means here: a 16-bit cache on the instruction sets where the decode
 kernel was measured to read one at least as fast as a float32 one.
 """
@@ -33,7 +32,6 @@ from pathlib import Path
 import torch
 
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _windowed_forward
-from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.native_build import load_kernel, selected_isa
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
@@ -221,98 +219,10 @@ class CpuPagedAttention(TorchPagedAttention):
     or float16 cache; the rest, and everything when the kernels can't be built here, through the
     torch reference."""
 
-    regimes = KernelRegimes()  # kernel for every batch until tune() measures
-    prefill_regimes = KernelRegimes(rows=(64, 512), use_kernel=(True, True))
-    TUNE_BATCHES = (1, 8, 32)
-    TUNE_CONTEXT = 256
-    TUNE_PROMPTS = (64, 512)
-
-    def tune(
-        self, heads: int, kv_heads: int, head_dim: int, block_size: int,
-        cache_dtype: torch.dtype = torch.float32,
-    ) -> None:  # fmt: skip
-        """Time the kernels against the torch reference for this head shape and cache dtype
-        (once per build)."""
-        fn = load_cpu_attention()
-        if fn is None or self.regimes.measured or cache_dtype not in KV_DTYPE_CODES:
-            return
-        context, batches = self.TUNE_CONTEXT, self.TUNE_BATCHES
-        k_cache, v_cache, metas, queries = _decode_case(
-            heads, kv_heads, head_dim, block_size, context, batches, cache_dtype
-        )
-        scale = head_dim**-0.5
-
-        def runner(kernel: bool):  # type: ignore[no-untyped-def]
-            def run(batch: int) -> None:
-                meta, q = metas[batch], queries[batch]
-                if kernel:
-                    cpu_paged_decode_attention(
-                        q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale
-                    )
-                else:
-                    TorchPagedAttention.decode(self, q, k_cache, v_cache, meta, scale)
-
-            return run
-
-        self.regimes = choose_regimes(
-            _tune_name("decode-attention", cache_dtype),
-            isa=selected_isa(),
-            build=_build_name(),
-            shapes=[(heads, kv_heads, head_dim, block_size, context)],
-            run_kernel=runner(True),
-            run_torch=runner(False),
-            rows=batches,
-            fixed=True,  # its sums differ from the reference's: without a measurement, the kernel
-        )
-        self._tune_prefill(heads, kv_heads, head_dim, block_size, cache_dtype)
-
-    def _tune_prefill(
-        self, heads: int, kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype
-    ) -> None:
-        """Time the prefill kernel against the torch reference on one uncached prompt of each of
-        :attr:`TUNE_PROMPTS` tokens (PyTorch's fused attention takes that case directly)."""
-        fn = load_cpu_prefill_attention()
-        if fn is None or self.prefill_regimes.measured or head_dim % KERNEL_HEAD_DIM_MULTIPLE:
-            return
-        prompts = self.TUNE_PROMPTS
-        blocks = -(-max(prompts) // block_size)
-        gen = torch.Generator().manual_seed(0)
-        shape = (blocks + 1, block_size, kv_heads, head_dim)
-        k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
-        v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
-        cases = {}
-        for n in prompts:
-            meta = AttentionMetadata.build(
-                is_prefill=True, query_lens=[n], context_lens=[n],
-                block_tables=[list(range(1, 2 + (n - 1) // block_size))], block_size=block_size,
-            )  # fmt: skip
-            qkv = torch.randn(n, heads + 2 * kv_heads, head_dim, generator=gen)
-            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-            TorchPagedAttention.store_kv(k, v, k_cache, v_cache, meta)
-            cases[n] = (q, k, v, meta)
-        scale = head_dim**-0.5
-
-        def runner(kernel: bool):  # type: ignore[no-untyped-def]
-            def run(n: int) -> None:
-                q, k, v, meta = cases[n]
-                if kernel:
-                    cpu_paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
-                                                meta.context_lens, meta.query_lens, scale)  # fmt: skip
-                else:
-                    TorchPagedAttention.prefill(self, q, k, v, k_cache, v_cache, meta, scale)
-
-            return run
-
-        self.prefill_regimes = choose_regimes(
-            _tune_name("prefill-attention", cache_dtype),
-            isa=selected_isa(),
-            build=_build_name(),
-            shapes=[(heads, kv_heads, head_dim, block_size)],
-            run_kernel=runner(True),
-            run_torch=runner(False),
-            rows=prompts,
-            fixed=True,
-        )
+    # The kernels are not timed against the torch reference: one numeric definition per
+    # position needs the prefill kernel for every prompt row and the decode kernel, which
+    # computes a row with the prefill's arithmetic, for every generated one (see the C file);
+    # a reference path chosen by speed for some batch sizes would change a row's bits.
 
     def forward(
         self,
@@ -332,8 +242,7 @@ class CpuPagedAttention(TorchPagedAttention):
         kernel = load_cpu_attention() is not None
         if q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPE_CODES or not kernel:
             return super().forward(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
-        special = window is not None or softcap is not None
-        if not meta.is_prefill and (special or self.regimes.kernel_for(q.shape[0])):
+        if not meta.is_prefill:
             return cpu_paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.decode_context_lens(), scale,
                 new_kv=(k, v, meta.slot_blocks, meta.slot_offsets), window=window, softcap=softcap,
@@ -377,7 +286,7 @@ class CpuPagedAttention(TorchPagedAttention):
         return self._decode(q, k_cache, v_cache, meta, scale, None, None)
 
     def native_decode(self, batch: int) -> bool:
-        return self.regimes.kernel_for(batch) and load_cpu_attention() is not None
+        return load_cpu_attention() is not None
 
     def _prefill(
         self,
@@ -396,7 +305,6 @@ class CpuPagedAttention(TorchPagedAttention):
             q.dtype == torch.float32
             and k_cache.dtype in KV_DTYPE_CODES
             and q.shape[-1] % KERNEL_HEAD_DIM_MULTIPLE == 0
-            and (special or self.prefill_regimes.kernel_for(q.shape[0]))
             and load_cpu_prefill_attention() is not None
         ):
             return cpu_paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
@@ -420,7 +328,6 @@ class CpuPagedAttention(TorchPagedAttention):
         if (
             q.dtype == torch.float32
             and k_cache.dtype in KV_DTYPE_CODES
-            and (special or self.regimes.kernel_for(q.shape[0]))
             and load_cpu_attention() is not None
         ):
             return cpu_paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
@@ -429,37 +336,3 @@ class CpuPagedAttention(TorchPagedAttention):
         if special:  # the reference reads only the cache: q stands in for the stored k and v
             return _windowed_forward(q, q, q, k_cache, v_cache, meta, scale, window, softcap)
         return super().decode(q, k_cache, v_cache, meta, scale)
-
-
-def _decode_case(
-    heads: int, kv_heads: int, head_dim: int, block_size: int, context: int,
-    batches: tuple[int, ...], dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, dict[int, AttentionMetadata], dict[int, torch.Tensor]]:
-    """Random caches of ``dtype`` and, per batch size, decode metadata (every sequence
-    ``context`` tokens long, in blocks of its own) and queries: what the decode timings run."""
-    per_seq = -(-context // block_size)
-    blocks = per_seq * max(batches) + 1
-    gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    metas = {}
-    for batch in batches:
-        tables = [[1 + b * per_seq + i for i in range(per_seq)] for b in range(batch)]
-        metas[batch] = AttentionMetadata.build(
-            is_prefill=False, query_lens=[1] * batch, context_lens=[context] * batch,
-            block_tables=tables, block_size=block_size,
-        )  # fmt: skip
-    queries = {b: torch.randn(b, heads, head_dim, generator=gen) for b in batches}
-    return k_cache, v_cache, metas, queries
-
-
-def _tune_name(kind: str, cache_dtype: torch.dtype) -> str:
-    """The autotune format name: ``kind`` for a float32 cache (the decisions cached before
-    16-bit caches existed stay valid), ``kind`` and the dtype for the others."""
-    if cache_dtype == torch.float32:
-        return kind
-    return f"{kind} ({str(cache_dtype).removeprefix('torch.')} cache)"
-
-
-def _build_name() -> str:
-    return Path(str(getattr(load_cpu_attention(), "_tandem_build", "?"))).name

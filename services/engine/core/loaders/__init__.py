@@ -14,15 +14,14 @@ Weight dtypes (``--dtype``):
 * ``q4``: a GGUF's blocks as stored — Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 (the name
   is older than the 5- and 6-bit kernels) — any other matrix as Q8_0; HF folders have no such
   blocks to keep, so ``q4`` needs a GGUF;
-* ``q4_a8``: ``q4``'s weights, and prompt tokens' rows round their activations to int8 per
-  group of 32 for the 4-bit matrices, as llama.cpp does: integer multiply-adds, about twice the
-  float32 rate on AVX2; generated tokens' rows stay float32 (also when recomputed). It moves the logits by the
-  activations' rounding (measured in the README), the trade llama.cpp makes for every matmul;
-* ``q4_a8_decode``: ``q4_a8``, and generated tokens' rows over int8 activations too (the int8
-  decode kernel, kept per matrix where it measured at least as fast): llama.cpp's trade for
-  decode as well. A migrated or preempted stream recomputes its generated tokens through the
-  same decode kernels (matmuls and attention, :class:`~services.engine.core.attention.MixedSplit`)
-  and goes on with its greedy text exactly;
+* ``q4_a8``: ``q4``'s weights, and every row of the 4-bit matrices rounds its activations to int8
+  per group of 32, as llama.cpp does: integer multiply-adds, about twice the float32 rate on AVX2.
+  It moves the logits by the activations' rounding (measured in the README), the trade llama.cpp
+  makes for every matmul;
+* ``q4_a8_decode``: ``q4_a8``, and every other quantized matrix's rows over int8 activations too
+  (the int8 decode kernel): llama.cpp's trade for every matmul. Prompt and generated tokens' rows
+  are rounded alike, so a position's numbers never depend on the path its request took
+  (docs/determinism.md);
 * ``auto`` (the CLI default): on CUDA bfloat16; on CPU, when the CPU kernel builds here for AVX2
   or AVX-512, the format the checkpoint already stores: ``q4_a8_decode`` for 4-bit GGUFs (``q4``
   when the 8-bit-activation kernel doesn't build), ``q4`` (as stored) for GGUFs of 5- and 6-bit blocks
@@ -32,7 +31,7 @@ Weight dtypes (``--dtype``):
   otherwise (the ``generic`` build's 4-wide kernel measured slower than float32 PyTorch on x86,
   docs/benchmarks.md).
 
-Quantized weights run on CPU only, with float32 activations (``q4_a8``'s prompt rows aside) and
+Quantized weights run on CPU only, with float32 activations (the ``q4_a8`` dtypes' int8 rows aside) and
 KV cache, as the 16-bit float weights do on CPU.
 """
 

@@ -8,7 +8,10 @@ it and adds its output, weighted, into the token's. Every expert is a
 so quantized checkpoints run the experts' matmuls on the same CPU kernels as dense layers, and a
 decode step reads only the chosen experts' weights: about 3B of Qwen3-30B-A3B's 30B parameters.
 The router stays in float32 (a plain parameter, never quantized): a rounded router picks other
-experts.
+experts. On CPU its logits come from the native float32 kernel (its tiles built on first use),
+which computes each row alone: PyTorch's GEMM does not give a row the same bits in every batch
+size, and a last-bit change in a router logit can pick another expert. A token's experts' outputs
+are summed in expert order on both the one-row and the grouped path, for the same reason.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from services.common.model_config import ModelConfig
 from services.engine.core.attention import PagedAttention
+from services.engine.core.kernels.cpu_gemv import load_cpu_gemv
 from services.engine.core.models.base import CausalLM, DecoderLayer
 from services.engine.core.models.blocks import GatedMLP
 from services.engine.core.models.llama import LlamaDecoderLayer
@@ -30,6 +34,19 @@ class Router(nn.Module):
     def __init__(self, experts: int, hidden: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self._tiles: torch.Tensor | None = None
+        self._tiles_of: tuple[int, int] = (0, -1)  # (data_ptr, version) of the weight tiled
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T``: each row computed alone by the native kernel where it runs (CPU,
+        float32), else PyTorch's ``F.linear``."""
+        kernel = load_cpu_gemv() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        if kernel is None or self.weight.dtype != torch.float32 or x.dim() != 2:
+            return F.linear(x, self.weight.to(x.dtype))
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._tiles is None or self._tiles_of != key:
+            self._tiles, self._tiles_of = kernel.tile_weight(self.weight.detach()), key
+        return kernel(x.contiguous(), self._tiles, None, self.weight.shape[0])
 
 
 class SparseMoeBlock(nn.Module):
@@ -46,15 +63,17 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate.weight.to(x.dtype))
+        logits = self.gate.logits(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        if x.shape[0] == 1:  # decode of one sequence: no grouping to do
-            for slot, expert in enumerate(chosen[0].tolist()):
+        if x.shape[0] == 1:  # decode of one sequence: no grouping to do; the experts' outputs
+            # summed in expert order, as the grouped path below sums every token's
+            picks = sorted((expert, slot) for slot, expert in enumerate(chosen[0].tolist()))
+            for expert, slot in picks:
                 out += self.experts[expert].forward(x) * weights[0, slot]
             return out
         order = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
