@@ -235,16 +235,41 @@ def pin_this_thread(cpus: tuple[int, ...]) -> None:
                                    param="cpus") from err
 
 
+UNHEALTHY_EXIT_CODE = 70  # EX_SOFTWARE: the engine's state can no longer be trusted
+UNHEALTHY_LINGER_S = 2.0  # how long an unhealthy worker keeps answering NOT_SERVING before exiting
+
+
 def run_worker(start: Callable[[], Awaitable[WorkerHandle]]) -> int:
     """A worker process's life (``tandem serve prefill|decode``): start, serve until SIGINT /
-    SIGTERM, stop gracefully."""
+    SIGTERM, stop gracefully. A worker whose engine step failed (``EngineLoop`` turned unhealthy:
+    its streams were failed over to other workers, it reports NOT_SERVING) exits with
+    :data:`UNHEALTHY_EXIT_CODE` a moment later, so whatever supervises it — ``tandem up``'s
+    launcher, compose's restart policy, Kubernetes — starts a fresh one."""
+    code = 0
 
     async def serve() -> None:
+        nonlocal code
         handle = await start()
-        await serve_until_signal(handle.stop)
+        loop = asyncio.get_running_loop()
+        unhealthy = asyncio.Event()
+        handle.engine_loop.on_unhealthy(lambda _reason: loop.call_soon_threadsafe(unhealthy.set))
+
+        async def exit_when_unhealthy() -> None:
+            nonlocal code
+            await unhealthy.wait()
+            await asyncio.sleep(UNHEALTHY_LINGER_S)  # health checks see NOT_SERVING first
+            logger.error("exiting with %d: an engine step failed (see above)", UNHEALTHY_EXIT_CODE)
+            code = UNHEALTHY_EXIT_CODE
+            signal.raise_signal(signal.SIGTERM)  # the usual graceful stop
+
+        watcher = asyncio.create_task(exit_when_unhealthy())
+        try:
+            await serve_until_signal(handle.stop)
+        finally:
+            watcher.cancel()
 
     asyncio.run(serve())
-    return 0
+    return code
 
 
 async def serve_until_signal(stop: Callable[[], Awaitable[None]]) -> None:

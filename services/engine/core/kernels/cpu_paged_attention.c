@@ -572,18 +572,21 @@ static inline __attribute__((always_inline)) __m256 load8(const void *cache, int
 
 /* kt[d * KEY_TILE + s] = K[rows[s] + d] (elements of a cache of type kv) for s < n (n <=
  * KEY_TILE), d < head_dim (whole vectors): 8 x 8 blocks transposed in registers where there is
- * AVX2, each value widened exactly as it is read. */
+ * AVX2, each value widened exactly as it is read; with AVX2, columns n .. (n rounded up to 8) - 1
+ * are written too (copies of column n - 1: the caller zeroes what it scores past n). */
 static inline __attribute__((always_inline)) void transpose_keys(const void *k, const int64_t *rows,
                                                                  int64_t n, int64_t head_dim, float *kt,
                                                                  const int kv) {
     int64_t s = 0;
 #if defined(__AVX2__)
-    for (; s + 8 <= n; s += 8)
+    for (; s < n; s += 8) {
+        int64_t at[8]; /* a last, partial block repeats its last key (columns past n are unused) */
+        for (int i = 0; i < 8; i++) at[i] = rows[s + i < n ? s + i : n - 1];
         for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 r0 = load8(k, rows[s] + d, kv), r1 = load8(k, rows[s + 1] + d, kv);
-            const __m256 r2 = load8(k, rows[s + 2] + d, kv), r3 = load8(k, rows[s + 3] + d, kv);
-            const __m256 r4 = load8(k, rows[s + 4] + d, kv), r5 = load8(k, rows[s + 5] + d, kv);
-            const __m256 r6 = load8(k, rows[s + 6] + d, kv), r7 = load8(k, rows[s + 7] + d, kv);
+            const __m256 r0 = load8(k, at[0] + d, kv), r1 = load8(k, at[1] + d, kv);
+            const __m256 r2 = load8(k, at[2] + d, kv), r3 = load8(k, at[3] + d, kv);
+            const __m256 r4 = load8(k, at[4] + d, kv), r5 = load8(k, at[5] + d, kv);
+            const __m256 r6 = load8(k, at[6] + d, kv), r7 = load8(k, at[7] + d, kv);
             const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
             const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
             const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -602,27 +605,52 @@ static inline __attribute__((always_inline)) void transpose_keys(const void *k, 
             _mm256_storeu_ps(o + 6 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
             _mm256_storeu_ps(o + 7 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
         }
+    }
 #endif
     for (; s < n; s++)
         for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + s] = load_kv1(k, rows[s] + d, kv);
 }
 
-/* value_block for one query vector and NV vectors of D from column d, the values read in place
- * from a cache of type kv (vi[s]: element index of row s): o = o * rescale + sum_s p[s] * V[s],
- * the same operations in the same order as value_block over widened rows (widening is exact). */
-static inline __attribute__((always_inline)) void value_row(
-    float *o, const float *p, float rescale, const void *v, const int64_t *vi, int64_t slots,
-    int64_t d, const int nv, const int kv) {
-    vec acc[VECS];
-    for (int c = 0; c < nv; c++) acc[c] = load_vec(o + d + c * LANES) * rescale;
+/* value_block over n query vectors (n <= ATTN_ROWS; p and o rows KEY_TILE and head_dim apart)
+ * and NV vectors of D from column d, the values read in place from a cache of type kv (vi[s]:
+ * element index of row s): o = o * rescale + sum_s p[s] * V[s], per vector the same operations
+ * in the same order as value_block over widened rows (widening is exact), each value row loaded
+ * once for the n vectors. */
+static inline __attribute__((always_inline)) void value_rows(
+    float *o, int64_t head_dim, const float *p, const float *rescale, const void *v,
+    const int64_t *vi, int64_t slots, int64_t d, const int n, const int nv, const int kv) {
+    vec acc[ATTN_ROWS][VECS];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = load_vec(o + r * head_dim + d + c * LANES) * rescale[r];
     for (int64_t s = 0; s < slots; s++) {
         vec vv[VECS];
         for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s] + d + c * LANES, kv);
-        const vec ps = splat(p[s]);
-        for (int c = 0; c < nv; c++) acc[c] += ps * vv[c];
+        for (int r = 0; r < n; r++) {
+            const vec ps = splat(p[r * KEY_TILE + s]);
+            for (int c = 0; c < nv; c++) acc[r][c] += ps * vv[c];
+        }
     }
-    for (int c = 0; c < nv; c++) store_vec(o + d + c * LANES, acc[c]);
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < nv; c++) store_vec(o + r * head_dim + d + c * LANES, acc[r][c]);
 }
+
+/* CALL(N) for n (1 .. ATTN_ROWS, a run-time count) query vectors, N a constant (n itself where
+ * the set has that many rows), so that each count's register blocks are unrolled. */
+#define WITH_ROWS(n, CALL)                                  \
+    switch (n) {                                            \
+    case 1: CALL(1 < ATTN_ROWS ? 1 : ATTN_ROWS); break;     \
+    case 2: CALL(2 < ATTN_ROWS ? 2 : ATTN_ROWS); break;     \
+    case 3: CALL(3 < ATTN_ROWS ? 3 : ATTN_ROWS); break;     \
+    case 4: CALL(4 < ATTN_ROWS ? 4 : ATTN_ROWS); break;     \
+    case 5: CALL(5 < ATTN_ROWS ? 5 : ATTN_ROWS); break;     \
+    case 6: CALL(6 < ATTN_ROWS ? 6 : ATTN_ROWS); break;     \
+    case 7: CALL(7 < ATTN_ROWS ? 7 : ATTN_ROWS); break;     \
+    case 8: CALL(8 < ATTN_ROWS ? 8 : ATTN_ROWS); break;     \
+    case 9: CALL(9 < ATTN_ROWS ? 9 : ATTN_ROWS); break;     \
+    case 10: CALL(10 < ATTN_ROWS ? 10 : ATTN_ROWS); break;  \
+    case 11: CALL(11 < ATTN_ROWS ? 11 : ATTN_ROWS); break;  \
+    default: CALL(ATTN_ROWS); break;                        \
+    }
 
 /* The group's query heads (kh * group + g) of one row at position pos of a sequence (its block
  * table row `table`), over the cache as the prefill kernel attends a row (see above): out is
@@ -655,25 +683,34 @@ static inline __attribute__((always_inline)) void row_task(
         transpose_keys(k, ki, slots, head_dim, kt, kv);
         for (int64_t d = 0; d < head_dim; d++) /* keys past the row: scored, then given no weight */
             for (int64_t s = slots; s < chunks * TILE; s++) kt[d * KEY_TILE + s] = 0.f;
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t x = 0;
-            for (; x + ATTN_ROWS <= nq; x += ATTN_ROWS)
-                score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE,
-                            p + x * KEY_TILE + c * TILE, scale, ATTN_ROWS);
-            for (; x < nq; x++)
-                score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE,
-                            p + x * KEY_TILE + c * TILE, scale, 1);
-        }
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t x = 0; x < nq; x += ATTN_ROWS) {
+                const int n = nq - x < ATTN_ROWS ? (int)(nq - x) : ATTN_ROWS;
+#define SCORES(N) score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE, \
+                              p + x * KEY_TILE + c * TILE, scale, N)
+                WITH_ROWS(n, SCORES)
+#undef SCORES
+            }
         int64_t lo = window > 0 ? pos - window + 1 - ks : 0;
         lo = lo > 0 ? lo : 0;
         for (int64_t x = 0; x < nq; x++)
             rescale[x] = softmax_tile(p + x * KEY_TILE, lo, slots, running_max + x, total + x, softcap);
-        for (int64_t x = 0; x < nq; x++) {
+        for (int64_t x = 0; x < nq; x += ATTN_ROWS) {
+            const int n = nq - x < ATTN_ROWS ? (int)(nq - x) : ATTN_ROWS;
             int64_t d = 0;
-            for (; d + TILE <= head_dim; d += TILE)
-                value_row(o + x * head_dim, p + x * KEY_TILE, rescale[x], v, vi, slots, d, VECS, kv);
-            for (; d < head_dim; d += LANES)
-                value_row(o + x * head_dim, p + x * KEY_TILE, rescale[x], v, vi, slots, d, 1, kv);
+#define VALUES(N) value_rows(o + x * head_dim, head_dim, p + x * KEY_TILE, rescale + x, v, vi, \
+                             slots, d, N, NV, kv)
+            for (; d + TILE <= head_dim; d += TILE) {
+#define NV VECS
+                WITH_ROWS(n, VALUES)
+#undef NV
+            }
+            for (; d < head_dim; d += LANES) {
+#define NV 1
+                WITH_ROWS(n, VALUES)
+#undef NV
+            }
+#undef VALUES
         }
     }
     for (int64_t g = 0; g < nq; g++) {
