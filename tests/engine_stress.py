@@ -60,33 +60,16 @@ class StressStack:
 async def stress_stack(model_dir: Path) -> AsyncIterator[StressStack]:
     """Tokenizer service, one prefill and two decode workers (threads=1 each) and the gateway,
     all in this process on 127.0.0.1."""
-    from services.common.grpc_server import start_grpc_server
     from services.common.metrics import TandemMetrics
-    from services.common.model_source import resolve_model
-    from services.common.pb import tokenizer_pb2_grpc
     from services.decode.server import start_decode_worker
-    from services.engine.core.loaders import load_model
     from services.engine.runtime.worker_options import WorkerOptions
-    from services.gateway.app import build_app
-    from services.gateway.auth import ApiKeyAuth
     from services.gateway.config import GatewayConfig
     from services.gateway.prefill_policy import PrefillPolicy
     from services.prefill.server import start_prefill_worker
-    from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
-    from services.tokenizer.tokenizer import Tokenizer
-    from tests.tiny_stack import CONTEXT, write_tiny_model
+    from tests.tiny_stack import start_test_gateway, start_tiny_model_and_tokenizer
     from tests.tls_identities import tls_for
 
-    tokenizer = await asyncio.to_thread(Tokenizer.load, resolve_model("default"))
-    tokenizer.context_length = CONTEXT
-    if not (model_dir / "config.json").is_file():
-        await asyncio.to_thread(write_tiny_model, model_dir, tokenizer.vocab_size)
-    loaded = await asyncio.to_thread(load_model, str(model_dir))
-    tok_server = await start_grpc_server(
-        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-          TokenizerServicer(tokenizer, served_name="tiny"), SERVICE_NAME)],
-        tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
-    )  # fmt: skip
+    tokenizer, loaded, tok_server = await start_tiny_model_and_tokenizer(model_dir)
     common: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "model": str(model_dir),
                               "threads": 1}  # fmt: skip
     started: list[Any] = []
@@ -115,14 +98,8 @@ async def stress_stack(model_dir: Path) -> AsyncIterator[StressStack]:
             stats_interval_s=0.2, prefill_policy=PrefillPolicy(remote_min_tokens=40),
             tls=tls_for("gateway"),
         )  # fmt: skip
-        app = build_app(config, auth=ApiKeyAuth((API_KEY,)),
-                        metrics=TandemMetrics(process_metrics=False))  # fmt: skip
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        stack = StressStack(f"http://127.0.0.1:{runner.addresses[0][1]}", decodes,
-                            {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        _, runner, base_url = await start_test_gateway(config, API_KEY)
+        stack = StressStack(base_url, decodes, {"Authorization": f"Bearer {API_KEY}"})
         deadline = time.monotonic() + 30
         while True:
             async with aiohttp.ClientSession() as s, s.get(stack.url + "/ready") as r:

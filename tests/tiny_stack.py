@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -102,15 +103,10 @@ class TinyStack:
             return body  # type: ignore[no-any-return]
 
 
-@contextlib.asynccontextmanager
-async def tiny_stack(
-    model_dir: Path, *, body_read_timeout_s: float = 30.0
-) -> AsyncIterator[TinyStack]:
-    """Start everything (see the module docstring); stop it all on exit."""
-    from services.decode.server import start_decode_worker
+async def start_tiny_model_and_tokenizer(model_dir: Path) -> tuple[Tokenizer, Any, Any]:
+    """SmolLM2's tokenizer fitted to the tiny model's context, the tiny random Llama (written to
+    ``model_dir`` the first time) loaded, and a tokenizer gRPC server for them."""
     from services.engine.core.loaders import load_model
-    from services.engine.runtime.worker_options import WorkerOptions
-    from services.prefill.server import start_prefill_worker
 
     tokenizer = await asyncio.to_thread(Tokenizer.load, resolve_model("default"))
     tokenizer.context_length = CONTEXT  # the tiny model's, not SmolLM2's
@@ -122,6 +118,33 @@ async def tiny_stack(
           TokenizerServicer(tokenizer, served_name="tiny"), SERVICE_NAME)],
         tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
     )  # fmt: skip
+    return tokenizer, loaded, tok_server
+
+
+async def start_test_gateway(
+    config: GatewayConfig, api_key: str = API_KEY
+) -> tuple[web.Application, web.AppRunner, str]:
+    """The real gateway app for ``config`` (one API key) on 127.0.0.1: the app, its runner (the
+    caller cleans it up) and its base URL."""
+    app = build_app(config, auth=ApiKeyAuth((api_key,)),
+                    metrics=TandemMetrics(process_metrics=False))  # fmt: skip
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return app, runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+@contextlib.asynccontextmanager
+async def tiny_stack(
+    model_dir: Path, *, body_read_timeout_s: float = 30.0
+) -> AsyncIterator[TinyStack]:
+    """Start everything (see the module docstring); stop it all on exit."""
+    from services.decode.server import start_decode_worker
+    from services.engine.runtime.worker_options import WorkerOptions
+    from services.prefill.server import start_prefill_worker
+
+    tokenizer, loaded, tok_server = await start_tiny_model_and_tokenizer(model_dir)
     common = {"host": "127.0.0.1", "port": 0, "model": str(model_dir), "threads": 1}
     decode = await start_decode_worker(
         WorkerOptions(tls=tls_for("decode"),
@@ -140,14 +163,9 @@ async def tiny_stack(
         prefill_policy=PrefillPolicy(remote_min_tokens=REMOTE_PREFILL_MIN_TOKENS),
         tls=tls_for("gateway"),
     )  # fmt: skip
-    app = build_app(config, auth=ApiKeyAuth((API_KEY,)),
-                    metrics=TandemMetrics(process_metrics=False))  # fmt: skip
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    stack = TinyStack(f"http://127.0.0.1:{runner.addresses[0][1]}", app, prefill.address,
-                      decode.address, {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    app, runner, base_url = await start_test_gateway(config)
+    stack = TinyStack(base_url, app, prefill.address, decode.address,
+                      {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while True:
