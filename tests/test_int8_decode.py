@@ -108,19 +108,21 @@ def test_kernel_equals_the_int8_reference(isa: str, ggml_type: T, rows: int) -> 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T) -> None:
-    """Every row block (4, 2, 1 rows) and thread count runs the same chain per output: bit equal."""
+    """Every row count (one row in registers, more group by group, in chunks of 32 rows: 70 is
+    two whole chunks and a part) and thread count runs the same chain per output: bit equal."""
     qgemv, a8 = _kernels(isa)
     weight = _weight(ggml_type, seed=3)
     call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, qgemv.tile_format(weight))
-    x = _rows(9, seed=5)
+    x = _rows(70, seed=5)
     previous = torch.get_num_threads()
     try:
-        alone = torch.cat([call(x[i : i + 1]) for i in range(9)])
+        alone = torch.cat([call(x[i : i + 1]) for i in range(70)])
         torch.set_num_threads(1)
         assert torch.equal(call(x), alone)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(call(x[3:8]), alone[3:8])
+    assert torch.equal(call(x[5:45]), alone[5:45])
 
 
 def test_rounding_equals_the_gemms(isa: str) -> None:

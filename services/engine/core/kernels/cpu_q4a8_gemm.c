@@ -695,6 +695,10 @@ static const int8_t *permute_rows(const a8format *f, int format, const int8_t *q
  * cpu_qgemv.c's tiles of format [ceil(out / TILE), in / span, block], + bias [n_tiles * TILE] or
  * NULL; y [rows, out] contiguous. Meant for decode rows (a few); any count works. Returns 0, or
  * -1 for a format it does not read, in not a multiple of its block inputs, or no memory. */
+#ifndef A8_ROW_CHUNK
+#define A8_ROW_CHUNK 32 /* rows per pass over a tile's groups: 32 x TILE accumulators in L1 */
+#endif
+
 int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, const float *bias,
                    float *y, int64_t rows, int64_t in, int64_t out, int threads) {
     const a8format *f = a8format_of(format);
@@ -737,8 +741,11 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
             if (rows == 1)
                 f->row(qp, in, d, s, wt, bt, y + t * TILE, out, cols);
-            else if (accm)
-                f->groups(qp, in, d, s, wt, bt, y + t * TILE, out, cols, rows, accm);
+            else if (accm) /* rows in chunks whose accumulators stay in L1; a row's chain is the same */
+                for (int64_t r0 = 0; r0 < rows; r0 += A8_ROW_CHUNK)
+                    f->groups(qp + r0 * in, in, d + r0 * groups, s + r0 * subs, wt, bt,
+                              y + r0 * out + t * TILE, out, cols,
+                              rows - r0 < A8_ROW_CHUNK ? rows - r0 : A8_ROW_CHUNK, accm);
         }
         free(accm);
     }
