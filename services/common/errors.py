@@ -57,6 +57,12 @@ class ResourceExhaustedError(TandemError):
     error_type = "rate_limit_error"
 
 
+WORKER_UNHEALTHY = "worker_unhealthy"
+"""The code of the :class:`UnavailableError` a worker answers once its engine step failed
+(``services/engine/runtime/worker_health.py``); the gateway reads it as the worker being down and
+migrates the stream (``services/gateway/worker_errors.py``)."""
+
+
 class UnavailableError(TandemError):
     """A dependency is down or not ready (HTTP 503, gRPC UNAVAILABLE)."""
 

@@ -21,6 +21,7 @@ import grpc
 import grpc.aio
 
 from services.common.errors import (
+    WORKER_UNHEALTHY,
     AbortedError,
     FailedPreconditionError,
     NotFoundError,
@@ -29,10 +30,6 @@ from services.common.errors import (
 )
 from services.common.grpc_errors import is_transport_failure
 from services.gateway.router import WorkerState
-
-WORKER_UNHEALTHY = "worker_unhealthy"
-"""The code of the UNAVAILABLE a worker answers once its engine step failed (the engine loop's
-``WORKER_UNHEALTHY``; the gateway does not import the engine)."""
 
 
 class WorkerDown(Exception):

@@ -32,7 +32,7 @@ Failure isolation. An error that belongs to one request — its grammar (the eng
 — reaches that request's consumer alone, as a :class:`TandemError`, and the step's other outputs
 are delivered as usual. An exception out of ``engine.step()`` itself (the forward pass, the KV)
 cannot be pinned on one request: every request on the engine fails with an
-:class:`UnavailableError` whose code is :data:`WORKER_UNHEALTHY`, the loop turns *unhealthy* (it
+:class:`UnavailableError` whose code is ``worker_unhealthy``, the loop turns *unhealthy* (it
 refuses new requests with that error, and calls the ``on_unhealthy`` callbacks: the worker
 reports NOT_SERVING to gRPC health checks), and the gateway, which reads that code as "this worker
 is down", migrates the streams to another decode worker instead of failing them.
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -68,6 +69,7 @@ from services.engine.core.sampler import TokenLogprobs
 from services.engine.runtime.engine_stats import EngineStats, StatsPublisher
 from services.engine.runtime.held_blocks import HeldBlocks
 from services.engine.runtime.request_sink import RequestSink
+from services.engine.runtime.worker_health import WorkerHealth
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +77,6 @@ T = TypeVar("T")
 
 IDLE_POLL_SECONDS = 0.05
 """Longest sleep of a thread whose engine has work it cannot schedule yet."""
-
-WORKER_UNHEALTHY = "worker_unhealthy"
-"""The error code of requests failed by a failed engine step (and refused after it); the gateway
-(``services/gateway/worker_errors.py``) treats it as the worker being down and migrates."""
 
 OUTPUT_FAILED = "output_failed"
 """The error code of a request whose output's post-processing (text, stop strings) failed."""
@@ -109,8 +107,7 @@ class EngineLoop:
         self._outbox: list[tuple[str, RequestSink, RequestOutput | BaseException]] = []
         self._num_steps = 0
         self._max_batch = 0
-        self._unhealthy: str | None = None  # why a step failed; set once, by the engine thread
-        self._on_unhealthy: list[Callable[[str], None]] = []
+        self.health = WorkerHealth()
         self._publisher = StatsPublisher(engine, metrics)
         if metrics is not None:
             metrics.watch_engine_phases(engine.phases.read)
@@ -169,14 +166,11 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         """False once an engine step failed (the engine's state can no longer be trusted)."""
-        return self._unhealthy is None
+        return self.health.healthy
 
     def on_unhealthy(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` (on the engine thread) when a step fails; at once if one
-        already did."""
-        self._on_unhealthy.append(callback)
-        if self._unhealthy is not None:
-            callback(self._unhealthy)
+        """Call ``callback(reason)`` (on the engine thread) when a step fails (:class:`WorkerHealth`)."""
+        self.health.on_unhealthy(callback)
 
     @property
     def stats(self) -> EngineStats:
@@ -267,7 +261,7 @@ class EngineLoop:
         sink = RequestSink.create("prefill" if prefill_only else "full")
 
         def start(engine: LLMEngine) -> None:
-            self._check_healthy()
+            self.health.check()
             self._check_free_id(request_id)
             engine.add_request(request_id, prompt, params, prefill_only=prefill_only,
                                resume_output_ids=resumed)  # fmt: skip
@@ -296,7 +290,7 @@ class EngineLoop:
         sink = RequestSink.create("decode")
 
         def start(engine: LLMEngine) -> None:
-            self._check_healthy()
+            self.health.check()
             if request_id in self._sinks or engine.scheduler.find(request_id) is not None:
                 raise FailedPreconditionError(f"request {request_id!r} is already running")
             blocks = self._held.take(request_id)
@@ -461,27 +455,12 @@ class EngineLoop:
             self._outbox.append((rid, sink, error))
 
     def _turn_unhealthy(self, reason: str) -> None:
-        """A step failed: fail every request with :data:`WORKER_UNHEALTHY` (the gateway migrates
-        them), drop every sequence (its state is suspect), refuse new requests, and tell the
-        ``on_unhealthy`` callbacks (the worker's health check)."""
-        first = self._unhealthy is None
-        self._unhealthy = self._unhealthy or reason
-        self._fail_all(UnavailableError(f"{reason}; this worker is now unhealthy",
-                                        code=WORKER_UNHEALTHY))  # fmt: skip
+        """A step failed: fail every request (the gateway migrates them), drop every sequence
+        (its state is suspect), and turn unhealthy (:class:`WorkerHealth`)."""
+        self._fail_all(self.health.fail(reason))
         scheduler = self.engine.scheduler
         for seq in [*scheduler.running, *scheduler.waiting]:
             self.engine.abort(seq.request_id)
-        if first:
-            for callback in self._on_unhealthy:
-                try:
-                    callback(reason)
-                except Exception:  # noqa: BLE001 - a callback must not kill the thread
-                    logger.exception("on_unhealthy callback failed")
-
-    def _check_healthy(self) -> None:
-        if self._unhealthy is not None:
-            raise UnavailableError(f"this worker is unhealthy ({self._unhealthy})",
-                                   code=WORKER_UNHEALTHY)  # fmt: skip
 
     def _shutdown(self) -> None:
         scheduler = self.engine.scheduler
@@ -506,10 +485,8 @@ class EngineLoop:
         self._submit_quietly(lambda engine: self._shutdown())
 
     def _submit_quietly(self, fn: Callable[[LLMEngine], object]) -> None:
-        try:
+        with contextlib.suppress(UnavailableError):  # stopping: shutdown frees everything
             self.submit(fn)
-        except UnavailableError:
-            pass  # stopping: shutdown frees everything
 
     def _publish(self) -> None:
         self._stats = self._publisher.publish(
