@@ -8,7 +8,8 @@ its own.
   cannot touch a matcher it does not hold;
 * on a real engine loop (tiny model, SmolLM2's vocabulary), a constrained stream whose grammar
   fails mid-stream ends with a clear error while an unconstrained stream beside it completes with
-  exactly the tokens it produces alone.
+  exactly the tokens it produces alone; so do a seeded and a greedy stream beside a request
+  whose sampling fails mid-stream.
 """
 
 from __future__ import annotations
@@ -230,6 +231,42 @@ def test_a_grammar_failing_mid_stream_fails_only_its_request(engine_loop: Any, t
         assert isinstance(err_g, TandemError) and err_g.code == GRAMMAR_FAILED, err_g
         assert "grammar" in err_g.message
         assert engine_loop.healthy  # one request's failure is not the worker's
+
+    asyncio.run(run())
+
+
+def test_a_failing_sampling_row_fails_only_its_request(engine_loop: Any, tokenizer: Any) -> None:
+    """A row the sampler cannot draw (here its generator broken mid-stream, standing for any
+    error from a request's own sampling state) ends that request with ``sampling_failed``; a
+    seeded sampling stream and a greedy one in the same steps give exactly their tokens alone."""
+    from services.engine.core.engine import SAMPLING_FAILED
+
+    prompt = tokenizer.encode("Name three rivers.", add_special_tokens=False)
+    seeded = SamplingParams(temperature=0.9, seed=5, max_tokens=30, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    doomed = SamplingParams(temperature=0.8, seed=6, max_tokens=60, ignore_eos=True)
+
+    async def break_sampling() -> None:
+        def inject(engine: Any) -> None:
+            engine.scheduler.find("doomed").sampling.generator = object()  # not a Generator
+
+        await engine_loop.call(inject)
+
+    async def run() -> None:
+        (seeded_alone, e1), (greedy_alone, e2) = await asyncio.gather(
+            _collect(engine_loop, "seeded-alone", prompt, seeded),
+            _collect(engine_loop, "greedy-alone", prompt, greedy))
+        assert e1 is None and e2 is None
+        (s_tokens, s_err), (g_tokens, g_err), (d_tokens, d_err) = await asyncio.gather(
+            _collect(engine_loop, "seeded", prompt, seeded),
+            _collect(engine_loop, "greedy", prompt, greedy),
+            _collect(engine_loop, "doomed", prompt, doomed, after=break_sampling),
+        )
+        assert s_err is None and s_tokens == seeded_alone
+        assert g_err is None and g_tokens == greedy_alone
+        assert isinstance(d_err, TandemError) and d_err.code == SAMPLING_FAILED, d_err
+        assert 3 <= len(d_tokens) < 60
+        assert engine_loop.healthy
 
     asyncio.run(run())
 

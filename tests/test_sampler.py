@@ -248,3 +248,47 @@ def test_unseeded_state_without_generator_gets_one() -> None:
     sampler(step_logits(0, 1), [st])
     assert isinstance(st.generator, torch.Generator)
     assert st.generator.device == torch.device("cpu")
+
+
+# ------------------------------------------------------------------------ failure isolation
+
+class _BrokenGenerator:
+    """Stands in for a row whose sampling raises (a torch error from its own parameters)."""
+
+    device = torch.device("cpu")
+
+
+def test_a_row_that_fails_alone_fails_only_itself_and_neighbours_draw_as_without_it() -> None:
+    sampler = Sampler(64, [EOS])
+    logits = step_logits(0, 3)
+    seeded = dict(temperature=0.8, seed=11, max_tokens=4)
+    alone = [sampler(logits[i : i + 1], [s]).token_ids[0]
+             for i, s in enumerate([state(**seeded), state(temperature=0.0), state(**seeded)])]
+    rows = [state(**seeded), state(temperature=0.7, seed=3), state(temperature=0.0)]
+    rows[1].generator = _BrokenGenerator()  # type: ignore[assignment]
+    # row 0's draw comes before row 1 raises: it must be rewound, not drawn twice
+    out = sampler(logits[[0, 1, 1]], [rows[0], rows[1], rows[2]])
+    assert list(out.failures) == [1] and "TypeError" in out.failures[1]
+    assert out.token_ids[1] == -1 and out.logprobs[1] is None
+    assert out.token_ids[0] == alone[0] and out.token_ids[2] == alone[1]
+    # and its generator stands exactly one draw on, as a reference that drew once alone
+    reference = state(**seeded)
+    sampler(logits[0:1], [reference])
+    assert torch.equal(rows[0].generator.get_state(), reference.generator.get_state())
+
+
+def test_non_finite_logits_fail_the_step_not_a_request() -> None:
+    sampler = Sampler(64, [EOS])
+    logits = step_logits(1, 2)
+    logits[1, 5] = float("nan")
+    rows = [state(temperature=0.0), state(temperature=0.9, seed=1)]
+    rows[1].generator = _BrokenGenerator()  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        sampler(logits, rows)
+
+
+def test_a_vanishing_temperature_samples_greedily() -> None:
+    logits = step_logits(2, 1)
+    st = state(temperature=1e-40, seed=4)
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
+    assert Sampler(64, [EOS])(logits, [st]).token_ids == logits.argmax(dim=-1).tolist()

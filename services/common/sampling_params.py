@@ -14,6 +14,10 @@ from services.common.errors import InvalidArgumentError
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
+# Temperatures below this sample greedily (vLLM's line too): at them the distribution is the argmax
+# to float precision (a logit gap of 1e-3 becomes e^100), and far below it logits divided by the
+# temperature overflow float32 to inf, whose softmax is NaN.
+GREEDY_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_STOP_STRINGS = 16
@@ -30,7 +34,7 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Attributes:
-        temperature: 0 means greedy.
+        temperature: 0 (or below ``GREEDY_TEMPERATURE``) means greedy.
         top_k: keep the k most likely tokens; 0 (or -1) disables.
         top_p: nucleus sampling mass; 1.0 disables.
         min_p: drop tokens whose probability is below ``min_p * p_max``; 0 disables.
@@ -76,7 +80,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0 or below ``GREEDY_TEMPERATURE`` (whose distribution is the argmax)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> "SamplingParams":
         """Raise InvalidArgumentError (with ``param``) on any out-of-range value; return self."""

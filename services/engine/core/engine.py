@@ -17,8 +17,8 @@ The engine is single-threaded; services drive it from one thread and post work t
 Its grammar matchers are owned by that thread and lent to the sampler's mask helper only within
 a step, joined before the step returns (``grammar.py`` says who owns what, when).
 
-An error that belongs to one request (its grammar's matcher failing, its output's post-processing)
-ends that request alone: its output carries the error (:attr:`RequestOutput.error`, finish reason
+An error that belongs to one request (its grammar's matcher failing, sampling its row, its output's
+post-processing) ends that request alone: its output carries the error (:attr:`RequestOutput.error`, finish reason
 ``"error"``) and the step goes on for the others. Only a failure of the step itself (the forward
 pass, the KV) propagates out of :meth:`LLMEngine.step`.
 """
@@ -94,6 +94,8 @@ class RequestOutput:
 
 GRAMMAR_FAILED = "grammar_failed"
 """The error code of a request whose output grammar failed mid-stream."""
+SAMPLING_FAILED = "sampling_failed"
+"""The error code of a request whose row failed in the sampler (its logits finite)."""
 
 
 class OutputFilter(Protocol):
@@ -311,8 +313,13 @@ class LLMEngine:
                 num_prompt_tokens=len(seq.prompt_token_ids),
                 num_cached_tokens=seq.num_cached_tokens,
             )
+            failure = sampled.failures.get(row)
             try:
-                self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
+                if failure is not None:
+                    self._fail_request(seq, out, TandemError(
+                        f"sampling the next token failed: {failure}", code=SAMPLING_FAILED))
+                else:
+                    self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
             except Exception as err:  # noqa: BLE001 - this request's failure, not the step's
                 self._fail_request(seq, out, TandemError(
                     f"request {seq.request_id} failed while appending its token: {err}"))

@@ -38,7 +38,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -116,6 +116,9 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # row -> why sampling that row failed (its token id is then -1): the row's request ends
+    # alone with that error while the other rows' tokens stand (Sampler.__call__)
+    failures: dict[int, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------- filters
@@ -297,6 +300,13 @@ class Sampler:
         if not states:
             return SamplerOutput([], [])
         logits = logits[:, : self.vocab_size]
+        saved = [_GeneratorMark.of(state) for state in states]
+        try:
+            return self._sample(logits, states)
+        except Exception as err:  # noqa: BLE001 - find the rows it belongs to
+            return self._sample_rows_alone(logits, states, saved, err)
+
+    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         if all(self._plain_greedy(state, constrained=True) for state in states):
             picked = self._argmax(logits) if self._argmax is not None else None
             if picked is None:
@@ -306,6 +316,38 @@ class Sampler:
                 self._greedy_under_grammar(logits, states, tokens)
             return SamplerOutput(tokens, [None] * len(states))
         return self.sample_general(logits, states)
+
+    def _sample_rows_alone(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[SamplingState],
+        saved: list[_GeneratorMark],
+        err: Exception,
+    ) -> SamplerOutput:
+        """Sampling the batch raised ``err``: sample every row alone (its generator rewound to
+        where the step began, so a seeded row draws what it would have) and keep the rows that
+        succeed. A row that fails alone on finite logits is its own request's failure (its
+        parameters, its grammar); one that fails on non-finite logits is the forward's, and
+        fails the step."""
+        logger.warning("sampling a batch of %d rows failed (%s): sampling its rows one by one",
+                       len(states), err)  # fmt: skip
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        failures: dict[int, str] = {}
+        for row, state in enumerate(states):
+            saved[row].rewind(state)
+            try:
+                one = self._sample(logits[row : row + 1], [state])
+            except Exception as row_err:  # noqa: BLE001 - this row's alone
+                if not bool(torch.isfinite(logits[row]).all()):
+                    raise
+                tokens.append(-1)
+                logprobs.append(None)
+                failures[row] = f"{type(row_err).__name__}: {row_err}"
+                continue
+            tokens.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+        return SamplerOutput(tokens, logprobs, failures)
 
     def _greedy_under_grammar(
         self, logits: torch.Tensor, states: Sequence[SamplingState], tokens: list[int]
@@ -464,6 +506,27 @@ class Sampler:
             top = tuple(zip(top_ids[i][:k], top_values[i][:k]))
             out[row] = TokenLogprobs(token_ids[row], chosen[i], top)
         return out
+
+
+@dataclass(frozen=True)
+class _GeneratorMark:
+    """Where a row's generator stood before a step, to rewind it if the step's batched sampling
+    fails (a generator made during the failed attempt is dropped, to be made again)."""
+
+    generator: torch.Generator | None
+    state: torch.Tensor | None
+
+    @classmethod
+    def of(cls, state: SamplingState) -> _GeneratorMark:
+        generator = state.generator
+        if isinstance(generator, torch.Generator):
+            return cls(generator, generator.get_state())
+        return cls(generator, None)
+
+    def rewind(self, state: SamplingState) -> None:
+        state.generator = self.generator
+        if self.generator is not None and self.state is not None:
+            self.generator.set_state(self.state)
 
 
 def _has_penalties(params: SamplingParams) -> bool:
