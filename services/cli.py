@@ -1,5 +1,6 @@
 """The ``tandem`` command: ``generate`` (offline batch demo), ``serve <service>`` (one service),
-``up`` (the whole system as local processes), ``bench serve`` (load-test any OpenAI-compatible
+``up`` (the whole system as local processes), ``tune`` (time the CPU kernels once per
+machine), ``bench serve`` (load-test any OpenAI-compatible
 server), ``certs init`` (a CA and certificates for internal mutual TLS).
 
 Each subcommand lives in the module that owns it and exposes ``add_arguments(parser)`` and
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 COMMANDS = {
     "generate": ("services.engine.runtime.generate_cli", "run prompts through the engine offline"),
     "up": ("services.launcher", "start tokenizer, prefill, decode and gateway as local processes"),
+    "tune": ("services.tune_cli",
+             "time this machine's CPU kernels once, for every worker that starts later"),
 }
 SERVICES = {
     "tokenizer": "services.tokenizer.main",

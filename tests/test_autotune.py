@@ -56,6 +56,13 @@ class SlowQGemv(CpuQGemv):
         return slow
 
 
+@pytest.fixture(autouse=True)
+def measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests time kernels: ``measure`` (a worker's default only reads what ``tandem tune``
+    cached, see test_the_default_never_measures)."""
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")
+
+
 @pytest.fixture
 def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh autotune cache, on a machine taken as idle (a busy one's decisions aren't kept)."""
@@ -289,7 +296,40 @@ def test_a_choice_that_changes_results_takes_its_fixed_path_on_a_busy_machine(
     args.update(shapes=[(16, 16)])
     assert choose_regimes("q4", fixed=(True, True), **args).use_kernel == (True, True)  # type: ignore[arg-type]
     assert not kernel_calls  # nothing measured
-    assert choose_regimes("q4", **args).use_kernel == (True, False)  # type: ignore[arg-type]
+    assert choose_regimes("q4", **args).use_kernel == (True, True)  # the default fixed path
+    assert not kernel_calls
+
+
+def test_the_default_never_measures(tmp_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's start (TANDEM_AUTOTUNE unset): the cached decision where ``tandem tune`` left
+    one, else the fixed table, never a timing run; ``remeasure`` (``tandem tune``) times again and
+    overwrites what is cached."""
+    kernel_calls, torch_calls, run_kernel, run_torch = _runners(kernel_slow_from=8)
+    args = {"isa": "avx2", "build": "fake.so", "shapes": [(8, 8)], "run_kernel": run_kernel,
+            "run_torch": run_torch, "rows": (1, 8)}  # fmt: skip
+    monkeypatch.delenv("TANDEM_AUTOTUNE")
+    untuned = choose_regimes("q4", fixed=(False, True), **args)  # type: ignore[arg-type]
+    assert untuned.use_kernel == (False, True) and not untuned.measured
+    assert kernel_calls == torch_calls == [] and not list(tmp_cache.glob("autotune-*.json"))
+
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "remeasure")
+    tuned = choose_regimes("q4", fixed=(False, True), **args)  # type: ignore[arg-type]
+    assert tuned.use_kernel == (True, False) and tuned.measured and kernel_calls
+    (cached,) = tmp_cache.glob("autotune-*.json")
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "cached")
+    kernel_calls.clear()
+    assert choose_regimes("q4", fixed=(False, True), **args) == tuned  # type: ignore[arg-type]
+    assert kernel_calls == []
+
+    cached.write_text(json.dumps({"rows": [1, 8], "use_kernel": [False, False],
+                                  "speedup": [0.5, 0.5]}))  # fmt: skip
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "remeasure")
+    again = choose_regimes("q4", fixed=(False, True), **args)  # type: ignore[arg-type]
+    assert again.use_kernel == (True, False)
+    assert json.loads(cached.read_text())["use_kernel"] == [True, False]  # overwritten
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "sometimes")
+    with pytest.raises(ValueError, match="TANDEM_AUTOTUNE='sometimes'"):
+        choose_regimes("q4", **args)  # type: ignore[arg-type]
 
 
 def test_unreadable_or_unwritable_cache_remeasures(

@@ -250,6 +250,7 @@ def test_a_slower_one_call_loses_to_the_per_op_path(
 ) -> None:
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # measured now, not read from a cache
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")  # as `tandem tune` does
     monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
     monkeypatch.setattr(autotune, "_cpu_sample", lambda: None)  # taken as idle
     real = DecodeLayersCall.__call__

@@ -27,7 +27,7 @@ def test_a_prebuilt_library_loads_without_a_compiler(
     native_kernel_or_skip()
     isa = native_build.selected_isa()
     monkeypatch.setattr(prebuild, "kernel_sources", lambda: [GEMV])
-    monkeypatch.setattr(prebuild, "target_isas", lambda: (isa,))
+    monkeypatch.setattr(prebuild, "target_isas", lambda this_cpu=False: (isa,))
     assert prebuild.main([str(tmp_path / "prebuilt")]) == 0
     (built,) = (tmp_path / "prebuilt").iterdir()
     assert built.name.startswith(f"cpu_gemv-{isa}-") and built.suffix == ".so"
@@ -42,8 +42,32 @@ def test_a_prebuilt_library_loads_without_a_compiler(
     assert not (tmp_path / "cache").exists()
 
     monkeypatch.delenv(native_build.PREBUILT_ENV)
+    monkeypatch.setattr(native_build.sys, "prefix", str(tmp_path / "env"))  # an empty environment
     with pytest.raises(native_build.NativeBuildError, match="no C compiler"):
         native_build.build_library(GEMV)
+    # where scripts/install.sh builds them: the environment's own share/tandem/kernels
+    installed = tmp_path / "env" / "share" / "tandem" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / built.name).write_bytes(built.read_bytes())
+    assert native_build.prebuilt_dir() == installed
+    assert native_build.build_library(GEMV) == installed / built.name
+
+
+def test_an_install_builds_what_this_cpu_runs_and_drops_older_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native_kernel_or_skip()
+    monkeypatch.setattr(prebuild, "kernel_sources", lambda: [GEMV])
+    monkeypatch.setattr(native_build.sys, "prefix", str(tmp_path / "env"))
+    stale = native_build.prebuilt_dir() / "cpu_gemv-avx2-0123456789abcdef.so"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an older source's build")
+    other = native_build.prebuilt_dir() / "not-ours.so"
+    other.write_bytes(b"")
+    assert prebuild.main(["--this-cpu"]) == 0
+    built = {p.name.split("-")[1] for p in native_build.prebuilt_dir().glob("cpu_gemv-*.so")}
+    assert built == set(native_build.supported_isas())
+    assert not stale.exists() and other.exists()
 
 
 def test_prebuilt_names_ignore_the_compiler_and_the_cpu_but_not_the_flags() -> None:

@@ -367,7 +367,8 @@ TUNE_BYTES = 64 << 20  # weight bytes all timing runs read, at most (one layer a
 # PyTorch cost the 32-row one-call path (-9% batch-32 decode). A prefill tie goes to PyTorch's
 # GEMM, whose lead grows with the row count.
 LINEAR_MARGINS = (0.0,) * (len(REGIME_ROWS) - 1) + (MARGIN,)  # the last regime is the prefill one
-# without a measurement (busy, or TANDEM_AUTOTUNE=fixed): what the measurements mostly chose
+# without a measurement (none cached, busy, TANDEM_AUTOTUNE=fixed): what the measurements mostly
+# chose (a float32 layer follows its 1-row choice at every row count: one numeric definition)
 LINEAR_FIXED = (True,) * (len(REGIME_ROWS) - 1) + (False,)
 
 

@@ -17,6 +17,19 @@ meets a model's layer shapes, :func:`choose_regimes`:
    so later starts reuse it, and logs it once
    in one line: format, instruction set, measured speed ratio per regime.
 
+When it measures: never on the way to a worker's ``ready``. Measuring every kernel against
+PyTorch took a 2-core machine ~50 s per start (two workers timing each other's load, each then
+finding the machine "busy" and caching nothing). ``TANDEM_AUTOTUNE`` (read at each call):
+
+* unset or ``cached`` (the default): the decision ``tandem tune`` cached for this build, format,
+  shapes and thread count; where there is none, the fixed table (the ``fixed`` path the caller
+  gives: what the measurements mostly chose on AVX2 and AVX-512 machines, the same for both),
+  measuring nothing. Every process on a machine therefore takes the same path.
+* ``fixed``: the fixed table even where a decision is cached (replicas on different machines
+  that must compute the same bits: compose, Kubernetes).
+* ``measure``: measure what is not cached yet, and cache it (the old default; tests).
+* ``remeasure``: measure everything again and overwrite the cache (``tandem tune``).
+
 Workers that start together (``tandem up``) would time each other's load; a lock file beside the
 cache makes them measure one at a time, and the later ones find the decision already cached. A
 measurement taken while something else keeps the cores busy is used but not cached, so a busy
@@ -63,6 +76,15 @@ MARGIN = 0.10
 CLEAR = 2.0
 # other processes' share of all CPUs during a measurement above which it is not cached
 OTHERS_LIMIT = 0.15
+AUTOTUNE_MODES = ("cached", "fixed", "measure", "remeasure")
+
+
+def autotune_mode() -> str:
+    """``$TANDEM_AUTOTUNE`` (``cached`` when unset); an unknown value is an error."""
+    mode = os.environ.get("TANDEM_AUTOTUNE", "").strip().lower() or "cached"
+    if mode not in AUTOTUNE_MODES:
+        raise ValueError(f"TANDEM_AUTOTUNE={mode!r} is not one of {', '.join(AUTOTUNE_MODES)}")
+    return mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,38 +130,46 @@ def choose_regimes(
     run_torch: Callable[[int], object],
     rows: Sequence[int] = REGIME_ROWS,
     margin: float | Sequence[float] = MARGIN,
-    fixed: bool | Sequence[bool] | None = None,
+    fixed: bool | Sequence[bool] = True,
 ) -> KernelRegimes:
-    """Time ``run_kernel(n)`` against ``run_torch(n)`` for each ``n`` in ``rows`` (or reuse the
-    cached decision for this build, format and set of shapes) and return the per-regime choice:
-    the kernel where it is faster by more than ``margin`` (one value, or one per row count).
+    """The per-regime choice for this build, format and set of shapes: the cached decision, or
+    (``TANDEM_AUTOTUNE=measure``/``remeasure``) ``run_kernel(n)`` timed against ``run_torch(n)``
+    for each ``n`` in ``rows``, the kernel taken where it is faster by more than ``margin`` (one
+    value, or one per row count); else the fixed table.
 
-    ``fixed``: for a choice that changes results, not only speed (a C kernel's sums against
-    PyTorch's, int8 against float32 activations), the path each regime takes (one value for all,
-    or one per row count) when no measurement may decide: one taken on a busy machine (not
-    cached either) where the two paths are within :data:`CLEAR` of each other, or any while
-    ``TANDEM_AUTOTUNE=fixed`` (replicas that must compute the same bits, each in a container of
-    its own: compose). Processes that start together on a loaded
-    machine then agree with each other, and a stream migrated between them keeps its greedy
-    text, instead of each following its own noisy timing.
+    ``fixed``: the path each regime takes (one value for all, or one per row count) when no
+    measurement decides: nothing cached, ``TANDEM_AUTOTUNE=fixed``, or, for a choice that
+    changes results (a C kernel's sums against PyTorch's), a measurement on a busy machine (not
+    cached either) where the two paths are within :data:`CLEAR` of each other. Processes that
+    start together on a loaded machine then agree with each other, and a stream migrated
+    between them keeps its greedy text, instead of each following its own noisy timing.
     """
     margins = (margin,) * len(rows) if isinstance(margin, int | float) else tuple(margin)
     if len(margins) != len(rows):
         raise ValueError(f"{len(margins)} margins for {len(rows)} row counts")
     if fixed is not None and not isinstance(fixed, bool) and len(fixed) != len(rows):
         raise ValueError(f"{len(fixed)} fixed paths for {len(rows)} row counts")
-    pinned = None if fixed is None else KernelRegimes(
+    pinned = KernelRegimes(
         rows=tuple(rows),
         use_kernel=(fixed,) * len(rows) if isinstance(fixed, bool) else tuple(fixed),
     )
-    if pinned is not None and os.environ.get("TANDEM_AUTOTUNE", "") == "fixed":
+    mode = autotune_mode()
+    if mode == "fixed":
         logger.info("CPU %s kernel [%s, %s]: %s (TANDEM_AUTOTUNE=fixed)", fmt, isa, build,
                     pinned.describe())  # fmt: skip
         return pinned
     key = _cache_key(fmt, build, shapes, rows, margins)
     path = cache_dir() / f"autotune-{key}.json"
-    with _measuring_lock():
+    if mode == "cached":
         cached = _read(path)
+        if cached is None:
+            logger.info("CPU %s kernel [%s, %s]: %s (fixed table; `tandem tune` measures this "
+                        "machine)", fmt, isa, build, pinned.describe())  # fmt: skip
+            return pinned
+        logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
+        return cached
+    with _measuring_lock():
+        cached = _read(path) if mode == "measure" else None
         if cached is not None:
             logger.info("CPU %s kernel [%s, %s]: %s (cached)", fmt, isa, build, cached.describe())
             return cached
@@ -154,7 +184,7 @@ def choose_regimes(
         f"; machine busy (other processes used {others:.0%} of the CPUs), not cached"
         if busy else "",
     )  # fmt: skip
-    if busy and pinned is not None:
+    if busy:
         use = tuple(
             measured if ratio >= CLEAR or ratio <= 1 / CLEAR else fixed_path
             for measured, fixed_path, ratio in zip(

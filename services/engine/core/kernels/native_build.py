@@ -27,12 +27,15 @@ keyed by the source, the compiler, its flags, the CPU's feature flags and the Op
 build writes a temporary file and renames it, so processes that start together (``tandem up``)
 never load a half-written library.
 
-Prebuilt libraries: an image can ship every kernel built for every instruction set and no
-compiler (``python -m services.engine.core.kernels.prebuild DIR``, run at image build time).
-Where ``$TANDEM_PREBUILT_KERNELS`` names that directory, :func:`build_library` takes the library
-for the selected set from it first; those are built with ``-mtune=generic`` and keyed by the
-sources, flags and OpenMP runtime only (not the compiler or the build machine's CPU), so the
-runtime finds them without a compiler and on any CPU of the architecture.
+Prebuilt libraries: an install builds every kernel for every instruction set once
+(``python -m services.engine.core.kernels.prebuild DIR``: ``scripts/install.sh`` into the
+environment's ``share/tandem/kernels``, the image's build stage into its own directory), so no
+worker compiles on its way to ``ready`` and an image needs no compiler. :func:`build_library`
+takes the library for the selected set from ``$TANDEM_PREBUILT_KERNELS`` when set, else from
+``<sys.prefix>/share/tandem/kernels``, first; those are built with ``-mtune=generic`` and keyed
+by the sources, flags and OpenMP runtime only (not the compiler or the build machine's CPU), so
+the runtime finds them without a compiler and on any CPU of the architecture, and a changed
+source (a developer's edit) misses them and is compiled as before.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -173,12 +177,16 @@ def prebuilt_name(source: Path, isa: str, openmp: Path) -> str:
     return f"{source.stem}-{isa}-{key}.so"
 
 
-def prebuilt_library(source: Path, isa: str) -> Path | None:
-    """The library under ``$TANDEM_PREBUILT_KERNELS`` for ``source`` and ``isa``, if it is there."""
+def prebuilt_dir() -> Path:
+    """Where prebuilt libraries are looked for: ``$TANDEM_PREBUILT_KERNELS``, else the running
+    environment's ``share/tandem/kernels`` (where ``scripts/install.sh`` builds them)."""
     root = os.environ.get(PREBUILT_ENV)
-    if not root:
-        return None
-    path = Path(root) / prebuilt_name(source, isa, loaded_openmp_runtime())
+    return Path(root) if root else Path(sys.prefix) / "share" / "tandem" / "kernels"
+
+
+def prebuilt_library(source: Path, isa: str) -> Path | None:
+    """The prebuilt library (:func:`prebuilt_dir`) for ``source`` and ``isa``, if it is there."""
+    path = prebuilt_dir() / prebuilt_name(source, isa, loaded_openmp_runtime())
     return path if path.is_file() else None
 
 
@@ -201,7 +209,7 @@ def build_library(source: Path, isa: str | None = None) -> Path:
     """Compile ``source`` for ``isa`` (default :func:`selected_isa`), or reuse the cached build,
     and return the shared library's path. Every C source and header beside ``source`` is part of
     the cache key (a kernel may include another's source: cpu_decode_layers.c). A prebuilt
-    library (``$TANDEM_PREBUILT_KERNELS``) for the same sources and ``isa`` is taken first."""
+    library (:func:`prebuilt_dir`) for the same sources and ``isa`` is taken first."""
     isa = isa or selected_isa()
     prebuilt = prebuilt_library(source, isa)
     if prebuilt is not None:

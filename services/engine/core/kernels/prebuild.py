@@ -1,19 +1,24 @@
 """Build every native CPU kernel for every instruction set into one directory, ahead of time.
 
-Why: a container image should not need a C compiler at run time. The Dockerfile runs this in its
-build stage and the runtime stage copies the directory and sets ``$TANDEM_PREBUILT_KERNELS`` to
-it; :func:`native_build.build_library` then loads the variant the running CPU selects from there
+Why: no worker should compile on its way to ``ready`` (a first start took 89 s, much of it each
+worker compiling its kernels), and a container image should not need a C compiler at run time.
+``scripts/install.sh`` runs this into the environment's ``share/tandem/kernels`` (with no
+argument, :func:`native_build.prebuilt_dir`); the Dockerfile runs it in its build stage, and the
+runtime stage copies the directory and sets ``$TANDEM_PREBUILT_KERNELS`` to it.
+:func:`native_build.build_library` then loads the variant the running CPU selects from there
 (see native_build.py for the naming). On x86-64 all three sets are built whatever the build
 machine's CPU (compiling for AVX-512 does not need AVX-512); elsewhere the ``generic`` one.
 
-    python -m services.engine.core.kernels.prebuild /opt/tandem/kernels
+    python -m services.engine.core.kernels.prebuild [/opt/tandem/kernels]
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from services.engine.core.kernels import native_build
@@ -27,35 +32,57 @@ def kernel_sources() -> list[Path]:
     return sorted(KERNELS.glob("*.c"))
 
 
-def target_isas() -> tuple[str, ...]:
-    """The instruction sets worth building on this architecture."""
+def target_isas(this_cpu: bool = False) -> tuple[str, ...]:
+    """The instruction sets worth building on this architecture (``this_cpu``: only those this
+    CPU runs, as an install for this machine needs; an image builds them all)."""
+    if this_cpu:
+        return tuple(native_build.supported_isas())
     return native_build.ISAS if native_build._is_x86() else ("generic",)
 
 
-def prebuild(out: Path) -> list[Path]:
-    """Build every kernel for every set of :func:`target_isas` into ``out``; the paths built."""
+def prebuild(out: Path, this_cpu: bool = False) -> list[Path]:
+    """Build every kernel for every set of :func:`target_isas` into ``out`` (one compiler per
+    core; a library already there is kept) and remove the libraries of older sources; the paths
+    built."""
     openmp = native_build.loaded_openmp_runtime()
-    built = []
-    for source in kernel_sources():
-        for isa in target_isas():
-            target = out / native_build.prebuilt_name(source, isa, openmp)
+    jobs = {
+        out / native_build.prebuilt_name(source, isa, openmp): (source, isa)
+        for source in kernel_sources()
+        for isa in target_isas(this_cpu)
+    }
+
+    def build(target: Path) -> Path:
+        if not target.is_file():
+            source, isa = jobs[target]
             native_build.compile_library(source, isa, native_build.prebuilt_flags(isa), target)
-            built.append(target)
-            logger.info("built %s", target)
+            logger.info("built %s", target.name)
+        return target
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        built = list(pool.map(build, jobs))
+    stems = {source.stem for source in kernel_sources()}
+    for old in out.glob("*.so"):
+        if old not in jobs and old.name.rsplit("-", 2)[0] in stems:
+            old.unlink(missing_ok=True)  # a build of sources no longer shipped
     return built
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="directory for the libraries")
+    parser.add_argument("out", type=Path, nargs="?", default=None,
+                        help="directory for the libraries (default: this environment's "
+                             "share/tandem/kernels, where workers look)")  # fmt: skip
+    parser.add_argument("--this-cpu", action="store_true",
+                        help="only the instruction sets this CPU runs (an install, not an image)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = args.out if args.out is not None else native_build.prebuilt_dir()
     try:
-        built = prebuild(args.out)
+        built = prebuild(out, this_cpu=args.this_cpu)
     except native_build.NativeBuildError as exc:
         logger.error("prebuild failed: %s", exc)
         return 1
-    logger.info("%d kernel libraries in %s", len(built), args.out)
+    logger.info("%d kernel libraries in %s", len(built), out)
     return 0
 
 
