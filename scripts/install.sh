@@ -24,7 +24,7 @@ fi
 # .venv/share/tandem/kernels), so that no worker compiles on its way to ready. Without a C
 # compiler the workers keep PyTorch's paths.
 if command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || [ -n "${CC:-}" ]; then
-  echo "building the native CPU kernels (once, ~1-2 min)" >&2
+  echo "building the native CPU kernels (once, about a minute)" >&2
   .venv/bin/python -m services.engine.core.kernels.prebuild --this-cpu 2>&1 | tail -n 1 >&2 \
     || echo "warning: the native CPU kernels did not build; workers will try at their start" >&2
 fi

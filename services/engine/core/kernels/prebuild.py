@@ -33,10 +33,10 @@ def kernel_sources() -> list[Path]:
 
 
 def target_isas(this_cpu: bool = False) -> tuple[str, ...]:
-    """The instruction sets worth building on this architecture (``this_cpu``: only those this
-    CPU runs, as an install for this machine needs; an image builds them all)."""
+    """The instruction sets worth building on this architecture (``this_cpu``: only the one this
+    CPU's workers select, what an install for this machine needs; an image builds them all)."""
     if this_cpu:
-        return tuple(native_build.supported_isas())
+        return (native_build.selected_isa(),)
     return native_build.ISAS if native_build._is_x86() else ("generic",)
 
 
