@@ -75,12 +75,15 @@ def main() -> int:
     parser.add_argument("--later", type=int, default=2, help="later starts timed per way")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--log", type=Path, default=Path("bench-startup.log"))
+    parser.add_argument("--no-old", action="store_true", help="time only the way it is now")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ways = {
         "now (prebuilt kernels, no timing at start)": {},
         "old (compile + time at start)": {"TANDEM_AUTOTUNE": "measure"},
     }
+    if args.no_old:
+        ways = dict(list(ways.items())[:1])
     rows = []
     with tempfile.TemporaryDirectory(prefix="tandem-startup-") as tmp:
         empty = Path(tmp) / "no-prebuilt"
@@ -91,6 +94,7 @@ def main() -> int:
             if extra:
                 env["TANDEM_PREBUILT_KERNELS"] = str(empty)
             shutil.rmtree(cache, ignore_errors=True)
+            logger.info("%s: first start, cache %s", name, cache)
             first = time_to_ready(args.model, env, args.timeout, args.log)
             logger.info("%s: first start %.1f s", name, first)
             later = [time_to_ready(args.model, env, args.timeout, args.log)

@@ -9,8 +9,10 @@ the same default.
 
 Keepalive: channels ping every 30 s even when idle, so a dead peer (a killed worker, a dropped
 connection) surfaces as UNAVAILABLE within ~40 s instead of hanging a stream forever. Servers
-permit pings this frequent (see ``grpc_server``). Reconnect backoff is capped at 5 s (gRPC's
-default cap is 120 s), so a restarted worker is reachable again within seconds.
+permit pings this frequent (see ``grpc_server``). Reconnect backoff is capped at 1 s (gRPC's
+default cap is 120 s): a worker that starts, or restarts, is reached within a second of
+listening (a 5 s cap made a cold ``tandem up`` wait ~5 s more for each worker that loaded for
+long), at the cost of one refused connection a second per channel to a dead peer.
 
 Startup ordering uses :func:`wait_healthy`:
   1. open a channel to the address;
@@ -45,7 +47,7 @@ MAX_KV_CHUNK_BYTES = 4 * MIB
 KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 INITIAL_RECONNECT_BACKOFF_MS = 250
-MAX_RECONNECT_BACKOFF_MS = 5_000
+MAX_RECONNECT_BACKOFF_MS = 1_000
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
