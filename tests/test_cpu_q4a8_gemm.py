@@ -135,6 +135,7 @@ def test_linear_rounds_every_row_the_same_way(tmp_path: Path, monkeypatch: pytes
     count; the GEMM (many rows) and the decode kernel (a few) give a row the same bits."""
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")  # timed now, as `tandem tune` does
     plan = PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=cpu_q4a8_gemm.load_cpu_q4a8_gemm())
     layer, weight = _q4_linear(1)
     pack_linears(nn.Sequential(layer), plan, free_dense=True)
@@ -174,6 +175,7 @@ def test_a_slower_int8_gemm_loses_its_autotune(tmp_path: Path, monkeypatch: pyte
     runs, and the layer's rows still round to int8 (through the decode kernel)."""
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")  # timed now, as `tandem tune` does
     slow = SlowQ4A8(load_library(cpu_q4a8_gemm.SOURCE))
     slow.build = f"slow-{slow.build}"
     layer, weight = _q4_linear(2, out=256, inputs=256)
@@ -257,6 +259,7 @@ def test_q4_k_tiles_equal_the_int8_reference(isa: str, rows: int) -> None:
 def test_a_q4_k_linear_rounds_prompt_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")  # timed now, as `tandem tune` does
     plan = PackPlan(qkernel=cpu_qgemv.load_cpu_qgemv(), a8kernel=cpu_q4a8_gemm.load_cpu_q4a8_gemm())
     layer = Linear(512, 96)
     layer.set_quantized(_q4_k_weight(4, 96, 512))

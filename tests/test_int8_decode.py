@@ -108,8 +108,9 @@ def test_kernel_equals_the_int8_reference(isa: str, ggml_type: T, rows: int) -> 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T) -> None:
-    """Every row count (one row in registers, more group by group, in chunks of 32 rows: 70 is
-    two whole chunks and a part) and thread count runs the same chain per output: bit equal."""
+    """Every row count (one row in registers; 2 to 15 group by group; 16 and more as a GEMM over
+    the tile's panel in register blocks of rows, 70 leaving a partial block) and thread count
+    runs the same chain per output: bit equal."""
     qgemv, a8 = _kernels(isa)
     weight = _weight(ggml_type, seed=3)
     call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, qgemv.tile_format(weight))
@@ -169,6 +170,7 @@ def test_linear_rounds_every_row_with_one_definition(
     GEMM reads round, and ``--dtype q4`` (no int8 kernel at all) keeps float32 rows."""
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")  # timed now, as `tandem tune` does
     qgemv, a8 = cpu_qgemv.load_cpu_qgemv(), cpu_q4a8_gemm.load_cpu_q4a8_gemm()
     assert qgemv is not None and a8 is not None
     layer, weight = _linear(ggml_type, 1)
@@ -221,6 +223,7 @@ def test_a_slower_decode_kernel_keeps_the_layers_numbers(
     layer back (two workers, or two machines of one kind, would then disagree on its bits)."""
     native_kernel_or_skip()
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "measure")  # timed now, as `tandem tune` does
     slow = SlowDecode(load_library(cpu_q4a8_gemm.SOURCE))
     slow.build = f"slow-{slow.build}"
     layer, weight = _linear(T.Q6_K, 2, out=256, n_in=256)

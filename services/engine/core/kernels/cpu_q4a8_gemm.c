@@ -636,9 +636,94 @@ static inline int a8_source(int format, int stride, int p) {
         }                                                                                         \
     }
 
+/* Many rows over one tile as a GEMM (any format the decode kernel reads): the tile's values, all
+ * groups, put in vpmaddubsw's order once (the panel: [subs][SUB / 4 steps][VECS] vectors, with
+ * each group's scales and offsets beside it, [subs][2][VECS]), then rows in register blocks of
+ * A8_PANEL_ROWS whose accumulators stay in registers across every group. Per output the integer
+ * sums and the float steps are NAME##_a8groups' own expressions in the same order, so a row gets
+ * the same bits from either (tested): which runs is only a speed choice (A8_PANEL_MIN_ROWS). */
+#define DEFINE_A8PANEL(NAME)                                                                      \
+    static void NAME##_a8pack(const uint8_t *w, int64_t in, ivec *panel, vec *sm) {               \
+        const int64_t blocks = in / NAME##_SPAN;                                                  \
+        for (int64_t b = 0; b < blocks; b++) {                                                    \
+            const uint8_t *block = w + b * NAME##_BLOCK;                                          \
+            block_scales bs;                                                                      \
+            NAME##_prep(block, &bs);                                                              \
+            for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
+                const int64_t sg = b * (NAME##_SPAN / NAME##_SUB) + g;                            \
+                ivec *values = panel + sg * (NAME##_SUB / 4) * VECS, raw[4];                      \
+                UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                              \
+                    if (k % 4 == 0) NAME##_a8rows(block, g, k, raw);                              \
+                    NAME##_a8quad(block, g, k, raw[k % 4], values + k * VECS);                    \
+                }                                                                                 \
+                NAME##_scale(block, &bs, g, sm + sg * 2 * VECS, sm + sg * 2 * VECS + VECS);       \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    static inline __attribute__((always_inline)) void NAME##_a8panel_rows(                        \
+        int R, const ivec *panel, const vec *sm, const int8_t *q, int64_t in, const float *d,     \
+        const float *s, const float *bias, float *y, int64_t ldy, int64_t cols) {                 \
+        const int64_t groups = in / GROUP, subs = in / NAME##_SUB;                                \
+        vec acc[A8_PANEL_ROWS][VECS];                                                             \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : splat(0.0f); \
+        for (int64_t sg = 0; sg < subs; sg++) {                                                   \
+            const int64_t i0 = sg * NAME##_SUB;                                                   \
+            const ivec *values = panel + sg * (NAME##_SUB / 4) * VECS;                            \
+            int_vec dot[A8_PANEL_ROWS][VECS];                                                     \
+            ivec part[A8_PANEL_ROWS][VECS];                                                       \
+            UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                                  \
+                for (int r = 0; r < R; r++) {                                                     \
+                    const ivec a = quad_i(q + r * in + i0 + 4 * k);                               \
+                    for (int c = 0; c < VECS; c++) {                                              \
+                        const ivec p = NAME##_A8SAFE == 1 ? maddubs_signed(values[k * VECS + c], a) \
+                                                          : maddubs(values[k * VECS + c], a);     \
+                        part[r][c] = k % NAME##_A8SAFE == 0 ? p : add_i16(part[r][c], p);         \
+                    }                                                                             \
+                }                                                                                 \
+                if (k % NAME##_A8SAFE == NAME##_A8SAFE - 1)                                       \
+                    for (int r = 0; r < R; r++)                                                   \
+                        for (int c = 0; c < VECS; c++)                                            \
+                            dot[r][c] = k == NAME##_A8SAFE - 1 ? widen_pairs(part[r][c])          \
+                                                               : dot[r][c] + widen_pairs(part[r][c]); \
+            }                                                                                     \
+            const vec *scale = sm + sg * 2 * VECS, *min = scale + VECS;                           \
+            for (int r = 0; r < R; r++) {                                                         \
+                const vec dr = splat(d[r * groups + i0 / GROUP]);                                 \
+                const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                              \
+                for (int c = 0; c < VECS; c++) {                                                  \
+                    const vec part = __builtin_convertvector(dot[r][c], vec) * (scale[c] * dr);   \
+                    acc[r][c] += NAME##_A8OFFSET ? part + min[c] * sr : part;                     \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
+    }                                                                                             \
+    static void NAME##_a8panel(const ivec *panel, const vec *sm, const int8_t *q, int64_t in,     \
+                               const float *d, const float *s, const float *bias, float *y,       \
+                               int64_t ldy, int64_t cols, int64_t rows) {                         \
+        const int64_t groups = in / GROUP, subs = in / NAME##_SUB;                                \
+        int64_t r = 0;                                                                            \
+        for (; r + A8_PANEL_ROWS <= rows; r += A8_PANEL_ROWS)                                     \
+            NAME##_a8panel_rows(A8_PANEL_ROWS, panel, sm, q + r * in, in, d + r * groups,         \
+                                s + r * subs, bias, y + r * ldy, ldy, cols);                      \
+        for (; r < rows; r++)                                                                     \
+            NAME##_a8panel_rows(1, panel, sm, q + r * in, in, d + r * groups, s + r * subs, bias, \
+                                y + r * ldy, ldy, cols);                                          \
+    }
+
+#ifndef A8_PANEL_ROWS
+#if defined(__AVX512F__)
+#define A8_PANEL_ROWS 4 /* 32 registers: the GEMM's own block */
+#else
+#define A8_PANEL_ROWS 2 /* measured on Zen 1 (AVX2), Q6_K 2,048 x 8,192 at 512 rows: 2 rows 217 ms, 3 236, 4 241 */
+#endif
+#endif
+
 #define DEFINE_A8FORMAT(NAME)                                                                     \
     DEFINE_A8ROWS(NAME, 1)                                                                        \
-    DEFINE_A8GROUPS(NAME)
+    DEFINE_A8GROUPS(NAME) \
+    DEFINE_A8PANEL(NAME)
 DEFINE_A8FORMAT(q8)
 DEFINE_A8FORMAT(q4)
 DEFINE_A8FORMAT(q5)
@@ -652,14 +737,20 @@ typedef void (*a8rows_fn)(const int8_t *, int64_t, const float *, const float *,
 typedef void (*a8groups_fn)(const int8_t *, int64_t, const float *, const float *,
                             const uint8_t *, const float *, float *, int64_t, int64_t, int64_t,
                             float *);
+typedef void (*a8pack_fn)(const uint8_t *, int64_t, ivec *, vec *);
+typedef void (*a8panel_fn)(const ivec *, const vec *, const int8_t *, int64_t, const float *,
+                           const float *, const float *, float *, int64_t, int64_t, int64_t);
 typedef struct {
     int64_t block, span, sub;
     int stride;
     a8rows_fn row;       /* one row, in registers */
-    a8groups_fn groups;  /* more rows, group by group */
+    a8groups_fn groups;  /* a few rows, group by group */
+    a8pack_fn pack;      /* many rows: the tile's panel, then */
+    a8panel_fn panel;    /* row blocks over it */
 } a8format;
 #define A8FORMAT_OF(NAME)                                                                         \
-    {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, NAME##_A8STRIDE, NAME##_a8rows_1, NAME##_a8groups}
+    {NAME##_BLOCK, NAME##_SPAN, NAME##_SUB, NAME##_A8STRIDE, NAME##_a8rows_1, NAME##_a8groups,    \
+     NAME##_a8pack, NAME##_a8panel}
 static const a8format A8FORMATS[N_FORMATS] = {
     [FORMAT_Q8_0] = A8FORMAT_OF(q8), [FORMAT_Q4] = A8FORMAT_OF(q4),
     [FORMAT_Q5] = A8FORMAT_OF(q5), [FORMAT_Q4_K] = A8FORMAT_OF(q4k),
@@ -695,6 +786,9 @@ static const int8_t *permute_rows(const a8format *f, int format, const int8_t *q
  * cpu_qgemv.c's tiles of format [ceil(out / TILE), in / span, block], + bias [n_tiles * TILE] or
  * NULL; y [rows, out] contiguous. Meant for decode rows (a few); any count works. Returns 0, or
  * -1 for a format it does not read, in not a multiple of its block inputs, or no memory. */
+#ifndef A8_PANEL_MIN_ROWS
+#define A8_PANEL_MIN_ROWS 16 /* from here the tile's panel and register row blocks (a GEMM) */
+#endif
 #ifndef A8_ROW_CHUNK
 #define A8_ROW_CHUNK 32 /* rows per pass over a tile's groups: 32 x TILE accumulators in L1 */
 #endif
@@ -727,10 +821,15 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
     }
     const int8_t *qp = permute_rows(f, format, q, rows, in, q + rows * in);
     int failed = 0;
+    const int use_panel = rows >= A8_PANEL_MIN_ROWS;
+    /* the panel's values, then its scales and offsets, 64-byte aligned (vector loads) */
+    const size_t values_bytes = (size_t)(subs * (f->sub / 4) * VECS) * sizeof(ivec);
+    const size_t panel_bytes = (values_bytes + (size_t)(subs * 2 * VECS) * sizeof(vec) + 63) / 64 * 64;
 #pragma omp parallel num_threads(threads)
     {
-        float *accm = rows > 1 ? malloc((size_t)(rows * TILE) * sizeof(float)) : NULL;
-        if (rows > 1 && !accm) {
+        float *accm = rows > 1 && !use_panel ? malloc((size_t)(rows * TILE) * sizeof(float)) : NULL;
+        ivec *panel = use_panel ? aligned_alloc(64, panel_bytes) : NULL;
+        if ((rows > 1 && !use_panel && !accm) || (use_panel && !panel)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -739,15 +838,20 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
             const uint8_t *wt = w + t * tile_bytes;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
-            if (rows == 1)
+            if (rows == 1) {
                 f->row(qp, in, d, s, wt, bt, y + t * TILE, out, cols);
-            else if (accm) /* rows in chunks whose accumulators stay in L1; a row's chain is the same */
+            } else if (panel) {
+                vec *sm = (vec *)((uint8_t *)panel + values_bytes);
+                f->pack(wt, in, panel, sm);
+                f->panel(panel, sm, qp, in, d, s, bt, y + t * TILE, out, cols, rows);
+            } else if (accm) /* rows in chunks whose accumulators stay in L1; a row's chain is the same */
                 for (int64_t r0 = 0; r0 < rows; r0 += A8_ROW_CHUNK)
                     f->groups(qp + r0 * in, in, d + r0 * groups, s + r0 * subs, wt, bt,
                               y + r0 * out + t * TILE, out, cols,
                               rows - r0 < A8_ROW_CHUNK ? rows - r0 : A8_ROW_CHUNK, accm);
         }
         free(accm);
+        free(panel);
     }
     free(q);
     free(ds);
