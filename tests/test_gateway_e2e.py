@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from aiohttp import web
 
 from services.common.grpc_channel import open_channel, wait_healthy
 from services.common.pb import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.ports import free_ports
 from tests.tls_identities import tls_flags, tls_for
 
 pytestmark = pytest.mark.slow
@@ -60,12 +60,6 @@ TEST_POLICY = {
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 OCEAN = [{"role": "user", "content": "Write one sentence about the ocean."}]
 FOX = "The quick brown fox"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -140,22 +134,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("e2e-logs")
     policy = logs / "policy.json"
     policy.write_text(json.dumps(TEST_POLICY))
-    tok, pre, dec, http, http_metrics = (free_port(), free_port(), free_port(), free_port(),
-                                         free_port())
+    # every port, metrics ones included, chosen together: a metrics server on port 0 once took
+    # the port picked a moment before for the decode worker, which then could not bind
+    tok, pre, dec, http, http_metrics, tok_metrics, pre_metrics, dec_metrics = free_ports(8)
     # q4: the default GGUF's 4-bit weights with float32 activations, whose greedy text is the
     # float32 engine's (the reference below); auto's q4_a8 rounds prompts' activations as
     # llama.cpp does, and answers FRANCE without "Paris" (README).
-    worker = ["--host", "127.0.0.1", "--metrics-port", "0", "--num-blocks", "512", "--dtype", "q4"]
+    worker = ["--host", "127.0.0.1", "--num-blocks", "512", "--dtype", "q4"]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(_spawn(["serve", "tokenizer", "--host", "127.0.0.1", "--port", str(tok),
-                             "--metrics-port", "0", *tls_flags("tokenizer")],
+                             "--metrics-port", str(tok_metrics), *tls_flags("tokenizer")],
                             logs / "tokenizer.log"))  # fmt: skip
         procs.append(
-            _spawn(["serve", "prefill", "--port", str(pre), *worker, *tls_flags("prefill")],
+            _spawn(["serve", "prefill", "--port", str(pre), "--metrics-port", str(pre_metrics),
+                    *worker, *tls_flags("prefill")],
                    logs / "prefill.log")
         )
-        procs.append(_spawn(["serve", "decode", "--port", str(dec), *worker, *tls_flags("decode")],
+        procs.append(_spawn(["serve", "decode", "--port", str(dec), "--metrics-port",
+                             str(dec_metrics), *worker, *tls_flags("decode")],
                             logs / "decode.log"))
         addrs = {"tandem.v1.Tokenizer": f"127.0.0.1:{tok}", "tandem.v1.Prefill": f"127.0.0.1:{pre}",
                  "tandem.v1.Decode": f"127.0.0.1:{dec}"}  # fmt: skip
