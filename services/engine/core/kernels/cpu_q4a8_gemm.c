@@ -526,6 +526,14 @@ static inline int a8_source(int format, int stride, int p) {
     return stride == 1 ? p : p / 4 + stride * (p % 4);
 }
 
+/* One group's float step for one output vector, the one expression every path (a row in
+ * registers, the panel's row blocks) runs, so they give the same bits. */
+static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec dot, vec scale,
+                                                               vec min, vec dr, vec sr, int offset) {
+    const vec part = __builtin_convertvector(dot, vec) * (scale * dr);
+    return acc + (offset ? part + min * sr : part);
+}
+
 /* R rows over one tile (only R = 1 is built: more rows take NAME##_a8groups): the chain described
  * above. q: [R][in] rounded rows (permuted for the
  * format), d: [R][in / 32] their scales, s: [R][in / SUB] d times each group's sum. */
@@ -569,10 +577,9 @@ static inline int a8_source(int format, int stride, int p) {
                 for (int r = 0; r < R; r++) {                                                     \
                     const vec dr = splat(d[r * groups + i0 / GROUP]);                             \
                     const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                          \
-                    for (int c = 0; c < VECS; c++) {                                              \
-                        const vec part = __builtin_convertvector(dot[r][c], vec) * (scale[c] * dr); \
-                        acc[r][c] += NAME##_A8OFFSET ? part + min[c] * sr : part;                 \
-                    }                                                                             \
+                    for (int c = 0; c < VECS; c++)                                                \
+                        acc[r][c] = a8_group_step(acc[r][c], dot[r][c], scale[c], min[c], dr, sr, \
+                                                  NAME##_A8OFFSET);                               \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -691,10 +698,9 @@ static inline int a8_source(int format, int stride, int p) {
             for (int r = 0; r < R; r++) {                                                         \
                 const vec dr = splat(d[r * groups + i0 / GROUP]);                                 \
                 const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                              \
-                for (int c = 0; c < VECS; c++) {                                                  \
-                    const vec part = __builtin_convertvector(dot[r][c], vec) * (scale[c] * dr);   \
-                    acc[r][c] += NAME##_A8OFFSET ? part + min[c] * sr : part;                     \
-                }                                                                                 \
+                for (int c = 0; c < VECS; c++)                                                    \
+                    acc[r][c] = a8_group_step(acc[r][c], dot[r][c], scale[c], min[c], dr, sr,     \
+                                              NAME##_A8OFFSET);                                   \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++) store_cols(y + r * ldy, acc[r], cols);                        \
