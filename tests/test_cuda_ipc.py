@@ -255,14 +255,18 @@ class Recording:
         self.messages: list[decode_pb2.KVTransferMessage] = []
 
     async def receive(
-        self, messages: AsyncIterator[decode_pb2.KVTransferMessage], on_accept: object = None
+        self,
+        messages: AsyncIterator[decode_pb2.KVTransferMessage],
+        on_accept: object = None,
+        *caller: str,
     ) -> decode_pb2.KVTransferAck:
+        """The inner endpoint's ``receive``; a channel endpoint's ``caller`` passes through."""
         async def record() -> AsyncIterator[decode_pb2.KVTransferMessage]:
             async for message in messages:
                 self.messages.append(message)
                 yield message
 
-        return await self.inner.receive(record(), on_accept)  # type: ignore[arg-type]
+        return await self.inner.receive(record(), on_accept, *caller)  # type: ignore[arg-type]
 
     def of(self, kind: str) -> list[decode_pb2.KVTransferMessage]:
         return [m for m in self.messages if m.WhichOneof("kind") == kind]
