@@ -4,7 +4,8 @@ included), chunked, batched with 15 other random requests, prefilled on one engi
 another, resumed after a migration, and with a prompt that contains tokens an earlier request
 generated (their KV cached from decode steps) — for every family Tandem runs and for the default
 dtype of each stored format (``--dtype auto``: float32, bfloat16 weight-only, ``q4_a8_decode``
-for 4-bit GGUFs, ``q4`` for K-quants, ``q8_0``).
+for 4-bit GGUFs, ``q4`` for K-quants, ``q8_0``), and over a ``q8_0`` KV cache (every path reads
+the quantized K/V: a prompt attends over its own keys as stored).
 
 Logprobs equal to the last bit mean every position's computation (matmuls, norms, attention)
 gave the same numbers whichever step, batch or phase computed it (``linear.py``,
@@ -36,7 +37,7 @@ BLOCK = 16
 Result = tuple[list[int], list[float | None]]
 
 
-def _config(**overrides: object) -> EngineConfig:
+def _base_config(**overrides: object) -> EngineConfig:
     base: dict[str, object] = dict(block_size=BLOCK, num_blocks=400, kv_cache_dtype="auto")
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
@@ -54,7 +55,13 @@ def _prompts(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
     return prompt, others
 
 
-def _check_every_path(loaded: LoadedModel, seed: int = 0) -> None:
+def _check_every_path(loaded: LoadedModel, seed: int = 0, kv: str = "auto") -> None:
+    """Every path of the module docstring gives the cold run's tokens and logprobs; ``kv``: the
+    engines' ``kv_cache_dtype``."""
+
+    def _config(**overrides: object) -> EngineConfig:
+        return _base_config(kv_cache_dtype=kv, **overrides)
+
     prompt, others = _prompts(loaded.config.vocab_size, seed)
     cold_engine = LLMEngine(loaded, _config(enable_prefix_caching=False))
 
@@ -159,6 +166,23 @@ def test_the_default_model(smollm2_gguf: Path, dtype: str) -> None:
     _check_every_path(loaded, seed=2)
 
 
+def test_the_default_model_over_a_q8_0_cache(smollm2_gguf: Path) -> None:
+    loaded = load_model(str(smollm2_gguf), "auto")
+    _check_every_path(loaded, seed=5, kv="q8_0")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_q8_0_cache_with_windows_soft_caps_and_short_groups(family: str, tmp_path: Path) -> None:
+    """Gemma 2 (sliding window, soft-cap) and Phi-3 at their real head sizes (256, 96: three
+    groups of 32) over a ``q8_0`` cache."""
+    import transformers
+
+    build, _, head_dim = FAMILIES[family]
+    torch.manual_seed(8)
+    build(transformers, head_dim).save_pretrained(tmp_path, safe_serialization=True)
+    _check_every_path(load_model(str(tmp_path), "auto"), seed=6, kv="q8_0")
+
+
 def test_gemma3_k_quants() -> None:
     """Gemma 3 270M as stored (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0 matrices), sliding-window layers."""
     from services.common.model_source import gemma3_270m_path
@@ -175,7 +199,7 @@ async def test_served_twice_through_the_prefix_cache(smollm2_gguf: Path) -> None
     loaded = load_model(str(smollm2_gguf), "auto")
     prompt, _ = _prompts(loaded.config.vocab_size, 4)
     params = Params(temperature=0, max_tokens=16, ignore_eos=True)
-    engine = LLMEngine(loaded, _config(enable_prefix_caching=False))
+    engine = LLMEngine(loaded, _base_config(enable_prefix_caching=False))
     expected = engine.generate([prompt], params)[0].new_token_ids
     async with cluster(loaded, prefill_blocks=64, decode_blocks=64) as c:
         first, responses = await c.run("one", prompt, params)

@@ -29,6 +29,7 @@ from services.common.wire import (
     token_logprobs_from_proto,
     token_logprobs_to_proto,
 )
+from services.engine.core import kv_quant
 from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.core.kv_cache import KVLayout, KVPool
@@ -72,11 +73,14 @@ def test_plan_chunks_whole_blocks_and_split_blocks() -> None:
     assert plan_chunks(0, 100, 40) == []
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "q8_0"])
 def test_payload_roundtrip_whole_and_partial(dtype: str) -> None:
     layout = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype)
     src = KVPool(8, layout)
-    src.data.copy_(torch.randn(src.data.shape))
+    if dtype == "q8_0":  # uint8 rows: quants and float16 scales, moved as they are
+        src.data.copy_(torch.randint(1, 256, src.data.shape, dtype=torch.uint8))
+    else:
+        src.data.copy_(torch.randn(src.data.shape))
     dst = KVPool(8, layout)
     src_ids, dst_ids = [5, 1, 6], [0, 7, 3]
     total = len(src_ids) * layout.block_bytes
@@ -256,12 +260,44 @@ async def test_a_16bit_cache_moves_half_the_bytes_and_decodes_as_one_engine(
     assert sent[dtype].num_blocks == sent["float32"].num_blocks  # type: ignore[attr-defined]
 
 
-async def test_a_kv_cache_dtype_mismatch_is_refused(tiny: LoadedModel) -> None:
-    async with Pair(tiny, kv_cache_dtypes=("bfloat16", "float32")) as pair:
+async def test_a_q8_0_cache_ships_its_blocks_as_stored_and_decodes_as_one_engine(
+    tiny: LoadedModel,
+) -> None:
+    """A ``q8_0`` pool hands over its quantized blocks as they are (int8 quants and float16
+    scales: about half a float16 pool's bytes), and decode goes on exactly as one engine with
+    that cache does."""
+    prompt = prompt_of(37)
+    reference = LLMEngine(tiny, EngineConfig(num_blocks=64, kv_cache_dtype="q8_0")).generate(
+        [prompt], GREEDY)[0]  # fmt: skip
+    sent = {}
+    for kv_dtype in ("float16", "q8_0"):
+        async with Pair(tiny, kv_cache_dtypes=(kv_dtype, kv_dtype)) as pair:
+            sent[kv_dtype] = await pair.prefill_and_send("q1", prompt)
+            ready = await pair.receiver.claim("q1", 1.0)
+            tokens: list[int] = []
+            async for out in pair.decode.generate_prefilled(
+                "q1", ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
+            ):
+                tokens += out.new_token_ids
+            if kv_dtype == "q8_0":
+                assert pair.decode.engine.kv.data.dtype == torch.uint8
+                assert tokens == reference.new_token_ids
+            await pair.idle()
+    head_dim = tiny.config.head_dim
+    q8, f16 = sent["q8_0"].num_bytes, sent["float16"].num_bytes  # type: ignore[attr-defined]
+    assert q8 * 2 * head_dim == f16 * kv_quant.row_bytes(head_dim)
+    assert sent["q8_0"].num_blocks == sent["float16"].num_blocks  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [("bfloat16", "float32"), ("q8_0", "float16")])
+async def test_a_kv_cache_dtype_mismatch_is_refused(
+    tiny: LoadedModel, prefill: str, decode: str
+) -> None:
+    async with Pair(tiny, kv_cache_dtypes=(prefill, decode)) as pair:
         with pytest.raises(FailedPreconditionError,
-                           match="dtype 'bfloat16' is not this worker's.*--kv-cache-dtype") as err:
+                           match=f"dtype '{prefill}' is not this worker's.*--kv-cache-dtype") as err:
             await pair.prefill_and_send("mm", prompt_of(20))
-        assert "float32" not in err.value.message  # the receiver's own layout is not echoed
+        assert decode not in err.value.message  # the receiver's own layout is not echoed
         await pair.idle()
         assert pair.receiver.state("mm") is None
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.engine.core import kv_quant
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -297,9 +299,9 @@ class TorchPagedAttention(PagedAttention):
         meta: AttentionMetadata,
     ) -> None:
         """Write this step's K/V into their slots (shared by every backend), rounded to the
-        cache's dtype (a 16-bit cache under a float32 model: ``--kv-cache-dtype``)."""
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k.to(k_cache.dtype)
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v.to(v_cache.dtype)
+        cache's dtype (a 16-bit or ``q8_0`` cache under a float32 model: ``--kv-cache-dtype``)."""
+        k_cache[meta.slot_blocks, meta.slot_offsets] = kv_quant.store_form(k, k_cache.dtype)
+        v_cache[meta.slot_blocks, meta.slot_offsets] = kv_quant.store_form(v, v_cache.dtype)
 
     def prefill(
         self,
@@ -318,7 +320,7 @@ class TorchPagedAttention(PagedAttention):
         ``prefill_mask`` (built once in :meth:`AttentionMetadata.build` for every layer)."""
         if len(meta.query_lens) == 1 and meta.context_lens[0] == meta.query_lens[0]:
             if k_cache.dtype != k.dtype:  # attend to K/V as the cache holds them, as later steps do
-                k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
+                k, v = kv_quant.as_stored(k, k_cache.dtype), kv_quant.as_stored(v, v_cache.dtype)
             # 4-D on purpose: PyTorch's fused CPU (flash) kernel takes grouped K/V only with a
             # batch dimension; 3-D inputs fall back to the math path, which builds the whole
             # [H, T, T] score matrix (3-4x slower at 512 tokens)
@@ -332,8 +334,9 @@ class TorchPagedAttention(PagedAttention):
         assert mask is not None
         batch, max_q, keys_len = mask.shape[0], mask.shape[2], mask.shape[3]
         table = meta.block_tables[:, : keys_len // k_cache.shape[1]]
-        keys = k_cache[table].to(q.dtype).flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
-        values = v_cache[table].to(q.dtype).flatten(1, 2).transpose(1, 2)
+        head_dim = q.shape[-1]
+        keys = kv_quant.read_kv(k_cache[table], q.dtype, head_dim).flatten(1, 2).transpose(1, 2)
+        values = kv_quant.read_kv(v_cache[table], q.dtype, head_dim).flatten(1, 2).transpose(1, 2)
         queries = q.new_zeros(batch, max_q, *q.shape[1:])
         queries[meta.token_seqs, meta.token_rows] = q
         out = F.scaled_dot_product_attention(
@@ -351,8 +354,9 @@ class TorchPagedAttention(PagedAttention):
     ) -> torch.Tensor:
         """One query per sequence: q ``[B, H, D]`` over its context in the cache → ``[B, H, D]``."""
         batch = q.shape[0]
-        keys = k_cache[meta.block_tables].to(q.dtype).flatten(1, 2)  # [B, L, KVH, D]
-        values = v_cache[meta.block_tables].to(q.dtype).flatten(1, 2)
+        head_dim = q.shape[-1]
+        keys = kv_quant.read_kv(k_cache[meta.block_tables], q.dtype, head_dim).flatten(1, 2)
+        values = kv_quant.read_kv(v_cache[meta.block_tables], q.dtype, head_dim).flatten(1, 2)
         mask = meta.decode_mask
         if batch == 1:  # no padding: attend to exactly the context, no mask
             ctx = meta.context_lens[0]
@@ -390,8 +394,10 @@ def _windowed_forward(
         if not meta.is_prefill:
             n_new = 1
         blocks = meta.block_tables[seq, : -(-ctx // block_size)]
-        keys = k_cache[blocks].to(q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-        values = v_cache[blocks].to(q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
+        keys = kv_quant.read_kv(k_cache[blocks], q.dtype, q.shape[-1])  # [n, BS, KVH, D]
+        keys = keys.flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
+        values = kv_quant.read_kv(v_cache[blocks], q.dtype, q.shape[-1])
+        values = values.flatten(0, 1)[:ctx].transpose(0, 1)
         query_pos = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
         key_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = key_pos <= query_pos

@@ -38,9 +38,10 @@ from services.common.errors import InvalidArgumentError, TandemError
 from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
+from services.engine.core.attention import TorchPagedAttention
 from services.engine.core.grammar import GrammarCompiler, OwnedMatcher, advance
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention, auto_cache_dtype
-from services.engine.core.kv_cache import KVLayout, KVPool, kv_cache_dtype
+from services.engine.core.kv_cache import Q8_0, KVDtype, KVLayout, KVPool, kv_cache_dtype
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.model_runner import ModelRunner
 from services.engine.core.sampler import (
@@ -135,7 +136,9 @@ class LLMEngine:
         model_cfg = loaded.config
         device = next(loaded.model.parameters()).device
         kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, loaded.dtype,
-                                  _auto_kv_dtype(loaded, device))  # fmt: skip
+                                  _auto_kv_dtype(loaded, device), device.type)  # fmt: skip
+        if kv_dtype == Q8_0:
+            _check_q8_0_backend(loaded)
         if kv_dtype != loaded.dtype:
             logger.info("KV cache in %s (the model computes in %s; kv cache dtype %s)",
                         _name(kv_dtype), _name(loaded.dtype), self.config.kv_cache_dtype)  # fmt: skip
@@ -478,5 +481,18 @@ def _auto_kv_dtype(loaded: LoadedModel, device: torch.device) -> Callable[[], to
     return auto_cache_dtype
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _check_q8_0_backend(loaded: LoadedModel) -> None:
+    """A ``q8_0`` cache is read by the CPU kernels and the torch reference only (another
+    backend, Triton under its CPU interpreter, reads float caches): InvalidArgumentError else."""
+    layers = loaded.model.layers
+    backend = layers[0].self_attn.backend if layers else None
+    if backend is not None and type(backend) not in (CpuPagedAttention, TorchPagedAttention):
+        raise InvalidArgumentError(
+            f"--kv-cache-dtype q8_0 needs the cpu or torch attention backend, not "
+            f"{type(backend).__name__}",
+            param="kv_cache_dtype",
+        )
+
+
+def _name(dtype: KVDtype) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")

@@ -5,8 +5,9 @@ fingerprint (weights' shape and architecture), dtype, block size, layer count, K
 dim must all match exactly. The bytes of one block are ``KVPool.data[block_id]``, C-contiguous,
 ``[num_layers, 2 (K then V), block_size, num_kv_heads, head_dim]`` elements of ``dtype``; both
 ends are Tandem engines with the same pool layout, so equal fields mean equal bytes. The dtype is
-the pool's (``--kv-cache-dtype``): a 16-bit cache moves half a float32 cache's bytes, and a
-worker holding another dtype is refused, not converted.
+the pool's (``--kv-cache-dtype``): a 16-bit cache moves half a float32 cache's bytes, a ``q8_0``
+one (uint8 rows of int8 quants and float16 scales, ``kv_cache.py``) about half a 16-bit one's,
+as stored; a worker holding another dtype is refused, not converted.
 """
 
 from __future__ import annotations

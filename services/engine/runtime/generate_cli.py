@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="auto (default) | float32 | bfloat16 | float16 | q8_0 | q4")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
-                        help="auto (default) | float32 | bfloat16 | float16, as for the workers")
+                        help="auto (default) | float32 | bfloat16 | float16 | q8_0, as for the workers")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     parser.set_defaults(inputs=[])
 

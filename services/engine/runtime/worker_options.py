@@ -25,7 +25,7 @@ DEFAULT_GRACE_SECONDS = 5.0
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8", "q4_a8_decode")
 # the names services.engine.core.kv_cache.KV_CACHE_DTYPES accepts (kept here for the same reason)
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0")
 # --kv-transport: how a request's KV payload travels from prefill to decode (docs/kv-handoff.md)
 KV_TRANSPORTS = ("grpc", "distributed", "cuda-ipc", "auto")
 
@@ -48,7 +48,8 @@ class WorkerOptions:
         kv_cache_gib / num_blocks: KV pool size (``num_blocks`` wins when set).
         kv_cache_dtype: the KV pool's dtype, one of :data:`KV_CACHE_DTYPE_CHOICES`: ``auto`` (a
             16-bit cache for a float32 model on CPUs where the attention kernel reads it at least
-            as fast, else the model's dtype), or a dtype (16-bit ones under a float32 model).
+            as fast, else the model's dtype), or a dtype (16-bit ones under a float32 model;
+            ``q8_0``: int8 with a float16 scale per 32 values, float32 models on CPU only).
             Prefill and decode workers must agree on it to hand KV over.
         block_size / max_num_seqs / max_batched_tokens / enable_prefix_caching: engine limits.
         threads: intra-op threads of the engine (PyTorch and the native kernels); None keeps
@@ -151,8 +152,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                         help="KV cache dtype: auto (default: 16-bit for a float32 model on CPUs "
                              "whose attention kernel reads it at least as fast, else the model's "
                              "dtype) | float32 | bfloat16 | float16 (16-bit under a float32 "
-                             "model: half the memory per token and half the bytes per hand-off; "
-                             "prefill and decode workers must agree) (env TANDEM_KV_CACHE_DTYPE)")
+                             "model: half the memory per token and half the bytes per hand-off) "
+                             "| q8_0 (CPU, float32 models: int8 with a float16 scale per 32 "
+                             "values, about half of 16-bit's bytes again); prefill and decode "
+                             "workers must agree (env TANDEM_KV_CACHE_DTYPE)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch")
     parser.add_argument("--max-batched-tokens", type=int, default=1024,

@@ -8,12 +8,19 @@
  * slots, keep a running max and sum (online softmax, as in FlashAttention and vLLM's paged
  * attention) and accumulate the weighted values. Nothing is copied and nothing is padded.
  *
- * The cache holds float32, bfloat16 or float16 values (kv_dtype); queries, scores, weights and
- * outputs are float32. A 16-bit cache is widened as it is read (bfloat16: a shift; float16:
- * vcvtph2ps where the set has F16C), into a small float32 scratch that stays in L1: one block's
- * rows at a time for decode, a sequence's keys and values once per task for prefill. New K/V
- * rows are rounded to the cache's type as they are stored (to nearest even, as PyTorch's casts
- * round), so a row reads back the same bits whichever path stored it.
+ * The cache holds float32, bfloat16 or float16 values, or q8_0 rows (kv_dtype); queries, scores,
+ * weights and outputs are float32. A 16-bit cache is widened as it is read (bfloat16: a shift;
+ * float16: vcvtph2ps where the set has F16C), into a small float32 scratch that stays in L1: one
+ * block's rows at a time for decode, a sequence's keys and values once per task for prefill. New
+ * K/V rows are rounded to the cache's type as they are stored (to nearest even, as PyTorch's
+ * casts round), so a row reads back the same bits whichever path stored it.
+ *
+ * A q8_0 cache (uint8 storage; strides count bytes) holds a row as head_dim int8 quants and then
+ * one float16 scale per 32 values (services/engine/core/kv_quant.py, the PyTorch reference of the
+ * same arithmetic: scale = max|x| / 127, quants rounded to nearest even). A value is read as
+ * float(q) * scale, which is exact in float32, so every path below computes over a q8_0 cache
+ * exactly what it computes over a float32 cache holding those values: the q8_0 kernels are the
+ * float32 ones with another load, and decode and prefill keep one definition per position.
  *
  * Two options of some families' layers: ``window`` > 0 (sliding-window layers) lets a query at
  * position p see only keys p - window < k <= p: blocks wholly before the window are not read;
@@ -29,17 +36,55 @@
 #include "tandem_simd.h"
 
 /* the cache's element type (cpu_paged_attention.py's KV_DTYPE_CODES) */
-enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2, KV_Q8_0 = 3 };
+#define Q8_GROUP 32 /* values per q8_0 scale */
 
-static inline int64_t kv_bytes(int kv_dtype) { return kv_dtype == KV_FLOAT32 ? 4 : 2; }
+static inline int64_t kv_bytes(int kv_dtype) {
+    return kv_dtype == KV_FLOAT32 ? 4 : kv_dtype == KV_Q8_0 ? 1 : 2;
+}
 
 /* Element ``index`` of a cache of type kv_dtype (strides count elements, not bytes). */
 static inline void *kv_at(void *cache, int64_t index, int kv_dtype) {
     return (char *)cache + index * kv_bytes(kv_dtype);
 }
 
-/* n values of a 16-bit cache row as floats (a tail shorter than a vector through a copy). */
-static void kv_widen(float *dst, const uint16_t *src, int64_t n, int kv_dtype) {
+/* A float16's value (exact), one at a time: F16C where the set has it, else the bits moved into
+ * place and rebiased by 2^112, as f16_to_float does for a vector. */
+static inline float kv_half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t bits = (uint32_t)(h & 0x7fffu) << 13;
+    float f;
+    if ((h & 0x7c00u) == 0x7c00u) {
+        bits |= 0x7f800000u;
+        memcpy(&f, &bits, sizeof f);
+    } else {
+        memcpy(&f, &bits, sizeof f);
+        f *= 0x1p112f;
+    }
+    return h & 0x8000u ? -f : f;
+#endif
+}
+
+/* The scale of value d of the q8_0 row at byte `row` (quants first, then a float16 per group). */
+static inline float kv_q8_scale(const void *cache, int64_t row, int64_t d, int64_t head_dim) {
+    uint16_t h;
+    memcpy(&h, (const uint8_t *)cache + row + head_dim + 2 * (d / Q8_GROUP), sizeof h);
+    return kv_half_to_float(h);
+}
+
+/* The head_dim values of the cache row at element `row`, as floats (a tail shorter than a
+ * vector through a copy). */
+static void kv_widen(float *dst, const void *cache, int64_t row, int64_t n, int kv_dtype) {
+    if (kv_dtype == KV_Q8_0) {
+        const int8_t *q = (const int8_t *)cache + row;
+        int64_t d = 0;
+        for (; d + LANES <= n; d += LANES) store_vec(dst + d, s8_to_float(q + d) * kv_q8_scale(cache, row, d, n));
+        for (; d < n; d++) dst[d] = (float)q[d] * kv_q8_scale(cache, row, d, n);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)cache + row;
     int64_t d = 0;
     for (; d + LANES <= n; d += LANES)
         store_vec(dst + d, kv_dtype == KV_BFLOAT16 ? bf16_to_float(src + d) : f16_to_float(src + d));
@@ -83,8 +128,31 @@ static inline uint16_t kv_to_f16(float x) {
 #endif
 }
 
+/* n floats as a q8_0 row at dst (kv_quant.quantize's arithmetic: per group of 32, d = max|x| /
+ * 127, quants rint(x * (1 / d)) (to nearest even; 0 for an all-zero group), d stored as float16). */
+static void kv_q8_store(uint8_t *dst, const float *src, int64_t n) {
+    for (int64_t g0 = 0; g0 < n; g0 += Q8_GROUP) {
+        const int64_t end = g0 + Q8_GROUP < n ? g0 + Q8_GROUP : n;
+        float amax = 0.f;
+        for (int64_t d = g0; d < end; d++) amax = fabsf(src[d]) > amax ? fabsf(src[d]) : amax;
+        const float scale = amax / 127.f, inverse = scale != 0.f ? 1.f / scale : 0.f;
+        for (int64_t d = g0; d < end; d++) {
+            float x = src[d] * inverse;
+            x = rintf(x);
+            x = x > 127.f ? 127.f : x < -127.f ? -127.f : x;
+            ((int8_t *)dst)[d] = (int8_t)x;
+        }
+        const uint16_t h = kv_to_f16(scale);
+        memcpy(dst + n + 2 * (g0 / Q8_GROUP), &h, sizeof h);
+    }
+}
+
 /* n floats into a cache row of type kv_dtype. */
 static void kv_store(void *dst, const float *src, int64_t n, int kv_dtype) {
+    if (kv_dtype == KV_Q8_0) {
+        kv_q8_store(dst, src, n);
+        return;
+    }
     if (kv_dtype == KV_FLOAT32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
@@ -111,17 +179,23 @@ static void soft_cap(float *x, int64_t n, float cap) {
     for (; i < n; i++) x[i] = cap * tanhf(x[i] * inv);
 }
 
-/* LANES values of a cache of type kv from element i, as floats (kv a constant: inlined per type). */
-static inline __attribute__((always_inline)) vec load_kv(const void *cache, int64_t i, const int kv) {
-    if (kv == KV_FLOAT32) return load_vec((const float *)cache + i);
-    if (kv == KV_BFLOAT16) return bf16_to_float((const uint16_t *)cache + i);
-    return f16_to_float((const uint16_t *)cache + i);
+/* LANES values d .. d + LANES - 1 of the cache row at element `row` (head_dim values; d a multiple
+ * of LANES), as floats (kv a constant: inlined per type). */
+static inline __attribute__((always_inline)) vec load_kv(const void *cache, int64_t row, int64_t d,
+                                                         int64_t head_dim, const int kv) {
+    if (kv == KV_FLOAT32) return load_vec((const float *)cache + row + d);
+    if (kv == KV_BFLOAT16) return bf16_to_float((const uint16_t *)cache + row + d);
+    if (kv == KV_Q8_0) return s8_to_float((const int8_t *)cache + row + d) * kv_q8_scale(cache, row, d, head_dim);
+    return f16_to_float((const uint16_t *)cache + row + d);
 }
 
-/* One value of a cache of type kv, as a float (the tail of a head size that is not whole vectors). */
-static inline __attribute__((always_inline)) float load_kv1(const void *cache, int64_t i,
-                                                            const int kv) {
-    if (kv == KV_FLOAT32) return ((const float *)cache)[i];
+/* Value d of the cache row at element `row`, as a float (the tail of a head size that is not
+ * whole vectors). */
+static inline __attribute__((always_inline)) float load_kv1(const void *cache, int64_t row, int64_t d,
+                                                            int64_t head_dim, const int kv) {
+    if (kv == KV_FLOAT32) return ((const float *)cache)[row + d];
+    if (kv == KV_Q8_0) return (float)((const int8_t *)cache)[row + d] * kv_q8_scale(cache, row, d, head_dim);
+    const int64_t i = row + d;
     uint16_t h[LANES] = {0};
     float wide[LANES];
     h[0] = ((const uint16_t *)cache)[i];
@@ -170,7 +244,7 @@ static inline __attribute__((always_inline)) void score_slots(
             for (int r = 0; r < LANES; r++) acc[r] = (vec){0};
             for (int64_t d = 0; d < head_dim; d += LANES) {
                 const vec qd = load_vec(q + d);
-                for (int r = 0; r < LANES; r++) acc[r] += qd * load_kv(k, k0 + (s + r) * ks + d, kv);
+                for (int r = 0; r < LANES; r++) acc[r] += qd * load_kv(k, k0 + (s + r) * ks, d, head_dim, kv);
             }
             store_vec(pg + s, sum_lanes(acc) * scale);
         }
@@ -179,9 +253,9 @@ static inline __attribute__((always_inline)) void score_slots(
         vec acc = {0};
         int64_t d = 0;
         for (; d + LANES <= head_dim; d += LANES)
-            acc += load_vec(q + d) * load_kv(k, k0 + s * ks + d, kv);
+            acc += load_vec(q + d) * load_kv(k, k0 + s * ks, d, head_dim, kv);
         float sum = hsum(acc);
-        for (; d < head_dim; d++) sum += q[d] * load_kv1(k, k0 + s * ks + d, kv);
+        for (; d < head_dim; d++) sum += q[d] * load_kv1(k, k0 + s * ks, d, head_dim, kv);
         pg[s] = scale * sum;
     }
 }
@@ -196,7 +270,7 @@ static inline __attribute__((always_inline)) void weighted_values(
     for (int c = 0; c < nv; c++) a[c] = load_vec(acc + c * LANES) * rescale;
     for (int64_t s = 0; s < slots; s++) {
         const float ps = p[s];
-        for (int c = 0; c < nv; c++) a[c] += ps * load_kv(v, v0 + s * vs + c * LANES, kv);
+        for (int c = 0; c < nv; c++) a[c] += ps * load_kv(v, v0 + s * vs, c * LANES, nv * LANES, kv);
     }
     for (int c = 0; c < nv; c++) store_vec(acc + c * LANES, a[c]);
 }
@@ -249,13 +323,14 @@ static inline __attribute__((always_inline)) void decode_task(
                 int64_t d = 0;
                 for (; d + LANES <= head_dim; d += LANES) {
                     vec a = load_vec(ag + d) * rescale;
-                    for (int64_t t = 0; t < slots; t++) a += pg[t] * load_kv(v, v0 + t * v_ss + d, kv);
+                    for (int64_t t = 0; t < slots; t++)
+                        a += pg[t] * load_kv(v, v0 + t * v_ss, d, head_dim, kv);
                     store_vec(ag + d, a);
                 }
                 for (; d < head_dim; d++) {
                     float a = ag[d] * rescale;
                     for (int64_t t = 0; t < slots; t++)
-                        a += pg[t] * load_kv1(v, v0 + t * v_ss + d, kv);
+                        a += pg[t] * load_kv1(v, v0 + t * v_ss, d, head_dim, kv);
                     ag[d] = a;
                 }
             }
@@ -399,7 +474,7 @@ void tandem_paged_prefill_attention(
         kt_size += kv_heads * head_dim * key_stride(context_lens[b]);
     }
     float *kt_all = malloc(sizeof(float) * (size_t)(kt_size > 0 ? kt_size : 1));
-    /* a 16-bit cache's values as float32 rows: [KVH, len, D] from kt_start[b] (fits: len <= ldk) */
+    /* a 16-bit or q8_0 cache's values as float32 rows: [KVH, len, D] from kt_start[b] (fits: len <= ldk) */
     float *v_all = kv_dtype == KV_FLOAT32 ? NULL
                                           : malloc(sizeof(float) * (size_t)(kt_size > 0 ? kt_size : 1));
     /* block i -> (sequence, first row of the sequence's tokens, first query row of the block);
@@ -429,16 +504,14 @@ void tandem_paged_prefill_attention(
             const int64_t b = task / kv_heads, kh = task % kv_heads, len = context_lens[b];
             const int64_t ldk = key_stride(len);
             float *kt = kt_all + kt_start[b] + kh * head_dim * ldk;
-            float row[head_dim]; /* one key of a 16-bit cache, widened */
+            float row[head_dim]; /* one key of a 16-bit or q8_0 cache, widened */
             for (int64_t pos = 0; pos < len; pos++) {
                 const int64_t block = tables[b * t_sb + pos / block_size], slot = pos % block_size;
                 const float *kr = (const float *)k + block * k_sb + slot * k_ss + kh * k_sh;
                 if (kv_dtype != KV_FLOAT32) {
-                    kv_widen(row, kv_at(k, block * k_sb + slot * k_ss + kh * k_sh, kv_dtype), head_dim,
-                             kv_dtype);
-                    kv_widen(v_all + kt_start[b] + kh * head_dim * ldk + pos * head_dim,
-                             kv_at(v, block * v_sb + slot * v_ss + kh * v_sh, kv_dtype), head_dim,
-                             kv_dtype);
+                    kv_widen(row, k, block * k_sb + slot * k_ss + kh * k_sh, head_dim, kv_dtype);
+                    kv_widen(v_all + kt_start[b] + kh * head_dim * ldk + pos * head_dim, v,
+                             block * v_sb + slot * v_ss + kh * v_sh, head_dim, kv_dtype);
                     kr = row;
                 }
                 for (int64_t d = 0; d < head_dim; d++) kt[d * ldk + pos] = kr[d];
@@ -555,16 +628,24 @@ void tandem_paged_prefill_attention(
  */
 
 #if defined(__AVX2__)
-/* 8 values of a cache of type kv from element i, as floats (exact widening). */
-static inline __attribute__((always_inline)) __m256 load8(const void *cache, int64_t i, const int kv) {
+/* 8 values d .. d + 7 of the cache row at element `row`, as floats (exact widening; d a multiple
+ * of 8). */
+static inline __attribute__((always_inline)) __m256 load8(const void *cache, int64_t row, int64_t d,
+                                                          int64_t head_dim, const int kv) {
+    const int64_t i = row + d;
     if (kv == KV_FLOAT32) return _mm256_loadu_ps((const float *)cache + i);
+    if (kv == KV_Q8_0) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)cache + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                             _mm256_set1_ps(kv_q8_scale(cache, row, d, head_dim)));
+    }
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
     if (kv == KV_BFLOAT16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #if defined(__F16C__)
     return _mm256_cvtph_ps(h);
 #else
     float wide[8];
-    for (int l = 0; l < 8; l++) wide[l] = load_kv1(cache, i + l, kv);
+    for (int l = 0; l < 8; l++) wide[l] = load_kv1(cache, row, d + l, head_dim, kv);
     return _mm256_loadu_ps(wide);
 #endif
 }
@@ -583,10 +664,10 @@ static inline __attribute__((always_inline)) void transpose_keys(const void *k, 
         int64_t at[8]; /* a last, partial block repeats its last key (columns past n are unused) */
         for (int i = 0; i < 8; i++) at[i] = rows[s + i < n ? s + i : n - 1];
         for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 r0 = load8(k, at[0] + d, kv), r1 = load8(k, at[1] + d, kv);
-            const __m256 r2 = load8(k, at[2] + d, kv), r3 = load8(k, at[3] + d, kv);
-            const __m256 r4 = load8(k, at[4] + d, kv), r5 = load8(k, at[5] + d, kv);
-            const __m256 r6 = load8(k, at[6] + d, kv), r7 = load8(k, at[7] + d, kv);
+            const __m256 r0 = load8(k, at[0], d, head_dim, kv), r1 = load8(k, at[1], d, head_dim, kv);
+            const __m256 r2 = load8(k, at[2], d, head_dim, kv), r3 = load8(k, at[3], d, head_dim, kv);
+            const __m256 r4 = load8(k, at[4], d, head_dim, kv), r5 = load8(k, at[5], d, head_dim, kv);
+            const __m256 r6 = load8(k, at[6], d, head_dim, kv), r7 = load8(k, at[7], d, head_dim, kv);
             const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
             const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
             const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -608,7 +689,7 @@ static inline __attribute__((always_inline)) void transpose_keys(const void *k, 
     }
 #endif
     for (; s < n; s++)
-        for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + s] = load_kv1(k, rows[s] + d, kv);
+        for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + s] = load_kv1(k, rows[s], d, head_dim, kv);
 }
 
 /* value_block over n query vectors (n <= ATTN_ROWS; p and o rows KEY_TILE and head_dim apart)
@@ -624,7 +705,7 @@ static inline __attribute__((always_inline)) void value_rows(
         for (int c = 0; c < nv; c++) acc[r][c] = load_vec(o + r * head_dim + d + c * LANES) * rescale[r];
     for (int64_t s = 0; s < slots; s++) {
         vec vv[VECS];
-        for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s] + d + c * LANES, kv);
+        for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s], d + c * LANES, head_dim, kv);
         for (int r = 0; r < n; r++) {
             const vec ps = splat(p[r * KEY_TILE + s]);
             for (int c = 0; c < nv; c++) acc[r][c] += ps * vv[c];
@@ -757,6 +838,8 @@ void tandem_paged_decode_attention(
                     b, kh, heads, group, head_dim, block_size, scale, window, softcap, KV)
         if (kv_dtype == KV_BFLOAT16)
             DECODE_TASK(KV_BFLOAT16);
+        else if (kv_dtype == KV_Q8_0)
+            DECODE_TASK(KV_Q8_0);
         else if (kv_dtype == KV_FLOAT16)
             DECODE_TASK(KV_FLOAT16);
         else

@@ -6,8 +6,9 @@ the paged pool (no gathered copy, no padding mask). Prefill steps go through the
 causal attention of every prompt's rows over the cache (a cached prefix and several prompts
 included, none padded), as blocked GEMMs with an online softmax; PyTorch's fused CPU attention
 takes one uncached prompt at a time and pads the rest under a mask. Both take float32 queries
-over a float32, bfloat16 or float16 cache (``--kv-cache-dtype``: widened to float32 as they are
-read, rounded to the cache's type as the decode kernel stores them), and the options of
+over a float32, bfloat16 or float16 cache, or a ``q8_0`` one (uint8 rows of int8 quants and
+float16 scales: ``kv_quant.py``) (``--kv-cache-dtype``: widened to float32 as they are read,
+exactly for ``q8_0``; rounded to the cache's type as the decode kernel stores them), and the options of
 sliding-window and soft-capped layers (``window``, ``softcap``). Queries in other dtypes, and
 machines where the kernels can't be built, use the torch reference it inherits.
 :func:`load_cpu_attention` / :func:`load_cpu_prefill_attention` build the kernels once per
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core import kv_quant
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _windowed_forward
 from services.engine.core.kernels.native_build import load_kernel, selected_isa
 
@@ -39,8 +41,9 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # the prefill kernel walks the head dimension in whole vectors of the widest set (AVX-512's 16
 # floats); other head sizes take the torch reference
 KERNEL_HEAD_DIM_MULTIPLE = 16
-# the cache dtypes the kernels read, as the C file's KV_FLOAT32 / KV_BFLOAT16 / KV_FLOAT16
-KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the cache dtypes the kernels read, as the C file's KV_FLOAT32 / KV_BFLOAT16 / KV_FLOAT16 /
+# KV_Q8_0 (a q8_0 cache is a uint8 tensor: kv_cache.py)
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
 # --kv-cache-dtype auto per instruction set: a 16-bit cache where the decode kernel read it at
 # least as fast as float32 in bench/kv_cache_dtype.py (docs/benchmarks.md), float32 where none did
 # or none was measured. A rule, not a timing at start-up: a prefill and a decode worker must
@@ -88,14 +91,19 @@ def load_cpu_prefill_attention() -> ctypes._CFuncPtr | None:  # type: ignore[nam
 
 
 def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """The caches' dtype code, once q is float32, the caches share a dtype the kernels read and
-    every head dimension is contiguous (a ValueError otherwise)."""
+    """The caches' dtype code, once q is float32, the caches share a dtype the kernels read, hold
+    q's head size (a ``q8_0`` row: its bytes) and every head dimension is contiguous (a
+    ValueError otherwise)."""
     if q.dtype != torch.float32 or q.stride(-1) != 1:
         raise ValueError("q must be float32 with a contiguous head dimension")
     if k_cache.dtype not in KV_DTYPE_CODES or v_cache.dtype != k_cache.dtype:
-        raise ValueError("the caches must both be float32, bfloat16 or float16")
+        raise ValueError("the caches must both be float32, bfloat16, float16 or q8_0 (uint8)")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches' head dimension must be contiguous")
+    head_dim = q.shape[-1]
+    row = kv_quant.row_bytes(head_dim) if k_cache.dtype == torch.uint8 else head_dim
+    if k_cache.shape[-1] != row or v_cache.shape[-1] != row:
+        raise ValueError(f"the caches' rows must be {row} wide for head_dim {head_dim}")
     return KV_DTYPE_CODES[k_cache.dtype]
 
 
@@ -120,7 +128,7 @@ def cpu_paged_decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q ``[B, H, D]`` float32, caches ``[NB, BS, KVH, D]`` (float32, bfloat16 or float16;
-    strided views; D contiguous), int64 ``block_tables [B, max_blocks]`` and ``context_lens [B]``
+    ``q8_0``: uint8 ``[NB, BS, KVH, row_bytes(D)]``; strided views; rows contiguous), int64 ``block_tables [B, max_blocks]`` and ``context_lens [B]``
     → ``[B, H, D]`` float32. ``window``/``softcap``: as :meth:`PagedAttention.forward` takes them.
 
     ``new_kv`` = (k and v ``[B, KVH, D]`` float32 with D contiguous, int64 slot blocks ``[B]``,
@@ -173,7 +181,7 @@ def cpu_paged_prefill_attention(
     """Causal attention of a prefill step's queries over the paged cache, which already holds
     the step's K/V: q ``[T, H, D]`` float32 (strided; D contiguous; sequence after sequence,
     ``query_lens`` rows each, at the last positions of its ``context_lens``), caches
-    ``[NB, BS, KVH, D]`` (float32, bfloat16 or float16), int64 ``block_tables [B, max_blocks]`` →
+    ``[NB, BS, KVH, D]`` (float32, bfloat16 or float16, or ``q8_0`` rows), int64 ``block_tables [B, max_blocks]`` →
     ``[T, H, D]`` float32. ``window``/``softcap``: as :meth:`PagedAttention.forward` takes them."""
     fn = load_cpu_prefill_attention()
     if fn is None:
@@ -215,8 +223,8 @@ def _int64(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Float32 queries through the C kernels (built at the first step) over a float32, bfloat16
-    or float16 cache; the rest, and everything when the kernels can't be built here, through the
+    """Float32 queries through the C kernels (built at the first step) over a float32, bfloat16,
+    float16 or ``q8_0`` cache; the rest, and everything when the kernels can't be built here, through the
     torch reference."""
 
     # The kernels are not timed against the torch reference: one numeric definition per
