@@ -65,7 +65,7 @@ def _tables(context_lens: list[int], block: int) -> list[list[int]]:
 
 
 def test_the_row_layout_and_its_arithmetic() -> None:
-    assert [kv_quant.row_bytes(d) for d in (16, 24, 64, 96, 128, 256)] == [18, 26, 68, 102, 136, 264]
+    assert [kv_quant.row_bytes(d) for d in (16, 24, 64, 96, 128, 256)] == [18, 26, 68, 102, 136, 272]
     layout = KVLayout(num_layers=16, block_size=16, num_kv_heads=8, head_dim=64, dtype="q8_0")
     half = KVLayout(num_layers=16, block_size=16, num_kv_heads=8, head_dim=64, dtype="float16")
     assert layout.bytes_per_token == 16 * 2 * 8 * 68 and half.bytes_per_token == 16 * 2 * 8 * 128

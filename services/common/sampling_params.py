@@ -56,6 +56,10 @@ class SamplingParams:
         cache_salt: vLLM's per-tenant prefix-cache salt: prompts share cached KV blocks only
             with requests of the same salt ("" = the deployment's shared cache;
             ``services/common/prefix_hash.py``).
+        speculative: whether a worker running speculative decoding (``--speculative``) may
+            speculate for this request (Tandem's extension field; speculation never changes
+            greedy output, nor seeded output: ``services/engine/core/speculative.py``). False
+            decodes one token per step.
     """
 
     temperature: float = 1.0
@@ -77,6 +81,7 @@ class SamplingParams:
     grammar: str | None = None
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     cache_salt: str = ""
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -275,6 +275,10 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
           "cached prompt blocks only with requests of the same salt, so another tenant can "
           "neither reuse nor detect its prompt. At most 256 characters; unset: the shared "
           "cache."),
+    Field("speculative", "boolean", "Tandem's extension: false decodes this request one token "
+          "per step on a worker running speculative decoding (--speculative). Speculation "
+          "never changes greedy output nor a seeded request's text.",
+          default=_DEFAULTS.speculative),
 )  # fmt: skip
 
 

@@ -342,6 +342,7 @@ def _parse_sampling(
         grammar=parse_structured_output(obj),
         logit_bias=parse_logit_bias(obj),
         cache_salt=get_str(obj, "cache_salt") or "",
+        speculative=bool_or(obj, "speculative", True),
     ).validate()
 
 
