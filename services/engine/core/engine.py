@@ -53,6 +53,7 @@ from services.engine.core.sampler import (
 )
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Sequence
+from services.engine.core.speculative import PromptLookup, SpecDecodeStats, SpeculativeConfig
 from services.engine.core.step_phases import StepPhases
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (cuda_graphs.py)
     prefix_salt: bytes = b""  # the deployment's prefix-cache salt (prefix_hash.prefix_root)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculative.py); None: off
 
 
 @dataclass(slots=True)
@@ -91,6 +93,18 @@ class RequestOutput:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     error: TandemError | None = None  # this request failed alone (finish reason "error")
+
+
+@dataclass(slots=True)
+class _Verification:
+    """A speculating sequence's drafts in this step: its output so far, the row of its first
+    draft position in the step's draft logits, and how many drafts were accepted."""
+
+    seq: Sequence
+    out: RequestOutput
+    drafts: list[int]
+    first_row: int
+    accepted: int = 0
 
 
 GRAMMAR_FAILED = "grammar_failed"
@@ -175,6 +189,9 @@ class LLMEngine:
                 scratch_block=num_blocks,
             )
         self._finished: list[RequestOutput] = []
+        self.spec_stats = SpecDecodeStats()
+        if self.config.speculative is not None:
+            self.config.speculative.validate()
 
     # ---- entry points -------------------------------------------------------------------
     def add_request(
@@ -288,6 +305,7 @@ class LLMEngine:
         phases = self.phases
         phases.start()
         outputs, self._finished = self._finished, []
+        self._propose()
         batch = self.scheduler.schedule()
         if batch is None:
             outputs.extend(self._fail_unschedulable())
@@ -297,18 +315,16 @@ class LLMEngine:
         phases.steps += 1
         phases.lap("schedule")
         try:
-            sampled = self.runner.execute(batch)  # laps inputs, forward, sample
+            result = self.runner.execute(batch)  # laps inputs, forward, sample
         finally:  # the matchers come home from the mask helper on every path, a failure's too
             self.sampler.grammar_masks.join()
+        sampled = result.sampled
         row = 0
+        draft_row = 0
+        verify: list[_Verification] = []
         for item in batch.items:
             seq = item.seq
-            before = seq.num_computed_tokens // self.config.block_size
-            seq.num_computed_tokens += item.num_new_tokens
-            if self.config.enable_prefix_caching and seq.num_computed_tokens // self.config.block_size > before:
-                self.block_manager.cache_full_blocks(
-                    seq.block_ids, seq.all_token_ids()[: seq.num_computed_tokens], seq.cache_root
-                )
+            self._computed(seq, item.num_new_tokens - item.num_draft_tokens)
             if not item.sample or sampled is None:
                 continue
             out = RequestOutput(
@@ -317,17 +333,17 @@ class LLMEngine:
                 num_cached_tokens=seq.num_cached_tokens,
             )
             failure = sampled.failures.get(row)
-            try:
-                if failure is not None:
-                    self._fail_request(seq, out, TandemError(
-                        f"sampling the next token failed: {failure}", code=SAMPLING_FAILED))
-                else:
-                    self._append_token(seq, sampled.token_ids[row], sampled.logprobs[row], out)
-            except Exception as err:  # noqa: BLE001 - this request's failure, not the step's
-                self._fail_request(seq, out, TandemError(
-                    f"request {seq.request_id} failed while appending its token: {err}"))
+            self._emit(seq, out, sampled.token_ids[row], sampled.logprobs[row], failure)
+            if item.num_draft_tokens:
+                verify.append(_Verification(seq, out, list(seq.draft_token_ids), draft_row))
+                draft_row += item.num_draft_tokens
             row += 1
             outputs.append(out)
+        if verify:
+            assert result.draft_logits is not None
+            self._verify(verify, result.draft_logits)
+        for item in batch.items:
+            item.seq.draft_token_ids.clear()
         phases.lap("postprocess")
         return outputs
 
@@ -361,6 +377,101 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
     # ---- internals ----------------------------------------------------------------------
+    def _computed(self, seq: Sequence, n: int) -> None:
+        """``n`` more of ``seq``'s tokens have their KV written; cache the blocks that filled."""
+        before = seq.num_computed_tokens // self.config.block_size
+        seq.num_computed_tokens += n
+        if self.config.enable_prefix_caching and seq.num_computed_tokens // self.config.block_size > before:
+            self.block_manager.cache_full_blocks(
+                seq.block_ids, seq.all_token_ids()[: seq.num_computed_tokens], seq.cache_root
+            )
+
+    def _emit(
+        self,
+        seq: Sequence,
+        out: RequestOutput,
+        token: int,
+        logprob: TokenLogprobs | None,
+        failure: str | None,
+    ) -> None:
+        """Append a sampled token to ``seq`` and ``out``, or end the request alone when its row
+        failed in the sampler or appending raised."""
+        try:
+            if failure is not None:
+                self._fail_request(seq, out, TandemError(
+                    f"sampling the next token failed: {failure}", code=SAMPLING_FAILED))
+            else:
+                self._append_token(seq, token, logprob, out)
+        except Exception as err:  # noqa: BLE001 - this request's failure, not the step's
+            self._fail_request(seq, out, TandemError(
+                f"request {seq.request_id} failed while appending its token: {err}"))
+
+    def _propose(self) -> None:
+        """Set this step's drafts of every running sequence that speculates (speculative.py):
+        in pure decode, its request not opted out, while the batch is small enough."""
+        spec = self.config.speculative
+        running = self.scheduler.running
+        for seq in running:
+            seq.draft_token_ids = []
+        if spec is None or not running or len(running) > spec.max_batch:
+            return
+        k = spec.num_speculative_tokens
+        for seq in running:
+            if seq.prefill_only or not seq.params.speculative or seq.num_uncomputed != 1:
+                continue
+            # a step emits at most drafts + 1 tokens: never past max_tokens or the context
+            room = min(seq.params.max_tokens - len(seq.output_token_ids),
+                       self.max_model_len - seq.num_tokens) - 1  # fmt: skip
+            if room < 1:
+                continue
+            if seq.lookup is None:
+                seq.lookup = PromptLookup(k)
+            drafts = seq.lookup.propose(seq.all_token_ids(), min(room, seq.lookup.draft_len),
+                                        spec.ngram_max, spec.ngram_min)  # fmt: skip
+            matcher = seq.sampling.matcher
+            if drafts and matcher is not None:  # what the grammar forbids is never scored
+                drafts = drafts[: matcher.validate_tokens(drafts)]
+            seq.draft_token_ids = drafts
+
+    def _verify(self, pending: list[_Verification], logits: torch.Tensor) -> None:
+        """Emit what each speculating sequence's draft positions allow, position by position
+        (speculative.py): the row after draft ``j`` is sampled only when the token sampled before
+        it equalled draft ``j``; the KV of every accepted draft is kept, blocks past the
+        sequence's tokens are returned."""
+        active = [v for v in pending if self._accepts(v, 0)]
+        position = 0
+        while active:
+            rows = torch.tensor([v.first_row + position for v in active], device=logits.device)
+            sampled = self.sampler(logits.index_select(0, rows), [v.seq.sampling for v in active])
+            still: list[_Verification] = []
+            for i, v in enumerate(active):
+                self._emit(v.seq, v.out, sampled.token_ids[i], sampled.logprobs[i],
+                           sampled.failures.get(i))  # fmt: skip
+                if self._accepts(v, position + 1):
+                    still.append(v)
+            active = still
+            position += 1
+        k = self.config.speculative.num_speculative_tokens if self.config.speculative else 1
+        for v in pending:
+            self.spec_stats.record(len(v.drafts), v.accepted)
+            seq = v.seq
+            if seq.lookup is not None:
+                seq.lookup.adapt(v.accepted, k)
+            if not seq.finished:  # blocks that hold only rejected drafts go back at once
+                keep = self.block_manager.blocks_needed(seq.num_tokens)
+                if len(seq.block_ids) > keep:
+                    self.block_manager.free(seq.block_ids[keep:])
+                    del seq.block_ids[keep:]
+
+    def _accepts(self, v: _Verification, position: int) -> bool:
+        """Whether the token just emitted for ``v`` equals draft ``position`` (its KV, written by
+        this step, is then the sequence's): counted, and its row may be sampled."""
+        if v.seq.finished or position >= len(v.drafts) or v.out.new_token_ids[-1:] != [v.drafts[position]]:
+            return False
+        v.accepted += 1
+        self._computed(v.seq, 1)
+        return True
+
     def _token_ids(self, ids: Seq[int], param: str) -> list[int]:
         """``ids`` as ints, each checked to be in the vocabulary (InvalidArgumentError naming
         ``param`` otherwise)."""

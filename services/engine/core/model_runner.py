@@ -15,6 +15,8 @@ engine asks for them (:meth:`ModelRunner.capture_decode_graphs`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from services.engine.core.attention import AttentionMetadata
@@ -30,6 +32,17 @@ from services.engine.core.sampler import Sampler, SamplerOutput
 from services.engine.core.scheduler import ScheduledBatch
 from services.engine.core.sequence import Sequence
 from services.engine.core.step_phases import StepPhases
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`ModelRunner.execute` produced: a token per sampled sequence (None when no
+    sequence reached its end), and the logits of every draft position of the speculating ones,
+    in the batch's order (``[total drafts, vocab]``; None without drafts), for the engine to
+    verify (``speculative.py``)."""
+
+    sampled: SamplerOutput | None
+    draft_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -80,29 +93,34 @@ class ModelRunner:
         return True
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """Compute every scheduled slice; sample rows whose sequence reached its end."""
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        """Compute every scheduled slice; sample rows whose sequence reached its end (a
+        speculating sequence's first position; its drafts' logits come back unsampled)."""
         if batch.is_decode and self.graphs is not None:
             sampled = self._replay_decode(batch)
             if sampled is not None:
-                return sampled
+                return StepResult(sampled)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        draft_rows: list[int] = []  # every draft position's row, item by item
         prompt_counts: list[int] = []
         for item in batch.items:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            drafts = item.num_draft_tokens
             prompt_counts.append(max(0, min(n, len(seq.prompt_token_ids) - start)))
-            input_ids.extend(token_slice(seq, start, start + n))
+            input_ids.extend(token_slice(seq, start, start + n - drafts))
+            input_ids.extend(seq.draft_token_ids[:drafts])
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_ids)
             if item.sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(len(input_ids) - 1 - drafts)
+                draft_rows.extend(range(len(input_ids) - drafts, len(input_ids)))
         meta = AttentionMetadata.build(
             is_prefill=not batch.is_decode,
             query_lens=query_lens,
@@ -119,15 +137,16 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv, meta)
         if not sample_rows:
             phases.lap("forward")
-            return None
-        if len(sample_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            return StepResult(None)
+        rows = sample_rows + draft_rows
+        if len(rows) < hidden.shape[0] or draft_rows:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         phases.lap("forward")
         states = [item.seq.sampling for item in batch.items if item.sample]
-        sampled = self.sampler(logits, states)
+        sampled = self.sampler(logits[: len(sample_rows)], states)
         phases.lap("sample")
-        return sampled
+        return StepResult(sampled, logits[len(sample_rows) :] if draft_rows else None)
 
     def _replay_decode(self, batch: ScheduledBatch) -> SamplerOutput | None:
         """A decode step through a captured graph; None when none fits (run it eagerly)."""

@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence's share of a step: ``num_new_tokens`` from ``num_computed_tokens`` on."""
+    """One sequence's share of a step: ``num_new_tokens`` from ``num_computed_tokens`` on, the
+    last ``num_draft_tokens`` of them its drafts (``seq.draft_token_ids``: speculative.py)."""
 
     seq: Sequence
     num_new_tokens: int
     sample: bool
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -103,13 +105,18 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed_tokens + n):
+            drafts = 0
+            if seq.draft_token_ids and seq.num_uncomputed == 1:  # its last token and its drafts
+                drafts = min(len(seq.draft_token_ids), budget - 1)
+                del seq.draft_token_ids[drafts:]
+            if not self._grow(seq, seq.num_computed_tokens + n + drafts):
                 preempted = True
                 if seq not in self.running:  # it preempted itself: nothing left to try
                     break
                 continue  # a later sequence was preempted; retry growing this one
-            items.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
-            budget -= n
+            sample = seq.num_computed_tokens + n == seq.num_tokens
+            items.append(ScheduledSeq(seq, n + drafts, sample, drafts))
+            budget -= n + drafts
             index += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -148,6 +155,7 @@ class Scheduler:
         """Free ``seq``'s blocks and queue it for recomputation at the front of the queue."""
         logger.info("preempting %s (%d tokens) for lack of KV blocks", seq.request_id, seq.num_tokens)
         self.running.remove(seq)
+        seq.draft_token_ids.clear()
         self.block_manager.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0

