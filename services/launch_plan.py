@@ -80,6 +80,7 @@ class LaunchConfig:
     num_blocks: int | None = None
     kv_cache_dtype: str | None = None
     kv_transport: str | None = None
+    speculative: tuple[str, ...] = ()  # decode workers' speculative-decoding flags
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     log_level: str = "INFO"
@@ -214,6 +215,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 extra += ["--kv-cache-dtype", config.kv_cache_dtype]
             if config.kv_transport is not None:
                 extra += ["--kv-transport", config.kv_transport]
+            if service == "decode":  # speculation is a decode step's business
+                extra += list(config.speculative)
             grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])
 
     if gateway:

@@ -69,6 +69,7 @@ from services.common import ports
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.internal_tls import INSECURE_WARNING, InternalTls
 from services.cpu_plan import parse_threads, usable_cpus
+from services.engine.core.speculative import SPECULATIVE_METHODS
 from services.engine.runtime.worker_options import KV_CACHE_DTYPE_CHOICES, KV_TRANSPORTS
 from services.launch_plan import (
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -137,6 +138,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc (CUDA "
              "workers sharing a GPU) | auto (the workers' default: cuda-ipc on CUDA, gRPC on "
              "CPU)")
+    add("--speculative", choices=SPECULATIVE_METHODS, default=None,
+        help="speculative decoding on every decode worker: ngram (prompt lookup; greedy and "
+             "seeded output unchanged). Default: off")
+    add("--num-speculative-tokens", type=int, default=None, metavar="K",
+        help="most draft tokens per sequence and step (the workers' default: 4)")
     add("--worker-args", default="", metavar="ARGS",
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",
@@ -179,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_transport=args.kv_transport,
+        speculative=_speculative_flags(args),
         worker_args=tuple(shlex.split(args.worker_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
         log_level=getattr(args, "log_level", "INFO"),
@@ -193,6 +200,19 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--certs and --insecure-internal exclude each other",
                                    param="insecure_internal")  # fmt: skip
     return asyncio.run(Launcher(config).run())
+
+
+def _speculative_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The decode workers' flags for ``--speculative`` / ``--num-speculative-tokens``."""
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None:
+            raise InvalidArgumentError("--num-speculative-tokens needs --speculative",
+                                       param="num_speculative_tokens")  # fmt: skip
+        return ()
+    flags = ["--speculative", args.speculative]
+    if args.num_speculative_tokens is not None:
+        flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    return tuple(flags)
 
 
 # ------------------------------------------------------------------------------------- processes

@@ -188,6 +188,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     up = start_up(
         "--prefill", "1", "--decode", "1", *port_flags(1, 1), "--gateway-port", str(gateway_port),
         "--gateway-args", "--remote-prefill-min-tokens 0",  # every prompt crosses the KV hand-off
+        "--speculative", "ngram",  # the speculative-decoding panels need drafts
         gateway=True,
     )  # fmt: skip
     up.wait_ready()

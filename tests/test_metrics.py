@@ -28,6 +28,8 @@ SPEC_METRICS = {
     "tandem:kv_cache_usage_perc": "gauge",
     "tandem:kv_blocks_in_use": "gauge",
     "tandem:prefix_cache_hits_total": "counter",
+    "tandem:spec_decode_num_draft_tokens_total": "counter",
+    "tandem:spec_decode_num_accepted_tokens_total": "counter",
     "tandem:kv_transfer_bytes_total": "counter",
     "tandem:kv_transfer_seconds": "histogram",
     "tandem:kv_transfer_failures_total": "counter",

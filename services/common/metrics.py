@@ -168,6 +168,23 @@ class TandemMetrics:
             "Sequences preempted because KV blocks ran out.",
             registry=r,
         )
+        # Speculative decoding (vLLM's spec_decode_* names; services/engine/core/speculative.py).
+        self.spec_decode_num_drafts = Counter(
+            "tandem:spec_decode_num_drafts_total",
+            "Verifications of at least one draft token.", registry=r,
+        )  # fmt: skip
+        self.spec_decode_num_draft_tokens = Counter(
+            "tandem:spec_decode_num_draft_tokens_total", "Draft tokens scored.", registry=r,
+        )  # fmt: skip
+        self.spec_decode_num_accepted_tokens = Counter(
+            "tandem:spec_decode_num_accepted_tokens_total",
+            "Draft tokens accepted (each a token without a step of its own).", registry=r,
+        )  # fmt: skip
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos_total",
+            "Draft tokens accepted, by draft position (0 = the first draft).", ["position"],
+            registry=r,
+        )  # fmt: skip
 
         # KV hand-off (docs/kv-handoff.md).
         self.kv_transfer_bytes = Counter(

@@ -31,6 +31,8 @@ class EngineStats:
         num_preemptions: sequences preempted for lack of blocks so far.
         block_size: token slots per block.
         prefix_hits / prefix_queries: prompt tokens served from / looked up in the prefix cache.
+        spec_drafts / spec_draft_tokens / spec_accepted_tokens / spec_accepted_per_position:
+            speculative decoding's counters so far (``speculative.SpecDecodeStats``).
         updated: ``time.monotonic()`` when the snapshot was taken.
     """
 
@@ -47,6 +49,10 @@ class EngineStats:
     prefix_hits: int
     prefix_queries: int
     updated: float
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -65,6 +71,7 @@ class StatsPublisher:
     def publish(self, *, num_held_requests: int, num_steps: int, max_batch_size: int) -> EngineStats:
         bm = self.engine.block_manager.stats()
         scheduler = self.engine.scheduler
+        spec = self.engine.spec_stats
         stats = EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -79,6 +86,10 @@ class StatsPublisher:
             prefix_hits=bm.prefix_hits,
             prefix_queries=bm.prefix_queries,
             updated=time.monotonic(),
+            spec_drafts=spec.num_drafts,
+            spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
         )
         m, last = self.metrics, self._last
         if m is not None:
@@ -88,5 +99,20 @@ class StatsPublisher:
                 m.prefix_cache_hits.inc(stats.prefix_hits - last.prefix_hits)
                 m.prefix_cache_queries.inc(stats.prefix_queries - last.prefix_queries)
                 m.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+                _record_speculation(m, stats, last)
         self._last = stats
         return stats
+
+
+def _record_speculation(m: TandemMetrics, stats: EngineStats, last: EngineStats) -> None:
+    """Mirror the speculative-decoding counters' growth since ``last`` into ``m``."""
+    if stats.spec_drafts == last.spec_drafts:
+        return
+    m.spec_decode_num_drafts.inc(stats.spec_drafts - last.spec_drafts)
+    m.spec_decode_num_draft_tokens.inc(stats.spec_draft_tokens - last.spec_draft_tokens)
+    m.spec_decode_num_accepted_tokens.inc(stats.spec_accepted_tokens - last.spec_accepted_tokens)
+    before = last.spec_accepted_per_position
+    for position, count in enumerate(stats.spec_accepted_per_position):
+        grown = count - (before[position] if position < len(before) else 0)
+        if grown:
+            m.spec_decode_num_accepted_tokens_per_pos.labels(position=str(position)).inc(grown)

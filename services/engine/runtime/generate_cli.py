@@ -15,7 +15,12 @@ import sys
 
 from services.common.model_source import resolve_model
 from services.common.sampling_params import SamplingParams
-from services.engine.runtime.worker_options import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+from services.engine.runtime.worker_options import (
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    add_speculative_arguments,
+    speculative_from_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
                         help="auto (default) | float32 | bfloat16 | float16 | q8_0, as for the workers")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_speculative_arguments(parser)
     parser.set_defaults(inputs=[])
 
 
@@ -82,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             prompts.append(tokenizer.encode(text))
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, len(prompts)),
-                                            kv_cache_dtype=args.kv_cache_dtype),
+                                            kv_cache_dtype=args.kv_cache_dtype,
+                                            speculative=speculative_from_args(args)),
                        eos_token_ids=tokenizer.eos_token_ids or None)
     with torch.inference_mode():
         outputs = engine.generate(prompts, params, output_filter=OutputText(tokenizer))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from services.common.cpu_list import parse_cpus
 from services.common.errors import InvalidArgumentError
+from services.engine.core.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 
 if TYPE_CHECKING:
     from services.common.internal_tls import InternalTls
@@ -64,6 +65,8 @@ class WorkerOptions:
             server and its channels to decode workers use it. None is not "plaintext": a worker
             refuses to start without one (``InternalTls.plaintext()`` is plaintext).
         health_port: also serve plaintext ``grpc.health.v1`` alone on this port (None: no).
+        speculative: speculative decoding (``--speculative ngram`` and its knobs;
+            ``services/engine/core/speculative.py``); None decodes one token per step.
     """
 
     model: str = "default"
@@ -88,6 +91,7 @@ class WorkerOptions:
     enforce_eager: bool = False
     tls: InternalTls | None = None
     health_port: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def internal_tls(self) -> InternalTls:
         """:attr:`tls`, or InvalidArgumentError when none was given (mTLS is not optional)."""
@@ -123,6 +127,7 @@ class WorkerOptions:
             enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=not self.enforce_eager,
             prefix_salt=self.tls.prefix_salt if self.tls is not None else b"",
+            speculative=self.speculative.validate() if self.speculative is not None else None,
         )
 
 
@@ -183,9 +188,41 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                              "CUDA workers, gRPC on CPU workers; NCCL across GPUs is not built: "
                              "it needs a multi-GPU machine to be tested); control always stays on "
                              "gRPC (env TANDEM_KV_TRANSPORT)")
+    add_speculative_arguments(parser)
     from services.common.internal_tls import add_tls_arguments
 
     add_tls_arguments(parser)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """The speculative-decoding flags (workers and ``tandem generate``)."""
+    env = os.environ.get
+    parser.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                        default=env("TANDEM_SPECULATIVE") or None,
+                        help="speculative decoding: ngram (prompt lookup: propose the tokens that "
+                             "followed the last n tokens' most recent earlier occurrence, verify "
+                             "them in one forward pass; greedy and seeded output unchanged). "
+                             "Default: off (env TANDEM_SPECULATIVE)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                        help="most draft tokens per sequence and step (default 4)")
+    parser.add_argument("--ngram-max", type=int, default=4,
+                        help="longest suffix prompt lookup matches (default 4)")
+    parser.add_argument("--ngram-min", type=int, default=1,
+                        help="shortest suffix prompt lookup matches (default 1)")
+    parser.add_argument("--speculative-max-batch", type=int, default=4, metavar="N",
+                        help="speculate only while at most N sequences run (default 4: larger "
+                             "batches already use the weight read)")
+
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative-decoding settings the flags ask for (validated), None when off."""
+    if not getattr(args, "speculative", None):
+        return None
+    return SpeculativeConfig(
+        method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+        max_batch=args.speculative_max_batch,
+    ).validate()
 
 
 def resolve_kv_transport(choice: str, device: str) -> str:
@@ -237,4 +274,5 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         threads=args.threads, cpus=args.cpus, grace=args.grace, kv_transport=args.kv_transport,
         enforce_eager=args.enforce_eager, tls=tls,
         health_port=None if args.health_port < 0 else args.health_port,
+        speculative=speculative_from_args(args),
     )
