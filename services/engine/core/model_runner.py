@@ -95,11 +95,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Compute every scheduled slice; sample rows whose sequence reached its end (a
-        speculating sequence's first position; its drafts' logits come back unsampled)."""
-        if batch.is_decode and self.graphs is not None:
-            sampled = self._replay_decode(batch)
-            if sampled is not None:
-                return StepResult(sampled)
+        speculating sequence's first position; its drafts' logits come back unsampled).
+
+        A speculating sequence's last token and its ``d`` drafts run as ``d + 1`` decode rows of
+        its own table, at consecutive positions, each attending to the context up to itself: what
+        ``d + 1`` one-token steps would compute, in one pass (the K/V of a layer's rows are stored
+        before any of them attends), so a batch of decodes and drafts stays a decode batch (the
+        one-call C layers on CPU, the captured graphs on CUDA)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -109,32 +111,44 @@ class ModelRunner:
         draft_rows: list[int] = []  # every draft position's row, item by item
         prompt_counts: list[int] = []
         for item in batch.items:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            drafts = item.num_draft_tokens
+            seq, start, drafts = item.seq, item.seq.num_computed_tokens, item.num_draft_tokens
+            n = item.num_new_tokens - drafts
             prompt_counts.append(max(0, min(n, len(seq.prompt_token_ids) - start)))
-            input_ids.extend(token_slice(seq, start, start + n - drafts))
-            input_ids.extend(seq.draft_token_ids[:drafts])
+            input_ids.extend(token_slice(seq, start, start + n))
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_ids)
             if item.sample:
-                sample_rows.append(len(input_ids) - 1 - drafts)
-                draft_rows.extend(range(len(input_ids) - drafts, len(input_ids)))
-        meta = AttentionMetadata.build(
-            is_prefill=not batch.is_decode,
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=tables,
-            block_size=self.block_size,
-            device=self.device,
-            prompt_counts=prompt_counts,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+                sample_rows.append(len(input_ids) - 1)
+            for offset, token in enumerate(seq.draft_token_ids[:drafts], start=start + n):
+                draft_rows.append(len(input_ids))
+                input_ids.append(token)
+                positions.append(offset)
+                query_lens.append(1)
+                context_lens.append(offset + 1)
+                tables.append(seq.block_ids)
+                prompt_counts.append(0)
         phases = self.phases
-        phases.lap("inputs")
-        hidden = self.model(ids, pos, self.kv, meta)
+        hidden = None
+        if batch.is_decode and self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, tables)
+            if hidden is not None:
+                phases.lap("forward")  # a replay's inputs are copied inside the graph's run
+        if hidden is None:
+            meta = AttentionMetadata.build(
+                is_prefill=not batch.is_decode,
+                query_lens=query_lens,
+                context_lens=context_lens,
+                block_tables=tables,
+                block_size=self.block_size,
+                device=self.device,
+                prompt_counts=prompt_counts,
+            )
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            phases.lap("inputs")
+            hidden = self.model(ids, pos, self.kv, meta)
         if not sample_rows:
             phases.lap("forward")
             return StepResult(None)
@@ -147,26 +161,6 @@ class ModelRunner:
         sampled = self.sampler(logits[: len(sample_rows)], states)
         phases.lap("sample")
         return StepResult(sampled, logits[len(sample_rows) :] if draft_rows else None)
-
-    def _replay_decode(self, batch: ScheduledBatch) -> SamplerOutput | None:
-        """A decode step through a captured graph; None when none fits (run it eagerly)."""
-        assert self.graphs is not None
-        seqs = [item.seq for item in batch.items]
-        hidden = self.graphs.run(
-            [token_slice(seq, seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-            [seq.block_ids for seq in seqs],
-        )
-        if hidden is None:
-            return None
-        rows = [i for i, item in enumerate(batch.items) if item.sample]
-        if len(rows) < len(seqs):
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        self.phases.lap("forward")  # a replay's inputs are copied inside the graph's run
-        sampled = self.sampler(logits, [batch.items[i].seq.sampling for i in rows])
-        self.phases.lap("sample")
-        return sampled
 
     TUNE_CONTEXT = 128  # tokens each timed sequence attends to
     # The one call and the per-op path run the same kernels (same bits); the one call only saves

@@ -45,8 +45,10 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        """True when every sequence computes exactly one token (the fast batched path)."""
-        return all(item.num_new_tokens == 1 for item in self.items)
+        """True when every sequence computes exactly one token of its own, drafts aside (the fast
+        batched path: a speculating sequence's last token and drafts run as one decode row each,
+        ``model_runner``)."""
+        return all(item.num_new_tokens - item.num_draft_tokens == 1 for item in self.items)
 
 
 class Scheduler:
