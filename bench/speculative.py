@@ -136,7 +136,7 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=8, help="requests per level")
     parser.add_argument("--output-tokens", type=int, default=160)
     parser.add_argument("--text-tokens", type=int, default=500)
-    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

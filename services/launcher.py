@@ -142,7 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding on every decode worker: ngram (prompt lookup; greedy and "
              "seeded output unchanged). Default: off")
     add("--num-speculative-tokens", type=int, default=None, metavar="K",
-        help="most draft tokens per sequence and step (the workers' default: 4)")
+        help="most draft tokens per sequence and step (the workers' default: 8)")
     add("--worker-args", default="", metavar="ARGS",
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",

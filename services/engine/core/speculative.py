@@ -60,7 +60,7 @@ class SpeculativeConfig:
     ``--ngram-min``, ``--speculative-max-batch``)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 8
     ngram_max: int = 4
     ngram_min: int = 1
     max_batch: int = 4

@@ -203,8 +203,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                              "followed the last n tokens' most recent earlier occurrence, verify "
                              "them in one forward pass; greedy and seeded output unchanged). "
                              "Default: off (env TANDEM_SPECULATIVE)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                        help="most draft tokens per sequence and step (default 4)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K",
+                        help="most draft tokens per sequence and step (default 8; each "
+                             "sequence's drafts adapt: one more than it accepted last)")
     parser.add_argument("--ngram-max", type=int, default=4,
                         help="longest suffix prompt lookup matches (default 4)")
     parser.add_argument("--ngram-min", type=int, default=1,
