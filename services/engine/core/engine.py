@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import torch
 
 from services.common.errors import InvalidArgumentError, TandemError
 from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
-from services.engine.core.attention import TorchPagedAttention
 from services.engine.core.grammar import GrammarCompiler, OwnedMatcher, advance
-from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention, auto_cache_dtype
-from services.engine.core.kv_cache import Q8_0, KVDtype, KVLayout, KVPool, kv_cache_dtype
+from services.engine.core.kv_cache import KVLayout, KVPool
+from services.engine.core.kv_dtype import dtype_name, engine_kv_dtype
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.model_runner import ModelRunner
 from services.engine.core.sampler import (
@@ -53,7 +49,8 @@ from services.engine.core.sampler import (
 )
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Sequence
-from services.engine.core.speculative import PromptLookup, SpecDecodeStats, SpeculativeConfig
+from services.engine.core.spec_decoder import SpecDecoder, Verification
+from services.engine.core.speculative import SpeculativeConfig
 from services.engine.core.step_phases import StepPhases
 
 logger = logging.getLogger(__name__)
@@ -93,18 +90,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     error: TandemError | None = None  # this request failed alone (finish reason "error")
-
-
-@dataclass(slots=True)
-class _Verification:
-    """A speculating sequence's drafts in this step: its output so far, the row of its first
-    draft position in the step's draft logits, and how many drafts were accepted."""
-
-    seq: Sequence
-    out: RequestOutput
-    drafts: list[int]
-    first_row: int
-    accepted: int = 0
 
 
 GRAMMAR_FAILED = "grammar_failed"
@@ -149,19 +134,13 @@ class LLMEngine:
         self.loaded = loaded
         model_cfg = loaded.config
         device = next(loaded.model.parameters()).device
-        kv_dtype = kv_cache_dtype(self.config.kv_cache_dtype, loaded.dtype,
-                                  _auto_kv_dtype(loaded, device), device.type)  # fmt: skip
-        if kv_dtype == Q8_0:
-            _check_q8_0_backend(loaded)
-        if kv_dtype != loaded.dtype:
-            logger.info("KV cache in %s (the model computes in %s; kv cache dtype %s)",
-                        _name(kv_dtype), _name(loaded.dtype), self.config.kv_cache_dtype)  # fmt: skip
+        kv_dtype = engine_kv_dtype(loaded, device, self.config.kv_cache_dtype)
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
             block_size=self.config.block_size,
             num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim,
-            dtype=_name(kv_dtype),
+            dtype=dtype_name(kv_dtype),
         )
         num_blocks = self.config.num_blocks or max(2, self.config.kv_cache_bytes // self.layout.block_bytes)
         graphs = self.config.cuda_graphs and device.type == "cuda"
@@ -189,9 +168,9 @@ class LLMEngine:
                 scratch_block=num_blocks,
             )
         self._finished: list[RequestOutput] = []
-        self.spec_stats = SpecDecodeStats()
-        if self.config.speculative is not None:
-            self.config.speculative.validate()
+        self.spec = SpecDecoder(self.config.speculative, self.sampler, self.block_manager,
+                                self.max_model_len)  # fmt: skip
+        self.spec_stats = self.spec.stats
 
     # ---- entry points -------------------------------------------------------------------
     def add_request(
@@ -305,7 +284,7 @@ class LLMEngine:
         phases = self.phases
         phases.start()
         outputs, self._finished = self._finished, []
-        self._propose()
+        self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch is None:
             outputs.extend(self._fail_unschedulable())
@@ -321,7 +300,7 @@ class LLMEngine:
         sampled = result.sampled
         row = 0
         draft_row = 0
-        verify: list[_Verification] = []
+        verify: list[Verification] = []
         for item in batch.items:
             seq = item.seq
             self._computed(seq, item.num_new_tokens - item.num_draft_tokens)
@@ -335,13 +314,13 @@ class LLMEngine:
             failure = sampled.failures.get(row)
             self._emit(seq, out, sampled.token_ids[row], sampled.logprobs[row], failure)
             if item.num_draft_tokens:
-                verify.append(_Verification(seq, out, list(seq.draft_token_ids), draft_row))
+                verify.append(Verification(seq, out, list(seq.draft_token_ids), draft_row))
                 draft_row += item.num_draft_tokens
             row += 1
             outputs.append(out)
         if verify:
             assert result.draft_logits is not None
-            self._verify(verify, result.draft_logits)
+            self.spec.verify(verify, result.draft_logits, self._emit, self._computed)
         for item in batch.items:
             item.seq.draft_token_ids.clear()
         phases.lap("postprocess")
@@ -405,72 +384,6 @@ class LLMEngine:
         except Exception as err:  # noqa: BLE001 - this request's failure, not the step's
             self._fail_request(seq, out, TandemError(
                 f"request {seq.request_id} failed while appending its token: {err}"))
-
-    def _propose(self) -> None:
-        """Set this step's drafts of every running sequence that speculates (speculative.py):
-        in pure decode, its request not opted out, while the batch is small enough."""
-        spec = self.config.speculative
-        running = self.scheduler.running
-        for seq in running:
-            seq.draft_token_ids = []
-        if spec is None or not running or len(running) > spec.max_batch:
-            return
-        k = spec.num_speculative_tokens
-        for seq in running:
-            if seq.prefill_only or not seq.params.speculative or seq.num_uncomputed != 1:
-                continue
-            # a step emits at most drafts + 1 tokens: never past max_tokens or the context
-            room = min(seq.params.max_tokens - len(seq.output_token_ids),
-                       self.max_model_len - seq.num_tokens) - 1  # fmt: skip
-            if room < 1:
-                continue
-            if seq.lookup is None:
-                seq.lookup = PromptLookup(k)
-            drafts = seq.lookup.propose(seq.all_token_ids(), min(room, seq.lookup.draft_len),
-                                        spec.ngram_max, spec.ngram_min)  # fmt: skip
-            matcher = seq.sampling.matcher
-            if drafts and matcher is not None:  # what the grammar forbids is never scored
-                drafts = drafts[: matcher.validate_tokens(drafts)]
-            seq.draft_token_ids = drafts
-
-    def _verify(self, pending: list[_Verification], logits: torch.Tensor) -> None:
-        """Emit what each speculating sequence's draft positions allow, position by position
-        (speculative.py): the row after draft ``j`` is sampled only when the token sampled before
-        it equalled draft ``j``; the KV of every accepted draft is kept, blocks past the
-        sequence's tokens are returned."""
-        active = [v for v in pending if self._accepts(v, 0)]
-        position = 0
-        while active:
-            rows = torch.tensor([v.first_row + position for v in active], device=logits.device)
-            sampled = self.sampler(logits.index_select(0, rows), [v.seq.sampling for v in active])
-            still: list[_Verification] = []
-            for i, v in enumerate(active):
-                self._emit(v.seq, v.out, sampled.token_ids[i], sampled.logprobs[i],
-                           sampled.failures.get(i))  # fmt: skip
-                if self._accepts(v, position + 1):
-                    still.append(v)
-            active = still
-            position += 1
-        k = self.config.speculative.num_speculative_tokens if self.config.speculative else 1
-        for v in pending:
-            self.spec_stats.record(len(v.drafts), v.accepted)
-            seq = v.seq
-            if seq.lookup is not None:
-                seq.lookup.adapt(v.accepted, k)
-            if not seq.finished:  # blocks that hold only rejected drafts go back at once
-                keep = self.block_manager.blocks_needed(seq.num_tokens)
-                if len(seq.block_ids) > keep:
-                    self.block_manager.free(seq.block_ids[keep:])
-                    del seq.block_ids[keep:]
-
-    def _accepts(self, v: _Verification, position: int) -> bool:
-        """Whether the token just emitted for ``v`` equals draft ``position`` (its KV, written by
-        this step, is then the sequence's): counted, and its row may be sampled."""
-        if v.seq.finished or position >= len(v.drafts) or v.out.new_token_ids[-1:] != [v.drafts[position]]:
-            return False
-        v.accepted += 1
-        self._computed(v.seq, 1)
-        return True
 
     def _token_ids(self, ids: Seq[int], param: str) -> list[int]:
         """``ids`` as ints, each checked to be in the vocabulary (InvalidArgumentError naming
@@ -579,31 +492,3 @@ class LLMEngine:
                 outputs.append(RequestOutput(seq.request_id, finished=True, finish_reason="length",
                                              num_prompt_tokens=len(seq.prompt_token_ids)))
         return outputs
-
-
-def _auto_kv_dtype(loaded: LoadedModel, device: torch.device) -> Callable[[], torch.dtype] | None:
-    """What ``--kv-cache-dtype auto`` asks for a float32 model on CPU whose attention runs the C
-    kernels: the cache dtype they read at least as fast as float32 on this instruction set; None
-    elsewhere (the model's own dtype)."""
-    layers = loaded.model.layers
-    backend = layers[0].self_attn.backend if layers else None
-    if not isinstance(backend, CpuPagedAttention) or device.type != "cpu" or loaded.dtype != torch.float32:
-        return None
-    return auto_cache_dtype
-
-
-def _check_q8_0_backend(loaded: LoadedModel) -> None:
-    """A ``q8_0`` cache is read by the CPU kernels and the torch reference only (another
-    backend, Triton under its CPU interpreter, reads float caches): InvalidArgumentError else."""
-    layers = loaded.model.layers
-    backend = layers[0].self_attn.backend if layers else None
-    if backend is not None and type(backend) not in (CpuPagedAttention, TorchPagedAttention):
-        raise InvalidArgumentError(
-            f"--kv-cache-dtype q8_0 needs the cpu or torch attention backend, not "
-            f"{type(backend).__name__}",
-            param="kv_cache_dtype",
-        )
-
-
-def _name(dtype: KVDtype) -> str:
-    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")

@@ -36,6 +36,10 @@ the GIL, so this is a real race, not a theoretical one):
   nor a failed forward pass), and implicitly: any engine-thread call on a lent matcher
   (``validate_tokens`` in the greedy fast path, ``consume_token`` after sampling) first waits for
   the job and takes the matcher back.
+* Speculative decoding's draft positions (``spec_decoder.py``) are sampled after the step's
+  job is joined, on the engine thread: their masks are computed there by :meth:`take`, and a
+  request's drafts are checked against its grammar (``validate_tokens``) before the step, with
+  the matcher at home.
 * Between steps nothing is lent, so everything else the engine thread does to a matcher — an
   abort, a preemption, a migrated stream's replay (``advance``), the first token of a prefilled
   hand-in — runs with the matcher at home. The compiler's cached fresh matchers and the
