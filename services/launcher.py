@@ -143,6 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "seeded output unchanged). Default: off")
     add("--num-speculative-tokens", type=int, default=None, metavar="K",
         help="most draft tokens per sequence and step (the workers' default: 8)")
+    add("--draft-model", default=None, metavar="MODEL",
+        help="the draft model of --speculative draft (same vocabulary as --model)")
     add("--worker-args", default="", metavar="ARGS",
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",
@@ -210,6 +212,8 @@ def _speculative_flags(args: argparse.Namespace) -> tuple[str, ...]:
                                        param="num_speculative_tokens")  # fmt: skip
         return ()
     flags = ["--speculative", args.speculative]
+    if args.draft_model is not None:
+        flags += ["--draft-model", args.draft_model]
     if args.num_speculative_tokens is not None:
         flags += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     return tuple(flags)

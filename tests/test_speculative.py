@@ -43,8 +43,9 @@ def _kernels() -> Iterator[None]:
         yield
 
 
-def _engine(loaded: LoadedModel, spec: SpeculativeConfig | None, **extra: Any) -> LLMEngine:
-    return LLMEngine(loaded, EngineConfig(num_blocks=256, speculative=spec, **extra))
+def _engine(loaded: LoadedModel, spec: SpeculativeConfig | None, draft: LoadedModel | None = None,
+            **extra: Any) -> LLMEngine:  # fmt: skip
+    return LLMEngine(loaded, EngineConfig(num_blocks=256, speculative=spec, **extra), draft=draft)
 
 
 def _result(out: RequestOutput) -> Result:
@@ -303,6 +304,71 @@ def test_the_default_model_copies_faster_and_its_json_stays_valid() -> None:
     assert outs[0].new_token_ids == outs[1].new_token_ids
     value = json.loads(tokenizer.decode(outs[1].new_token_ids))  # valid JSON, of the schema
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+# ------------------------------------------------------------------------------ draft model
+
+DRAFT = SpeculativeConfig(method="draft", draft_model="(in process)", num_speculative_tokens=4,
+                          max_batch=64)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """Another, smaller model with the tiny model's vocabulary (other weights)."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("draft") / "d", 512, context=1024, hidden=32)
+    return load_model(str(folder), "float32")
+
+
+def test_a_draft_model_changes_no_output(tiny: LoadedModel, small_draft: LoadedModel) -> None:
+    prompts = _repetitive_prompts(512, 9, count=3)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True)
+    for draft in (tiny, small_draft):  # a self-draft (every guess right) and another model
+        for params in (greedy, seeded):
+            expected = [_result(o) for o in _engine(tiny, None).generate(prompts, params)]
+            engine = _engine(tiny, DRAFT, draft)
+            assert [_result(o) for o in engine.generate(prompts, params)] == expected
+            assert engine.spec_stats.num_drafts > 0
+            assert engine.block_manager.num_blocks_in_use == 0
+            assert engine.spec.draft is not None and engine.spec.draft.num_blocks_in_use == 0
+            if draft is tiny and params is greedy:  # the mirrors follow their targets exactly
+                assert engine.spec_stats.acceptance_rate == 1.0, engine.spec_stats
+
+
+def test_a_draft_model_after_a_hand_off_and_aborts(tiny: LoadedModel, small_draft: LoadedModel) -> None:
+    prompt = _repetitive_prompts(512, 10, count=1)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = _result(_engine(tiny, None).generate([prompt], params)[0])
+    prefill, decode = _engine(tiny, None), _engine(tiny, DRAFT, tiny)
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    done = [o for o in _drain(prefill) if o.finish_reason == "prefilled"][0]
+    dest = decode.block_manager.allocate(len(done.block_ids))
+    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
+    prefill.release_blocks(done.block_ids)
+    first = decode.add_prefilled("r", prompt, params, block_ids=dest, first_token_id=done.new_token_ids[0],
+                                 first_logprob=done.new_logprobs[0])  # fmt: skip
+    assert _follow(first + _drain(decode))[0] == expected[0]  # the draft built its prompt KV here
+    assert decode.spec_stats.acceptance_rate == 1.0
+    engine = _engine(tiny, DRAFT, small_draft)
+    for i, p in enumerate(_repetitive_prompts(512, 11, count=3)):
+        engine.add_request(f"a{i}", p, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort("a0")
+    engine.step()
+    assert engine.spec.draft is not None
+    engine.abort("a1")
+    assert len(engine.spec.draft._mirrors) == 1  # the aborted requests' mirrors are gone at once
+    _drain(engine)
+    assert engine.block_manager.num_blocks_in_use == 0 and engine.spec.draft.num_blocks_in_use == 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny: LoadedModel, tmp_path: Path) -> None:
+    other = load_model(str(write_tiny_model(tmp_path / "v", 256, context=1024, hidden=32)), "float32")
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        _engine(tiny, DRAFT, other)
+    with pytest.raises(InvalidArgumentError, match="draft"):
+        _engine(tiny, DRAFT)  # the method without a model
 
 
 def _drain(engine: LLMEngine) -> list[RequestOutput]:

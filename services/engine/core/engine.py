@@ -35,6 +35,7 @@ from services.common.errors import InvalidArgumentError, TandemError
 from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
+from services.engine.core.draft_proposer import DraftProposer
 from services.engine.core.grammar import GrammarCompiler, OwnedMatcher, advance
 from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.kv_dtype import dtype_name, engine_kv_dtype
@@ -124,11 +125,13 @@ class LLMEngine:
         *,
         eos_token_ids: Seq[int] | None = None,
         grammars: GrammarCompiler | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         """``eos_token_ids`` (default: the model config's) end a request unless ``ignore_eos``;
         workers pass the tokenizer's, which may list more (e.g. a chat end-of-turn token).
         ``grammars``: the tokenizer's grammar compiler (requests with a ``grammar`` are refused
-        without one)."""
+        without one). ``draft``: the draft model of ``--speculative draft`` (its own KV pool,
+        as many blocks as this engine's)."""
         self.config = config or EngineConfig()
         self.grammars = grammars
         self.loaded = loaded
@@ -168,8 +171,12 @@ class LLMEngine:
                 scratch_block=num_blocks,
             )
         self._finished: list[RequestOutput] = []
+        drafter = None
+        if draft is not None:
+            drafter = DraftProposer(draft, loaded, block_size=self.config.block_size,
+                                    num_blocks=num_blocks, eos_token_ids=tuple(self.eos_token_ids))  # fmt: skip
         self.spec = SpecDecoder(self.config.speculative, self.sampler, self.block_manager,
-                                self.max_model_len)  # fmt: skip
+                                self.max_model_len, drafter)  # fmt: skip
         self.spec_stats = self.spec.stats
 
     # ---- entry points -------------------------------------------------------------------
@@ -244,6 +251,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, "abort")
+        self.spec.forget(request_id)
         self._finished.append(
             RequestOutput(request_id, finished=True, finish_reason="abort",
                           num_prompt_tokens=len(seq.prompt_token_ids))
@@ -269,6 +277,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, reason)
+        self.spec.forget(request_id)
         return True
 
     def release_blocks(self, block_ids: Seq[int]) -> None:
@@ -323,6 +332,8 @@ class LLMEngine:
             self.spec.verify(verify, result.draft_logits, self._emit, self._computed)
         for item in batch.items:
             item.seq.draft_token_ids.clear()
+            if item.seq.finished:
+                self.spec.forget(item.seq.request_id)
         phases.lap("postprocess")
         return outputs
 
@@ -478,6 +489,7 @@ class LLMEngine:
         logger.warning("request %s failed alone: %s", seq.request_id, error.message)
         if self.scheduler.find(seq.request_id) is seq:
             self.scheduler.finish(seq, "error")
+            self.spec.forget(seq.request_id)
         out.finished, out.finish_reason, out.error = True, "error", error
         out.block_ids = []
 

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from services.common.errors import InvalidArgumentError
 from services.engine.core.block_manager import BlockManager
+from services.engine.core.draft_proposer import DraftProposer
 from services.engine.core.sampler import Sampler, TokenLogprobs
 from services.engine.core.sequence import Sequence
 from services.engine.core.speculative import PromptLookup, SpecDecodeStats, SpeculativeConfig
@@ -55,12 +57,23 @@ class SpecDecoder:
         sampler: Sampler,
         block_manager: BlockManager,
         max_model_len: int,
+        draft: DraftProposer | None = None,
     ) -> None:
+        """``draft``: the draft model's proposer, which the ``draft`` method needs."""
         self.config = config.validate() if config is not None else None
+        if self.config is not None and self.config.method == "draft" and draft is None:
+            raise InvalidArgumentError("--speculative draft needs a draft model (--draft-model)",
+                                       param="draft_model")  # fmt: skip
         self.sampler = sampler
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.draft = draft
         self.stats = SpecDecodeStats()
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: its draft model mirror (if any) goes."""
+        if self.draft is not None:
+            self.draft.forget([request_id])
 
     def propose(self, running: Seq[Sequence]) -> None:
         """Set this step's drafts of every running sequence that speculates: in pure decode,
@@ -68,10 +81,13 @@ class SpecDecoder:
         than the request's ``max_tokens`` or the context leave room for."""
         for seq in running:
             seq.draft_token_ids = []
+        if self.draft is not None:
+            self.draft.keep_only({seq.request_id for seq in running})
         spec = self.config
         if spec is None or not running or len(running) > spec.max_batch:
             return
         k = spec.num_speculative_tokens
+        wanted: list[tuple[Sequence, int]] = []
         for seq in running:
             if seq.prefill_only or not seq.params.speculative or seq.num_uncomputed != 1:
                 continue
@@ -80,10 +96,17 @@ class SpecDecoder:
                        self.max_model_len - seq.num_tokens) - 1  # fmt: skip
             if room < 1:
                 continue
-            if seq.lookup is None:
+            if seq.lookup is None:  # (the draft method uses only its adaptive draft length)
                 seq.lookup = PromptLookup(k)
-            drafts = seq.lookup.propose(seq.all_token_ids(), min(room, seq.lookup.draft_len),
-                                        spec.ngram_max, spec.ngram_min)  # fmt: skip
+            wanted.append((seq, min(room, seq.lookup.draft_len)))
+        if self.draft is not None:
+            proposed = self.draft.propose(wanted)
+        else:
+            proposed = {seq.request_id: seq.lookup.propose(seq.all_token_ids(), n, spec.ngram_max,
+                                                           spec.ngram_min)  # type: ignore[union-attr]
+                        for seq, n in wanted}  # fmt: skip
+        for seq, _ in wanted:
+            drafts = proposed.get(seq.request_id, [])
             matcher = seq.sampling.matcher
             if drafts and matcher is not None:  # what the grammar forbids is never scored
                 drafts = drafts[: matcher.validate_tokens(drafts)]
@@ -113,7 +136,9 @@ class SpecDecoder:
             seq = v.seq
             if seq.lookup is not None:
                 seq.lookup.adapt(v.accepted, k)
-            if not seq.finished:  # blocks that hold only rejected drafts go back at once
+            if seq.finished:
+                self.forget(seq.request_id)
+            else:  # blocks that hold only rejected drafts go back at once
                 keep = self.block_manager.blocks_needed(seq.num_tokens)
                 if len(seq.block_ids) > keep:
                     self.block_manager.free(seq.block_ids[keep:])

@@ -3,8 +3,9 @@ in one forward pass, and keep each guess it agrees with as a token that cost no 
 
 A batch-1 decode step reads every weight once to make one token, so its cost is the weight read
 (the memory ceiling); the same read scores several positions of one sequence at little more
-cost. Tandem's proposer is **prompt lookup** (``--speculative ngram``; vLLM's n-gram proposer,
-llama.cpp's lookup decoding): find the most recent earlier occurrence of the sequence's last
+cost. Tandem has two proposers. A **draft model** (``--speculative draft --draft-model PATH``,
+``draft_proposer.py``): a smaller model with the same vocabulary, greedy. And **prompt lookup**
+(``--speculative ngram``; vLLM's n-gram proposer, llama.cpp's lookup decoding): find the most recent earlier occurrence of the sequence's last
 ``n`` tokens (``ngram_min <= n <= ngram_max``, longest first) in its prompt and output, and propose
 the ``k`` tokens that followed it. Workloads that copy from their prompt (editing a document or
 code, answering from given text, JSON that repeats keys) accept several tokens a step.
@@ -23,7 +24,8 @@ Why this is exact: every emitted token is sampled from the target model's own di
 its position, with the request's parameters (penalties, ``logit_bias``, ``min_tokens``, top-k/p,
 min-p, grammar masks) over exactly the tokens before it; drafts only decide how many positions a
 step may emit. For a deterministic proposer (prompt lookup draws nothing), this is Leviathan et
-al.'s rejection rule with a one-hot draft distribution: the draft ``x`` is accepted with
+al.'s rejection rule with a one-hot draft distribution (the draft model proposes its argmax, so
+it draws nothing either): the draft ``x`` is accepted with
 probability ``p(x)``, and on rejection the token comes from ``p`` with ``x`` removed,
 renormalised. Each emitted token consumes exactly one draw of the request's generator, in the
 same order as without speculation, so **greedy output is token for token, and a seeded request
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgumentError
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_NGRAM = 16
 
@@ -57,13 +59,15 @@ MAX_NGRAM = 16
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """How a worker speculates (``--speculative``, ``--num-speculative-tokens``, ``--ngram-max``,
-    ``--ngram-min``, ``--speculative-max-batch``)."""
+    ``--ngram-min``, ``--speculative-max-batch``, ``--draft-model``, ``--draft-dtype``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 8
     ngram_max: int = 4
     ngram_min: int = 1
     max_batch: int = 4
+    draft_model: str | None = None  # the draft method's model (a path, ``default``, ...)
+    draft_dtype: str = "auto"
 
     def validate(self) -> SpeculativeConfig:
         """InvalidArgumentError naming the flag on any out-of-range value; return self."""
@@ -83,6 +87,9 @@ class SpeculativeConfig:
                 f"--ngram-min and --ngram-max must satisfy 1 <= min <= max <= {MAX_NGRAM}",
                 param="ngram_max",
             )
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise InvalidArgumentError("--speculative draft needs --draft-model, and --draft-model "
+                                       "needs --speculative draft", param="draft_model")  # fmt: skip
         if self.max_batch < 1:
             raise InvalidArgumentError("--speculative-max-batch must be at least 1",
                                        param="speculative_max_batch")  # fmt: skip

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from services.engine.core.engine import EngineConfig, LLMEngine
     from services.engine.core.loaders import load_model, parse_dtype
     from services.engine.runtime.output_text import OutputText
+    from services.engine.runtime.worker_runtime import load_draft
     from services.tokenizer.tokenizer import Tokenizer
 
     if not args.inputs:
@@ -87,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
             prompts.append(tokenizer.encode_chat(messages, add_generation_prompt=True))
         else:
             prompts.append(tokenizer.encode(text))
+    spec = speculative_from_args(args)
     engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, len(prompts)),
-                                            kv_cache_dtype=args.kv_cache_dtype,
-                                            speculative=speculative_from_args(args)),
+                                            kv_cache_dtype=args.kv_cache_dtype, speculative=spec),
+                       draft=load_draft(spec, loaded, tokenizer, "cpu"),
                        eos_token_ids=tokenizer.eos_token_ids or None)
     with torch.inference_mode():
         outputs = engine.generate(prompts, params, output_filter=OutputText(tokenizer))

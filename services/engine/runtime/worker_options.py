@@ -200,9 +200,11 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=SPECULATIVE_METHODS,
                         default=env("TANDEM_SPECULATIVE") or None,
                         help="speculative decoding: ngram (prompt lookup: propose the tokens that "
-                             "followed the last n tokens' most recent earlier occurrence, verify "
-                             "them in one forward pass; greedy and seeded output unchanged). "
-                             "Default: off (env TANDEM_SPECULATIVE)")
+                             "followed the last n tokens' most recent earlier occurrence) | draft "
+                             "(a smaller model with the same vocabulary, --draft-model, proposes "
+                             "greedily); the model verifies the guesses in one forward pass, "
+                             "greedy and seeded output unchanged. Default: off (env "
+                             "TANDEM_SPECULATIVE)")
     parser.add_argument("--num-speculative-tokens", type=int, default=8, metavar="K",
                         help="most draft tokens per sequence and step (default 8; each "
                              "sequence's drafts adapt: one more than it accepted last)")
@@ -210,6 +212,12 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest suffix prompt lookup matches (default 4)")
     parser.add_argument("--ngram-min", type=int, default=1,
                         help="shortest suffix prompt lookup matches (default 1)")
+    parser.add_argument("--draft-model", default=None, metavar="MODEL",
+                        help="the draft model of --speculative draft: default | a .gguf file | a "
+                             "Hugging Face folder, with the served model's vocabulary (e.g. the "
+                             "same model's 4-bit GGUF drafting for its float32 or 16-bit form)")
+    parser.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="the draft model's weight dtype (default auto)")
     parser.add_argument("--speculative-max-batch", type=int, default=4, metavar="N",
                         help="speculate only while at most N sequences run (default 4: larger "
                              "batches already use the weight read)")
@@ -223,6 +231,7 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
         method=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         max_batch=args.speculative_max_batch,
+        draft_model=getattr(args, "draft_model", None), draft_dtype=getattr(args, "draft_dtype", "auto"),
     ).validate()
 
 

@@ -35,6 +35,7 @@ from services.common.pb import prefix_cache_pb2_grpc
 from services.engine.core.engine import LLMEngine
 from services.engine.core.grammar import GrammarCompiler
 from services.engine.core.loaders import LoadedModel, load_model, parse_dtype
+from services.engine.core.speculative import SpeculativeConfig
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.output_text import OutputText
 from services.engine.runtime.prefix_cache_feed import PrefixCacheFeed
@@ -120,8 +121,36 @@ def build_engine(
         tokenizer.to_json() if tokenizer is not None else None, loaded.config.vocab_size,
         eos or loaded.config.eos_token_ids,
     )  # fmt: skip
-    engine = LLMEngine(loaded, options.engine_config(), eos_token_ids=eos, grammars=grammars)
+    draft = load_draft(options.speculative, loaded, tokenizer, options.device)
+    engine = LLMEngine(loaded, options.engine_config(), eos_token_ids=eos, grammars=grammars,
+                       draft=draft)  # fmt: skip
     return engine, OutputText(tokenizer) if tokenizer is not None else None
+
+
+def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, tokenizer: Tokenizer | None,
+               device: str) -> LoadedModel | None:  # fmt: skip
+    """The draft model of ``--speculative draft`` (None for any other method), refused with
+    InvalidArgumentError unless its tokenizer's vocabulary is the served model's token for
+    token."""
+    if spec is None or spec.method != "draft" or spec.draft_model is None:
+        return None
+    draft = load_model(spec.draft_model, parse_dtype(spec.draft_dtype), device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise InvalidArgumentError(
+            f"--draft-model {spec.draft_model} has {draft.config.vocab_size} tokens, the served "
+            f"model {target.config.vocab_size}: a draft model must share the tokenizer",
+            param="draft_model")
+    draft_tokenizer = load_tokenizer(draft.source) if tokenizer is not None else None
+    if tokenizer is not None and draft_tokenizer is not None:
+        ours = [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]
+        theirs = [draft_tokenizer.id_to_token(i) for i in range(draft_tokenizer.vocab_size)]
+        if ours != theirs:
+            raise InvalidArgumentError(
+                f"--draft-model {spec.draft_model}'s vocabulary differs from the served model's "
+                "(same size, other tokens): a draft model must share the tokenizer",
+                param="draft_model")
+    logger.info("speculative decoding with draft model %s (%s)", draft.source.name, draft.weight_format)
+    return draft
 
 
 async def start_serving(
