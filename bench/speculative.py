@@ -1,8 +1,13 @@
-"""Speculative decoding served: ``tandem up`` with and without ``--speculative ngram`` on a
+"""Speculative decoding served: ``tandem up`` with and without ``--speculative`` on a
 copy-heavy workload, ``tandem bench serve`` against each, in one run.
 
     python bench/speculative.py [--model default gemma3-270m] [--concurrency 1 16]
         [--num-prompts 8] [--output-tokens 160] [--text-tokens 500] [--output-dir DIR]
+        [--method ngram | --method draft --draft-model default --dtype float32]
+
+``--method draft`` measures a draft model instead of prompt lookup (e.g. a quantized self-draft:
+the served model as ``--dtype float32`` and its own 4-bit GGUF drafting with ``--draft-model
+default``); ``--dtype`` applies to both runs.
 
 The workload: chat requests asking the model to repeat a given text of about ``--text-tokens``
 tokens (sentences drawn from a fixed pool with a fixed seed, so every prompt differs and every
@@ -92,11 +97,15 @@ def sweep(args: argparse.Namespace, model: str, speculative: bool, prompts: Path
              "--decode-port", str(ports[2]), "--prefill-port", str(ports[3]),
              "--prefill-metrics-port", str(ports[4]), "--tokenizer-port", str(ports[5]),
              "--tokenizer-metrics-port", str(ports[6]), "--gateway-metrics-port", str(ports[7])]  # fmt: skip
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
     if speculative:
-        flags += ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)]
+        flags += ["--speculative", args.method, "--num-speculative-tokens", str(args.k)]
+        if args.method == "draft":
+            flags += ["--draft-model", args.draft_model]
     model_flags = [] if model == "default" else ["--model", model]
     argv = [str(tandem), "up", *model_flags, *flags]
-    name = f"{model}-{'ngram' if speculative else 'off'}"
+    name = f"{model}-{args.method if speculative else 'off'}"
     rows = []
     metrics_url = f"http://127.0.0.1:{decode_metrics}/metrics"
     with _process(argv, f"http://127.0.0.1:{gateway}/ready", out / f"{name}.log", dict(os.environ)):
@@ -137,6 +146,9 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=160)
     parser.add_argument("--text-tokens", type=int, default=500)
     parser.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
+    parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    parser.add_argument("--draft-model", default="default", help="the draft method's model")
+    parser.add_argument("--dtype", default=None, help="the served model's --dtype (both runs)")
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -146,9 +158,11 @@ def main() -> int:
     copy_prompts(prompts, max(args.num_prompts, max(args.concurrency)), args.text_tokens)
     lines = [f"CPU: {cpu_model()}, {os.cpu_count()} cores; copy-heavy chat (~{args.text_tokens}-token "
              f"text to repeat), greedy, up to {args.output_tokens} tokens, {args.num_prompts} "
-             f"requests per level, k={args.k}", "",
-             "| model | concurrency | off tok/s | ngram tok/s | speed-up | acceptance | accepted / drafted "
-             "| ITL p50 off → ngram |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"requests per level, k={args.k}, --speculative {args.method}"
+             + (f" --draft-model {args.draft_model}" if args.method == "draft" else "")
+             + (f", --dtype {args.dtype}" if args.dtype else ""), "",
+             f"| model | concurrency | off tok/s | {args.method} tok/s | speed-up | acceptance "
+             f"| accepted / drafted | ITL p50 off → {args.method} |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for model in args.model:
         off = sweep(args, model, False, prompts, out)
         on = sweep(args, model, True, prompts, out)
