@@ -60,6 +60,27 @@ SENTENCES = [
 ]
 
 
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "What are the main causes of inflation? Give three examples.",
+    "Describe a day in the life of a medieval blacksmith.",
+    "Give advice to someone starting to learn the piano as an adult.",
+    "Why do leaves change colour in autumn?",
+    "Plan a three-day trip to the mountains for a family with two children.",
+    "Compare trains and planes for travelling between two cities 500 km apart.",
+]
+
+
+def chat_prompts(path: Path, count: int) -> None:
+    """``count`` open-ended questions (little to copy): what speculation costs where it finds
+    little to propose."""
+    with path.open("w") as out:
+        for i in range(count):
+            messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            out.write(json.dumps({"messages": messages}) + "\n")
+
+
 def copy_prompts(path: Path, count: int, text_tokens: int, seed: int = 0) -> None:
     """``count`` chat requests, each asking to repeat a text of about ``text_tokens`` tokens
     (about 16 tokens a sentence)."""
@@ -146,6 +167,8 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=160)
     parser.add_argument("--text-tokens", type=int, default=500)
     parser.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
+    parser.add_argument("--workload", choices=["copy", "chat"], default="copy",
+                        help="copy: repeat a given text (default); chat: open-ended questions")
     parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
     parser.add_argument("--draft-model", default="default", help="the draft method's model")
     parser.add_argument("--dtype", default=None, help="the served model's --dtype (both runs)")
@@ -154,10 +177,16 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = args.output_dir or Path(tempfile.mkdtemp(prefix="bench-speculative-"))
     out.mkdir(parents=True, exist_ok=True)
-    prompts = out / "copy_prompts.jsonl"
-    copy_prompts(prompts, max(args.num_prompts, max(args.concurrency)), args.text_tokens)
-    lines = [f"CPU: {cpu_model()}, {os.cpu_count()} cores; copy-heavy chat (~{args.text_tokens}-token "
-             f"text to repeat), greedy, up to {args.output_tokens} tokens, {args.num_prompts} "
+    prompts = out / f"{args.workload}_prompts.jsonl"
+    count = max(args.num_prompts, max(args.concurrency))
+    if args.workload == "copy":
+        copy_prompts(prompts, count, args.text_tokens)
+        workload = f"copy-heavy chat (~{args.text_tokens}-token text to repeat)"
+    else:
+        chat_prompts(prompts, count)
+        workload = "open-ended chat questions"
+    lines = [f"CPU: {cpu_model()}, {os.cpu_count()} cores; {workload}, greedy, up to "
+             f"{args.output_tokens} tokens, {args.num_prompts} "
              f"requests per level, k={args.k}, --speculative {args.method}"
              + (f" --draft-model {args.draft_model}" if args.method == "draft" else "")
              + (f", --dtype {args.dtype}" if args.dtype else ""), "",

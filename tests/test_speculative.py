@@ -103,6 +103,23 @@ def test_the_draft_length_follows_acceptance() -> None:
     assert lookup.draft_len == 4
 
 
+def test_a_sequence_whose_drafts_keep_failing_rests() -> None:
+    lookup = PromptLookup(8)
+    lookup.adapt(0, 8)
+    assert lookup.ready()  # one miss: go on, one draft
+    rests = []
+    for _ in range(8):
+        lookup.adapt(0, 8)
+        waited = 0
+        while not lookup.ready():
+            waited += 1
+        rests.append(waited)
+    assert rests == [1, 2, 4, 8, 16, 32, 32, 32]
+    lookup.adapt(3, 8)  # an accepted run ends the back-off
+    lookup.adapt(0, 8)
+    assert lookup.ready() and lookup.draft_len == 1
+
+
 @pytest.mark.parametrize("bad", [
     dict(method="eagle"), dict(num_speculative_tokens=0), dict(num_speculative_tokens=17),
     dict(ngram_min=3, ngram_max=2), dict(ngram_min=0), dict(max_batch=0),

@@ -98,6 +98,8 @@ class SpecDecoder:
                 continue
             if seq.lookup is None:  # (the draft method uses only its adaptive draft length)
                 seq.lookup = PromptLookup(k)
+            if not seq.lookup.ready():  # resting after repeated misses
+                continue
             wanted.append((seq, min(room, seq.lookup.draft_len)))
         if self.draft is not None:
             proposed = self.draft.propose(wanted)

@@ -42,7 +42,8 @@ When it speculates: only sequences in pure decode (not a prompt chunk, not a pre
 request), whose request did not opt out (``SamplingParams.speculative``), while at most
 ``max_batch`` sequences run (a big batch already fills the weight read with useful rows, so
 verification there costs more than it saves); each sequence's draft length adapts to its last
-verification (one more than it accepted, up to ``num_speculative_tokens``).
+verification (one more than it accepted, up to ``num_speculative_tokens``), and a sequence whose
+drafts keep failing rests from proposing for a growing number of steps (``PromptLookup``).
 """
 
 from __future__ import annotations
@@ -97,16 +98,33 @@ class SpeculativeConfig:
 
 
 class PromptLookup:
-    """One sequence's prompt-lookup proposer: an index of where each token occurs in the
-    sequence's tokens, extended as tokens are appended, so that a proposal examines only the
-    earlier occurrences of the last token instead of scanning the whole history."""
+    """One sequence's proposer state: an index of where each token occurs in the sequence's
+    tokens (prompt lookup), extended as tokens are appended, so that a proposal examines only the
+    earlier occurrences of the last token instead of scanning the whole history; and how many
+    tokens to draft next, which follows acceptance (both methods use this part).
 
-    __slots__ = ("_positions", "_indexed", "draft_len")
+    Back-off: a verification that accepts nothing costs a step its extra rows for nothing (on a
+    CPU whose int8 rows are compute-bound, a one-draft step costs most of a second step), so
+    after two in a row the sequence rests — proposes nothing — for 1, 2, 4, ... up to 32 steps,
+    and starts again at one draft."""
+
+    __slots__ = ("_positions", "_indexed", "draft_len", "_misses", "_rest")
+
+    MAX_REST = 32
 
     def __init__(self, draft_len: int) -> None:
         self._positions: dict[int, list[int]] = {}
         self._indexed = 0
         self.draft_len = draft_len  # this sequence's current draft length (adapts)
+        self._misses = 0  # verifications in a row that accepted nothing
+        self._rest = 0  # steps left without proposals
+
+    def ready(self) -> bool:
+        """Whether this sequence proposes this step (counts a resting step down)."""
+        if self._rest > 0:
+            self._rest -= 1
+            return False
+        return True
 
     def propose(self, tokens: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest
@@ -135,8 +153,15 @@ class PromptLookup:
         return tokens[best_end + 1 : best_end + 1 + k]
 
     def adapt(self, accepted: int, k: int) -> None:
-        """Adapt the next draft's length to this verification: one more than was accepted."""
+        """Adapt to this verification: draft one more than was accepted next time; rest after
+        repeated misses (see the class docstring)."""
         self.draft_len = max(1, min(k, accepted + 1))
+        if accepted:
+            self._misses = 0
+            return
+        self._misses += 1
+        if self._misses >= 2:
+            self._rest = min(2 ** (self._misses - 2), self.MAX_REST)
 
 
 @dataclass(slots=True)
