@@ -81,13 +81,19 @@ class DraftProposer:
                     self.blocks.ensure_capacity(mirror.block_ids, mirror.num_tokens)
                 except NoFreeBlocksError:
                     continue
-                items.append(ScheduledSeq(mirror, mirror.num_uncomputed, True))
+                items.append(self._item(mirror))
             if not items:
                 break
             result = self.runner.execute(ScheduledBatch(items))
             assert result.sampled is not None
+            row = 0  # the caught-up tails' rows in result.draft_logits, item by item
             for item, token in zip(items, result.sampled.token_ids, strict=True):
                 mirror = item.seq
+                if item.num_draft_tokens:  # the guess comes from the tail's last row
+                    row += item.num_draft_tokens
+                    assert result.draft_logits is not None
+                    token = int(result.draft_logits[row - 1].argmax())
+                    mirror.draft_token_ids = []
                 mirror.num_computed_tokens += item.num_new_tokens
                 mirror.sampling.output_token_ids.append(token)
                 drafts[mirror.request_id].append(token)
@@ -96,6 +102,19 @@ class DraftProposer:
                        if id(m) in scheduled and len(drafts[m.request_id]) < k]  # fmt: skip
         self.seconds += time.perf_counter() - start
         return drafts
+
+    TAIL_ROWS = 16
+    """A mirror this few tokens behind catches up as decode rows (the engine's verify rows):
+    one decode pass, not a prompt-like slice through the per-op path."""
+
+    def _item(self, mirror: Sequence) -> ScheduledSeq:
+        """This pass of ``mirror``: its missing tokens, a short tail as decode rows (the first
+        row sampled as usual is not the one wanted: the tail's last row is, by argmax)."""
+        missing = mirror.num_uncomputed
+        if 1 < missing <= self.TAIL_ROWS:
+            mirror.draft_token_ids = mirror.all_token_ids()[-(missing - 1):]
+            return ScheduledSeq(mirror, missing, True, missing - 1)
+        return ScheduledSeq(mirror, missing, True)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Drop these requests' mirrors and free their blocks."""
