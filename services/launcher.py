@@ -207,9 +207,9 @@ def run(args: argparse.Namespace) -> int:
 def _speculative_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The decode workers' flags for ``--speculative`` / ``--num-speculative-tokens``."""
     if args.speculative is None:
-        if args.num_speculative_tokens is not None:
-            raise InvalidArgumentError("--num-speculative-tokens needs --speculative",
-                                       param="num_speculative_tokens")  # fmt: skip
+        if args.num_speculative_tokens is not None or args.draft_model is not None:
+            raise InvalidArgumentError("--num-speculative-tokens and --draft-model need "
+                                       "--speculative", param="speculative")  # fmt: skip
         return ()
     flags = ["--speculative", args.speculative]
     if args.draft_model is not None:

