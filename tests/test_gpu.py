@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ import torch
 
 from tests.ports import free_ports
 from tests.tiny_stack import write_tiny_model
-from tests.up_process import StartUp, port_flags
+from tests.up_process import StartUp, port_flags, wait_kv_freed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -163,12 +161,4 @@ def test_served_request_through_tandem_up_on_the_gpu(start_up: StartUp, tmp_path
         chunks = [chunk for chunk in stream if chunk.choices]
         assert "".join(c.choices[0].text for c in chunks), prompt
         assert chunks[-1].choices[0].finish_reason == "length"
-    deadline = time.monotonic() + 20
-    while True:  # every worker's KV is freed (the stats the gateway polls)
-        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_port}/ready") as response:
-            ready = json.load(response)
-        held = [w.get("kv_blocks_in_use") for w in ready["prefill"] + ready["decode"]]
-        if held == [0, 0]:
-            break
-        assert time.monotonic() < deadline, ready
-        time.sleep(0.25)
+    wait_kv_freed(gateway_port)  # every worker's KV is freed

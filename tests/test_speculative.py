@@ -263,14 +263,7 @@ def test_prefilled_elsewhere_and_resumed_after_a_migration(tiny: LoadedModel) ->
     expected = _result(_engine(tiny, None).generate([prompt], params)[0])
 
     prefill, decode = _engine(tiny, None), _engine(tiny, SPEC)
-    prefill.add_request("r", prompt, params, prefill_only=True)
-    done = [o for o in _drain(prefill) if o.finish_reason == "prefilled"][0]
-    dest = decode.block_manager.allocate(len(done.block_ids))
-    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
-    prefill.release_blocks(done.block_ids)
-    first = decode.add_prefilled("r", prompt, params, block_ids=dest, first_token_id=done.new_token_ids[0],
-                                 first_logprob=done.new_logprobs[0])  # fmt: skip
-    got = _follow(first + _drain(decode))
+    got = _hand_off(prefill, decode, prompt, params)
     assert got == expected
     assert decode.spec_stats.num_accepted_tokens > 0
 
@@ -358,14 +351,7 @@ def test_a_draft_model_after_a_hand_off_and_aborts(tiny: LoadedModel, small_draf
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = _result(_engine(tiny, None).generate([prompt], params)[0])
     prefill, decode = _engine(tiny, None), _engine(tiny, DRAFT, tiny)
-    prefill.add_request("r", prompt, params, prefill_only=True)
-    done = [o for o in _drain(prefill) if o.finish_reason == "prefilled"][0]
-    dest = decode.block_manager.allocate(len(done.block_ids))
-    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
-    prefill.release_blocks(done.block_ids)
-    first = decode.add_prefilled("r", prompt, params, block_ids=dest, first_token_id=done.new_token_ids[0],
-                                 first_logprob=done.new_logprobs[0])  # fmt: skip
-    assert _follow(first + _drain(decode))[0] == expected[0]  # the draft built its prompt KV here
+    assert _hand_off(prefill, decode, prompt, params)[0] == expected[0]  # the draft built its prompt KV here
     assert decode.spec_stats.acceptance_rate == 1.0
     engine = _engine(tiny, DRAFT, small_draft)
     for i, p in enumerate(_repetitive_prompts(512, 11, count=3)):
@@ -405,6 +391,19 @@ def test_a_worker_loads_a_draft_with_the_served_vocabulary_only() -> None:
     with pytest.raises(InvalidArgumentError, match="tokenizer"):
         small = write_tiny_model(Path(tempfile.mkdtemp()) / "m", 512, context=256, hidden=32)
         load_draft(dataclasses.replace(DRAFT, draft_model=str(small)), served, tokenizer, "cpu")
+
+
+def _hand_off(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
+              params: SamplingParams) -> Result:  # fmt: skip
+    """``prompt`` prefilled on ``prefill``, its KV copied into ``decode``, decoded there."""
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    done = [o for o in _drain(prefill) if o.finish_reason == "prefilled"][0]
+    dest = decode.block_manager.allocate(len(done.block_ids))
+    decode.kv.write_blocks(dest, prefill.kv.read_blocks(done.block_ids))
+    prefill.release_blocks(done.block_ids)
+    first = decode.add_prefilled("r", prompt, params, block_ids=dest, first_token_id=done.new_token_ids[0],
+                                 first_logprob=done.new_logprobs[0])  # fmt: skip
+    return _follow(first + _drain(decode))
 
 
 def _drain(engine: LLMEngine) -> list[RequestOutput]:

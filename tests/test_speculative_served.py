@@ -8,14 +8,13 @@ stop string included; the decode worker's ``/metrics`` show drafts accepted; no 
 from __future__ import annotations
 
 import importlib.util
-import json
 import time
 import urllib.request
 
 import pytest
 
 from tests.ports import free_ports
-from tests.up_process import StartUp, port_flags
+from tests.up_process import StartUp, port_flags, wait_kv_freed
 
 pytestmark = [
     pytest.mark.slow,
@@ -77,12 +76,4 @@ def test_speculation_served_changes_no_text(start_up: StartUp) -> None:
         assert time.monotonic() < deadline, "no draft token was accepted"
         time.sleep(0.25)
     assert _metric(decode_metrics, "tandem:spec_decode_num_draft_tokens_total") > 0
-    deadline = time.monotonic() + 20
-    while True:  # every worker's KV is freed
-        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_port}/ready") as response:
-            ready = json.load(response)
-        held = [w.get("kv_blocks_in_use") for w in ready["prefill"] + ready["decode"]]
-        if held == [0, 0]:
-            break
-        assert time.monotonic() < deadline, ready
-        time.sleep(0.25)
+    wait_kv_freed(gateway_port)  # every worker's KV is freed

@@ -203,3 +203,21 @@ def assert_all_gone(up: Up, timeout: float = 5.0) -> None:
     while time.monotonic() < deadline and any(alive(pid) for pid in up.child_pids):
         time.sleep(0.1)
     assert not [pid for pid in up.child_pids if alive(pid)], up.stderr()[-3000:]
+
+
+def wait_kv_freed(gateway_port: int, workers: int = 2, timeout: float = 20.0) -> None:
+    """Wait until every worker the gateway's ``/ready`` lists holds no KV block (the stats it
+    polls); fail with the last answer after ``timeout`` seconds."""
+    import json
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_port}/ready") as response:
+            ready = json.load(response)
+        held = [w.get("kv_blocks_in_use") for w in ready["prefill"] + ready["decode"]]
+        if held == [0] * workers:
+            return
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.25)
+
