@@ -456,9 +456,12 @@ class LLMEngine:
         out.new_token_ids.append(token)
         out.new_logprobs.append(logprob)
         if broke:
-            self._fail_request(seq, out, TandemError(
-                f"the output grammar failed mid-stream at token {token}: {matcher.get_error()}",
-                param="response_format", code=GRAMMAR_FAILED))  # fmt: skip
+            message = f"the output grammar failed mid-stream at token {token}: {matcher.get_error()}"
+            # the Rust side raising is ours (500); llguidance refusing the grammar's own
+            # continuation (e.g. a regex forcing bytes no token sequence spells) is the request's
+            error_type = TandemError if getattr(matcher, "failure", None) is not None else InvalidArgumentError
+            self._fail_request(seq, out, error_type(message, param="response_format",
+                                                    code=GRAMMAR_FAILED))  # fmt: skip
             return
         if seq.prefill_only:
             self.scheduler.finish(seq, "prefilled", keep_blocks=True)
