@@ -59,7 +59,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         grammar=params.grammar or "",
         cache_salt=params.cache_salt,
         logit_bias=dict(params.logit_bias),
-        no_speculation=not params.speculative,
+        speculative=params.speculative,
     )
     if params.seed is not None:
         seed = params.seed
@@ -95,7 +95,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         grammar=msg.grammar or None,
         cache_salt=msg.cache_salt,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
-        speculative=not msg.no_speculation,
+        speculative=msg.speculative,
     )
     return params.validate()
 
