@@ -8,7 +8,8 @@ tokens of a tiny model mostly match float32's; and the flag travels from the CLI
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -143,27 +144,9 @@ def test_one_call_decode_layers_equal_the_per_op_path_over_a_16bit_cache(
     with torch.inference_mode():
         pool.copy_(torch.randn(pool.shape))
     start = pool.clone()
-    contexts = [5, 17, 33, 2, 40, 16, 9, 64]
-    for rows in (1, 3, 8):
-        outs = []
-        for native in (False, True):
-            pool.copy_(start)
-            model.decode_layers_regimes = KernelRegimes(
-                rows=DECODE_LAYER_ROWS, use_kernel=(native,) * len(DECODE_LAYER_ROWS)
-            )
-            meta = AttentionMetadata.build(
-                is_prefill=False, query_lens=[1] * rows, context_lens=contexts[:rows],
-                block_tables=[[1 + 4 * i + j for j in range(-(-n // 16))] for i, n in
-                              enumerate(contexts[:rows])],
-                block_size=16,
-            )  # fmt: skip
-            with torch.inference_mode():
-                outs.append((model(torch.arange(rows) * 7 + 3, torch.tensor(contexts[:rows]) - 1,
-                                   engine.kv, meta), pool.clone()))  # fmt: skip
-        (per_op, per_op_pool), (one_call, one_call_pool) = outs
-        assert torch.equal(one_call, per_op), rows
-        assert torch.equal(one_call_pool.view(torch.int16), per_op_pool.view(torch.int16)), rows
-        assert not torch.equal(per_op_pool, start)
+    one_call_equals_per_op(model, engine, start, lambda a, b: torch.equal(a.view(torch.int16),
+                                                                          b.view(torch.int16)))  # fmt: skip
+    assert not torch.equal(pool, start)  # the steps wrote K/V
 
 
 def test_greedy_tokens_with_a_16bit_cache_mostly_match_float32(tiny_llama_dir: Path) -> None:
@@ -229,3 +212,31 @@ def test_the_flag_reaches_workers_and_their_engines() -> None:
         at = spec.argv.index("--kv-cache-dtype")
         assert spec.argv[at + 1] == "float16"
     assert all("--kv-cache-dtype" not in spec.argv for spec in plan(LaunchConfig()))
+
+
+def one_call_equals_per_op(model: Any, engine: Any, start: torch.Tensor,
+                           same_pool: Callable[[torch.Tensor, torch.Tensor], bool]) -> None:  # fmt: skip
+    """Decode steps of 1, 3 and 8 rows from the pool ``start`` give the same hidden states and
+    the same pool (``same_pool``) with every layer in one C call as op by op."""
+    pool = engine.kv.data
+    contexts = [5, 17, 33, 2, 40, 16, 9, 64]
+    for rows in (1, 3, 8):
+        outs = []
+        for native in (False, True):
+            pool.copy_(start)
+            model.decode_layers_regimes = KernelRegimes(
+                rows=DECODE_LAYER_ROWS, use_kernel=(native,) * len(DECODE_LAYER_ROWS)
+            )
+            meta = AttentionMetadata.build(
+                is_prefill=False, query_lens=[1] * rows, context_lens=contexts[:rows],
+                block_tables=[[1 + 4 * i + j for j in range(-(-n // 16))] for i, n in
+                              enumerate(contexts[:rows])],
+                block_size=16,
+            )  # fmt: skip
+            with torch.inference_mode():
+                outs.append((model(torch.arange(rows) * 7 + 3, torch.tensor(contexts[:rows]) - 1,
+                                   engine.kv, meta), pool.clone()))  # fmt: skip
+        (per_op, per_op_pool), (one_call, one_call_pool) = outs
+        assert torch.equal(one_call, per_op), rows
+        assert same_pool(one_call_pool, per_op_pool), rows
+

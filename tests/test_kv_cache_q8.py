@@ -27,7 +27,7 @@ from services.engine.core.attention import AttentionMetadata, TorchPagedAttentio
 from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.core.kernels.autotune import KernelRegimes
 from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
-from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, MAX_ROWS
+from services.engine.core.kernels.cpu_fused import MAX_ROWS
 from services.engine.core.kernels.cpu_paged_attention import (
     CpuPagedAttention,
     cpu_paged_decode_attention,
@@ -41,6 +41,7 @@ from services.engine.core.loaders import load_model
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 from services.launch_plan import LaunchConfig, plan
 from tests.conftest import native_kernel_or_skip
+from tests.test_kv_cache_dtype import one_call_equals_per_op
 from tests.tls_identities import tls_flags
 
 
@@ -169,27 +170,8 @@ def test_one_call_decode_layers_equal_the_per_op_path_over_a_q8_0_cache(
     with torch.inference_mode():
         pool.copy_(kv_quant.quantize(torch.randn(*pool.shape[:-1], head_dim)))
     start = pool.clone()
-    contexts = [5, 17, 33, 2, 40, 16, 9, 64]
-    for rows in (1, 3, 8):
-        outs = []
-        for native in (False, True):
-            pool.copy_(start)
-            model.decode_layers_regimes = KernelRegimes(
-                rows=DECODE_LAYER_ROWS, use_kernel=(native,) * len(DECODE_LAYER_ROWS)
-            )
-            meta = AttentionMetadata.build(
-                is_prefill=False, query_lens=[1] * rows, context_lens=contexts[:rows],
-                block_tables=[[1 + 4 * i + j for j in range(-(-n // 16))] for i, n in
-                              enumerate(contexts[:rows])],
-                block_size=16,
-            )  # fmt: skip
-            with torch.inference_mode():
-                outs.append((model(torch.arange(rows) * 7 + 3, torch.tensor(contexts[:rows]) - 1,
-                                   engine.kv, meta), pool.clone()))  # fmt: skip
-        (per_op, per_op_pool), (one_call, one_call_pool) = outs
-        assert torch.equal(one_call, per_op), rows
-        assert torch.equal(one_call_pool, per_op_pool), rows
-        assert not torch.equal(per_op_pool, start)
+    one_call_equals_per_op(model, engine, start, torch.equal)
+    assert not torch.equal(pool, start)  # the steps wrote K/V
 
 
 def _greedy(loaded: object, kv: str, prompts: list[list[int]]) -> list[list[int]]:
