@@ -79,6 +79,8 @@ class SpecDecoder:
         """Set this step's drafts of every running sequence that speculates: in pure decode,
         not prefill-only, its request not opted out, while the batch is small enough; never more
         than the request's ``max_tokens`` or the context leave room for."""
+        if self.config is None:  # nothing ever sets drafts: no per-step work
+            return
         for seq in running:
             seq.draft_token_ids = []
         if self.draft is not None:
