@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -148,8 +149,10 @@ def _stop_group(up: subprocess.Popen[bytes]) -> None:
 
 def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int,
            prompts_per_level: int, out_dir: Path, kv_gib: float, device: str,
-           mode: str) -> dict[int, dict[str, float]]:
-    """``tandem up --device cuda`` + one ``tandem bench serve`` per concurrency; its summaries."""
+           mode: str, profile: float = 0.0, up_args: tuple[str, ...] = ()) -> dict[int, dict[str, float]]:
+    """``tandem up --device cuda`` + one ``tandem bench serve`` per concurrency; its summaries.
+    ``profile`` > 0: py-spy samples the decode, prefill and gateway processes for that many
+    seconds from the start of the last level (``profile-<service>.txt`` in ``out_dir``)."""
     port = 18000
     with socket.socket() as probe:  # a leftover stack would answer for this one
         if probe.connect_ex(("127.0.0.1", port)) == 0:
@@ -160,7 +163,7 @@ def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int
     up = subprocess.Popen(
         [sys.executable, "-m", "services", "up", "--model", str(folder), "--device", device,
          "--kv-cache-gib", str(kv_gib), "--gateway-port", str(port), "--mode", mode,
-         "--prefill", "0" if mode == "colocated" else "1", "--decode", "1", "--worker-args", "--max-num-seqs 128"],
+         "--prefill", "0" if mode == "colocated" else "1", "--decode", "1", "--worker-args", "--max-num-seqs 128", *up_args],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
@@ -172,7 +175,10 @@ def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int
                    "--input-tokens", str(prompt_len), "--output-tokens", str(out_len),
                    "--num-prompts", str(max(prompts_per_level, 2 * c)), "--concurrency", str(c),
                    "--output-dir", str(out_dir / f"serve-c{c}")]  # fmt: skip
+            spies = _profile(out_dir, profile) if profile and c == concurrencies[-1] else []
             subprocess.run(cmd, cwd=REPO, env=env, check=True)
+            for spy in spies:
+                spy.wait(timeout=profile + 30)
     finally:
         _stop_group(up)
         log.close()
@@ -181,6 +187,25 @@ def served(folder: Path, concurrencies: list[int], prompt_len: int, out_len: int
         doc = json.loads((out_dir / f"serve-c{c}" / "results.json").read_text())
         found[c] = doc["servers"][0]["levels"][0]["summary"]
     return found
+
+
+def _profile(out_dir: Path, seconds: float) -> list[subprocess.Popen[bytes]]:
+    """Start ``py-spy record`` (raw collapsed stacks, without pausing the target) on each
+    worker process of the stack; [] when py-spy is not installed."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        logger.info("py-spy not found: no profile")
+        return []
+    started = []
+    for service in ("decode", "prefill", "gateway"):
+        found = subprocess.run(["pgrep", "-f", f"serve {service} "], capture_output=True, text=True)
+        for pid in found.stdout.split()[:1]:
+            started.append(subprocess.Popen(
+                [spy, "record", "--pid", pid, "--duration", str(int(seconds)), "--rate", "200",
+                 "--nonblocking", "--format", "raw", "--output", str(out_dir / f"profile-{service}.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+    return started
 
 
 def _ms(summary: dict, name: str, stat: str) -> float:
@@ -202,6 +227,9 @@ def main() -> int:
     parser.add_argument("--mode", nargs="+", default=["disaggregated"],
                         choices=["disaggregated", "colocated"], help="tandem up --mode, each in turn")
     parser.add_argument("--device", default="cuda", help="cuda (cpu only to try the script)")
+    parser.add_argument("--up-args", default="", help="more `tandem up` flags, one string")
+    parser.add_argument("--profile", type=float, default=0.0,
+                        help="seconds of py-spy sampling of each process at the last concurrency")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_served"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_served_out")))
     args = parser.parse_args()
@@ -220,7 +248,7 @@ def main() -> int:
     for mode in args.mode:
         on = served(folder, args.concurrency, args.input_tokens, args.output_tokens,
                     args.prompts_per_level, args.out / mode, args.kv_cache_gib, args.device,
-                    mode)  # fmt: skip
+                    mode, args.profile, tuple(shlex.split(args.up_args)))  # fmt: skip
         results[mode] = on
         (args.out / "gpu_served.json").write_text(json.dumps(results, indent=1))
         _report(args, vocab, mode, off, on)
@@ -231,7 +259,7 @@ def _report(args: argparse.Namespace, vocab: int, mode: str, off: dict[int, dict
             on: dict[int, dict[str, float]]) -> None:
     """Log the served-against-offline table of one mode."""
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    lines = [f"device: {name}, shape {args.shape} (vocab {vocab}), tandem up --mode {mode}, "
+    lines = [f"device: {name}, shape {args.shape} (vocab {vocab}), tandem up --mode {mode} {args.up_args}, "
              f"{args.input_tokens} in / {args.output_tokens} out",
              "| concurrency | offline tok/s | offline step ms | served tok/s | served/offline "
              "| TTFT p50 ms | ITL p50 ms | ITL p99 ms |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
