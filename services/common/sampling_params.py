@@ -60,6 +60,10 @@ class SamplingParams:
             speculate for this request (Tandem's extension field; speculation never changes
             greedy output, nor seeded output: ``services/engine/core/speculative.py``). False
             decodes one token per step.
+        prompt_logprobs: vLLM's ``prompt_logprobs``: None = none; k >= 0 returns, for every
+            prompt token after the first, its logprob given the tokens before it, its rank in
+            the vocabulary and the top-k (computed where the prompt is prefilled; such a prompt
+            is computed whole, never read from the prefix cache).
     """
 
     temperature: float = 1.0
@@ -82,6 +86,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     cache_salt: str = ""
     speculative: bool = True
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -129,6 +134,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidArgumentError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+            )
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgumentError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="prompt_logprobs"
             )
         if not 1 <= self.n <= MAX_N:
             raise InvalidArgumentError("n must be in [1, 16]", param="n")

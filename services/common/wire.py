@@ -37,6 +37,8 @@ class LogprobsLike(Protocol):
     def logprob(self) -> float: ...
     @property
     def top(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def rank(self) -> int: ...
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -70,6 +72,10 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         if params.logprobs < 0:
             raise InvalidArgumentError("top_logprobs must be non-negative", param="top_logprobs")
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        if params.prompt_logprobs < 0:
+            raise InvalidArgumentError("prompt_logprobs must be non-negative", param="prompt_logprobs")
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -96,6 +102,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         cache_salt=msg.cache_salt,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         speculative=msg.speculative,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
     return params.validate()
 
@@ -106,17 +113,19 @@ def token_logprobs_to_proto(lp: LogprobsLike) -> common_pb2.TokenLogprob:
         token_id=lp.token_id,
         logprob=lp.logprob,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        rank=lp.rank,
     )
 
 
 def token_logprobs_from_proto(
     msg: common_pb2.TokenLogprob,
-    factory: Callable[[int, float, tuple[tuple[int, float], ...]], T],
+    factory: Callable[[int, float, tuple[tuple[int, float], ...], int], T],
 ) -> T:
-    """Rebuild a logprobs value with ``factory(token_id, logprob, top)``.
+    """Rebuild a logprobs value with ``factory(token_id, logprob, top, rank)`` (rank 0: not
+    computed).
 
     Pass the engine's ``TokenLogprobs`` class as ``factory`` on the torch side; the gateway can
     pass any constructor of its own.
     """
     top = tuple((int(t.token_id), float(t.logprob)) for t in msg.top)
-    return factory(int(msg.token_id), float(msg.logprob), top)
+    return factory(int(msg.token_id), float(msg.logprob), top, int(msg.rank))

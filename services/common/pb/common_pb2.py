@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\x97\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x0f\n\x07grammar\x18\x11 \x01(\t\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x12\x13\n\x0bspeculative\x18\x14 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.tandem.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd9\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_in_use\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x0c \x01(\x04\x12\x19\n\x11model_fingerprint\x18\r \x01(\t\x12\x18\n\x10protocol_version\x18\x0e \x01(\r\"\x0e\n\x0cStatsRequest\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\x84\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xc9\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\t \x01(\r\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12\x0f\n\x07grammar\x18\x11 \x01(\t\x12<\n\nlogit_bias\x18\x12 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\ncache_salt\x18\x13 \x01(\t\x12\x13\n\x0bspeculative\x18\x14 \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.tandem.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd9\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x18\n\x10kv_blocks_in_use\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x08 \x01(\x01\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\n \x01(\t\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\x0c \x01(\x04\x12\x19\n\x11model_fingerprint\x18\r \x01(\t\x12\x18\n\x10protocol_version\x18\x0e \x01(\r\"\x0e\n\x0cStatsRequest\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\x84\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=573
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=503
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=551
-  _globals['_CHATMESSAGE']._serialized_start=575
-  _globals['_CHATMESSAGE']._serialized_end=696
-  _globals['_TOOLCALL']._serialized_start=698
-  _globals['_TOOLCALL']._serialized_end=753
-  _globals['_WORKERSTATS']._serialized_start=756
-  _globals['_WORKERSTATS']._serialized_end=1101
-  _globals['_STATSREQUEST']._serialized_start=1103
-  _globals['_STATSREQUEST']._serialized_end=1117
-  _globals['_ABORTREQUEST']._serialized_start=1119
-  _globals['_ABORTREQUEST']._serialized_end=1169
-  _globals['_ABORTRESPONSE']._serialized_start=1171
-  _globals['_ABORTRESPONSE']._serialized_end=1201
-  _globals['_TOPLOGPROB']._serialized_start=1203
-  _globals['_TOPLOGPROB']._serialized_end=1250
-  _globals['_TOKENLOGPROB']._serialized_start=1252
-  _globals['_TOKENLOGPROB']._serialized_end=1337
-  _globals['_KVLAYOUT']._serialized_start=1340
-  _globals['_KVLAYOUT']._serialized_end=1472
+  _globals['_SAMPLINGPARAMS']._serialized_end=623
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=533
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=581
+  _globals['_CHATMESSAGE']._serialized_start=625
+  _globals['_CHATMESSAGE']._serialized_end=746
+  _globals['_TOOLCALL']._serialized_start=748
+  _globals['_TOOLCALL']._serialized_end=803
+  _globals['_WORKERSTATS']._serialized_start=806
+  _globals['_WORKERSTATS']._serialized_end=1151
+  _globals['_STATSREQUEST']._serialized_start=1153
+  _globals['_STATSREQUEST']._serialized_end=1167
+  _globals['_ABORTREQUEST']._serialized_start=1169
+  _globals['_ABORTREQUEST']._serialized_end=1219
+  _globals['_ABORTRESPONSE']._serialized_start=1221
+  _globals['_ABORTRESPONSE']._serialized_end=1251
+  _globals['_TOPLOGPROB']._serialized_start=1253
+  _globals['_TOPLOGPROB']._serialized_end=1300
+  _globals['_TOKENLOGPROB']._serialized_start=1302
+  _globals['_TOKENLOGPROB']._serialized_end=1401
+  _globals['_KVLAYOUT']._serialized_start=1404
+  _globals['_KVLAYOUT']._serialized_end=1536
 # @@protoc_insertion_point(module_scope)

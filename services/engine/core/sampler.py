@@ -108,6 +108,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int = 0  # 1 = the most likely token; 0 = not computed (sampled tokens)
 
 
 @dataclass(frozen=True, slots=True)
