@@ -108,4 +108,5 @@ def _response(out: RequestOutput, completion_tokens: int) -> decode_pb2.Generate
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         completion_tokens=completion_tokens,
+        prompt_logprobs=[token_logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()],
     )

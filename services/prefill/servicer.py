@@ -81,6 +81,7 @@ class PrefillServicer(WorkerServicer, prefill_pb2_grpc.PrefillServicer):
             prefill_seconds=result.prefill_seconds,
             transfer_seconds=result.transfer_seconds,
             num_blocks=result.num_blocks,
+            prompt_logprobs=[token_logprobs_to_proto(lp) for lp in result.prompt_logprobs],
         )
         if result.first_logprob is not None:
             response.first_logprob.CopyFrom(token_logprobs_to_proto(result.first_logprob))

@@ -49,6 +49,7 @@ class PrefillResult:
     num_blocks: int
     prefill_seconds: float
     transfer_seconds: float
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # with params.prompt_logprobs
 
 
 class PrefillWorker:
@@ -118,6 +119,7 @@ class PrefillWorker:
             num_blocks=result.num_blocks,
             prefill_seconds=prefill_seconds,
             transfer_seconds=result.seconds,
+            prompt_logprobs=tuple(final.prompt_logprobs or ()),
         )
 
     async def _run_prefill(

@@ -205,12 +205,14 @@ class BlockManager:
         return [self._take_fresh() for _ in range(num_blocks)]
 
     def allocate_prompt(
-        self, token_ids: Sequence[int], extra_tokens: int = 0, *, root: bytes = b""
+        self, token_ids: Sequence[int], extra_tokens: int = 0, *, root: bytes = b"",
+        match: bool = True,
     ) -> PrefixAllocation:
         """Blocks for a new prompt, reusing cached full blocks of its prefix (keyed under the
         chain ``root``: the deployment's and the request's salt, ``prefix_hash.prefix_root``).
 
-        The result holds at least ``len(token_ids) + extra_tokens`` slots. Matched blocks gain a
+        The result holds at least ``len(token_ids) + extra_tokens`` slots. ``match=False`` takes
+        only fresh blocks (a prompt that must be computed whole: ``prompt_logprobs``). Matched blocks gain a
         reference (and leave the evictable LRU); the rest are fresh. At least one prompt token is
         always left to compute, so a fully cached prompt reuses all but its last full block::
 
@@ -222,7 +224,7 @@ class BlockManager:
         """
         if extra_tokens < 0:
             raise InvalidArgumentError("extra_tokens must be non-negative", param="extra_tokens")
-        matched = self._match(token_ids, root)
+        matched = self._match(token_ids, root) if match else []
         num_fresh = self.blocks_needed(len(token_ids) + extra_tokens) - len(matched)
         reclaimed = sum(1 for b in matched if b in self._evictable)
         if num_fresh > self.num_free_blocks - reclaimed:

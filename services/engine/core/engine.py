@@ -91,6 +91,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     error: TandemError | None = None  # this request failed alone (finish reason "error")
+    # with params.prompt_logprobs, on the output of the first sampled token: prompt token i + 1's
+    # logprob given tokens 0..i, for every i (prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 GRAMMAR_FAILED = "grammar_failed"
@@ -320,6 +323,8 @@ class LLMEngine:
                 num_prompt_tokens=len(seq.prompt_token_ids),
                 num_cached_tokens=seq.num_cached_tokens,
             )
+            if seq.params.prompt_logprobs is not None and not seq.output_token_ids:
+                out.prompt_logprobs = list(seq.prompt_logprobs)
             failure = sampled.failures.get(row)
             self._emit(seq, out, sampled.token_ids[row], sampled.logprobs[row], failure)
             if item.num_draft_tokens:
@@ -362,6 +367,8 @@ class LLMEngine:
                 agg.new_logprobs.extend(out.new_logprobs)
                 agg.text += out.text
                 agg.num_cached_tokens = max(agg.num_cached_tokens, out.num_cached_tokens)
+                if out.prompt_logprobs is not None:
+                    agg.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     agg.finished, agg.finish_reason = True, out.finish_reason
         return [results[rid] for rid in ids]

@@ -28,6 +28,7 @@ from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import pack_linears, pack_plan
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.models import CausalLM
+from services.engine.core.prompt_logprobs import PromptRows, rows_to_score, score_rows
 from services.engine.core.sampler import Sampler, SamplerOutput
 from services.engine.core.scheduler import ScheduledBatch
 from services.engine.core.sequence import Sequence
@@ -110,10 +111,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         draft_rows: list[int] = []  # every draft position's row, item by item
         prompt_counts: list[int] = []
+        to_score: list[PromptRows] = []  # prompt_logprobs.py
         for item in batch.items:
             seq, start, drafts = item.seq, item.seq.num_computed_tokens, item.num_draft_tokens
             n = item.num_new_tokens - drafts
             prompt_counts.append(max(0, min(n, len(seq.prompt_token_ids) - start)))
+            scored = rows_to_score(seq, start, n, len(input_ids))
+            if scored is not None:
+                to_score.append(scored)
             input_ids.extend(token_slice(seq, start, start + n))
             positions.extend(range(start, start + n))
             query_lens.append(n)
@@ -149,6 +154,8 @@ class ModelRunner:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             phases.lap("inputs")
             hidden = self.model(ids, pos, self.kv, meta)
+        if to_score:
+            score_rows(hidden, to_score, self.model.compute_logits, self.sampler.vocab_size)
         if not sample_rows:
             phases.lap("forward")
             return StepResult(None)

@@ -126,8 +126,9 @@ class Scheduler:
                 if seq.block_ids:  # prefilled elsewhere: its KV is in place; room for what's next
                     self.block_manager.ensure_capacity(seq.block_ids, seq.num_tokens)
                 else:
-                    alloc = self.block_manager.allocate_prompt(seq.all_token_ids(),
-                                                               root=seq.cache_root)
+                    alloc = self.block_manager.allocate_prompt(
+                        seq.all_token_ids(), root=seq.cache_root,
+                        match=seq.params.prompt_logprobs is None)  # fmt: skip
                     seq.block_ids = list(alloc.block_ids)
                     seq.num_computed_tokens = alloc.num_cached_tokens
                     seq.num_cached_tokens = max(seq.num_cached_tokens, alloc.num_cached_tokens)

@@ -49,6 +49,9 @@ class Sequence:
     # schedules and cleared after, and the sequence's prompt-lookup index (None: not speculating)
     draft_token_ids: list[int] = field(default_factory=list)
     lookup: PromptLookup | None = None
+    # prompt_logprobs.py: position i's entry scores prompt token i + 1 (filled as the prompt is
+    # computed; sent with the first sampled token)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:

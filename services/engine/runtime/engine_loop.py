@@ -502,6 +502,8 @@ def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         new_token_ids=first.new_token_ids + then.new_token_ids,
         new_logprobs=first.new_logprobs + then.new_logprobs,
         text=first.text + then.text,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
+        else then.prompt_logprobs,
     )
 
 
