@@ -52,6 +52,7 @@ from services.gateway.backend import GenerateStream
 from services.gateway.decode_admission import DecodeAdmission
 from services.gateway.openai_responses import TokenLogprob
 from services.gateway.prefill_policy import PrefillPolicy
+from services.gateway.prompt_logprobs import PromptLogprob, from_workers
 from services.gateway.router import PromptKeys, Router, WorkerState
 from services.gateway.safety import OutputFilter
 from services.gateway.token_texts import TokenTexts, to_openai_logprob
@@ -73,6 +74,8 @@ class ChoiceEvent:
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
+    # the last event of a choice whose request asked for prompt logprobs (prompt_logprobs.py)
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -95,6 +98,7 @@ class ChoiceStats:
     finish_reason: str | None = None
     attempts: int = 0
     token_gaps: list[float] = field(default_factory=list)
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # as the prefilling worker sent them
 
 
 @dataclass(slots=True)
@@ -333,6 +337,9 @@ class ChoiceRun:
             if prefill is None and not self._migrations:  # prefilled by the decode worker
                 s.cached_tokens = msg.num_cached_tokens
             s.completion_tokens = msg.completion_tokens or s.completion_tokens + len(msg.token_ids)
+            if msg.prompt_logprobs and s.prompt_logprobs is None:  # prefilled by the decode worker
+                s.prompt_logprobs = from_workers(self._prompt_ids, msg.prompt_logprobs,
+                                                 self._deps.token_texts)  # fmt: skip
             produced += len(msg.text)
             if want_logprobs and msg.logprobs:
                 lps = [to_openai_logprob(lp, self._deps.token_texts) for lp in msg.logprobs]
@@ -361,7 +368,10 @@ class ChoiceRun:
             if finish is not None:
                 s.finish_reason = finish
                 s.finished_at = now
-                self._send(ChoiceEvent(s.index, result.text_to_send, tuple(released), finish))
+                if self._params.prompt_logprobs is not None and prefill_task is not None:
+                    await self._await_prefill_stats(prefill_task)  # they come with its reply
+                self._send(ChoiceEvent(s.index, result.text_to_send, tuple(released), finish,
+                                       s.prompt_logprobs))  # fmt: skip
                 return
             if result.text_to_send or released:
                 self._send(ChoiceEvent(s.index, result.text_to_send, tuple(released)))
@@ -383,6 +393,9 @@ class ChoiceRun:
             return
         arrived = time.monotonic()
         s.cached_tokens = reply.num_cached_tokens
+        if reply.prompt_logprobs and s.prompt_logprobs is None:
+            s.prompt_logprobs = from_workers(self._prompt_ids, reply.prompt_logprobs,
+                                             self._deps.token_texts)  # fmt: skip
         s.prefill_s = reply.prefill_seconds
         s.transfer_s = reply.transfer_seconds
         known = reply.prefill_seconds + reply.transfer_seconds
