@@ -117,7 +117,7 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., channel: _Optional[_Union[KVChannelOffer, _Mapping]] = ...) -> None: ...
 
 class KVChannelOffer(_message.Message):
-    __slots__ = ("peer_id", "peer_instance", "device", "retired_group", "gpu_uuid", "cuda_ipc", "source_blocks")
+    __slots__ = ("peer_id", "peer_instance", "device", "retired_group", "gpu_uuid", "cuda_ipc", "source_blocks", "payload_key")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class KVChannelOffer(_message.Message):
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_KEY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     peer_instance: str
     device: str
@@ -132,7 +133,8 @@ class KVChannelOffer(_message.Message):
     gpu_uuid: str
     cuda_ipc: CudaIpcPool
     source_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, peer_id: _Optional[str] = ..., peer_instance: _Optional[str] = ..., device: _Optional[str] = ..., retired_group: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., source_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    payload_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., peer_instance: _Optional[str] = ..., device: _Optional[str] = ..., retired_group: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., source_blocks: _Optional[_Iterable[int]] = ..., payload_key: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcPool(_message.Message):
     __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "dtype", "shape")
@@ -159,20 +161,22 @@ class CudaIpcPool(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("first_block", "num_blocks", "data", "crc32", "offset", "channel_bytes")
+    __slots__ = ("first_block", "num_blocks", "data", "crc32", "offset", "channel_bytes", "seal_tag")
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEAL_TAG_FIELD_NUMBER: _ClassVar[int]
     first_block: int
     num_blocks: int
     data: bytes
     crc32: int
     offset: int
     channel_bytes: int
-    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ..., channel_bytes: _Optional[int] = ...) -> None: ...
+    seal_tag: bytes
+    def __init__(self, first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ..., offset: _Optional[int] = ..., channel_bytes: _Optional[int] = ..., seal_tag: _Optional[bytes] = ...) -> None: ...
 
 class KVCommit(_message.Message):
     __slots__ = ("num_chunks", "total_bytes")

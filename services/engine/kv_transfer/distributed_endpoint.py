@@ -12,7 +12,8 @@ The pair set-up and the wire are in ``distributed_transport.py``'s docstring; th
   2. :class:`DistributedKVEndpoint.receive` runs one ``TransferKV`` stream: it reads the header's
      offer, and when the receiver gives its go-ahead (blocks allocated), admits the pair and
      adds the advert (group, tag) to the go-ahead's metadata.
-  3. Each announced chunk (``channel_bytes``, no data) is received over the group and handed to
+  3. Each announced chunk (``channel_bytes``, no data) is received over the group, unsealed with
+     the header's payload key (``payload_seal.py``: a changed piece is DATA_LOSS) and handed to
      the receiver with its data filled in, so the crc32, contiguity and commit checks, the
      writes into the blocks, the drain after a failure and every cleanup path are the
      receiver's own. A piece larger than what the header left is DATA_LOSS before anything is
@@ -26,6 +27,8 @@ The pair set-up and the wire are in ``distributed_transport.py``'s docstring; th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -45,7 +48,8 @@ from services.engine.kv_transfer.pair_group import (
     PairGroup,
     pair_backend,
 )
-from services.engine.kv_transfer.receiver import KVReceiver
+from services.engine.kv_transfer.payload_seal import unseal
+from services.engine.kv_transfer.receiver import DRAIN_SECONDS, KVReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +189,7 @@ class _Transfer:
         self.received = 0
         self.pair: PairGroup | None = None
         self.tag = 0
+        self.key = b""  # the header's payload key (payload_seal.py)
         self.finished = False  # the commit (or the stream's end) went through
 
     def admit(self) -> Metadata:
@@ -216,9 +221,14 @@ class _Transfer:
                 self.total_bytes = message.header.total_bytes
                 if message.header.HasField("channel"):
                     self.offer = message.header.channel
+                    self.key = self.offer.payload_key
             elif kind == "chunk":
                 if message.chunk.channel_bytes:
-                    message = await self._fill(message.chunk)
+                    try:
+                        message = await self._fill(message.chunk)
+                    except SealBroken:
+                        await self._take_the_rest(messages)  # the sender is not left hanging
+                        raise
                 self.received += len(message.chunk.data)
             elif kind == "commit":
                 self.finished = True
@@ -232,7 +242,33 @@ class _Transfer:
         if chunk.channel_bytes > self.total_bytes - self.received:
             self.pair.broken = True  # its bytes are on their way and will not be taken
             raise DataLossError(f"KV chunk of {chunk.channel_bytes} bytes overruns the payload")
-        data = await self.pair.recv(chunk.channel_bytes, self.tag)
+        sealed = await self.pair.recv(chunk.channel_bytes, self.tag)
+        try:
+            data = unseal(self.key, chunk.offset, sealed, chunk.seal_tag)
+        except DataLossError as err:
+            raise SealBroken(err.message, code=err.code) from None
         filled = decode_pb2.KVChunk(first_block=chunk.first_block, num_blocks=chunk.num_blocks,
                                     data=data, crc32=chunk.crc32, offset=chunk.offset)
         return decode_pb2.KVTransferMessage(chunk=filled)
+
+    async def _take_the_rest(self, messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
+        """After a piece failed its seal: receive (and drop) the pieces the sender still sends,
+        up to its commit, so that its sends complete and it reads the refusal (DATA_LOSS) instead
+        of a broken channel; the group stays usable. Bounded by ``DRAIN_SECONDS``."""
+        assert self.pair is not None
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(DRAIN_SECONDS):
+                async for message in messages:
+                    kind = message.WhichOneof("kind")
+                    if kind == "chunk" and message.chunk.channel_bytes:
+                        if message.chunk.channel_bytes > self.total_bytes - self.received:
+                            break
+                        await self.pair.recv(message.chunk.channel_bytes, self.tag)
+                        self.received += message.chunk.channel_bytes
+                    elif kind == "commit":
+                        self.finished = True
+                        break
+
+
+class SealBroken(DataLossError):
+    """A piece failed its seal (changed on the channel): DATA_LOSS, after the rest is taken."""

@@ -1,8 +1,9 @@
 """The distributed KV transport (prefill side): block payloads over a ``torch.distributed`` pair
 group, everything else over the ``Decode.TransferKV`` stream (docs/kv-handoff.md).
 
-Only the payload bytes move over the collective channel: the header, each piece's crc32 and
-offset, the commit, the ack, aborts and the lease stay on gRPC, so the sender and receiver state
+Only the payload bytes move over the collective channel, sealed (AES-256-GCM under a key made
+for each transfer and sent in the header's offer: ``payload_seal.py``): the header, each piece's
+crc32, offset and seal tag, the commit, the ack, aborts and the lease stay on gRPC, so the sender and receiver state
 machines (``sender.py``, ``receiver.py``) are the very ones the gRPC transport runs, and every
 refusal, corruption, abort and expiry path behaves the same. CPU workers use Gloo, so CI runs
 the same code a GPU deployment would (NCCL when both ends' tensors are CUDA: ``pair_group.py``).
@@ -65,6 +66,7 @@ from dataclasses import dataclass, field
 from services.common.errors import UnavailableError
 from services.common.pb import decode_pb2
 from services.engine.kv_transfer.grpc_transport import GrpcKVStream, GrpcKVTransport
+from services.engine.kv_transfer.payload_seal import new_key, seal
 from services.engine.kv_transfer.pair_group import (
     BUILT_BACKENDS,
     PREFILL_RANK,
@@ -222,6 +224,7 @@ class DistributedKVStream(KVStream):
         self._inner = inner
         self._pair: PairGroup | None = None
         self._tag = 0
+        self._key = b""  # this transfer's payload key, made with the header's offer
 
     @property
     def pair(self) -> PairGroup | None:
@@ -233,6 +236,7 @@ class DistributedKVStream(KVStream):
         if kind == "header":
             offer = self._transport.offer(self._address)
             if offer is not None:
+                self._key = offer.payload_key = new_key()  # this transfer's (payload_seal.py)
                 header = decode_pb2.KVHeader()
                 header.CopyFrom(message.header)
                 header.channel.CopyFrom(offer)
@@ -242,14 +246,15 @@ class DistributedKVStream(KVStream):
         return await self._inner.write(message)
 
     async def _send_piece(self, pair: PairGroup, chunk: decode_pb2.KVChunk) -> bool:
+        sealed, tag = seal(self._key, chunk.offset, chunk.data)
         announce = decode_pb2.KVChunk(
             first_block=chunk.first_block, num_blocks=chunk.num_blocks, crc32=chunk.crc32,
-            offset=chunk.offset, channel_bytes=len(chunk.data),
+            offset=chunk.offset, channel_bytes=len(chunk.data), seal_tag=tag,
         )  # fmt: skip
         try:
             if not await self._inner.write(decode_pb2.KVTransferMessage(chunk=announce)):
                 return False  # the receiver ended the call: nothing was announced
-            await pair.send(chunk.data, self._tag)
+            await pair.send(sealed, self._tag)
         except BaseException:  # announced, maybe, and not sent: decode may wait for it
             pair.broken = True
             raise
