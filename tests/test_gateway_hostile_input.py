@@ -200,3 +200,24 @@ async def test_requests_that_are_not_http_log_one_quiet_line(
     assert "malformed HTTP request from 127.0.0.1 answered 400" in records[0].getMessage()
     status, body, _ = await post_raw(stack.url + "/v1/completions", b'{"model": 1}')
     assert status == 400 and json.loads(body)["error"]["param"] == "model"  # still serving
+
+
+LONG_STOPS: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [0] * 1_000_000}, "stop_token_ids"),
+    ("/v1/completions", {**COMP, "stop_token_ids": [7] * 1025}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["x" * 1025]}, "stop"),
+    ("/v1/completions", {**COMP, "stop": "y" * 100_000}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), LONG_STOPS,
+                         ids=["1M-stop-ids", "1025-stop-ids", "long-stop", "100k-stop"])  # fmt: skip
+async def test_stop_lists_and_strings_are_bounded(
+    make_stack: StackFactory, path: str, body: dict[str, Any], param: str
+) -> None:
+    """Every stop token id is checked against each sampled token and every stop string searched
+    in each new piece of text, on the engine thread: a million of them was accepted once."""
+    stack = await make_stack()
+    status, raw, _ = await post_raw(stack.url + path, body)
+    assert status == 400, raw
+    assert body_of(raw)["param"] == param

@@ -21,6 +21,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # one stop string's length: each is searched in every new piece of text
+MAX_STOP_TOKEN_IDS = 1024  # checked against every sampled token (a set) and banned under min_tokens
 MAX_CACHE_SALT_CHARS = 256
 MAX_N = 16
 MAX_GRAMMAR_BYTES = 256 * 1024  # a compiled response_format / structured_outputs grammar
@@ -126,6 +128,12 @@ class SamplingParams:
             )
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise InvalidArgumentError("stop must hold 1 to 16 non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidArgumentError(
+                f"each stop string must be at most {MAX_STOP_CHARS} characters", param="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgumentError(
+                f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise InvalidArgumentError(
                 f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
