@@ -12,7 +12,8 @@
 # it to rebuild). Needs root, debootstrap and a running Docker engine.
 set -euo pipefail
 TAG=${1:-tandem-base:bookworm}
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# the Debian archive of this machine's own apt sources (DEBIAN_MIRROR overrides): no host here
+MIRROR=$("$(dirname "$0")/apt_mirror.sh") || { echo "no Debian source in /etc/apt (set DEBIAN_MIRROR)" >&2; exit 1; }
 if docker image inspect "$TAG" >/dev/null 2>&1; then
   echo "base image $TAG already present" >&2
   exit 0

@@ -8,15 +8,14 @@
 # costs seconds (images and the build cache stay in /var/lib/docker between runs):
 #   1. `apt-get install docker.io` (dockerd, containerd, runc; Debian 12's client is 20.10);
 #   2. Compose v2 and buildx, static Go binaries packaged in Debian 13 (trixie) as
-#      docker-compose (2.26) and docker-buildx: their .deb files are fetched from the mirror's
-#      pool/ (or, once those versions have left it, by `apt-get download` with trixie in a
+#      docker-compose (2.26) and docker-buildx: their .deb files are fetched from the pool/ of
+#      the Debian archive the machine's apt sources name (scripts/apt_mirror.sh) (or, once those versions have left it, by `apt-get download` with trixie in a
 #      private source list; the system's sources are not touched) and unpacked into
 #      /usr/local/lib/docker/cli-plugins/;
 #   3. dockerd started in the background (overlay2, vfs where overlay2 fails), log in
 #      /var/log/tandem-dockerd.log, when no engine answers.
 # On failure it prints why and exits non-zero; the compose test then skips with that reason.
 set -euo pipefail
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 PLUGINS=/usr/local/lib/docker/cli-plugins
 COMPOSE_DEB=pool/main/d/docker-compose/docker-compose_2.26.1-4_amd64.deb
 BUILDX_DEB=pool/main/d/docker-buildx/docker-buildx_0.13.1+ds1-3_amd64.deb
@@ -24,6 +23,8 @@ BUILDX_DEB=pool/main/d/docker-buildx/docker-buildx_0.13.1+ds1-3_amd64.deb
 fail() { echo "docker engine unavailable: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || fail "not root"
 command -v apt-get >/dev/null || fail "no apt-get (not Debian)"
+# the Debian archive of this machine's own apt sources (DEBIAN_MIRROR overrides): no host here
+MIRROR=$("$(dirname "$0")/apt_mirror.sh") || fail "no Debian source in /etc/apt (set DEBIAN_MIRROR)"
 
 if ! command -v dockerd >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io) \
