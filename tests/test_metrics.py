@@ -180,6 +180,19 @@ def test_text_logs_are_one_line_with_extras(restore_logging: None) -> None:
     assert line[:4].isdigit() and line[10] == "T" and line.split(" ")[0].endswith("Z")
 
 
+def test_control_characters_in_logged_text_are_escaped(restore_logging: None) -> None:
+    """A client's text reaches log lines (a model name, an error quoting its input): a terminal
+    escape or a carriage return in it must not forge a line or drive the reader's terminal."""
+    stream = io.StringIO()
+    configure_logging("INFO", stream=stream)
+    logging.getLogger("services.test").info(
+        "model %s not found", "x\x1b[2J\rINFO forged", extra={"model": "m\x07\x9b"})
+    line = stream.getvalue().rstrip("\n")
+    assert "\n" not in line and "\r" not in line
+    assert not any(c < " " or "\x7f" <= c <= "\x9f" for c in line)
+    assert line.endswith('model x\\x1b[2J\\rINFO forged not found model="m\\u0007\\u009b"')
+
+
 def test_json_logs(restore_logging: None) -> None:
     stream = io.StringIO()
     configure_logging("INFO", json=True, stream=stream)

@@ -56,13 +56,22 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
 
 
 def _one_line(text: str) -> str:
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    """``text`` on one line with every control character escaped: a client's text (a model
+    name, an error naming its input) can neither forge a log line nor drive a terminal."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    if any(_is_control(c) for c in text):
+        text = "".join(f"\\x{ord(c):02x}" if _is_control(c) else c for c in text)
+    return text
+
+
+def _is_control(c: str) -> bool:
+    return c < " " or "\x7f" <= c <= "\x9f"
 
 
 def _text_value(value: Any) -> str:
     text = value if isinstance(value, str) else repr(value)
-    if not text or any(c in text for c in ' "=\n\r\t'):
-        return jsonlib.dumps(text, ensure_ascii=False)
+    if not text or any(c in text for c in ' "=') or any(_is_control(c) for c in text):
+        return jsonlib.dumps(text, ensure_ascii=True)  # every control character as \uXXXX
     return text
 
 
