@@ -50,7 +50,10 @@ class LaunchConfig:
 
     ``mode``: ``disaggregated`` (prefill and decode pools; the gateway's conditional
     disaggregation decides per prompt) or ``colocated`` (decode workers only, each prefilling
-    its own prompts; no prefill pool). ``threads``: per-role overrides of the CPU plan
+    its own prompts; no prefill pool). ``num_decode`` 0 with prefill workers starts no decode
+    pool: an embedding model's deployment, the prefill workers serving ``/v1/embeddings`` alone
+    (the gateway gets ``--no-decode``; generation answers 503).
+    ``threads``: per-role overrides of the CPU plan
     (``services/cpu_plan.py``); ``cpus``: the cores to plan over (default: this process's).
     ``restart``: start a child that dies after start-up again, with backoff (``launcher.py``).
     ``kv_transport``: every prefill and decode worker's ``--kv-transport`` (None: their default).
@@ -137,10 +140,12 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     if gateway and importlib.util.find_spec(SERVICE_MODULES["gateway"]) is None:
         logger.warning("services/gateway/main.py is not installed; starting without the gateway")
         gateway = False
-    if gateway and (config.num_decode < 1 or (config.num_prefill < 1 and not colocated)):
+    embeddings_only = not colocated and config.num_decode == 0 and config.num_prefill > 0
+    if gateway and not embeddings_only and (
+            config.num_decode < 1 or (config.num_prefill < 1 and not colocated)):  # fmt: skip
         raise InvalidArgumentError(
             "the gateway needs at least one prefill and one decode worker "
-            "(or --mode colocated, or --no-gateway)",
+            "(or --mode colocated, or --no-gateway; or --decode 0 for an embedding model)",
             param="prefill",
         )
     for service, count in (("prefill", config.num_prefill), ("decode", config.num_decode)):
@@ -228,6 +233,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
             argv += [f"--{spec.service}", spec.address]
         if colocated:
             argv.append("--no-prefill")
+        if embeddings_only:  # an embedding model: its prefill workers serve /v1/embeddings
+            argv.append("--no-decode")
         url = f"http://{_join(client_host, config.gateway_port)}"
         specs.append(
             ChildSpec(

@@ -104,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "colocated: decode workers only, each prefilling its own prompts")
     add("--prefill", type=int, default=None, metavar="N",
         help="prefill workers (default 1; 0 with --mode colocated)")
-    add("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    add("--decode", type=int, default=1, metavar="M",
+        help="decode workers (default 1; 0 for an embedding model: its prefill workers serve "
+             "/v1/embeddings alone)")
     add("--threads", action="append", default=[], metavar="ROLE=N",
         help="intra-op threads per prefill / decode worker, e.g. --threads decode=2 "
              "(default: planned from the cores, see services/cpu_plan.py)")

@@ -110,6 +110,7 @@ def test_services_and_rpcs() -> None:
         "Prefill": ("PrefillRequest", "PrefillResponse", False, False),
         "Abort": ("AbortRequest", "AbortResponse", False, False),
         "GetStats": ("StatsRequest", "WorkerStats", False, False),
+        "Embed": ("EmbedRequest", "EmbedResponse", False, False),
     }
     assert _methods(decode_pb2, "Decode") == {
         "Reserve": ("ReserveRequest", "ReserveResponse", False, False),

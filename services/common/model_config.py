@@ -15,6 +15,9 @@ GGUF metadata or a named dummy shape.
   partial rotary);
 * ``qwen3_moe``: Qwen3's attention with top-k routed SwiGLU experts.
 
+Base checkpoints of the Llama, Mistral, Qwen2 and Qwen3 families (``LlamaModel``, ``Qwen3Model``
+...: embedding models) load as their family with :attr:`ModelConfig.base_model` set.
+
 Anything else is refused with a one-line :class:`ModelLoadError`.
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from services.common.errors import ModelLoadError
@@ -37,7 +40,15 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # base checkpoints (embedding models: Qwen3-Embedding, e5-mistral): BASE_MODEL_ARCHITECTURES
+    "LlamaModel": "llama",
+    "MistralModel": "llama",
+    "Qwen2Model": "qwen2",
+    "Qwen3Model": "qwen3",
 }
+BASE_MODEL_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+"""Base checkpoints: the decoder stack and its final norm without an LM head (their weights carry
+no ``model.`` prefix); unless the head is tied to the embedding they serve embeddings only."""
 FAMILIES = frozenset(ARCHITECTURES.values())
 SLIDING, FULL = "sliding_attention", "full_attention"
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
@@ -99,6 +110,13 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the top-k router weights renormalised to sum to 1
     mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP in an MoE model
     decoder_sparse_step: int = 1  # every this many layers is an MoE layer
+    base_model: bool = False  # a base checkpoint (BASE_MODEL_ARCHITECTURES): no LM head stored
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the model can produce logits: a causal LM, or a base checkpoint whose head is
+        its embedding (tied); an untied base checkpoint serves embeddings only."""
+        return not self.base_model or self.tie_word_embeddings
 
     @property
     def rotary_dim(self) -> int:
@@ -134,7 +152,8 @@ class ModelConfig:
             )
         family = ARCHITECTURES[arch]
         try:
-            return _from_hf(cfg, family)
+            config = _from_hf(cfg, family)
+            return replace(config, base_model=True) if arch in BASE_MODEL_ARCHITECTURES else config
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad field: {exc}") from exc
 

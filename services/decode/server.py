@@ -2,7 +2,8 @@
 the decode role (the KV receiver with its reaper for parked KV and reservation leases, the KV
 channel's pair groups and their rendezvous store (served as ``Decode.KVStore``) with
 ``--kv-transport distributed``, the CUDA IPC endpoint with ``cuda-ipc``,
-the ``Decode`` servicer).
+the ``Decode`` servicer). A model without an LM head (an embedding model) is refused: it has no
+tokens to decode.
 
 :func:`start_decode_worker` is what ``tandem serve decode`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -11,6 +12,7 @@ call directly; it returns a :class:`~services.engine.runtime.worker_runtime.Work
 
 from __future__ import annotations
 
+from services.common.errors import ModelLoadError
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2_grpc
 from services.decode.options import (
@@ -70,6 +72,11 @@ async def start_decode_worker(
     kind = resolve_kv_transport(options.kv_transport, options.device)
 
     def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
+        if not engine_loop.engine.loaded.config.has_lm_head:
+            raise ModelLoadError(
+                f"{engine_loop.engine.loaded.source.name} is a base checkpoint without an LM head "
+                "(an embedding model): it cannot decode; serve it on prefill workers alone "
+                "(tandem up --decode 0)")
         receiver = KVReceiver(
             engine_loop, park_seconds=park_seconds or wait_for_kv_seconds,
             reservation_lease_seconds=reservation_lease_seconds, reap_interval=reap_interval,

@@ -4,7 +4,8 @@ the handlers share.
 :func:`build_app` wires a :class:`~services.gateway.state.GatewayState` from a
 :class:`~services.gateway.config.GatewayConfig` into a ``web.Application``:
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``
+  (``embeddings.py``), ``GET /v1/models[/{model}]``,
   ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /openapi.json``
   (``openapi.py``), ``GET /`` (the playground), ``GET /health``, ``GET /ready`` (Prometheus
   ``GET /metrics`` is not here: ``main.serve`` serves it on ``--metrics-port``, a port of its own
@@ -38,6 +39,7 @@ from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
 from services.gateway.completions import chat_completions, completions
 from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import embeddings
 from services.gateway.http_errors import error_middleware
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.membership import Membership
@@ -121,6 +123,7 @@ def build_app(
     app[STATE_KEY] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/tokenize", tokenize)

@@ -7,7 +7,7 @@ an UNAVAILABLE worker becomes a 503, a bad prompt a 400 naming its ``param``.
 
 - :class:`TokenizerClient`: Tokenize, Detokenize (whole id lists, for checking token-id prompts),
   GetModelInfo, health.
-- :class:`WorkerClient`: one prefill or decode worker: Prefill, Reserve (decode room before a
+- :class:`WorkerClient`: one prefill or decode worker: Prefill, Embed, Reserve (decode room before a
   prefill starts), Generate (as a :class:`GenerateStream` that can be cancelled), Abort (never
   raises: cleanup must not fail), GetStats, the prefix-cache feed (``PrefixCache.Watch``), health.
 - :class:`Backend`: all of them over one mutual-TLS channel per address and server role
@@ -194,6 +194,20 @@ class WorkerClient:
             raise TypeError(f"{self!r} is not a prefill worker")  # a programming error
         try:
             return await self._prefill.Prefill(request, timeout=self._timeouts.prefill_s)
+        except grpc.aio.AioRpcError as err:
+            raise status_to_error(err) from err
+
+    async def embed(self, request: prefill_pb2.EmbedRequest) -> prefill_pb2.EmbedResponse:
+        """Pooled vectors of ``request``'s inputs (``Prefill.Embed``; deadline ``prefill_s``).
+        Cancelling the caller cancels the RPC, and the worker drops the inputs it still queues.
+
+        Raises:
+            TandemError: the RPC failed (typed: a bad input is an InvalidArgumentError).
+        """
+        if self._prefill is None:
+            raise TypeError(f"{self!r} is not a prefill worker")  # a programming error
+        try:
+            return await self._prefill.Embed(request, timeout=self._timeouts.prefill_s)
         except grpc.aio.AioRpcError as err:
             raise status_to_error(err) from err
 

@@ -125,7 +125,8 @@ class GatewayConfig:
         tokenizer_addresses: the tokenizer replicas (``host:port`` each; a DNS name stands for
             every address it resolves to, as for workers; at least one).
         prefill_addresses / decode_addresses: the worker pools (at least one decode worker; no
-            prefill worker means every prompt is prefilled by its decode worker).
+            prefill worker means every prompt is prefilled by its decode worker; prefill workers
+            and no decode worker serve ``/v1/embeddings`` alone: an embedding model's deployment).
         host / port: where the HTTP server listens.
         metrics_port / metrics_host: where Prometheus ``GET /metrics`` is served, on a port of
             its own (never the API's: the API port is open to clients, the metrics port only to
@@ -213,8 +214,9 @@ class GatewayConfig:
         """Raise InvalidArgumentError (naming the flag) on an unusable value; return self."""
         if not self.tokenizer_addresses:
             raise InvalidArgumentError("a tokenizer address is required", param="tokenizer")
-        if not self.decode_addresses:
-            raise InvalidArgumentError("at least one decode address is required", param="decode")
+        if not self.decode_addresses and not self.prefill_addresses:
+            raise InvalidArgumentError("at least one decode address is required (or, to serve "
+                                       "embeddings only, a prefill address)", param="decode")
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in [0, 65535], got {self.port}", param="port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

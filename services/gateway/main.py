@@ -149,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no prefill pool: decode workers prefill every prompt (tandem up --mode colocated)",
     )
     parser.add_argument(
+        "--no-decode",
+        action="store_true",
+        help="no decode pool: the prefill workers serve /v1/embeddings alone (an embedding "
+        "model; tandem up --decode 0); generation answers 503",
+    )
+    parser.add_argument(
         "--remote-prefill-min-tokens",
         type=int,
         default=DEFAULT_REMOTE_PREFILL_MIN_TOKENS,
@@ -327,7 +333,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         tokenizer_addresses=_addresses(args.tokenizer, DEFAULT_TOKENIZER),
         prefill_addresses=() if args.no_prefill else _addresses(args.prefill, DEFAULT_PREFILL),
-        decode_addresses=_addresses(args.decode, DEFAULT_DECODE),
+        decode_addresses=() if args.no_decode else _addresses(args.decode, DEFAULT_DECODE),
         host=args.host,
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,

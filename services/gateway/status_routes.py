@@ -8,9 +8,11 @@
   probe itself time out; a replica never checked yet is checked now); otherwise 503. Prefill
   workers are not needed: without a healthy one, decode workers prefill prompts themselves
   (``prefill_policy.py``), so a prefill pool that is configured but down is a *warning*, not a
-  problem. Both answers carry every replica's details as JSON: ``problems`` (why not ready),
-  ``warnings`` (what is degraded), ``tokenizer``, ``prefill`` and ``decode`` (one entry per
-  replica, ``healthy`` and, when it is not, ``error``), ``model`` and ``in_flight``.
+  problem. A gateway with no decode pool (``--no-decode``: an embedding model's prefill workers
+  serve ``/v1/embeddings`` alone) is ready when a prefill worker is healthy. Both answers carry
+  every replica's details as JSON: ``problems`` (why not ready), ``warnings`` (what is
+  degraded), ``tokenizer``, ``prefill`` and ``decode`` (one entry per replica, ``healthy`` and,
+  when it is not, ``error``), ``model`` and ``in_flight``.
 - ``/v1/models`` lists the served model names and ``/v1/models/{model}`` shows one
   (authenticated like every ``/v1`` route).
 """
@@ -80,9 +82,13 @@ async def ready(request: web.Request) -> web.Response:
         problems.append(f"tokenizer: no healthy replica (of {len(replicas)}): {seen}")
     elif state.model_info is None:
         problems.append("tokenizer: model info not available")
-    if router.healthy_count("decode") == 0:
+    if not router.workers("decode"):  # prefill workers alone: an embedding model's deployment
+        if router.healthy_count("prefill") == 0:
+            problems.append("prefill: no healthy worker (and no decode pool)")
+    elif router.healthy_count("decode") == 0:
         problems.append("decode: no healthy worker")
-    if router.workers("prefill") and router.healthy_count("prefill") == 0:
+    pools = router.workers("decode") and router.workers("prefill")
+    if pools and router.healthy_count("prefill") == 0:
         warnings.append("prefill: no healthy worker; decode workers prefill every prompt")
     body = {
         "status": "ready" if not problems else "not_ready",

@@ -16,6 +16,7 @@ import argparse
 import os
 
 from services.common import ports
+from services.common.pooling_config import POOLING_MODES
 from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 
@@ -36,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "a Prefill naming another decode_address is refused (env TANDEM_DECODE_MEMBERS; "
              "default: any server holding a decode certificate)",
     )
+    parser.add_argument(
+        "--pooling", choices=POOLING_MODES, default=os.environ.get("TANDEM_POOLING") or None,
+        help="how /v1/embeddings pools the final hidden states: last (the last token's) or mean "
+             "(over the input's tokens); default: the model folder's sentence-transformers "
+             "config (modules.json, 1_Pooling/config.json), else last (env TANDEM_POOLING)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,4 +53,5 @@ def run(args: argparse.Namespace) -> int:
     values = args.decode_members or [os.environ.get("TANDEM_DECODE_MEMBERS", "")]
     members = tuple(a.strip() for v in values for a in v.split(",") if a.strip())
     return run_worker(lambda: start_prefill_worker(options, lease_seconds=args.lease_seconds,
-                                                   decode_members=members))
+                                                   decode_members=members,
+                                                   pooling=args.pooling))

@@ -1,6 +1,7 @@
 """Start a prefill worker in this process: the shared worker runtime plus the prefill role (the
 KV sender with its lease reaper over the ``--kv-transport`` transport: gRPC, the distributed
-pair groups or CUDA IPC; the ``Prefill`` servicer).
+pair groups or CUDA IPC; the ``Prefill`` servicer, whose ``Embed`` runs on the worker's
+:class:`~services.prefill.embedding_queue.EmbeddingQueue`).
 
 :func:`start_prefill_worker` is what ``tandem serve prefill`` runs (``main.py``) and what tests
 call directly; it returns a :class:`~services.engine.runtime.worker_runtime.WorkerHandle`
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.member_addresses import MemberAddresses
 from services.common.metrics import TandemMetrics
 from services.common.pb import prefill_pb2_grpc
+from services.common.pooling_config import read_pooling_config
 from services.engine.core.loaders import LoadedModel
 from services.engine.kv_transfer import (
     CudaIpcKVTransport,
@@ -28,6 +31,7 @@ from services.engine.kv_transfer.sender import CorruptChunk
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.runtime.worker_options import WorkerOptions, resolve_kv_transport
 from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
+from services.prefill.embedding_queue import EmbeddingQueue
 from services.prefill.options import DEFAULT_LEASE_SECONDS
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.prefill.worker import PrefillWorker
@@ -46,6 +50,7 @@ async def start_prefill_worker(
     max_chunk_bytes: int = MAX_KV_CHUNK_BYTES,
     corrupt_chunk: CorruptChunk | None = None,
     decode_members: Sequence[str] = (),
+    pooling: str | None = None,
 ) -> WorkerHandle:
     """Build and start a prefill worker; see the module docstring.
 
@@ -61,6 +66,9 @@ async def start_prefill_worker(
         decode_members: the decode pool's ``host:port`` entries (names follow DNS); a Prefill
             whose ``decode_address`` is none of them is refused. Empty: any address (mTLS still
             requires a decode certificate there).
+        pooling: ``--pooling``: how ``Embed`` pools hidden states (``last`` / ``mean``), over
+            the model folder's sentence-transformers config (``pooling_config.py``); None: the
+            folder's, else last-token.
     """
     members = MemberAddresses(decode_members)
     if not members.restricted:
@@ -86,7 +94,10 @@ async def start_prefill_worker(
             lease_interval=lease_interval, max_chunk_bytes=max_chunk_bytes, metrics=metrics,
             corrupt_chunk=corrupt_chunk,
         )  # fmt: skip
-        worker = PrefillWorker(engine_loop, sender)
+        source = engine_loop.engine.loaded.source
+        folder = Path(source.path) if source.kind == "hf" else None
+        embeddings = EmbeddingQueue(engine_loop, read_pooling_config(folder, pooling))
+        worker = PrefillWorker(engine_loop, sender, embeddings)
         servicer = PrefillServicer(worker, worker_id=options.worker_id, decode_members=members)
         return worker, servicer, prefill_pb2_grpc.add_PrefillServicer_to_server, SERVICE_NAME
 

@@ -9,6 +9,8 @@ One request (docs/request-lifecycle.md, steps 5-6):
      under a lease, and frees them on ack, failure, abort or lease expiry.
   4. The result carries the first token, prefix-cache hits, bytes and timings.
 
+Embeddings (the ``Embed`` RPC) are the :class:`EmbeddingQueue`'s, closed with the worker.
+
 ``abort`` works in every phase: queued or computing (the engine drops the sequence), shipping
 (the transfer is cancelled and the lease released), or not started yet (the id is remembered for
 a while, so a Prefill that arrives after its Abort is refused).
@@ -29,6 +31,7 @@ from services.engine.core.engine import RequestOutput
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer import KVSender, PrefilledRequest
 from services.engine.core.sampler import TokenLogprobs
+from services.prefill.embedding_queue import EmbeddingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +58,20 @@ class PrefillResult:
 class PrefillWorker:
     """Prefill + KV shipping over one engine loop and one sender."""
 
-    def __init__(self, engine_loop: EngineLoop, sender: KVSender) -> None:
+    def __init__(
+        self, engine_loop: EngineLoop, sender: KVSender, embeddings: EmbeddingQueue | None = None
+    ) -> None:
         self.engine_loop = engine_loop
         self.sender = sender
+        self.embeddings = embeddings  # the Embed RPC's queue (embedding_queue.py)
         self._aborted: dict[str, float] = {}
 
     def start(self) -> None:
         self.sender.start()
 
     async def close(self) -> None:
+        if self.embeddings is not None:
+            await self.embeddings.close()
         await self.sender.close()
 
     async def prefill(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\"\xae\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x08 \x01(\x01\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.tandem.v1.TokenLogprob2\xc4\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x91\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\"\xae\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x08 \x01(\x01\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\x1f\n\nEmbedInput\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"t\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06inputs\x18\x02 \x03(\x0b\x32\x15.tandem.v1.EmbedInput\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x15\n\rdeadline_unix\x18\x04 \x01(\x01\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xa4\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\nembeddings\x18\x02 \x03(\x0b\x32\x14.tandem.v1.Embedding\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x0f\n\x07pooling\x18\x04 \x01(\t\x12\x12\n\nnormalized\x18\x05 \x01(\x08\x12\x15\n\rembed_seconds\x18\x06 \x01(\x01\x32\x80\x02\n\x07Prefill\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12;\n\x08GetStats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats\x12:\n\x05\x45mbed\x12\x17.tandem.v1.EmbedRequest\x1a\x18.tandem.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,6 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_end=208
   _globals['_PREFILLRESPONSE']._serialized_start=211
   _globals['_PREFILLRESPONSE']._serialized_end=513
-  _globals['_PREFILL']._serialized_start=516
-  _globals['_PREFILL']._serialized_end=712
+  _globals['_EMBEDINPUT']._serialized_start=515
+  _globals['_EMBEDINPUT']._serialized_end=546
+  _globals['_EMBEDREQUEST']._serialized_start=548
+  _globals['_EMBEDREQUEST']._serialized_end=664
+  _globals['_EMBEDDING']._serialized_start=666
+  _globals['_EMBEDDING']._serialized_end=693
+  _globals['_EMBEDRESPONSE']._serialized_start=696
+  _globals['_EMBEDRESPONSE']._serialized_end=860
+  _globals['_PREFILL']._serialized_start=863
+  _globals['_PREFILL']._serialized_end=1119
 # @@protoc_insertion_point(module_scope)

@@ -51,6 +51,11 @@ class PrefillStub:
                 request_serializer=tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Prefill/Embed',
+                request_serializer=tandem_dot_v1_dot_prefill__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_prefill__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -78,6 +83,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Pooled final hidden states of a batch of inputs (/v1/embeddings); see the lifecycle above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=tandem_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_v1_dot_prefill__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_prefill__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Prefill:
             '/tandem.v1.Prefill/GetStats',
             tandem_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             tandem_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Prefill/Embed',
+            tandem_dot_v1_dot_prefill__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_v1_dot_prefill__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,9 @@
 Every loader (HF safetensors, GGUF, dummy) yields weights under Hugging Face names; this module
 maps them onto Tandem's fused parameters (``q/k/v_proj`` → ``qkv_proj``, ``gate/up_proj`` →
 ``gate_up_proj``, an MoE expert's too) and checks nothing is missing. The model is built on the ``meta`` device first,
-so no memory is spent initialising weights that are about to be overwritten.
+so no memory is spent initialising weights that are about to be overwritten. A base checkpoint
+(``Qwen3Model``, ``LlamaModel``: an embedding model) stores the same names without the ``model.``
+prefix and no ``lm_head``; unless tied, its model has no head to fill (``NoLMHead``).
 
 Quantized models (``quantize="q8_0"`` or ``"q4"``): linear and embedding weights arrive as
 :class:`QuantizedWeight` (a GGUF's blocks) or as float tensors, which are quantized to Q8_0 here;
@@ -40,6 +42,7 @@ from services.engine.core.quant.quantized_weight import (
 Weight = torch.Tensor | QuantizedWeight
 logger = logging.getLogger(__name__)
 
+_BASE_PREFIXES = ("layers.", "embed_tokens.", "norm.")  # a base checkpoint's top-level names
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # the last two name parts of a fused part -> (the fused parameter's, which part, of how many);
 # whatever precedes them (``self_attn.``, ``mlp.``, ``mlp.experts.7.``) carries over
@@ -135,7 +138,11 @@ def load_weights(
 
 
 def _target_name(name: str) -> tuple[str, int | None, int] | None:
-    """Where a checkpoint weight goes: (parameter, part of a fused one or None, parts)."""
+    """Where a checkpoint weight goes: (parameter, part of a fused one or None, parts). A base
+    checkpoint's names (``layers.0...``, ``embed_tokens.weight``, ``norm.weight``: an embedding
+    model's) are read as the causal LM's ``model.`` ones."""
+    if name.startswith(_BASE_PREFIXES):
+        name = "model." + name
     if name == "lm_head.weight":
         return "lm_head.weight", None, 1
     if name.startswith("model.") and not name.startswith("model.layers."):

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from services.common.errors import FailedPreconditionError
 from services.common.model_config import ModelConfig
 from services.engine.core.attention import AttentionMetadata, PagedAttention, TorchPagedAttention
 from services.engine.core.embedding import Embedding
@@ -65,6 +66,17 @@ class DecoderLayer(nn.Module, ABC):
         return None
 
 
+class NoLMHead(nn.Module):
+    """The LM head of a base checkpoint that stores none (``ModelConfig.has_lm_head`` false): the
+    model computes hidden states (embeddings) only."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise FailedPreconditionError(
+            "this model is a base checkpoint without an LM head: it serves embeddings only",
+            code="no_lm_head",
+        )
+
+
 class CausalLM(nn.Module, ABC):
     """A decoder-only causal LM over a paged KV cache; families subclass :meth:`make_layer`."""
 
@@ -89,7 +101,12 @@ class CausalLM(nn.Module, ABC):
             self.make_layer(config, backend, i) for i in range(config.num_layers)
         )
         self.norm: RMSNorm = make_norm(config, config.hidden_size)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # a base checkpoint without a tied head (an embedding model) has none: no vocab-sized
+        # matrix is allocated, and asking for logits is an error (NoLMHead)
+        self.lm_head: Linear | NoLMHead = (
+            Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.has_lm_head else NoLMHead()
+        )  # fmt: skip
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.decode_layers: DecodeLayersCall | None = None
