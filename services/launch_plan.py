@@ -86,6 +86,7 @@ class LaunchConfig:
     speculative: tuple[str, ...] = ()  # decode workers' speculative-decoding flags
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
+    chat_template: str | None = None  # the tokenizer's --chat-template FILE
     log_level: str = "INFO"
     threads: tuple[tuple[str, int], ...] = ()
     cpus: tuple[int, ...] | None = None
@@ -197,7 +198,9 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
             )
         )
 
-    grpc_child("tokenizer", "tokenizer", config.tokenizer_port, config.tokenizer_metrics_port, [])
+    template = ["--chat-template", config.chat_template] if config.chat_template else []
+    grpc_child("tokenizer", "tokenizer", config.tokenizer_port, config.tokenizer_metrics_port,
+               template)  # fmt: skip
     for service, count, port, metrics_port in (
         ("prefill", config.num_prefill, config.prefill_port, config.prefill_metrics_port),
         ("decode", config.num_decode, config.decode_port, config.decode_metrics_port),

@@ -151,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",
         help="more flags for the gateway, one shell-quoted string")
+    add("--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template file the tokenizer renders chats with instead of the "
+             "model's own")
     add("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
         help=f"seconds to wait for every service (default {DEFAULT_STARTUP_TIMEOUT_S:g})")
     add("--restart", action=argparse.BooleanOptionalAction, default=True,
@@ -192,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         speculative=_speculative_flags(args),
         worker_args=tuple(shlex.split(args.worker_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),
+        chat_template=os.path.abspath(args.chat_template) if args.chat_template else None,
         log_level=getattr(args, "log_level", "INFO"),
         threads=tuple(parse_threads(args.threads).items()),
         startup_timeout=args.startup_timeout,

@@ -135,7 +135,7 @@ SAMPLES: dict[str, Any] = {
     # at most one output constraint per request: the other forms are looked up, and null
     "structured_outputs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None,
-    "content": "hi", "tokens": [1, 2],
+    "content": "hi", "tokens": [1, 2], "chat_template_kwargs": {"enable_thinking": False},
 }  # fmt: skip
 # Fields that need another to be valid.
 COMPANIONS: dict[str, dict[str, Any]] = {

@@ -102,6 +102,23 @@ def test_parsers_whole_and_streamed(fmt: str, text: str, content: str, calls: li
     assert streamed_text.strip() == content
 
 
+def test_a_cut_reply_keeps_its_complete_calls() -> None:
+    """Cut by max_tokens inside the second call: the first stays a call, finish_reason stays
+    "length", and the cut call's markup is not returned as content (whole or streamed)."""
+    cut = HERMES_REPLY[: HERMES_REPLY.index('"zone"')]
+    assert parse_calls(cut, "hermes", truncated=True)[1][0].name == "get_weather"
+    whole = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes")
+    whole.add(ChoiceEvent(0, cut, finish_reason="length"))
+    choice = whole.response({})["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Let me check."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    streamed = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes")
+    chunks = [c for ch in cut for c in streamed.event_chunks(ChoiceEvent(0, ch))]
+    chunks += streamed.event_chunks(ChoiceEvent(0, "", finish_reason="length"))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert "<tool_call>" not in text and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_renderer_shapes() -> None:
     renderer = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes")
     chunks = []
@@ -110,9 +127,14 @@ def test_renderer_shapes() -> None:
     chunks += renderer.event_chunks(ChoiceEvent(0, "", finish_reason="stop"))
     deltas = [c["choices"][0]["delta"] for c in chunks]
     calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-    assert [c.get("function", {}).get("name") for c in calls[::2]] == ["get_weather", "get_time"]
-    assert [c["index"] for c in calls] == [0, 0, 1, 1] and calls[0]["id"].startswith("call_")
-    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Paris"}
+    heads = [c for c in calls if "id" in c]  # id, type and name first, as OpenAI streams them
+    assert [(c["index"], c["function"]["name"], c["type"]) for c in heads] == [
+        (0, "get_weather", "function"), (1, "get_time", "function")]
+    assert heads[0]["id"].startswith("call_") and heads[0]["function"]["arguments"] == ""
+    fragments = [[c["function"]["arguments"] for c in calls if c["index"] == i and "id" not in c]
+                 for i in (0, 1)]  # fmt: skip
+    assert all(len(f) > 2 for f in fragments)  # the arguments stream as they are written
+    assert [json.loads("".join(f)) for f in fragments] == [{"city": "Paris"}, {"zone": "CET"}]
     assert "".join(d.get("content") or "" for d in deltas).strip() == "Let me check."
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     whole = ChatRenderer(request_id="r", model="m", n=1, logprobs=False, tool_format="hermes")

@@ -103,13 +103,18 @@ class TinyStack:
             return body  # type: ignore[no-any-return]
 
 
-async def start_tiny_model_and_tokenizer(model_dir: Path) -> tuple[Tokenizer, Any, Any]:
-    """SmolLM2's tokenizer fitted to the tiny model's context, the tiny random Llama (written to
-    ``model_dir`` the first time) loaded, and a tokenizer gRPC server for them."""
+async def start_tiny_model_and_tokenizer(
+    model_dir: Path, chat_template: str | None = None
+) -> tuple[Tokenizer, Any, Any]:
+    """SmolLM2's tokenizer fitted to the tiny model's context (``chat_template`` replacing its
+    template, as ``--chat-template`` does), the tiny random Llama (written to ``model_dir`` the
+    first time) loaded, and a tokenizer gRPC server for them."""
     from services.engine.core.loaders import load_model
 
     tokenizer = await asyncio.to_thread(Tokenizer.load, resolve_model("default"))
     tokenizer.context_length = CONTEXT  # the tiny model's, not SmolLM2's
+    if chat_template is not None:
+        tokenizer.use_chat_template(chat_template)
     if not (model_dir / "config.json").is_file():
         await asyncio.to_thread(write_tiny_model, model_dir, tokenizer.vocab_size)
     loaded = await asyncio.to_thread(load_model, str(model_dir))
@@ -137,14 +142,16 @@ async def start_test_gateway(
 
 @contextlib.asynccontextmanager
 async def tiny_stack(
-    model_dir: Path, *, body_read_timeout_s: float = 30.0
+    model_dir: Path, *, body_read_timeout_s: float = 30.0, chat_template: str | None = None,
+    gateway_options: dict[str, Any] | None = None,
 ) -> AsyncIterator[TinyStack]:
-    """Start everything (see the module docstring); stop it all on exit."""
+    """Start everything (see the module docstring); stop it all on exit. ``chat_template``
+    replaces the tokenizer's; ``gateway_options`` are more GatewayConfig fields."""
     from services.decode.server import start_decode_worker
     from services.engine.runtime.worker_options import WorkerOptions
     from services.prefill.server import start_prefill_worker
 
-    tokenizer, loaded, tok_server = await start_tiny_model_and_tokenizer(model_dir)
+    tokenizer, loaded, tok_server = await start_tiny_model_and_tokenizer(model_dir, chat_template)
     common = {"host": "127.0.0.1", "port": 0, "model": str(model_dir), "threads": 1}
     decode = await start_decode_worker(
         WorkerOptions(tls=tls_for("decode"),
@@ -161,7 +168,7 @@ async def tiny_stack(
         decode_addresses=(decode.address,), host="127.0.0.1", port=0, stats_interval_s=0.25,
         body_read_timeout_s=body_read_timeout_s,
         prefill_policy=PrefillPolicy(remote_min_tokens=REMOTE_PREFILL_MIN_TOKENS),
-        tls=tls_for("gateway"),
+        tls=tls_for("gateway"), **(gateway_options or {}),
     )  # fmt: skip
     app, runner, base_url = await start_test_gateway(config)
     stack = TinyStack(base_url, app, prefill.address, decode.address,

@@ -373,7 +373,10 @@ CHAT_COMPLETION = Body(
               schema={"anyOf": [{"enum": ["none", "auto", "required"]},
                                 {"type": "object", "required": ["type", "function"]}]}),
         Field("parallel_tool_calls", "boolean", "Allow more than one call per reply (unset: "
-              "allowed)."),
+              "allowed); a named tool_choice always gets exactly one."),
+        Field("chat_template_kwargs", "json", "vLLM's field: more variables for the model's chat "
+              "template, e.g. Qwen3's {\"enable_thinking\": false}; not messages, tools or "
+              "add_generation_prompt.", schema={"type": "object"}),
         _unsupported("functions", "the deprecated function calling; use tools"),
         *STRUCTURED_FIELDS,
     ),

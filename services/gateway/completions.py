@@ -46,6 +46,7 @@ from services.gateway.openai_requests import (
     parse_completion_request,
 )
 from services.gateway.openai_responses import new_chat_completion_id, new_completion_id, usage_dict
+from services.gateway.reasoning_grammar import after_reasoning
 from services.gateway.renderers import ChatRenderer, CompletionRenderer, Renderer
 from services.gateway.request_log import OUTCOME_DISCONNECTED, RequestRecord
 from services.gateway.request_run import RequestRun
@@ -201,6 +202,9 @@ async def _prepare_chat(
             )  # fmt: skip
         grammar = tool_grammar(tools, tool_format or "hermes", info.special_tokens)
         params = dataclasses.replace(params, grammar=grammar)
+    if params.grammar is not None:  # the grammar is for the answer, not for the thinking
+        params = dataclasses.replace(params, grammar=after_reasoning(
+            params.grammar, state.config.reasoning_parser, info.special_tokens))  # fmt: skip
     if tools is not None:  # the call markers may be special tokens (Mistral's, Llama's tag)
         params = dataclasses.replace(params, skip_special_tokens=False)
     reply = await _tokenize(
@@ -212,6 +216,7 @@ async def _prepare_chat(
             max_tokens=req.max_tokens or 1,
             truncate=state.config.truncate_chats,
             tools_json=tools_json,
+            chat_template_kwargs_json=_kwargs_json(req),
         ),
     )
     ids = tuple(reply.token_ids)
@@ -231,8 +236,14 @@ async def _prepare_chat(
             params = dataclasses.replace(params, max_tokens=room)
     renderer = ChatRenderer(request_id=record.request_id, model=req.model, n=params.n,
                             logprobs=req.logprobs, tool_format=tool_format,
-                            reasoning=state.config.reasoning_parser)  # fmt: skip
+                            reasoning=state.config.reasoning_parser,
+                            tools=tools.tools if tools is not None else ())  # fmt: skip
     return _Job(ids, params, renderer, req.stream, req.include_usage)
+
+
+def _kwargs_json(req: ChatRequest) -> str:
+    """The request's ``chat_template_kwargs`` for the tokenizer ("" for none)."""
+    return json.dumps(req.chat_template_kwargs) if req.chat_template_kwargs else ""
 
 
 def _chat_messages(

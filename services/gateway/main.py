@@ -269,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default="auto",
         help="the model's tool-call format: hermes (Qwen2.5/Qwen3, Hermes), llama3_json, "
-        "mistral; auto reads the chat template",
+        "mistral, qwen3_coder, pythonic (Llama 3.2/4), deepseek_v3; auto reads the chat template",
     )
     parser.add_argument(
         "--reasoning-parser",

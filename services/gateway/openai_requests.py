@@ -117,6 +117,7 @@ class ChatRequest:
     logprobs: bool = False
     user: str | None = None
     tools: ToolsRequest | None = None
+    chat_template_kwargs: Mapping[str, object] | None = None  # vLLM's: more template variables
 
     def texts(self) -> tuple[str, ...]:
         """Every message's text (and earlier calls' arguments), for the input safety check."""
@@ -190,7 +191,29 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
         logprobs=want_logprobs,
         user=get_str(obj, "user"),
         tools=tools,
+        chat_template_kwargs=parse_chat_template_kwargs(obj),
     )
+
+
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt")
+
+
+def parse_chat_template_kwargs(obj: Mapping[str, object]) -> Mapping[str, object] | None:
+    """vLLM's ``chat_template_kwargs``: more variables for the chat template (e.g. Qwen3's
+    ``{"enable_thinking": false}``); not the ones the server sets itself."""
+    raw = obj.get("chat_template_kwargs")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise invalid_type("chat_template_kwargs", "an object", raw)
+    taken = [key for key in _TEMPLATE_OWN if key in raw]
+    if taken:
+        raise InvalidArgumentError(
+            f"'chat_template_kwargs' cannot set {taken[0]!r}: it comes from the request itself.",
+            param=f"chat_template_kwargs.{taken[0]}",
+            code="invalid_value",
+        )
+    return dict(raw) or None
 
 
 def parse_completion_request(body: object, *, served_models: Sequence[str]) -> CompletionRequest:

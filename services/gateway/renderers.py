@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceEvent
 from services.gateway.reasoning import ReasoningSplitter, split_reasoning
-from services.gateway.tool_calls import StreamedCalls, ToolCall, parse_calls
+from services.gateway.tool_calls import (
+    CallDelta,
+    StreamDelta,
+    Tool,
+    new_parser,
+    parse_calls,
+)
 from services.gateway.openai_responses import (
     ChatChoice,
     CompletionChoice,
@@ -80,20 +86,25 @@ class Renderer(ABC):
         """The non-streamed response object from everything :meth:`add` saw."""
 
 
+_CUT = ("length", "content_filter")  # replies that end where they were cut, not where they chose
+
+
 class ChatRenderer(Renderer):
     """``chat.completion`` / ``chat.completion.chunk``; with ``tool_format`` (tools active), the
     model's tool-call text becomes ``tool_calls`` and such a choice finishes with
-    ``"tool_calls"``: streamed, each call leaves once complete, its name in one delta and its
-    arguments in the next."""
+    ``"tool_calls"`` (a reply cut by ``max_tokens`` keeps its complete calls and ``"length"``).
+    Streamed as vLLM streams them: a call's id and name in one delta, then its arguments in
+    fragments as the model writes them (``tool_parsers/base.py``)."""
 
     def __init__(self, *, request_id: str, model: str, n: int, logprobs: bool,
-                 tool_format: str | None = None, reasoning: str | None = None) -> None:  # fmt: skip
+                 tool_format: str | None = None, reasoning: str | None = None,
+                 tools: Sequence[Tool] = ()) -> None:  # fmt: skip
         super().__init__(request_id=request_id, model=model, n=n, logprobs=logprobs)
         self.tool_format = tool_format
+        self.tools = tuple(tools)
         self.reasoning = reasoning if reasoning != "none" else None
-        self._streams = [StreamedCalls(tool_format) for _ in range(n)] if tool_format else []
+        self._parsers = [new_parser(tool_format, tools) for _ in range(n)] if tool_format else []
         self._thinking = [ReasoningSplitter(self.reasoning) for _ in range(n)] if self.reasoning else []
-        self._call_counts = [0] * n
 
     def _chunk(self, index: int, **fields: Any) -> JsonDict:
         return chat_completion_chunk(
@@ -106,7 +117,7 @@ class ChatRenderer(Renderer):
 
     def event_chunks(self, event: ChoiceEvent) -> list[JsonDict]:
         chunks: list[JsonDict] = []
-        text, calls = event.text, []
+        text = event.text
         if self._thinking:  # reasoning first; the tool parser sees the answer only
             splitter = self._thinking[event.index]
             thought, text = splitter.feed(text)
@@ -115,32 +126,24 @@ class ChatRenderer(Renderer):
                 thought, text = thought + more_thought, text + more_text
             if thought:
                 chunks.append(self._chunk(event.index, reasoning_content=thought))
-        if self._streams:
-            stream = self._streams[event.index]
-            text, calls = stream.feed(text)
+        calls: list[CallDelta] = []
+        if self._parsers:
+            parser = self._parsers[event.index]
+            delta = parser.feed(text)
             if event.finish_reason is not None:
-                rest, more = stream.finish()
-                text, calls = text + rest, calls + more
+                rest = parser.finish(truncated=event.finish_reason in _CUT)
+                delta = StreamDelta(delta.content + rest.content, delta.calls + rest.calls)
+            text, calls = delta.content, delta.calls
         if text or event.logprobs:
             lp = chat_logprobs(event.logprobs) if self.logprobs else None
             chunks.append(self._chunk(event.index, content=text, logprobs=lp))
-        for call in calls:
-            chunks += self._call_chunks(event.index, call)
+        chunks += [self._chunk(event.index, tool_calls=[_call_delta(c)]) for c in calls]
         if event.finish_reason is not None:
             reason = event.finish_reason
-            if self._streams and self._streams[event.index].calls and reason == "stop":
+            if self._parsers and self._parsers[event.index].calls and reason == "stop":
                 reason = "tool_calls"
             chunks.append(self._chunk(event.index, finish_reason=reason))
         return chunks
-
-    def _call_chunks(self, index: int, call: ToolCall) -> list[JsonDict]:
-        """A call as OpenAI streams one: id and name first, then the arguments."""
-        n = self._call_counts[index]
-        self._call_counts[index] += 1
-        head = {"index": n, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-        args = {"index": n, "function": {"arguments": call.arguments}}
-        return [self._chunk(index, tool_calls=[head]), self._chunk(index, tool_calls=[args])]
 
     def usage_chunk(self, usage: Mapping[str, object]) -> JsonDict:
         return chat_usage_chunk(
@@ -153,9 +156,10 @@ class ChatRenderer(Renderer):
             text, calls, thought = acc.text, [], None
             if self.reasoning:
                 thought, text = split_reasoning(text, self.reasoning)
-            if self.tool_format:
-                text, calls = parse_calls(text, self.tool_format)
             reason = acc.finish_reason or "stop"
+            if self.tool_format:
+                text, calls = parse_calls(text, self.tool_format, self.tools,
+                                          truncated=reason in _CUT)  # fmt: skip
             choices.append(ChatChoice(
                 index=i, text=text,
                 finish_reason="tool_calls" if calls and reason == "stop" else reason,
@@ -170,6 +174,15 @@ class ChatRenderer(Renderer):
             choices=choices,
             usage=usage,
         )
+
+
+def _call_delta(call: CallDelta) -> JsonDict:
+    """One ``delta.tool_calls`` entry: the head (id, type, name, empty arguments) or a
+    fragment of the arguments."""
+    if call.id is not None:
+        return {"index": call.index, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+    return {"index": call.index, "function": {"arguments": call.arguments}}
 
 
 class CompletionRenderer(Renderer):

@@ -8,12 +8,14 @@ then to ``default``, the bundled SmolLM2):
   --port PORT          gRPC port (default 50051, ``ports.TOKENIZER_GRPC_PORT``; 0 = any free)
   --metrics-port PORT  Prometheus ``/metrics`` port (default 9101; 0 = any free)
   --grace SECONDS      how long in-flight RPCs get when stopping (default 5)
+  --chat-template FILE a Jinja chat template that replaces the model's own (read at start-up)
   --tls-cert/--tls-key/--tls-ca PEM, --insecure-internal, --health-port PORT: internal mutual
                        TLS (``common/internal_tls.py``; only a gateway may call the tokenizer)
 
 Lifecycle:
   1. Install SIGINT / SIGTERM handlers (a signal at any later point stops the process cleanly).
-  2. Resolve the model, load its tokenizer and compute the model fingerprint (in a thread).
+  2. Resolve the model, load its tokenizer (and ``--chat-template``, which must compile) and
+     compute the model fingerprint (in a thread).
   3. Start the gRPC server (Tokenizer + health + reflection, see ``common/grpc_server.py``) and
      the metrics endpoint; health reports SERVING from here on.
   4. Wait for a signal; then report NOT_SERVING, give in-flight RPCs ``--grace`` seconds, stop.
@@ -64,6 +66,7 @@ class TokenizerServiceConfig:
     grace: float = DEFAULT_GRACE_SECONDS
     tls: InternalTls = field(default_factory=InternalTls)  # empty: refused by the server
     health_port: int | None = None
+    chat_template: str | None = None  # a template file replacing the model's own
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GRACE_SECONDS,
         help=f"seconds in-flight RPCs get on shutdown (default {DEFAULT_GRACE_SECONDS:g})",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file that replaces the model's own (default: the model's)",
+    )
     add_tls_arguments(parser)
 
 
@@ -106,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         grace=args.grace,
         tls=tls_from_args(args),
         health_port=None if args.health_port < 0 else args.health_port,
+        chat_template=args.chat_template,
     )
     return asyncio.run(serve(config))
 
@@ -119,6 +129,9 @@ async def serve(config: TokenizerServiceConfig) -> int:
     try:
         source = resolve_model(config.model)
         tokenizer = await asyncio.to_thread(Tokenizer.load, source)
+        if config.chat_template:
+            tokenizer.use_chat_template(read_chat_template(config.chat_template))
+            logger.info("chat template from %s", config.chat_template)
         fingerprint = await asyncio.to_thread(model_fingerprint, source)
         logger.info("loaded tokenizer %r (fingerprint %s)", tokenizer, fingerprint or "unknown")
         if stop.is_set():
@@ -164,3 +177,15 @@ def model_fingerprint(source: ModelSource) -> str:
     except ModelLoadError as exc:
         logger.warning("no model fingerprint for %s: %s", source.name, exc.message)
     return ""
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a ``--chat-template`` file; ModelLoadError when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the chat template {path}: {exc}") from exc
+    if not text.strip():
+        raise ModelLoadError(f"the chat template {path} is empty")
+    return text

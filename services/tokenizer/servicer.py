@@ -8,8 +8,9 @@ gRPC status codes (INVALID_ARGUMENT for everything a caller can get wrong here).
 
 Tokenize (docs/request-lifecycle.md, step 3):
   1. Take the raw ``text`` (encoded with ``add_special_tokens`` as asked) or render the ``chat``
-     messages with the model's chat template (``add_generation_prompt`` as asked; the template
-     writes its own special tokens, so none are added on encoding).
+     messages with the model's chat template (``add_generation_prompt`` as asked, ``tools_json``
+     as ``tools`` and ``chat_template_kwargs_json`` as more variables; the template writes its
+     own special tokens, so none are added on encoding).
   2. Fit the context: ``context_length`` 0 means the model's. ``max_tokens`` 0 is read as 1 (the
      prompt must leave room for at least one generated token). With ``truncate`` on a chat, the
      sliding window of :func:`~services.tokenizer.context_window.fit_chat` drops the oldest whole
@@ -104,6 +105,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             return self._tokenize_chat(
                 messages,
                 tools=_tools(request.tools_json),
+                template_kwargs=_template_kwargs(request.chat_template_kwargs_json),
                 add_generation_prompt=request.add_generation_prompt,
                 max_tokens=max_tokens,
                 context_length=context_length,
@@ -120,8 +122,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         max_tokens: int,
         context_length: int,
         truncate: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tokenizer_pb2.TokenizeResponse:
-        encoder = _RecordingChatEncoder(self._tokenizer, add_generation_prompt, tools)
+        encoder = _RecordingChatEncoder(self._tokenizer, add_generation_prompt, tools,
+                                        template_kwargs)  # fmt: skip
         if truncate and context_length:
             fitted = fit_chat(
                 encoder, messages, max_tokens=max_tokens, context_length=context_length
@@ -226,20 +230,24 @@ class _RecordingChatEncoder:
     ``add_generation_prompt`` and remembers the text behind each encoding, so the prompt text
     that survived truncation can be returned with its ids."""
 
-    __slots__ = ("_tokenizer", "_add_generation_prompt", "_tools", "_texts")
+    __slots__ = ("_tokenizer", "_add_generation_prompt", "_tools", "_kwargs", "_texts")
 
     def __init__(self, tokenizer: Tokenizer, add_generation_prompt: bool,
-                 tools: list[Any] | None = None) -> None:  # fmt: skip
+                 tools: list[Any] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         self._tokenizer = tokenizer
         self._add_generation_prompt = add_generation_prompt
         self._tools = tools
+        self._kwargs = dict(template_kwargs or {})
         self._texts: dict[tuple[int, ...], str] = {}
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Render and encode ``messages``; the request's generation-prompt flag always wins."""
-        extra = {"tools": self._tools} if self._tools else {}
+        extra = dict(self._kwargs)
+        if self._tools:
+            extra["tools"] = self._tools
         text = self._tokenizer.apply_chat_template(messages, self._add_generation_prompt, **extra)
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         self._texts[tuple(ids)] = text
@@ -284,3 +292,26 @@ def _tools(tools_json: str) -> list[Any] | None:
     if not isinstance(tools, list):
         raise InvalidArgumentError("tools_json must be a JSON array", param="tools")
     return tools
+
+
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt")
+
+
+def _template_kwargs(kwargs_json: str) -> dict[str, Any] | None:
+    """The request's extra template variables (vLLM's ``chat_template_kwargs``); the variables
+    the request sets itself cannot be overridden."""
+    if not kwargs_json:
+        return None
+    try:
+        kwargs = json.loads(kwargs_json)
+    except ValueError as err:
+        raise InvalidArgumentError(f"chat_template_kwargs is not JSON: {err}",
+                                   param="chat_template_kwargs") from err  # fmt: skip
+    if not isinstance(kwargs, dict):
+        raise InvalidArgumentError("chat_template_kwargs must be a JSON object",
+                                   param="chat_template_kwargs")  # fmt: skip
+    taken = [key for key in _TEMPLATE_OWN if key in kwargs]
+    if taken:
+        raise InvalidArgumentError(f"chat_template_kwargs cannot set {taken[0]!r}",
+                                   param="chat_template_kwargs")  # fmt: skip
+    return kwargs

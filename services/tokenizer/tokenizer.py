@@ -105,6 +105,12 @@ class Tokenizer:
             if token_id is not None and (text := backend.id_to_token(token_id)) is not None
         }
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` instead of the model's own template (``--chat-template``);
+        ModelLoadError when it does not compile."""
+        self._template = ChatTemplate(source)
+        self.chat_template = source
+
     # ----------------------------------------------------------------------------- loading
 
     @classmethod

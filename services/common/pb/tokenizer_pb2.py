@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/tokenizer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\xe0\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x10\n\x08truncate\x18\x07 \x01(\x08\x12\x12\n\ntools_json\x18\x08 \x01(\tB\x07\n\x05input\"T\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10\x64ropped_messages\x18\x02 \x01(\r\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\"W\n\x10\x44\x65tokenizeConfig\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"n\n\x11\x44\x65tokenizeRequest\x12-\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.tandem.v1.DetokenizeConfigH\x00\x12\"\n\x03ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x42\x06\n\x04kind\"H\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xf7\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12?\n\x0especial_tokens\x18\x06 \x03(\x0b\x32\'.tandem.v1.ModelInfo.SpecialTokensEntry\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\r\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id2\xe2\x01\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse(\x01\x30\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/tokenizer.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x83\x02\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x10\n\x08truncate\x18\x07 \x01(\x08\x12\x12\n\ntools_json\x18\x08 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\t \x01(\tB\x07\n\x05input\"T\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10\x64ropped_messages\x18\x02 \x01(\r\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\"W\n\x10\x44\x65tokenizeConfig\x12\x1b\n\x13skip_special_tokens\x18\x01 \x01(\x08\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"n\n\x11\x44\x65tokenizeRequest\x12-\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.tandem.v1.DetokenizeConfigH\x00\x12\"\n\x03ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x42\x06\n\x04kind\"H\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\x12\x13\n\x0bstop_string\x18\x03 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xf7\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x19\n\x0c\x62os_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0cpad_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12?\n\x0especial_tokens\x18\x06 \x03(\x0b\x32\'.tandem.v1.ModelInfo.SpecialTokensEntry\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\x15\n\rchat_template\x18\x08 \x01(\t\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x18\n\x10protocol_version\x18\n \x01(\r\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id2\xe2\x01\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse(\x01\x30\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=64
   _globals['_CHATMESSAGES']._serialized_end=120
   _globals['_TOKENIZEREQUEST']._serialized_start=123
-  _globals['_TOKENIZEREQUEST']._serialized_end=347
-  _globals['_TOKENIZERESPONSE']._serialized_start=349
-  _globals['_TOKENIZERESPONSE']._serialized_end=433
-  _globals['_DETOKENIZECONFIG']._serialized_start=435
-  _globals['_DETOKENIZECONFIG']._serialized_end=522
-  _globals['_TOKENIDS']._serialized_start=524
-  _globals['_TOKENIDS']._serialized_end=553
-  _globals['_DETOKENIZEREQUEST']._serialized_start=555
-  _globals['_DETOKENIZEREQUEST']._serialized_end=665
-  _globals['_DETOKENIZERESPONSE']._serialized_start=667
-  _globals['_DETOKENIZERESPONSE']._serialized_end=739
-  _globals['_MODELINFOREQUEST']._serialized_start=741
-  _globals['_MODELINFOREQUEST']._serialized_end=759
-  _globals['_MODELINFO']._serialized_start=762
-  _globals['_MODELINFO']._serialized_end=1137
-  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_start=1051
-  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_end=1103
-  _globals['_TOKENIZER']._serialized_start=1140
-  _globals['_TOKENIZER']._serialized_end=1366
+  _globals['_TOKENIZEREQUEST']._serialized_end=382
+  _globals['_TOKENIZERESPONSE']._serialized_start=384
+  _globals['_TOKENIZERESPONSE']._serialized_end=468
+  _globals['_DETOKENIZECONFIG']._serialized_start=470
+  _globals['_DETOKENIZECONFIG']._serialized_end=557
+  _globals['_TOKENIDS']._serialized_start=559
+  _globals['_TOKENIDS']._serialized_end=588
+  _globals['_DETOKENIZEREQUEST']._serialized_start=590
+  _globals['_DETOKENIZEREQUEST']._serialized_end=700
+  _globals['_DETOKENIZERESPONSE']._serialized_start=702
+  _globals['_DETOKENIZERESPONSE']._serialized_end=774
+  _globals['_MODELINFOREQUEST']._serialized_start=776
+  _globals['_MODELINFOREQUEST']._serialized_end=794
+  _globals['_MODELINFO']._serialized_start=797
+  _globals['_MODELINFO']._serialized_end=1172
+  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_start=1086
+  _globals['_MODELINFO_SPECIALTOKENSENTRY']._serialized_end=1138
+  _globals['_TOKENIZER']._serialized_start=1175
+  _globals['_TOKENIZER']._serialized_end=1401
 # @@protoc_insertion_point(module_scope)

@@ -14,7 +14,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat", "add_special_tokens", "add_generation_prompt", "max_tokens", "context_length", "truncate", "tools_json")
+    __slots__ = ("text", "chat", "add_special_tokens", "add_generation_prompt", "max_tokens", "context_length", "truncate", "tools_json", "chat_template_kwargs_json")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class TokenizeRequest(_message.Message):
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     add_special_tokens: bool
@@ -31,7 +32,8 @@ class TokenizeRequest(_message.Message):
     context_length: int
     truncate: bool
     tools_json: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    chat_template_kwargs_json: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., truncate: _Optional[bool] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "dropped_messages", "prompt_text")
