@@ -39,6 +39,7 @@ from services.common.errors import (
     InvalidArgumentError,
     ModelLoadError,
     ResourceExhaustedError,
+    TandemError,
 )
 from services.common.grpc_channel import open_channel
 from services.common.grpc_server import start_grpc_server
@@ -52,6 +53,8 @@ from services.engine.core.loaders import LoadedModel, load_model
 from services.gateway.api_schema import MAX_INT32
 from services.gateway.config import GatewayConfig
 from services.gateway.embedding_request import EMBEDDINGS, MAX_INPUTS, parse_embedding_request
+from services.gateway.embeddings import embedding_response
+from services.gateway.openapi import openapi_document
 from services.launch_plan import LaunchConfig, plan
 from tests.tiny_stack import start_test_gateway
 from tests.tls_identities import tls_for
@@ -65,27 +68,28 @@ SERVED = "tiny-embed"
 INPUT_LENGTHS = (1, 5, 23, 77)  # with a 32-token budget: the long ones span passes
 
 
-def _tiny(vocab: int) -> dict[str, Any]:
+def _tiny(vocab: int, tie: bool = False) -> dict[str, Any]:
     return dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.08,
         max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
     )  # fmt: skip
 
 
-def write_checkpoint(folder: Path, kind: str, vocab: int = 256) -> Path:
+def write_checkpoint(folder: Path, kind: str, vocab: int = 256, *, tie: bool = False) -> Path:
     """A random checkpoint as ``save_pretrained`` writes it: ``qwen3`` / ``llama`` base models
-    (architectures ``Qwen3Model`` / ``LlamaModel``) or a ``llama-causal`` LM."""
+    (architectures ``Qwen3Model`` / ``LlamaModel``) or a ``llama-causal`` LM; ``tie``: the
+    config ties the head to the embedding (Qwen3-Embedding's does)."""
     import transformers as t
 
     torch.manual_seed(0)
     if kind == "qwen3":
-        model = t.Qwen3Model(t.Qwen3Config(**_tiny(vocab)))
+        model = t.Qwen3Model(t.Qwen3Config(**_tiny(vocab, tie)))
     elif kind == "llama":
-        model = t.LlamaModel(t.LlamaConfig(**_tiny(vocab)))
+        model = t.LlamaModel(t.LlamaConfig(**_tiny(vocab, tie)))
     else:
-        model = t.LlamaForCausalLM(t.LlamaConfig(**_tiny(vocab)))
+        model = t.LlamaForCausalLM(t.LlamaConfig(**_tiny(vocab, tie)))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
@@ -181,6 +185,11 @@ def test_a_headless_base_model_serves_embeddings_only(tmp_path: Path) -> None:
     assert not any(name.startswith("lm_head") for name, _ in loaded.model.named_parameters())
     with pytest.raises(FailedPreconditionError):
         loaded.model.compute_logits(torch.zeros(1, 64))
+    tied = load_model(str(write_checkpoint(tmp_path / "q", "qwen3", tie=True)), "float32")
+    assert tied.config.base_model and tied.config.has_lm_head  # its head is the embedding
+    logits = tied.model.compute_logits(torch.ones(1, 64))
+    expected = torch.ones(1, 64) @ tied.model.embed_tokens.weight.T
+    assert torch.allclose(logits, expected, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- pooling config
@@ -247,6 +256,9 @@ def test_the_parser_reads_the_declared_fields_and_names_the_param() -> None:
         ({"model": SERVED, "input": [2**32]}, "input"),
         ({"model": SERVED, "input": {"a": 1}}, "input"),
         ({"model": SERVED, "input": ["a", 1]}, "input"),
+        ({"model": SERVED, "input": ["a", [1]]}, "input"),
+        ({"model": SERVED, "input": [[1], "a"]}, "input"),
+        ({"model": SERVED, "input": [{"a": 1}]}, "input"),
         ({"model": SERVED, "input": [[1, "a"]]}, "input"),
         ({"model": SERVED, "input": ["a"] * (MAX_INPUTS + 1)}, "input"),
         ({"model": SERVED, "input": "x", "dimensions": 0}, "dimensions"),
@@ -258,6 +270,40 @@ def test_the_parser_reads_the_declared_fields_and_names_the_param() -> None:
         with pytest.raises(InvalidArgumentError) as info:
             parse_embedding_request(body, served_models=[SERVED])
         assert info.value.param == param, (body, info.value.message)
+
+
+def test_the_documented_schema_agrees_with_the_parser() -> None:
+    from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
+
+    doc = openapi_document(served_names=[SERVED], vocab_size=1000)
+    assert "/v1/embeddings" in doc["paths"]
+    registry = Registry().with_resource("urn:doc", Resource.from_contents(doc, DRAFT202012))
+    body = Draft202012Validator({"$ref": f"urn:doc#/components/schemas/{EMBEDDINGS.name}"},
+                                registry=registry)  # fmt: skip
+    base = {"model": SERVED, "input": "x"}
+    accepted = [base, {**base, "input": ["a", "b"]}, {**base, "input": [1, 999]},
+                {**base, "input": [[1], [2, 3]]}, {**base, "dimensions": 8, "user": None},
+                {**base, "encoding_format": "base64"}, {**base, "encoding_format": None}]  # fmt: skip
+    refused = [{**base, "input": value} for value in
+               ("", [], [[]], [-1], ["a", 1], ["a", [1]], [[1], "a"], {"a": 1}, None, [""])]
+    refused += [{**base, "dimensions": 0}, {**base, "encoding_format": "int8"},
+                {**base, "user": 3}, {"input": "x"}, {**base, "model": "other"}]  # fmt: skip
+    for request in accepted:
+        assert body.is_valid(request), request
+        parse_embedding_request(request, served_models=[SERVED])
+    for request in refused:
+        assert not body.is_valid(request), request
+        with pytest.raises(TandemError):
+            parse_embedding_request(request, served_models=[SERVED])
+    response = Draft202012Validator(
+        {"$ref": "urn:doc#/components/schemas/CreateEmbeddingResponse"}, registry=registry)
+    reply = prefill_pb2.EmbedResponse(num_prompt_tokens=3, embeddings=[
+        prefill_pb2.Embedding(values=[0.6, 0.8])])
+    for fmt in ("float", "base64"):
+        parsed = parse_embedding_request({**base, "encoding_format": fmt}, served_models=[SERVED])
+        response.validate(embedding_response(parsed, reply))
 
 
 def test_tandem_up_decode_0_plans_an_embeddings_only_deployment() -> None:

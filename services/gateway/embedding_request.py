@@ -128,15 +128,17 @@ def _parse_input(obj: Mapping[str, object]) -> tuple[EmbeddingInput, ...]:
             param="input", code="invalid_value",
         )  # fmt: skip
     items: list[EmbeddingInput] = []
+    kind = str if isinstance(raw[0], str) else list  # one kind per array, as OpenAI's schema
     for i, item in enumerate(raw):
+        if not isinstance(item, kind):
+            expected = "an array of strings" if kind is str else "an array of token-id arrays"
+            raise invalid_type("input", expected, item)
         if isinstance(item, str):
             items.append(_text(item, f"input[{i}]"))
-        elif isinstance(item, list):
+        else:
             if not item:
                 raise empty_array("input")
             items.append(_token_ids(item, f"input[{i}]"))
-        else:
-            raise invalid_type("input", "an array of strings or of token-id arrays", item)
     return tuple(items)
 
 
