@@ -84,6 +84,7 @@ class LaunchConfig:
     kv_cache_dtype: str | None = None
     kv_transport: str | None = None
     speculative: tuple[str, ...] = ()  # decode workers' speculative-decoding flags
+    pooling: str | None = None  # prefill workers' --pooling (how /v1/embeddings pools)
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
     chat_template: str | None = None  # the tokenizer's --chat-template FILE
@@ -225,6 +226,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 extra += ["--kv-transport", config.kv_transport]
             if service == "decode":  # speculation is a decode step's business
                 extra += list(config.speculative)
+            if service == "prefill" and config.pooling is not None:  # embeddings are prefill's
+                extra += ["--pooling", config.pooling]
             grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])
 
     if gateway:

@@ -68,6 +68,7 @@ from pathlib import Path
 from services.common import ports
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.internal_tls import INSECURE_WARNING, InternalTls
+from services.common.pooling_config import POOLING_MODES
 from services.cpu_plan import parse_threads, usable_cpus
 from services.engine.core.speculative import SPECULATIVE_METHODS
 from services.engine.runtime.worker_options import KV_CACHE_DTYPE_CHOICES, KV_TRANSPORTS
@@ -151,6 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="more flags for every prefill and decode worker, one shell-quoted string")
     add("--gateway-args", default="", metavar="ARGS",
         help="more flags for the gateway, one shell-quoted string")
+    add("--pooling", choices=POOLING_MODES, default=None,
+        help="how the prefill workers pool /v1/embeddings: last | mean (default: the model "
+             "folder's sentence-transformers config, else last)")
     add("--chat-template", default=None, metavar="FILE",
         help="a Jinja chat template file the tokenizer renders chats with instead of the "
              "model's own")
@@ -192,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_transport=args.kv_transport,
+        pooling=args.pooling,
         speculative=_speculative_flags(args),
         worker_args=tuple(shlex.split(args.worker_args)),
         gateway_args=tuple(shlex.split(args.gateway_args)),

@@ -307,10 +307,15 @@ def test_the_documented_schema_agrees_with_the_parser() -> None:
 
 
 def test_tandem_up_decode_0_plans_an_embeddings_only_deployment() -> None:
-    specs = plan(LaunchConfig(model="/models/e5", num_prefill=1, num_decode=0, cpus=(0, 1)))
+    specs = plan(LaunchConfig(model="/models/e5", num_prefill=1, num_decode=0, cpus=(0, 1),
+                              pooling="mean"))  # fmt: skip
     assert [s.name for s in specs] == ["tokenizer", "prefill-0", "gateway"]
-    gateway = specs[-1].argv
+    gateway, prefill = specs[-1].argv, specs[1].argv
     assert "--no-decode" in gateway and "--decode" not in gateway
+    assert prefill[prefill.index("--pooling") + 1] == "mean"
+    mixed = plan(LaunchConfig(num_prefill=1, num_decode=1, cpus=(0, 1), pooling="last"))
+    assert [("--pooling" in s.argv) for s in mixed] == [False, True, False, False]
+    assert "--no-decode" not in mixed[-1].argv
     with pytest.raises(InvalidArgumentError):
         plan(LaunchConfig(num_prefill=0, num_decode=0, cpus=(0, 1)))
 
