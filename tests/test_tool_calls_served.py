@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -61,18 +62,24 @@ CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TinyStack]:
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's folder, with the vocabulary next to it, so the prefill worker (which
+    loads its tokenizer from the model's folder) can compile the grammars too, as a real model's
+    folder allows."""
     from services.common.model_source import resolve_model
     from services.tokenizer.tokenizer import Tokenizer
 
-    folder = tmp_path_factory.mktemp("tiny-tools")
-    # the vocabulary next to the tiny model, so the prefill worker (which loads its tokenizer
-    # from the model's folder) can compile the grammars too, as a real model's folder allows
+    path = tmp_path_factory.mktemp("tiny-tools")
     tokenizer = Tokenizer.load(resolve_model("default"))
-    (folder / "tokenizer.json").write_text(tokenizer.to_json())
+    (path / "tokenizer.json").write_text(tokenizer.to_json())
     eos = next(text for text, i in tokenizer.special_tokens.items() if i == tokenizer.eos_token_id)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(folder: Path) -> AsyncIterator[TinyStack]:
     async with tiny_stack(folder, chat_template=TEMPLATE) as started:
         yield started
 
@@ -159,6 +166,32 @@ async def test_chat_template_kwargs_reach_the_template(stack: TinyStack) -> None
     with pytest.raises(openai.BadRequestError) as info:
         await prompt_tokens(extra_body={"chat_template_kwargs": ["enable_thinking"]})
     assert info.value.body["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "pythonic", "deepseek_v3", "mistral"])
+async def test_every_format_is_forced_parsed_and_streamed(folder: Path, fmt: str) -> None:
+    """``--tool-call-parser`` set to each format on a gateway of its own: the grammar the engine
+    follows (SmolLM2's tokenizer, markers as text) and the parser that reads its tokens agree."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with tiny_stack(folder, chat_template=TEMPLATE,
+                          gateway_options={"tool_call_parser": fmt}) as served:  # fmt: skip
+        reply = await client(served).chat.completions.create(
+            model="tiny", messages=ASK, tools=[CITY], tool_choice=named, max_tokens=120)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+        assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
+        stream = await client(served).chat.completions.create(
+            model="tiny", messages=ASK, tools=[CITY], tool_choice=named, max_tokens=120,
+            stream=True)  # fmt: skip
+        heads, arguments, reason = [], "", None
+        async for chunk in stream:
+            for call in chunk.choices[0].delta.tool_calls or []:
+                heads += [call.function.name] if call.id else []
+                arguments += (call.function.arguments or "") if call.function else ""
+            reason = chunk.choices[0].finish_reason or reason
+        assert heads == ["get_weather"] and reason == "tool_calls"
+        assert set(json.loads(arguments)) == {"city"}
 
 
 async def test_the_served_template_has_qwen3s_thinking_switch() -> None:

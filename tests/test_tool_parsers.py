@@ -222,6 +222,13 @@ def test_the_forcing_grammars_follow_the_parameters() -> None:
     assert not accepts(qwen, call.format(param.format("unit", "C")))  # city is required
     assert not accepts(qwen, call.format(param.format("city", "P") + param.format("days", "x")))
     assert not accepts(qwen, call.format(param.format("city", "P") + param.format("unit", "K")))
+    short = parse_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}}}}],
+        "tool_choice": "required"})  # fmt: skip
+    assert short is not None
+    bounded = "<tool_call>\n<function=f>\n<parameter=s>\n{}\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(tool_grammar(short, "qwen3_coder"), bounded.format("abc"))
+    assert not accepts(tool_grammar(short, "qwen3_coder"), bounded.format("abcd"))
     pythonic = tool_grammar(required, "pythonic")
     assert accepts(pythonic, '[get_weather(city="Paris", unit="F")]')
     assert not accepts(pythonic, '[get_weather(unit="F")]')

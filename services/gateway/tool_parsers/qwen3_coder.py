@@ -169,6 +169,8 @@ def _value_rule(spec: Mapping[str, Any]) -> str:
     kind = _type_of(spec)
     if isinstance(spec.get("enum"), list) and all(isinstance(v, str) for v in spec["enum"]):
         return "(" + " | ".join(json.dumps(v) for v in spec["enum"]) + ') "\\n</parameter>"'
+    if kind == "string" and isinstance(spec.get("maxLength"), int):  # one bounded line
+        return f'/[^\\n]{{0,{spec["maxLength"]}}}/ "\\n</parameter>"'
     if kind == "string":
         return "text"
     if kind in ("integer", "int"):
