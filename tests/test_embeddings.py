@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import functools
 import json
 import struct
@@ -326,8 +327,10 @@ def test_tandem_up_decode_0_plans_an_embeddings_only_deployment() -> None:
 class Served:
     """The embeddings-only stack: tokenizer, one prefill worker, a gateway without decode."""
 
-    def __init__(self, url: str, folder: Path, tokenizer: Any, prefill: Any) -> None:
+    def __init__(self, url: str, folder: Path, tokenizer: Any, prefill: Any,
+                 config: GatewayConfig) -> None:  # fmt: skip
         self.url, self.folder, self.tokenizer, self.prefill = url, folder, tokenizer, prefill
+        self.config = config  # the gateway's, for another gateway over the same backend
 
     def client(self, key: str = API_KEY) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
@@ -378,7 +381,7 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Serv
                     break
             assert time.monotonic() < deadline, await r.text()
             await asyncio.sleep(0.1)
-        yield Served(url, folder, tokenizer, prefill)
+        yield Served(url, folder, tokenizer, prefill, config)
     finally:
         await runner.cleanup()
         await prefill.stop(0.5)
@@ -483,6 +486,23 @@ async def test_bad_requests_are_400_naming_the_param_and_401_without_key(served:
                           headers={"Authorization": f"Bearer {API_KEY}"}) as r:  # fmt: skip
             assert r.status == 503
     assert await served.blocks_in_use() == 0
+
+
+@pytest_asyncio_module
+async def test_token_bucket_charges_inputs_and_refunds_failures(served: Served) -> None:
+    config = dataclasses.replace(served.config, rate_limit_tpm=20)
+    _, runner, url = await start_test_gateway(config, API_KEY)
+    try:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+        twelve = [5] * 12
+        with pytest.raises(openai.BadRequestError):  # charged 12, failed on the worker: refunded
+            await client.embeddings.create(model=SERVED, input=twelve, dimensions=65)
+        await client.embeddings.create(model=SERVED, input=twelve)  # 12 of the 20
+        with pytest.raises(openai.RateLimitError) as info:  # 12 more do not fit the 8 left
+            await client.embeddings.create(model=SERVED, input=twelve)
+        assert info.value.response.headers.get("Retry-After")
+    finally:
+        await runner.cleanup()
 
 
 @pytest_asyncio_module
