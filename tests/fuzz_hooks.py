@@ -8,11 +8,12 @@ through ``SCHEMATHESIS_HOOKS=tests.fuzz_hooks``.
    streams, against the OpenAPI document):
 
    - :func:`openai_error_contract`: every error is OpenAI's shape with the type and code its status
-     implies, ``Retry-After`` on 429, ``Allow`` on 405;
-   - :func:`sse_stream_contract`: a stream read to its end ends with exactly one ``[DONE]``, its
-     chunks share one id, ``created`` and model, every choice index is below ``n`` and finishes
-     once (unless an error event ended the stream), and ``include_usage`` adds a last chunk
-     with usage and no choices;
+     implies, ``Retry-After`` on 429, ``Allow`` on 405 (on Anthropic's ``/v1/messages`` routes,
+     Anthropic's shape with the type its status implies; a 405 is the router's, OpenAI's);
+   - :func:`sse_stream_contract`: a chat or text completion stream read to its end ends with
+     exactly one ``[DONE]``, its chunks share one id, ``created`` and model, every choice index
+     is below ``n`` and finishes once (unless an error event ended the stream), and
+     ``include_usage`` adds a last chunk with usage and no choices;
    - :func:`choices_contract`: a non-streamed completion has exactly ``n`` choices, in order.
 """
 
@@ -33,6 +34,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                 429: "rate_limit_error", 500: "internal_error", 502: "server_error",
                 503: "service_unavailable"}  # fmt: skip
 _ERROR_CODES = {405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    404: "not_found_error", 408: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    502: "api_error", 503: "overloaded_error"}  # fmt: skip
 _counter = itertools.count()
 
 
@@ -67,6 +72,14 @@ def openai_error_contract(ctx: Any, response: Any, case: Any) -> bool | None:
         body = json.loads(response.content)
     except ValueError as exc:
         raise AssertionError(f"error {status} is not JSON: {response.content[:200]!r}") from exc
+    if case.operation.path.startswith("/v1/messages") and status != 405:
+        assert isinstance(body, dict) and set(body) == {"type", "error"}, body
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["type"] == _ANTHROPIC_TYPES[status], body
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+        if status == 429:
+            assert (_header(response, "Retry-After") or "").isdigit(), "429 without Retry-After"
+        return True
     assert isinstance(body, dict) and set(body) == {"error"}, f"not OpenAI's error shape: {body}"
     err = body["error"]
     assert isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}, err
@@ -103,8 +116,9 @@ def _events(raw: bytes) -> list[Any]:
 @schemathesis.check
 def sse_stream_contract(ctx: Any, response: Any, case: Any) -> bool | None:
     content_type = _header(response, "Content-Type") or ""
-    if response.status_code != 200 or not content_type.startswith("text/event-stream"):
-        return None
+    if (response.status_code != 200 or not content_type.startswith("text/event-stream")
+            or case.operation.path not in _GENERATION_PATHS):  # fmt: skip
+        return None  # the Responses and Messages APIs' typed events: their own tests
     request = _request_json(case)
     n = request.get("n") or 1
     expected_object = ("chat.completion.chunk" if case.operation.path.endswith("chat/completions")

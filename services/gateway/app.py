@@ -6,6 +6,9 @@ the handlers share.
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings``
   (``embeddings.py``), ``GET /v1/models[/{model}]``,
+  OpenAI's Responses API (``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``:
+  ``responses_api.py``), Anthropic's Messages API (``POST /v1/messages[/count_tokens]``:
+  ``messages_api.py``),
   ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (vLLM's), ``GET /openapi.json``
   (``openapi.py``), ``GET /`` (the playground), ``GET /health``, ``GET /ready`` (Prometheus
   ``GET /metrics`` is not here: ``main.serve`` serves it on ``--metrics-port``, a port of its own
@@ -43,11 +46,14 @@ from services.gateway.embeddings import embeddings
 from services.gateway.http_errors import error_middleware
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
 from services.gateway.membership import Membership
+from services.gateway.messages_api import count_tokens, create_message
 from services.gateway.openapi import openapi_route
 from services.gateway.playground import playground
 from services.gateway.malformed_http_log import MalformedHttpLogFilter
 from services.gateway.malformed_http_log import attach as attach_log_filter
 from services.gateway.malformed_http_log import detach as detach_log_filter
+from services.gateway.response_store import RESPONSE_STORE_KEY, ResponseStore
+from services.gateway.responses_api import create_response, delete_response, get_response
 from services.gateway.router import Router
 from services.gateway.safety import SafetyPolicy, load_policy
 from services.gateway.state import STATE_KEY, GatewayState
@@ -121,8 +127,15 @@ def build_app(
     state = build_state(config, auth=auth, policy=policy, metrics=metrics)
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[STATE_KEY] = state
+    app[RESPONSE_STORE_KEY] = ResponseStore(ttl_s=config.response_store_ttl_s,
+                                            max_entries=config.response_store_max_entries)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)

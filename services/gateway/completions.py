@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ from services.common.sampling_params import SamplingParams
 from services.gateway.client_limits import check_request_rate, client_id, read_body_in_budget
 from services.gateway.config import GatewayConfig
 from services.gateway.disconnect import watch_disconnect
+from services.gateway.front import Front, FrontRenderer
+from services.gateway.http_errors import INTERNAL_ERROR_MESSAGE
 from services.gateway.openai_fields import check_vocabulary
 from services.gateway.openai_requests import (
     ChatRequest,
@@ -62,6 +65,8 @@ from services.gateway.tool_calls import (
     tool_grammar,
 )
 
+logger = logging.getLogger(__name__)
+
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away
 
 
@@ -74,6 +79,7 @@ class _Job:
     renderer: Renderer
     stream: bool
     include_usage: bool
+    front: Front | None = None  # another API's framing (front.py); None: OpenAI's chunks
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -84,31 +90,47 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, RequestRecord(new_completion_id(), "completions"))
 
 
-async def _serve(request: web.Request, record: RequestRecord) -> web.StreamResponse:
+async def serve_front(
+    request: web.Request, record: RequestRecord, front: Front
+) -> web.StreamResponse:
+    """The same flow for another API (``front.py``): its parser, renderer, framing and errors."""
+    return await _serve(request, record, front)
+
+
+async def _serve(
+    request: web.Request, record: RequestRecord, front: Front | None = None
+) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     slot = None
     charged = 0
     client = ""
     held = contextlib.ExitStack()
     try:
-        record.api_key = state.auth.check(request.headers.get("Authorization"))
+        header = front.authorization(request) if front else request.headers.get("Authorization")
+        record.api_key = state.auth.check(header)
         client = client_id(record.api_key, request)
         check_request_rate(state, client)
         info = await state.require_model_info()
         body = await read_body_in_budget(state, request, held)
         parsed: ChatRequest | CompletionRequest
-        if record.endpoint == "chat":
+        if front is not None:
+            parsed = front.parse(body, state.served_names)
+        elif record.endpoint == "chat":
             parsed = parse_chat_request(body, served_models=state.served_names)
         else:
             parsed = parse_completion_request(body, served_models=state.served_names)
         record.model, record.stream = parsed.model, parsed.stream
         _check_max_tokens_limit(parsed, state.config)
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
-        await _check_input(state, parsed.texts(), _input_param(parsed))
+        input_param = front.input_param if front else _input_param(parsed)
+        await _check_input(state, parsed.texts(), input_param)
         slot = state.admission.try_acquire()
         state.metrics.num_requests_running.inc()
         if isinstance(parsed, ChatRequest):
             job = await _prepare_chat(state, parsed, info, record)
+            if front is not None and isinstance(job.renderer, ChatRenderer):
+                renderer = front.renderer(job.renderer, parsed, len(job.prompt_ids))
+                job = dataclasses.replace(job, renderer=renderer, front=front)
         else:
             job = await _prepare_completion(state, parsed, info, record)
         if state.token_limiter is not None:
@@ -134,9 +156,14 @@ async def _serve(request: web.Request, record: RequestRecord) -> web.StreamRespo
         record.fail(err.http_status, err.message, before_compute=not record.dispatched)
         if err.http_status == 429:
             state.metrics.record_throttled(err.code)
+        if front is not None:
+            return await front.error_response(request, err)
         raise
     except Exception as exc:
         record.fail(500, f"{type(exc).__name__}: {exc}", before_compute=False)
+        if front is not None:
+            logger.exception("unhandled error in %s %s", request.method, request.path)
+            return await front.error_response(request, TandemError(INTERNAL_ERROR_MESSAGE))
         raise
     finally:
         held.close()
@@ -282,6 +309,15 @@ def _chat_messages(
     return out, ""
 
 
+def chat_template_input(
+    req: ChatRequest, chat_template: str
+) -> tuple[list[common_pb2.ChatMessage], str]:
+    """The messages and tools JSON the chat template renders for ``req``, as for its completion
+    (Anthropic's ``count_tokens`` counts exactly what a reply's prompt would hold)."""
+    tools = req.tools if req.tools is not None and req.tools.active else None
+    return _chat_messages(req, tools, chat_template)
+
+
 async def _prepare_completion(
     state: GatewayState,
     req: CompletionRequest,
@@ -370,12 +406,17 @@ async def _stream(
     writer = SSEWriter(headers={"X-Request-Id": record.request_id},
                        write_timeout_s=request.app[STATE_KEY].config.edge.sse_write_timeout_s)
     await writer.prepare(request)
+    name = job.front.event_name if job.front is not None else lambda chunk: None
     for chunk in job.renderer.start_chunks():
-        await writer.send_json(chunk)
+        await writer.send_json(chunk, event=name(chunk))
     while event is not None:
         for chunk in job.renderer.event_chunks(event):
-            await writer.send_json(chunk)
+            await writer.send_json(chunk, event=name(chunk))
         event = await run.next_event(gone)
+    if isinstance(job.renderer, FrontRenderer):  # the API's closing events, usage in them
+        for chunk in job.renderer.end_chunks(_usage(record)):
+            await writer.send_json(chunk, event=name(chunk))
+        return writer.response
     if job.include_usage:
         await writer.send_json(job.renderer.usage_chunk(_usage(record)))
     await writer.send_done()

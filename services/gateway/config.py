@@ -25,6 +25,8 @@ DEFAULT_HEADER_READ_TIMEOUT_S = 15.0
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_SSE_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MAX_BODY_MEMORY_BYTES = 128 * 1024 * 1024
+DEFAULT_RESPONSE_STORE_TTL_S = 3600.0
+DEFAULT_RESPONSE_STORE_MAX_ENTRIES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +174,9 @@ class GatewayConfig:
             (``decode_admission.py``; 0: at once).
         routing: the weights of the KV-aware routing cost (``router.py``).
         timeouts: gRPC deadlines.
+        response_store_ttl_s / response_store_max_entries: how long, and how many, responses
+            the Responses API keeps for ``store: true`` (``response_store.py``; 0 entries keeps
+            none).
         tls: the gateway's internal-TLS identity for its channels to the tokenizer and the
             workers (``services/common/internal_tls.py``); None is refused when the backend
             channels are opened (``InternalTls.plaintext()`` is plaintext).
@@ -208,6 +213,8 @@ class GatewayConfig:
     decode_admission_timeout_s: float = DEFAULT_DECODE_ADMISSION_TIMEOUT_S
     routing: RoutingWeights = field(default_factory=RoutingWeights)
     timeouts: BackendTimeouts = field(default_factory=BackendTimeouts)
+    response_store_ttl_s: float = DEFAULT_RESPONSE_STORE_TTL_S
+    response_store_max_entries: int = DEFAULT_RESPONSE_STORE_MAX_ENTRIES
     tls: InternalTls | None = None
 
     def validate(self) -> GatewayConfig:
@@ -262,6 +269,12 @@ class GatewayConfig:
         if not 0 <= self.decode_admission_timeout_s < float("inf"):
             raise InvalidArgumentError("decode admission timeout must be >= 0",
                                        param="decode_admission_timeout")  # fmt: skip
+        if not 0 < self.response_store_ttl_s < float("inf"):
+            raise InvalidArgumentError("--response-store-ttl must be positive",
+                                       param="response_store_ttl")  # fmt: skip
+        if self.response_store_max_entries < 0:
+            raise InvalidArgumentError("--response-store-max-entries must be >= 0",
+                                       param="response_store_max_entries")  # fmt: skip
         self.edge.validate(self.max_body_bytes)
         self.prefill_policy.validate()
         self.routing.validate()

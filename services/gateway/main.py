@@ -50,6 +50,8 @@ from services.gateway.config import (
     DEFAULT_KV_OVERLAP_WEIGHT,
     DEFAULT_MAX_MIGRATIONS,
     DEFAULT_DECODE_ADMISSION_TIMEOUT_S,
+    DEFAULT_RESPONSE_STORE_MAX_ENTRIES,
+    DEFAULT_RESPONSE_STORE_TTL_S,
     BackendTimeouts,
     EdgeLimits,
     GatewayConfig,
@@ -279,6 +281,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "open a think block), deepseek_r1 (the template opened it)",
     )
     parser.add_argument(
+        "--response-store-ttl",
+        type=float,
+        default=DEFAULT_RESPONSE_STORE_TTL_S,
+        metavar="SECONDS",
+        help="how long a Responses-API response stored with store: true stays retrievable and "
+        "continuable with previous_response_id (in memory; default %(default)s)",
+    )
+    parser.add_argument(
+        "--response-store-max-entries",
+        type=int,
+        default=DEFAULT_RESPONSE_STORE_MAX_ENTRIES,
+        metavar="N",
+        help="at most this many stored responses; the oldest is evicted first, 0 stores none "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--no-truncate",
         action="store_true",
         help="answer 400 for chats longer than the context instead of dropping the oldest turns",
@@ -363,6 +381,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         reasoning_parser=args.reasoning_parser,
         vocab_model=args.model,
         max_migrations=args.max_migrations,
+        response_store_ttl_s=args.response_store_ttl,
+        response_store_max_entries=args.response_store_max_entries,
         decode_admission_timeout_s=args.decode_admission_timeout,
         routing=RoutingWeights(args.kv_overlap_weight, args.kv_load_weight),
         prefill_policy=PrefillPolicy(

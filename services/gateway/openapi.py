@@ -41,6 +41,7 @@ from services.gateway.api_schema import (
     chat_message_schema,
 )
 from services.gateway.embeddings import embedding_schemas, embeddings_operation
+from services.gateway.openapi_fronts import front_paths, front_schemas
 from services.gateway.state import STATE_KEY
 from services.gateway.token_routes import tandem_version
 
@@ -297,6 +298,7 @@ def _paths() -> dict[str, Any]:
         "/v1/completions": _generation(
             "Text completion", "createCompletion", COMPLETION, "Completion", "Completion"),
         "/v1/embeddings": embeddings_operation(_error_responses(_GENERATION_ERRORS)),
+        **front_paths(_error_responses, _SECURITY),
         "/v1/models": _get("The served models", "listModels", {
             "200": _json(_ref("ModelList"), "The served model names."),
             **_error_responses(("401", "503"))}, security=True),
@@ -345,6 +347,7 @@ def openapi_document(
         schemas[body.name] = body.json_schema()
     schemas["ChatMessage"] = chat_message_schema()
     schemas.update(_response_schemas())
+    schemas.update(front_schemas())
     schemas.update(embedding_schemas())
     return {
         "openapi": OPENAPI_VERSION,

@@ -4,7 +4,8 @@ Lifecycle of one streamed response:
 
 1. ``await writer.prepare(request)`` sends the 200 and the SSE headers (``text/event-stream``,
    ``Cache-Control: no-cache``, ``X-Accel-Buffering: no`` so proxies do not buffer).
-2. ``await writer.send_json(chunk)`` per chunk: ``data: {compact json}\\n\\n``.
+2. ``await writer.send_json(chunk)`` per chunk: ``data: {compact json}\\n\\n`` (with
+   ``event=name``, preceded by ``event: name\\n``).
 3. On a failure after the headers went out, ``await writer.send_error(err)``: an event
    ``data: {"error": {...}}\\n\\n`` as vLLM sends mid-stream (the status line cannot change).
 4. ``await writer.send_done()``: ``data: [DONE]\\n\\n``; then return ``writer.response`` from the
@@ -88,10 +89,12 @@ class SSEWriter:
             raise ClientDisconnected("client disconnected before the stream started") from exc
         return self._response
 
-    async def send_json(self, obj: object) -> None:
-        """``data: {compact json}\\n\\n``."""
+    async def send_json(self, obj: object, *, event: str | None = None) -> None:
+        """``data: {compact json}\\n\\n``; with ``event``, an ``event: <name>`` line first (the
+        typed events of OpenAI's Responses API and Anthropic's Messages API)."""
         payload = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        await self._write(f"data: {payload}\n\n")
+        head = f"event: {event}\n" if event else ""
+        await self._write(f"{head}data: {payload}\n\n")
 
     async def send_done(self) -> None:
         """``data: [DONE]\\n\\n``, the end-of-stream marker of OpenAI and vLLM."""
