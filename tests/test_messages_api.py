@@ -24,6 +24,9 @@ import jsonschema
 import pytest
 import pytest_asyncio
 
+from services.gateway.choice import ChoiceEvent
+from services.gateway.messages_renderer import MessagesRenderer
+from services.gateway.renderers import ChatRenderer
 from services.gateway.state import STATE_KEY
 from tests.gateway_fakes import FRANCE_REPLY, MODEL, StackFactory
 from tests.test_responses_api import with_tokenizer
@@ -240,3 +243,63 @@ async def test_a_stream_migrates_when_its_decode_worker_dies(make_stack: StackFa
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 40
     assert await stack.metric("tandem:migrations_total") == 1
     await stack.settled()
+
+
+async def test_a_failure_mid_stream_is_an_error_event(make_stack: StackFactory) -> None:
+    stack = await make_stack(decode=2, max_migrations=0)
+    for decode in stack.decodes:
+        decode.die_after = 5
+    client = anthropic.AsyncAnthropic(base_url=stack.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        async with client.messages.stream(model=MODEL, max_tokens=30,
+                                          messages=[{"role": "user", "content": "France?"}]) as s:
+            async for _ in s:
+                pass
+    await client.close()
+    assert info.value.body["type"] == "error" and info.value.body["error"]["message"]
+    await stack.settled()
+
+
+async def test_a_client_leaving_mid_stream_frees_everything(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stack.decodes[0].token_delay = 0.2
+    body = {"model": MODEL, "max_tokens": 50, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/messages", json=body) as r:
+        assert r.status == 200
+        await r.content.readline()  # message_start: generation is under way
+        assert sum(d.blocks_in_use for d in stack.decodes) > 0
+    await stack.settled()
+    assert stack.decodes[0].cancelled or stack.decodes[0].aborted
+
+
+def test_reasoning_becomes_a_thinking_block() -> None:
+    """With --reasoning-parser, the thinking is a ``thinking`` block before the text, streamed
+    and not (the renderer alone: the fakes do not think)."""
+    reply = [ChoiceEvent(0, "<think>Let me"), ChoiceEvent(0, " see.</think>\n\nParis"),
+             ChoiceEvent(0, " it is.", finish_reason="stop")]  # fmt: skip
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+             "prompt_tokens_details": {"cached_tokens": 2}}  # fmt: skip
+
+    def renderer() -> MessagesRenderer:
+        chat = ChatRenderer(request_id="x", model=MODEL, n=1, logprobs=False, reasoning="qwen3")
+        return MessagesRenderer(chat=chat, message_id="msg_x", model=MODEL, prompt_tokens=5,
+                                stop_sequences=(), model_info=None)  # fmt: skip
+
+    whole = renderer()
+    for event in reply:
+        whole.add(event)
+    done = whole.response(usage)
+    assert [b["type"] for b in done["content"]] == ["thinking", "text"]
+    assert done["content"][0]["thinking"] == "Let me see."
+    assert done["content"][1]["text"] == "Paris it is." and done["stop_reason"] == "end_turn"
+    assert done["usage"]["input_tokens"] == 3 and done["usage"]["cache_read_input_tokens"] == 2
+    streamed = renderer()
+    events = streamed.start_chunks() + [e for event in reply for e in streamed.event_chunks(event)]
+    events += streamed.end_chunks(usage)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "Let me see."
+    assert "".join(d.get("text", "") for d in deltas) == "Paris it is."
+    assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]

@@ -30,8 +30,11 @@ import pytest_asyncio
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.model_source import resolve_model
+from services.gateway.choice import ChoiceEvent
 from services.gateway.main import add_arguments
+from services.gateway.renderers import ChatRenderer
 from services.gateway.response_store import ResponseStore
+from services.gateway.responses_renderer import ResponsesRenderer
 from services.gateway.state import STATE_KEY
 from services.tokenizer.tokenizer import Tokenizer
 from tests.gateway_fakes import FRANCE_REPLY, MODEL, StackFactory
@@ -304,3 +307,58 @@ async def test_a_stream_migrates_when_its_decode_worker_dies(make_stack: StackFa
     assert events[-1].response.usage.output_tokens == 40
     assert await stack.metric("tandem:migrations_total") == 1
     await stack.settled()
+
+
+async def test_a_client_leaving_mid_stream_frees_everything(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    stack.decodes[0].token_delay = 0.2
+    body = {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 50}
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/responses", json=body) as r:
+        assert r.status == 200
+        await r.content.readline()  # response.created: generation is under way
+        assert sum(d.blocks_in_use for d in stack.decodes) > 0
+    await stack.settled()
+    assert stack.decodes[0].cancelled or stack.decodes[0].aborted
+
+
+async def test_a_failure_mid_stream_is_response_failed(make_stack: StackFactory) -> None:
+    stack = await make_stack(decode=2, max_migrations=0)
+    for decode in stack.decodes:
+        decode.die_after = 5
+    events = await raw_events(stack.url, {"model": MODEL, "input": "France?", "stream": True,
+                                          "max_output_tokens": 30}, key="none")  # fmt: skip
+    name, failed = events[-1]
+    assert name == "response.failed" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"]
+    assert [n for n, _ in events].count("response.output_text.delta") >= 1
+    await stack.settled()
+
+
+def test_reasoning_becomes_a_reasoning_item() -> None:
+    """With --reasoning-parser, the thinking is a ``reasoning`` item before the message, streamed
+    and not (the renderer alone: the fakes do not think)."""
+    reply = [ChoiceEvent(0, "<think>Let me"), ChoiceEvent(0, " see.</think>\n\nParis"),
+             ChoiceEvent(0, " it is.", finish_reason="stop")]  # fmt: skip
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+
+    def renderer() -> ResponsesRenderer:
+        chat = ChatRenderer(request_id="x", model=MODEL, n=1, logprobs=False, reasoning="qwen3")
+        return ResponsesRenderer(chat=chat, response_id="resp_x", model=MODEL, echo={},
+                                 on_done=lambda response, turn: None)  # fmt: skip
+
+    whole = renderer()
+    for event in reply:
+        whole.add(event)
+    done = whole.response(usage)
+    streamed = renderer()
+    events = [e for event in reply for e in streamed.event_chunks(event)]
+    events += streamed.end_chunks(usage)
+    for output in (done["output"], events[-1]["response"]["output"]):
+        assert [item["type"] for item in output] == ["reasoning", "message"]
+        assert output[0]["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+        assert output[1]["content"][0]["text"] == "Paris it is."
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") \
+        == "Let me see."  # fmt: skip
