@@ -148,6 +148,7 @@ class ToolParser(ABC):
         self._content = 0  # characters of content already sent
         self._sent: list[_Sent] = []
         self.calls: list[ToolCall] = []  # complete calls, in order
+        self.memo: dict[Any, Any] = {}  # where scans of this reply stopped (json_scan.py)
 
     # ------------------------------------------------------------------ what a format defines
 
@@ -174,10 +175,17 @@ class ToolParser(ABC):
 
     def parse(self, text: str, truncated: bool = False) -> tuple[str, list[ToolCall]]:
         """``(content, calls)`` of a whole reply."""
-        self._text = text
+        self._text, self.memo = text, {}
         scan = self.scan(text, final=True, truncated=truncated)
         self._emit(scan)
         return scan.content.strip(), list(self.calls)
+
+    def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per ``key`` for this reply (a finished call's parse: the stream
+        re-reads the reply at every delta, a finished call does not change)."""
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
 
     def _emit(self, scan: Scan) -> StreamDelta:
         out = StreamDelta(content=scan.content[self._content :])

@@ -25,7 +25,7 @@ from services.gateway.tool_parsers.base import (
     json_rule,
     partial_marker,
 )
-from services.gateway.tool_parsers.json_scan import NotJson, skip_ws, value_end
+from services.gateway.tool_parsers.json_scan import Memo, NotJson, skip_ws, value_end
 
 CALLS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
 CALLS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
@@ -54,7 +54,7 @@ class DeepSeekV3Parser(ToolParser):
                     if CALL_BEGIN.startswith(text[pos:]) and not final:
                         break
                     raise NotJson("a call opens with its marker")
-                call, pos = _call(text, pos + len(CALL_BEGIN))
+                call, pos = _call(text, pos + len(CALL_BEGIN), self.memo)
                 if call is not None:
                     calls.append(call)
                 if call is None or not call.complete:
@@ -81,7 +81,7 @@ class DeepSeekV3Parser(ToolParser):
         return "\n".join(rules) + "\n"
 
 
-def _call(text: str, pos: int) -> tuple[ScannedCall | None, int]:
+def _call(text: str, pos: int, memo: Memo) -> tuple[ScannedCall | None, int]:
     """The call whose ``TYPE<｜tool▁sep｜>NAME`` starts at ``pos``, and where it ends."""
     sep = text.find(SEP, pos)
     if sep < 0:
@@ -97,15 +97,17 @@ def _call(text: str, pos: int) -> tuple[ScannedCall | None, int]:
             return ScannedCall(name, None), len(text)
         raise NotJson("the arguments are a json block")
     args_start = line + len(FENCE_OPEN)
-    end = value_end(text, args_start) if args_start < len(text) else None
+    end = value_end(text, args_start, memo) if args_start < len(text) else None
     if end is None:
         streaming = args_start < len(text) and text[args_start] == "{"
         return ScannedCall(name, text[args_start:] if streaming else None), len(text)
     arguments = text[args_start:end]
-    try:
-        json.loads(arguments)
-    except ValueError as err:
-        raise NotJson("arguments are JSON") from err
+    if ("json", args_start, end) not in memo:
+        try:
+            json.loads(arguments)
+        except ValueError as err:
+            raise NotJson("arguments are JSON") from err
+        memo["json", args_start, end] = True
     close = skip_ws(text, end)
     if not text.startswith("```", close):
         if close >= len(text) or "```".startswith(text[close:]):

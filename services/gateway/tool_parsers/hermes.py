@@ -51,13 +51,13 @@ class HermesParser(ToolParser):
             body = text[body_start:] if end < 0 else text[body_start:end]
             if end < 0 and not final:
                 try:
-                    partial = scan_call_object(body, 0, _KEYS)
+                    partial = scan_call_object(text, body_start, _KEYS, self.memo)
                 except NotJson:
                     partial = None
                 if partial is not None and partial.name is not None:
                     calls.append(ScannedCall(partial.name, partial.arguments))
                 break
-            found = complete_call(body, _KEYS)
+            found = self.cached(("call", start, end), lambda: complete_call(body, _KEYS))
             if found is not None:
                 calls.append(ScannedCall(found[0], found[1], complete=True))
             elif end >= 0 or not truncated:  # not a call after all: it was text

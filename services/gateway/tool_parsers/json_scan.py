@@ -10,10 +10,14 @@ call is checked with :func:`json.loads` before it counts.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from typing import Any
 
 _WS = " \t\r\n"
 _CLOSE = {"{": "}", "[": "]"}
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_SCALAR = re.compile(r"[^,}\]\s]*")
 
 
 class NotJson(ValueError):
@@ -26,52 +30,68 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def string_end(text: str, i: int) -> int | None:
-    """Index after the JSON string that opens at ``text[i]`` (a quote), None if unfinished."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+Memo = dict[Any, Any]
+"""Where earlier scans of the same growing text stopped (see :func:`value_end`)."""
 
 
-def value_end(text: str, i: int) -> int | None:
+def string_end(text: str, i: int, quote: str = '"', memo: Memo | None = None) -> int | None:
+    """Index after the string that opens at ``text[i]`` (a ``quote``), None if unfinished: the
+    next quote not escaped by an odd run of backslashes."""
+    j = memo.get(("s", i), i + 1) if memo is not None else i + 1
+    while True:
+        q = text.find(quote, j)
+        if q < 0:
+            if memo is not None:  # no closing quote before here: the next scan starts here
+                memo[("s", i)] = len(text)
+            return None
+        k = q - 1
+        while k > i and text[k] == "\\":
+            k -= 1
+        if (q - 1 - k) % 2 == 0:
+            return q + 1
+        j = q + 1
+
+
+def value_end(text: str, i: int, memo: Memo | None = None) -> int | None:
     """Index after the JSON value starting at ``text[i]``, None if it is unfinished; NotJson
-    when brackets do not match."""
+    when brackets do not match.
+
+    A stream re-reads its reply at every delta, so this must not cost a Python step per
+    character: it jumps between quotes and brackets (``str.find``, regular expressions), and
+    with a ``memo`` kept for one growing text it resumes where the last scan of the value
+    stopped, so a long argument costs about the same per delta however long it gets."""
     if i >= len(text):
         return None
     c = text[i]
     if c == '"':
-        return string_end(text, i)
+        return string_end(text, i, '"', memo)
     if c not in _CLOSE:  # a number, true, false or null: ends at a delimiter
-        j = i
-        while j < len(text) and text[j] not in ",}]" + _WS:
-            j += 1
+        j = _SCALAR.match(text, i).end()  # type: ignore[union-attr]
         return j if j < len(text) else None
-    stack = [_CLOSE[c]]
-    j = i + 1
-    while j < len(text):
-        c = text[j]
+    saved = memo.get(("v", i)) if memo is not None else None
+    stack, j = (list(saved[0]), saved[1]) if saved is not None else ([_CLOSE[c]], i + 1)
+    while True:
+        found = _STRUCTURE.search(text, j)
+        if found is None:
+            if memo is not None:
+                memo[("v", i)] = (stack, len(text))
+            return None
+        c, j = found.group(), found.start()
         if c == '"':
-            end = string_end(text, j)
+            end = string_end(text, j, '"', memo)
             if end is None:
+                if memo is not None:
+                    memo[("v", i)] = (stack, j)
                 return None
             j = end
             continue
         if c in _CLOSE:
             stack.append(_CLOSE[c])
-        elif c in "}]":
-            if c != stack.pop():
-                raise NotJson(f"unbalanced {c!r}")
-            if not stack:
-                return j + 1
+        elif c != stack.pop():
+            raise NotJson(f"unbalanced {c!r}")
+        elif not stack:
+            return j + 1
         j += 1
-    return None
 
 
 @dataclass(slots=True)
@@ -83,7 +103,9 @@ class ObjectCall:
     end: int | None = None  # index after the closing brace once complete
 
 
-def scan_call_object(text: str, start: int, keys: tuple[str, ...]) -> ObjectCall:
+def scan_call_object(
+    text: str, start: int, keys: tuple[str, ...], memo: Memo | None = None
+) -> ObjectCall:
     """The call object opening at ``text[start]`` (whitespace before it skipped), whose
     arguments are under the first of ``keys`` present. NotJson when it is not one."""
     out = ObjectCall()
@@ -115,7 +137,7 @@ def scan_call_object(text: str, start: int, keys: tuple[str, ...]) -> ObjectCall
         if text[i] != ":":
             raise NotJson("':' after a key")
         i = skip_ws(text, i + 1)
-        end = value_end(text, i)
+        end = value_end(text, i, memo)
         if key == "name":
             if end is None:
                 return out

@@ -48,14 +48,15 @@ class Llama3JsonParser(ToolParser):
                 i = skip_ws(head, i)
                 if i >= len(head):
                     break
-                partial = scan_call_object(head, i, _KEYS)
+                partial = scan_call_object(head, i, _KEYS, self.memo)
                 if partial.end is None:
                     if not final and partial.name is not None:
                         calls.append(ScannedCall(partial.name, partial.arguments))
                     elif final and not truncated:
                         return Scan(text, [])  # an unfinished object: it was text
                     break
-                found = complete_call(head[i : partial.end], _KEYS)
+                end = partial.end
+                found = self.cached(("call", i, end), lambda: complete_call(head[i:end], _KEYS))
                 if found is None:
                     raise NotJson("not a call")
                 calls.append(ScannedCall(found[0], found[1], complete=True))

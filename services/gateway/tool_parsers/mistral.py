@@ -56,14 +56,15 @@ class MistralParser(ToolParser):
                 if body[i] == ",":
                     i += 1
                     continue
-                partial = scan_call_object(body, i, _KEYS)
+                partial = scan_call_object(body, i, _KEYS, self.memo)
                 if partial.end is None:
                     if final and not truncated:
                         raise NotJson("an unfinished call")
                     if not final and partial.name is not None:
                         calls.append(ScannedCall(partial.name, partial.arguments))
                     break
-                found = complete_call(body[i : partial.end], _KEYS)
+                end = partial.end
+                found = self.cached(("call", i, end), lambda: complete_call(body[i:end], _KEYS))
                 if found is None:
                     raise NotJson("not a call")
                 calls.append(ScannedCall(found[0], found[1], complete=True))

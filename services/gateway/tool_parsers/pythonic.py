@@ -24,10 +24,12 @@ from services.gateway.tool_parsers.base import (
     ToolParser,
     json_rule,
 )
+from services.gateway.tool_parsers.json_scan import Memo, string_end
 
 START, END = "<|python_start|>", "<|python_end|>"
 _NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.-]*)\s*\(")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
+_PY_STRUCTURE = re.compile(r"[\"'()\[\]{}]")
 
 
 class PythonicParser(ToolParser):
@@ -53,12 +55,14 @@ class PythonicParser(ToolParser):
                 if not final and re.fullmatch(r"\s*[A-Za-z0-9_.-]*\s*", head[pos:]):
                     return Scan("", calls)  # a name still being written
                 return Scan(text, []) if final and not truncated else Scan("", calls)
-            close = _closing_paren(head, match.end())
+            close = _closing_paren(head, match.end(), self.memo)
             if close is None:
                 if not final:
                     calls.append(ScannedCall(match.group(1), None))
                 break
-            arguments = _arguments(head[match.end() - 1 : close + 1])
+            start = match.end() - 1
+            arguments = self.cached(("args", start, close),
+                                    lambda: _arguments(head[start : close + 1]))  # fmt: skip
             if arguments is None:
                 return Scan(text, []) if final and not truncated else Scan("", calls)
             calls.append(ScannedCall(match.group(1), arguments, complete=True))
@@ -92,26 +96,28 @@ class PythonicParser(ToolParser):
         return "\n".join(rules) + "\n"
 
 
-def _closing_paren(text: str, pos: int) -> int | None:
-    """Index of the ``)`` closing the call whose arguments start at ``pos``, or None."""
-    depth, quote, i = 1, "", pos
-    while i < len(text):
-        c = text[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = ""
-        elif c in "\"'":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i
+def _closing_paren(text: str, pos: int, memo: Memo) -> int | None:
+    """Index of the ``)`` closing the call whose arguments start at ``pos``, or None (jumping
+    between quotes and brackets, and resuming where the last scan of this reply stopped: a
+    stream re-reads its reply at every delta)."""
+    depth, i = memo.get(("p", pos), (1, pos))
+    while True:
+        found = _PY_STRUCTURE.search(text, i)
+        if found is None:
+            memo["p", pos] = (depth, len(text))
+            return None
+        c, i = found.group(), found.start()
+        if c in "\"'":
+            end = string_end(text, i, c, memo)
+            if end is None:
+                memo["p", pos] = (depth, i)
+                return None
+            i = end
+            continue
+        depth += 1 if c in "([{" else -1
+        if depth == 0:
+            return i
         i += 1
-    return None
 
 
 def _arguments(args: str) -> str | None:
