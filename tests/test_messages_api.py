@@ -182,6 +182,9 @@ async def test_auth_and_errors_in_anthropics_shape(stack: TinyStack) -> None:
     assert status == 200
     status, _ = await post(url, body, {"Authorization": f"Bearer {API_KEY}"})
     assert status == 200
+    status, err = await post(url, body, {})
+    assert status == 401 and err["error"]["type"] == "authentication_error"
+    assert "x-api-key" in err["error"]["message"]
     wrong = anthropic.AsyncAnthropic(base_url=stack.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as auth:
         await wrong.messages.create(model=TINY, max_tokens=2, messages=HELLO)  # type: ignore[arg-type]

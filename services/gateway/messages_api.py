@@ -54,6 +54,8 @@ def anthropic_error(err: TandemError) -> dict[str, object]:
     kind = _ERROR_TYPES.get(err.http_status, "api_error")
     param = messages_param(err.param)
     message = err.message
+    if err.http_status == 401 and err.code is None:  # no key at all: say where Anthropic's goes
+        message = "x-api-key header is required (or Authorization: Bearer <key>)."
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return {"type": "error", "error": {"type": kind, "message": message}}
