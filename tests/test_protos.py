@@ -129,7 +129,7 @@ def test_sampling_params_proto_mirrors_the_dataclass() -> None:
     proto_fields = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     assert set(proto_fields) == {f.name for f in dataclasses.fields(SamplingParams)}
     with_presence = {name for name, f in proto_fields.items() if f.has_presence}
-    assert with_presence == {"seed", "logprobs"}
+    assert with_presence == {"seed", "logprobs", "prompt_logprobs"}
 
     msg = common_pb2.SamplingParams(temperature=0.7, top_k=-1, stop=["\n\n"], max_tokens=5)
     assert not msg.HasField("seed") and not msg.HasField("logprobs")

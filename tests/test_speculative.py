@@ -26,6 +26,7 @@ from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import EngineConfig, LLMEngine, RequestOutput
 from services.engine.core.loaders import LoadedModel, load_model
+from services.engine.core.draft_proposer import DraftProposer
 from services.engine.core.speculative import PromptLookup, SpeculativeConfig
 from tests.conftest import native_kernel_or_skip
 from tests.test_model_families import FAMILIES
@@ -365,6 +366,25 @@ def test_a_draft_model_after_a_hand_off_and_aborts(tiny: LoadedModel, small_draf
     assert len(engine.spec.draft._mirrors) == 1  # the aborted requests' mirrors are gone at once
     _drain(engine)
     assert engine.block_manager.num_blocks_in_use == 0 and engine.spec.draft.num_blocks_in_use == 0
+
+
+def test_a_long_prompt_s_draft_catches_up_a_slice_a_step(tiny: LoadedModel) -> None:
+    """A mirror whose prompt the draft has not seen (here a hand-off's) builds its draft KV at
+    most CATCH_UP_TOKENS a step, proposing nothing meanwhile; the output is unchanged."""
+    catch_up = DraftProposer.CATCH_UP_TOKENS
+    prompt = (_repetitive_prompts(512, 12, count=1)[0] * 40)[: 3 * catch_up + 5]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = _result(_engine(tiny, None).generate([prompt], params)[0])
+    decode = _engine(tiny, DRAFT, tiny)
+    assert decode.spec.draft is not None
+    passes: list[int] = []
+    execute = decode.spec.draft.runner.execute
+    decode.spec.draft.runner.execute = lambda batch: (  # type: ignore[method-assign]
+        passes.append(sum(i.num_new_tokens for i in batch.items)), execute(batch))[1]
+    assert _hand_off(_engine(tiny, None), decode, prompt, params)[0] == expected[0]
+    assert max(passes) <= catch_up + 1 and passes[:3] == [catch_up] * 3, passes
+    assert decode.spec_stats.acceptance_rate == 1.0 and decode.spec_stats.num_drafts > 0
+    assert decode.spec.draft.num_blocks_in_use == 0
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny: LoadedModel, tmp_path: Path) -> None:

@@ -6,9 +6,12 @@ same tokens fit), and keeps one *mirror* per speculating request: a sequence who
 the target sequence's. Before each step :meth:`DraftProposer.propose` brings every mirror up to
 its target (the tokens the target emitted since; drafts the target rejected are dropped from the
 mirror, and their KV positions count as not computed), then runs the draft: one pass computing
-each mirror's missing tokens (a whole prompt for a new mirror — a request prefilled on another
-worker gets its draft KV built here, on decode) and sampling its first guess, then one decode
-step per further guess. Guesses are the draft's argmax: a proposal that draws nothing, which is
+each mirror's missing tokens and sampling its first guess, then one decode step per further
+guess. A mirror far behind — a new one, whose whole prompt the draft has not seen (a request
+prefilled on another worker gets its draft KV built here, on decode) — catches up first, at most
+``CATCH_UP_TOKENS`` a step, and proposes nothing meanwhile: a long prompt's draft prefill in one
+pass would stall every request of the step for as long as it takes (seconds for a 500-token
+prompt on a small CPU), where slices of it cost each step a little. Guesses are the draft's argmax: a proposal that draws nothing, which is
 what keeps verification exact (``speculative.py``).
 
 A mirror lives while its request runs: the engine forgets it when the request finishes, is
@@ -69,10 +72,17 @@ class DraftProposer:
         no KV room gets none."""
         start = time.perf_counter()
         mirrors: list[tuple[Sequence, int]] = []
+        behind: list[Sequence] = []
         for seq, k in wanted:
             mirror = self._sync(seq)
-            if mirror is not None and k > 0:
+            if mirror is None or k <= 0:
+                continue
+            if mirror.num_uncomputed > self.CATCH_UP_TOKENS:
+                behind.append(mirror)
+            else:
                 mirrors.append((mirror, k))
+        if behind:
+            self._catch_up(behind)
         drafts: dict[str, list[int]] = {m.request_id: [] for m, _ in mirrors}
         while mirrors:
             items = []
@@ -102,6 +112,24 @@ class DraftProposer:
                        if id(m) in scheduled and len(drafts[m.request_id]) < k]  # fmt: skip
         self.seconds += time.perf_counter() - start
         return drafts
+
+    CATCH_UP_TOKENS = 64
+    """Most tokens a mirror far behind computes in one step (see the module docstring)."""
+
+    def _catch_up(self, behind: list[Sequence]) -> None:
+        """One pass computing the next ``CATCH_UP_TOKENS`` of each mirror far behind, sampling
+        nothing (a mirror without KV room waits)."""
+        items = []
+        for mirror in behind:
+            try:
+                self.blocks.ensure_capacity(mirror.block_ids, mirror.num_tokens)
+            except NoFreeBlocksError:
+                continue
+            items.append(ScheduledSeq(mirror, self.CATCH_UP_TOKENS, False))
+        if items:
+            self.runner.execute(ScheduledBatch(items))
+            for item in items:
+                item.seq.num_computed_tokens += item.num_new_tokens
 
     TAIL_ROWS = 16
     """A mirror this few tokens behind catches up as decode rows (the engine's verify rows):
