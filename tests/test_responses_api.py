@@ -211,7 +211,8 @@ async def test_a_streamed_tool_call(client: openai.AsyncOpenAI) -> None:
 @MODULE
 async def test_store_retrieve_and_delete(stack: TinyStack, client: openai.AsyncOpenAI) -> None:
     stored = await client.responses.create(model=TINY, input="Hi", max_output_tokens=3,
-                                           metadata={"k": "v"}, user="u1")  # fmt: skip
+                                           metadata={"k": "v"}, user="u1",
+                                           include=["reasoning.encrypted_content"])  # fmt: skip
     assert stored.store is True and stored.metadata == {"k": "v"} and stored.user == "u1"
     again = await client.responses.retrieve(stored.id)
     assert again.model_dump() == stored.model_dump()
@@ -238,6 +239,7 @@ async def test_bad_requests_are_400s_naming_the_field(client: openai.AsyncOpenAI
     cases: list[tuple[dict[str, Any], str]] = [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"background": True}, "background"),
+        ({"include": ["message.output_text.logprobs"]}, "include[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0]"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

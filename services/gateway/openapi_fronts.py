@@ -51,7 +51,8 @@ def front_schemas() -> dict[str, JsonSchema]:
         "max_output_tokens": {"type": "integer", "minimum": 1}, "temperature": _NUM,
         "top_p": _NUM, "stream": _BOOL, "metadata": _OBJ, "user": _STR,
     }, ["model", "input"], "OpenAI's Responses API request. Refused (400): built-in tools, "
-       "background, conversation, prompt, include, max_tool_calls, top_logprobs.")  # fmt: skip
+       "background, conversation, prompt, max_tool_calls, top_logprobs, include (but "
+       "reasoning.encrypted_content).")  # fmt: skip
     response = {
         "type": "object", "required": ["id", "object", "status", "output", "model"],
         "properties": {

@@ -21,8 +21,9 @@ are checked exactly once. Only what has no chat equivalent is checked here:
    ``max_output_tokens`` -> ``max_completion_tokens``; ``temperature``, ``top_p``,
    ``parallel_tool_calls``, ``user`` and ``stream`` as they are;
 5. refused with a 400 naming the field: built-in tools (``web_search``, ``file_search``, ...),
-   ``background``, ``conversation``, ``prompt``, ``include``, ``max_tool_calls``,
-   ``top_logprobs``, and input items or content parts other than the above (images, files).
+   ``background``, ``conversation``, ``prompt``, ``max_tool_calls``, ``top_logprobs``,
+   ``include`` values other than ``reasoning.encrypted_content`` (accepted: nothing here is
+   encrypted), and input items or content parts other than the above (images, files).
 
 Errors the chat parser raises name chat fields; :func:`responses_param` renames them.
 """
@@ -41,8 +42,8 @@ from services.gateway.openai_requests import ChatRequest, parse_chat_request
 Message = dict[str, Any]
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_UNSUPPORTED = ("background", "conversation", "prompt", "include", "max_tool_calls",
-                "top_logprobs")  # fmt: skip
+_UNSUPPORTED = ("background", "conversation", "prompt", "max_tool_calls", "top_logprobs")
+_IGNORED_INCLUDES = ("reasoning.encrypted_content",)  # nothing is encrypted: no such content
 _COPIED = ("temperature", "top_p", "parallel_tool_calls", "user", "stream")
 
 
@@ -72,6 +73,7 @@ def parse_responses_request(
         if value not in (None, False, [], {}, ""):
             raise InvalidArgumentError(f"Unsupported parameter: '{key}' is not supported by this "
                                        "server.", param=key, code="unsupported_parameter")  # fmt: skip
+    _check_include(obj.get("include"))
     if "input" not in obj:
         raise missing("input")
     new = input_messages(obj["input"])
@@ -118,6 +120,19 @@ def parse_responses_request(
         "store": True if store is None else store,
     }  # fmt: skip
     return ResponsesRequest(parsed, echo, conversation, echo["store"], metadata)
+
+
+def _check_include(raw: object) -> None:
+    """``include`` may ask only for what is never produced here (agents send
+    ``reasoning.encrypted_content`` by default); anything else is a 400."""
+    if raw is None:
+        return
+    if not isinstance(raw, list):
+        raise invalid_type("include", "an array of strings", raw)
+    for i, value in enumerate(raw):
+        if value not in _IGNORED_INCLUDES:
+            raise InvalidArgumentError(f"Unsupported value in 'include': {json.dumps(value)}.",
+                                       param=f"include[{i}]", code="unsupported_parameter")  # fmt: skip
 
 
 def input_messages(raw: object) -> list[Message]:
