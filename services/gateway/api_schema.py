@@ -41,7 +41,9 @@ from services.common.sampling_params import (
     MAX_N,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
     SEED_END,
@@ -258,14 +260,16 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
     Field("min_tokens", "integer", "EOS and stop_token_ids cannot end generation before this "
           "many tokens; at most max_tokens.", minimum=0, maximum=MAX_INT32,
           default=_DEFAULTS.min_tokens),
-    Field("stop", "json", f"Up to {MAX_STOP_STRINGS} non-empty strings that end generation "
-          "(not included in the output).", schema={"anyOf": [
-              {"type": "string", "minLength": 1},
+    Field("stop", "json", f"Up to {MAX_STOP_STRINGS} non-empty strings of at most "
+          f"{MAX_STOP_CHARS} characters that end generation (not included in the output).",
+          schema={"anyOf": [
+              {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
               {"type": "array", "maxItems": MAX_STOP_STRINGS,
-               "items": {"type": "string", "minLength": 1}}]}),
-    Field("stop_token_ids", "json", "Token ids that end generation besides EOS.",
-          schema={"type": "array", "items": {"type": "integer", "minimum": 0,
-                                             "maximum": MAX_UINT32}}),
+               "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}]}),
+    Field("stop_token_ids", "json", f"Up to {MAX_STOP_TOKEN_IDS} token ids that end generation "
+          "besides EOS.", schema={"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                  "items": {"type": "integer", "minimum": 0,
+                                            "maximum": MAX_UINT32}}),
     Field("ignore_eos", "boolean", "Keep generating past EOS.", default=_DEFAULTS.ignore_eos),
     Field("n", "integer", "How many choices to generate for the prompt.", minimum=1,
           maximum=MAX_N, default=_DEFAULTS.n),
@@ -275,6 +279,10 @@ SAMPLING_FIELDS: tuple[Field, ...] = (
           "cached prompt blocks only with requests of the same salt, so another tenant can "
           "neither reuse nor detect its prompt. At most 256 characters; unset: the shared "
           "cache."),
+    Field("prompt_logprobs", "integer", "vLLM's field: every prompt token's logprob given the "
+          "tokens before it, its rank and this many most likely alternatives (not streamed; "
+          "the prompt is then computed whole, not read from the prefix cache).", minimum=0,
+          maximum=MAX_TOP_LOGPROBS),
     Field("speculative", "boolean", "Tandem's extension: false decodes this request one token "
           "per step on a worker running speculative decoding (--speculative). Speculation "
           "never changes greedy output nor a seeded request's text.",
@@ -400,7 +408,8 @@ COMPLETION = Body(
         _STREAM,
         _STREAM_OPTIONS,
         Field("logprobs", "integer", "Return each output token's logprob and this many most "
-              "likely alternatives (not together with echo).", minimum=0,
+              "likely alternatives (with echo, the prompt's tokens' too; not streamed then).",
+              minimum=0,
               maximum=MAX_COMPLETION_LOGPROBS),
         Field("max_tokens", "integer", "Most tokens to generate.", minimum=1, maximum=MAX_INT32,
               default=COMPLETION_DEFAULT_MAX_TOKENS),

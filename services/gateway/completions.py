@@ -47,6 +47,7 @@ from services.gateway.openai_requests import (
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
+    refuse_streamed_prompt_logprobs,
 )
 from services.gateway.openai_responses import new_chat_completion_id, new_completion_id, usage_dict
 from services.gateway.reasoning_grammar import after_reasoning
@@ -121,6 +122,7 @@ async def _serve(
             parsed = parse_completion_request(body, served_models=state.served_names)
         record.model, record.stream = parsed.model, parsed.stream
         _check_max_tokens_limit(parsed, state.config)
+        refuse_streamed_prompt_logprobs(parsed)
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
         input_param = front.input_param if front else _input_param(parsed)
         await _check_input(state, parsed.texts(), input_param)
@@ -341,12 +343,6 @@ async def _prepare_completion(
         prompt_text = await state.tokenizers.detokenize(ids, skip_special_tokens=False)
         record.tokenize_s = time.monotonic() - start
         await _check_input(state, (prompt_text,), "prompt")
-    if req.echo and params.logprobs is not None:
-        raise InvalidArgumentError(
-            "'echo' together with 'logprobs' is not supported by this server.",
-            param="echo",
-            code="unsupported_parameter",
-        )
     renderer = CompletionRenderer(
         request_id=record.request_id,
         model=req.model,

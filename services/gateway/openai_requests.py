@@ -30,7 +30,7 @@ keys read here are exactly the declared ones).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.errors import InvalidArgumentError, NotFoundError
 from services.common.sampling_params import SamplingParams
@@ -230,6 +230,9 @@ def parse_completion_request(body: object, *, served_models: Sequence[str]) -> C
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
 
     sampling = _parse_sampling(obj, max_tokens=max_tokens, logprobs=logprobs)
+    echo = get_bool(obj, "echo") or False
+    if echo and logprobs is not None and sampling.prompt_logprobs is None:
+        sampling = replace(sampling, prompt_logprobs=logprobs)  # the prompt's tokens are scored
     best_of = get_int(obj, "best_of")
     if best_of is not None and best_of != sampling.n:
         raise InvalidArgumentError(
@@ -244,7 +247,7 @@ def parse_completion_request(body: object, *, served_models: Sequence[str]) -> C
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
-        echo=get_bool(obj, "echo") or False,
+        echo=echo,
         user=get_str(obj, "user"),
     )
 
@@ -366,7 +369,23 @@ def _parse_sampling(
         logit_bias=parse_logit_bias(obj),
         cache_salt=get_str(obj, "cache_salt") or "",
         speculative=bool_or(obj, "speculative", True),
+        prompt_logprobs=_bounded_int(obj, _SAMPLING["prompt_logprobs"]),
     ).validate()
+
+
+def refuse_streamed_prompt_logprobs(parsed: ChatRequest | CompletionRequest) -> None:
+    """400 for prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``) in a streamed
+    request, as vLLM: they arrive with the prefill's reply, not token by token. (A rule across
+    fields, checked after parsing, as ``--max-tokens-limit`` is.)"""
+    if parsed.stream and parsed.sampling.prompt_logprobs is not None:
+        echoed = isinstance(parsed, CompletionRequest) and parsed.echo
+        param = "echo" if echoed and parsed.sampling.logprobs is not None else "prompt_logprobs"
+        what = "'echo' with 'logprobs'" if param == "echo" else "'prompt_logprobs'"
+        raise InvalidArgumentError(
+            f"{what} is not available when 'stream' is true; ask with stream false.",
+            param=param,
+            code="unsupported_parameter",
+        )
 
 
 def _bounded_int(obj: Mapping[str, object], field: Field) -> int | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceEvent
+from services.gateway.prompt_logprobs import PromptLogprob, echo_logprobs, vllm_prompt_logprobs
 from services.gateway.reasoning import ReasoningSplitter, split_reasoning
 from services.gateway.tool_calls import (
     CallDelta,
@@ -45,6 +46,7 @@ class _Accumulated:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None  # prompt_logprobs.py
     # completions: text_offset of the next token = echo length + the tokens' text so far. Counted
     # from the tokens, not from the streamed text: the safety hold-back releases text and tokens
     # in different chunks.
@@ -68,6 +70,8 @@ class Renderer(ABC):
         acc.logprobs.extend(event.logprobs)
         if event.finish_reason is not None:
             acc.finish_reason = event.finish_reason
+        if event.prompt_logprobs is not None:
+            acc.prompt_logprobs = event.prompt_logprobs
 
     @abstractmethod
     def start_chunks(self) -> list[JsonDict]:
@@ -167,13 +171,17 @@ class ChatRenderer(Renderer):
                 tool_calls=[c.to_openai() for c in calls],
                 reasoning=thought,
             ))  # fmt: skip
-        return chat_completion_response(
+        body = chat_completion_response(
             request_id=self.request_id,
             model=self.model,
             created=self.created,
             choices=choices,
             usage=usage,
         )
+        scored = self._choices[0].prompt_logprobs if self._choices else None
+        if scored is not None:  # vLLM's place on chat: the response's top level
+            body["prompt_logprobs"] = vllm_prompt_logprobs(scored)
+        return body
 
 
 def _call_delta(call: CallDelta) -> JsonDict:
@@ -232,18 +240,26 @@ class CompletionRenderer(Renderer):
                 index=i,
                 text=prefix + acc.text,
                 finish_reason=acc.finish_reason or "stop",
-                logprobs=(
-                    completion_logprobs(acc.logprobs, text_offset_start=len(prefix))
-                    if self.logprobs
-                    else None
-                ),
+                logprobs=self._logprobs(acc, prefix),
             )
             for i, acc in enumerate(self._choices)
         ]
-        return completion_response(
+        body = completion_response(
             request_id=self.request_id,
             model=self.model,
             created=self.created,
             choices=choices,
             usage=usage,
         )
+        for choice, acc in zip(body["choices"], self._choices):  # type: ignore[call-overload]
+            if acc.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(acc.prompt_logprobs)
+        return body
+
+    def _logprobs(self, acc: _Accumulated, prefix: str) -> JsonDict | None:
+        """The choice's ``logprobs``: the completion's, after the prompt's when echoed."""
+        if not self.logprobs:
+            return None
+        if prefix and acc.prompt_logprobs is not None:
+            return echo_logprobs(acc.prompt_logprobs, acc.logprobs, len(prefix))
+        return completion_logprobs(acc.logprobs, text_offset_start=len(prefix))
