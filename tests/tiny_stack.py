@@ -127,11 +127,11 @@ async def start_tiny_model_and_tokenizer(
 
 
 async def start_test_gateway(
-    config: GatewayConfig, api_key: str = API_KEY
+    config: GatewayConfig, api_key: str = API_KEY, more_keys: tuple[str, ...] = ()
 ) -> tuple[web.Application, web.AppRunner, str]:
     """The real gateway app for ``config`` (one API key) on 127.0.0.1: the app, its runner (the
     caller cleans it up) and its base URL."""
-    app = build_app(config, auth=ApiKeyAuth((api_key,)),
+    app = build_app(config, auth=ApiKeyAuth((api_key, *more_keys)),
                     metrics=TandemMetrics(process_metrics=False))  # fmt: skip
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
@@ -143,10 +143,11 @@ async def start_test_gateway(
 @contextlib.asynccontextmanager
 async def tiny_stack(
     model_dir: Path, *, body_read_timeout_s: float = 30.0, chat_template: str | None = None,
-    gateway_options: dict[str, Any] | None = None,
+    gateway_options: dict[str, Any] | None = None, more_keys: tuple[str, ...] = (),
 ) -> AsyncIterator[TinyStack]:
     """Start everything (see the module docstring); stop it all on exit. ``chat_template``
-    replaces the tokenizer's; ``gateway_options`` are more GatewayConfig fields."""
+    replaces the tokenizer's; ``gateway_options`` are more GatewayConfig fields; ``more_keys``
+    are API keys the gateway accepts besides ``API_KEY`` (other tenants)."""
     from services.decode.server import start_decode_worker
     from services.engine.runtime.worker_options import WorkerOptions
     from services.prefill.server import start_prefill_worker
@@ -170,7 +171,7 @@ async def tiny_stack(
         prefill_policy=PrefillPolicy(remote_min_tokens=REMOTE_PREFILL_MIN_TOKENS),
         tls=tls_for("gateway"), **(gateway_options or {}),
     )  # fmt: skip
-    app, runner, base_url = await start_test_gateway(config)
+    app, runner, base_url = await start_test_gateway(config, more_keys=more_keys)
     stack = TinyStack(base_url, app, prefill.address, decode.address,
                       {"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     try:

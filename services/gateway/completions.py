@@ -57,6 +57,7 @@ from services.gateway.request_run import RequestRun
 from services.gateway.safety import content_policy_error
 from services.gateway.sse import ClientDisconnected, SSEWriter, current_writer
 from services.gateway.state import STATE_KEY, GatewayState
+from services.gateway.tenant_salt import tenant_cache_salt
 from services.gateway.tool_calls import (
     ToolsRequest,
     choose_format,
@@ -121,6 +122,9 @@ async def _serve(
         else:
             parsed = parse_completion_request(body, served_models=state.served_names)
         record.model, record.stream = parsed.model, parsed.stream
+        salt = tenant_cache_salt(record.api_key, parsed.sampling.cache_salt)  # tenant_salt.py
+        parsed = dataclasses.replace(
+            parsed, sampling=dataclasses.replace(parsed.sampling, cache_salt=salt))
         _check_max_tokens_limit(parsed, state.config)
         refuse_streamed_prompt_logprobs(parsed)
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
