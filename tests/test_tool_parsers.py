@@ -277,3 +277,30 @@ def test_a_long_call_streams_in_linear_time(fmt: str) -> None:
     arguments += "".join(c.arguments for c in parser.finish().calls)
     assert time.perf_counter() - start < 5.0
     assert json.loads(arguments) == {"code": code if fmt != "qwen3_coder" else code}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", *FORMATS])
+def test_the_engine_follows_a_call_after_the_thinking(fmt: str) -> None:
+    """The worker's own compiler (services/engine/core/grammar.py) over the default model's
+    tokenizer takes the wrapped grammar: a Qwen3 think block then the call, as that tokenizer
+    writes them; the call alone (thinking off); never text before the call."""
+    from services.common.model_source import resolve_model
+    from services.engine.core.grammar import GrammarCompiler
+    from services.tokenizer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(resolve_model("default"))
+    compiler = GrammarCompiler(tokenizer.to_json(), tokenizer.vocab_size, tokenizer.eos_token_ids)
+    named = parse_tools({"tools": [WEATHER, TIME], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})
+    assert named is not None
+    grammar = after_reasoning(tool_grammar(named, fmt, tokenizer.special_tokens), "qwen3",
+                              tokenizer.special_tokens)  # fmt: skip
+    one = ONE.get(fmt, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+                       "</tool_call>")  # fmt: skip
+    for text, ok in (("<think>\nRome, then.\n</think>\n\n" + one, True), (one, True),
+                     ("Sure. " + one, False)):  # fmt: skip
+        matcher = compiler.matcher(grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (matcher.consume_tokens(ids) and matcher.is_accepting()) == ok, text
+        if ok:  # and then only the end of the reply
+            assert matcher.consume_token(tokenizer.eos_token_ids[0])
