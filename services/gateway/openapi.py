@@ -91,13 +91,20 @@ def _response_schemas() -> dict[str, JsonSchema]:
     token_logprob = _obj({**top["properties"], "top_logprobs": {"type": "array", "items": top}})
     chat_logprobs = _obj({"content": {"type": "array", "items": token_logprob},
                           "refusal": {"type": "null"}})
-    completion_logprobs = _obj({
+    completion_logprobs = _obj({  # an echoed prompt's first token has null logprobs
         "tokens": {"type": "array", "items": _STR},
-        "token_logprobs": {"type": "array", "items": _NUM},
-        "top_logprobs": {"type": "array",
-                         "items": {"type": "object", "additionalProperties": _NUM}},
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+        "top_logprobs": {"type": "array", "items": _nullable(
+            {"type": "object", "additionalProperties": _NUM})},
         "text_offset": {"type": "array", "items": _COUNT},
     })
+    prompt_logprobs = {  # vLLM's: per prompt token (the first null), token id -> its values
+        "type": "array", "description": "With prompt_logprobs (vLLM's field): one entry per "
+        "prompt token, the first null; token id -> logprob, rank, decoded_token.",
+        "items": _nullable({"type": "object", "additionalProperties": _obj(
+            {"logprob": _NUM, "rank": {"type": "integer", "minimum": 1},
+             "decoded_token": _STR})}),
+    }  # fmt: skip
     finish = {"type": "string", "enum": list(FINISH_REASONS)}
     head = {"id": _STR, "created": _INT, "model": _STR, "system_fingerprint": _NULL_STR}
     chat_choice = _obj({
@@ -118,7 +125,8 @@ def _response_schemas() -> dict[str, JsonSchema]:
         "index": _COUNT, "text": _STR,
         "logprobs": _nullable(_ref("CompletionLogprobs")),
         "finish_reason": {"type": ["string", "null"], "enum": [*FINISH_REASONS, None]},
-    })
+        "prompt_logprobs": prompt_logprobs,
+    }, optional=("prompt_logprobs",))
     model = _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
                   "max_model_len": {"type": "integer", "minimum": 1}}, optional=("max_model_len",))
     return {
@@ -129,7 +137,8 @@ def _response_schemas() -> dict[str, JsonSchema]:
             **head, "object": {"const": "chat.completion"},
             "choices": {"type": "array", "items": chat_choice},
             "usage": _nullable(_ref("Usage")),
-        }, description="A chat completion (stream false)."),
+            "prompt_logprobs": prompt_logprobs,
+        }, optional=("prompt_logprobs",), description="A chat completion (stream false)."),
         "ChatCompletionChunk": _obj({
             **head, "object": {"const": "chat.completion.chunk"},
             "choices": {"type": "array", "items": chunk_choice},
