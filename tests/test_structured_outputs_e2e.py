@@ -271,3 +271,115 @@ def test_a_tool_round_trip(stack: Up, stream: bool) -> None:
     assert reason == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_time"]
     content, calls, reason = ask(tools=[WEATHER_TOOL, TIME_TOOL])  # auto: the model decides
     assert (reason == "tool_calls") == bool(calls) and (calls or content)
+
+
+# ------------------------------------------------------------- the agent APIs on `tandem up`
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather",
+                  "description": WEATHER_TOOL["function"]["description"],
+                  "parameters": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+ANTHROPIC_TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+                  "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+
+
+def test_responses_and_messages_tool_loops_with_remote_prefill(stack: Up) -> None:
+    """The official SDKs' tool loops against the process stack, every prompt long enough for the
+    prefill worker: OpenAI's Responses (stateful, then streamed) and Anthropic's Messages (then
+    streamed); a named choice always calls that function."""
+    import anthropic
+
+    client = _client(stack)
+    before = _paths(stack)
+    question = "What is the weather in Paris? Use the tool. " + LONG_CONTEXT
+    asked = client.responses.create(model=MODEL, input=question, tools=[RESPONSES_TOOL],
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    temperature=0, max_output_tokens=60)  # fmt: skip
+    calls = [item for item in asked.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather", asked.output
+    assert set(json.loads(calls[0].arguments)) == {"city", "unit"}
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=asked.id, tools=[RESPONSES_TOOL], tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": '{"temperature": 18}'}], temperature=0, max_output_tokens=12)  # fmt: skip
+    assert answer.output_text and answer.usage is not None and answer.usage.input_tokens > 200
+    with client.responses.stream(model=MODEL, input=question, tools=[RESPONSES_TOOL],
+                                 tool_choice="required", parallel_tool_calls=False,
+                                 temperature=0, max_output_tokens=60) as stream:  # fmt: skip
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
+    assert [item.type for item in final.output] == ["function_call"]
+
+    messages = anthropic.Anthropic(base_url=stack.rows["gateway"][0], api_key="unused",
+                                   max_retries=0, timeout=180)  # fmt: skip
+    history: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    used = messages.messages.create(model=MODEL, max_tokens=60, messages=history,
+                                    tools=[ANTHROPIC_TOOL],
+                                    tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    assert used.stop_reason == "tool_use"
+    [call] = [block for block in used.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and set(call.input) == {"city", "unit"}  # type: ignore[arg-type]
+    history += [{"role": "assistant", "content": [block.model_dump() for block in used.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                              "content": "18 degrees"}]}]  # fmt: skip
+    reply = messages.messages.create(model=MODEL, max_tokens=12, messages=history,
+                                     tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"})  # fmt: skip
+    assert reply.content and reply.content[0].type == "text"
+    usage = reply.usage  # Anthropic's input_tokens are the uncached ones
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) > 200
+    with messages.messages.stream(model=MODEL, max_tokens=60, messages=history[:1],
+                                  tools=[ANTHROPIC_TOOL],
+                                  tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                  ) as events:  # fmt: skip
+        kinds = [event.type for event in events]
+        streamed = events.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert streamed.stop_reason == "tool_use"
+    # each API's first turns went to the prefill worker (a follow-up whose history the decode
+    # worker holds in its prefix cache may be prefilled there: conditional disaggregation)
+    assert _paths(stack)["remote"] >= before["remote"] + 4
+
+
+def test_a_responses_stream_migrated_mid_reply_completes(stack: Up) -> None:
+    """A decode worker killed mid-stream: the Responses stream moves to the other one and ends
+    with response.completed, its JSON whole."""
+    schema = {"type": "object", "properties": {"people": {"type": "array", "minItems": 6,
+              "maxItems": 6, "items": {"type": "object", "properties": {
+                  "name": {"type": "string", "maxLength": 12},
+                  "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["name", "age"], "additionalProperties": False}}},
+              "required": ["people"], "additionalProperties": False}  # fmt: skip
+    client = _client(stack)
+    kinds: list[str] = []
+    texts: list[str] = []
+    started = threading.Event()
+
+    def run() -> None:
+        with client.responses.stream(
+            model=MODEL, input="List six people with their ages as JSON.", temperature=0,
+            max_output_tokens=300,
+            text={"format": {"type": "json_schema", "name": "p", "schema": schema, "strict": True}},
+        ) as stream:  # fmt: skip
+            for event in stream:
+                kinds.append(event.type)
+                if event.type == "response.output_text.delta":
+                    texts.append(event.delta)
+                    if len(texts) == 12:
+                        started.set()
+        started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(120)
+    with urllib.request.urlopen(stack.rows["gateway"][0] + "/ready", timeout=10) as response:
+        ready = json.loads(response.read())
+    serving = {w["address"] for w in ready["decode"] if w["in_flight"]}
+    victim = next(n for n in ("decode-0", "decode-1") if stack.rows[n][0] in serving)
+    os.kill(stack.rows[victim][1], signal.SIGKILL)
+    thread.join(240)
+    assert not thread.is_alive()
+    assert kinds[-1] == "response.completed", kinds[-5:]
+    json.loads("".join(texts))  # whole across the move
+    deadline = time.monotonic() + 120  # the launcher restarts it; leave the stack whole
+    while time.monotonic() < deadline and f"restarted {victim} (pid " not in stack.stderr():
+        time.sleep(0.5)
