@@ -12,12 +12,16 @@ served; roll the gateways last, after every worker speaks the new version.
 
 History:
   1. mutual TLS roles, ``cache_salt``, weights in the model fingerprint (issue 32).
+  2. ``SamplingParams.speculative`` and ``prompt_logprobs`` (a v1 worker would drop prompt
+     logprobs silently), ``TokenizeRequest.chat_template_kwargs_json`` (a v1 tokenizer would
+     render without them), the pair group's sealed payload (``KVChannelOffer.payload_key``),
+     ``Prefill.Embed`` (issues 45-47).
 """
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
-OLDEST_COMPATIBLE = 1
+PROTOCOL_VERSION = 2
+OLDEST_COMPATIBLE = 2
 
 
 def check_peer(version: int) -> str | None:
