@@ -25,7 +25,11 @@ import openai
 import pytest
 
 from services.common.errors import InvalidArgumentError, UnavailableError
-from services.gateway.config import DEFAULT_DEFAULT_MAX_TOKENS, BackendTimeouts
+from services.gateway.config import (
+    DEFAULT_DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_IN_FLIGHT_PER_CLIENT,
+    BackendTimeouts,
+)
 from services.gateway.state import STATE_KEY
 from tests.gateway_fakes import (
     DEFAULT_REPLY,
@@ -435,6 +439,31 @@ async def test_max_in_flight_rejects_without_queueing(make_stack: StackFactory) 
     assert len(stack.prefills[0].requests) == 1  # nothing was queued
     assert (await slow).choices[0].text == DEFAULT_REPLY[:10]
 
+
+
+async def test_one_key_cannot_take_every_slot(make_stack: StackFactory) -> None:
+    """With API keys, one key holds at most its per-client share of the in-flight slots (429
+    client_concurrency past it) while another key is still served; without keys, no such cap."""
+    stack = await make_stack(keys=("key-one", "key-two"), max_in_flight_per_client=1)
+    stack.decodes[0].token_delay = 0.05
+    slow = asyncio.create_task(stack.client("key-one").completions.create(
+        model=MODEL, prompt="x", max_tokens=10))  # fmt: skip
+    while not stack.decodes[0].streaming.is_set():
+        await asyncio.sleep(0.01)
+    body = {"model": MODEL, "prompt": "y", "max_tokens": 2}
+    status, raw, headers = await post_raw(stack.url + "/v1/completions", body,
+                                          {"Authorization": "Bearer key-one"})  # fmt: skip
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert json.loads(raw)["error"]["code"] == "client_concurrency"
+    assert _throttled(stack, "client_concurrency") == 1
+    status, raw, _ = await post_raw(stack.url + "/v1/completions", body,
+                                    {"Authorization": "Bearer key-two"})  # fmt: skip
+    assert status == 200, raw
+    assert (await slow).choices[0].text == DEFAULT_REPLY[:10]
+    open_stack = await make_stack()  # no keys: the default sets no per-client cap
+    assert open_stack.app[STATE_KEY].admission.per_client is None
+    keyed = await make_stack(keys=("key-one",))
+    assert keyed.app[STATE_KEY].admission.per_client == DEFAULT_MAX_IN_FLIGHT_PER_CLIENT
 
 MALFORMED = [
     (b"{not json", 400, None),

@@ -41,7 +41,7 @@ from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
 from services.gateway.completions import chat_completions, completions
-from services.gateway.config import GatewayConfig
+from services.gateway.config import DEFAULT_MAX_IN_FLIGHT_PER_CLIENT, GatewayConfig
 from services.gateway.embeddings import embeddings
 from services.gateway.http_errors import error_middleware
 from services.gateway.rate_limit import AdmissionLimiter, RateLimiter
@@ -90,6 +90,10 @@ def build_state(
     router = Router(backend.prefill, backend.decode, interval_s=config.stats_interval_s,
                     weights=config.routing, metrics=metrics)
     tokenizers = TokenizerPool(backend.tokenizers, interval_s=config.stats_interval_s)
+    auth = auth if auth is not None else ApiKeyAuth(())
+    per_client = config.max_in_flight_per_client
+    if per_client is None and auth.enabled:  # tenants: one key's flood leaves the others room
+        per_client = DEFAULT_MAX_IN_FLIGHT_PER_CLIENT
     membership = Membership(
         backend, router,
         {"tokenizer": config.tokenizer_addresses, "prefill": config.prefill_addresses,
@@ -103,11 +107,11 @@ def build_state(
         router=router,
         membership=membership,
         policy=policy if policy is not None else load_policy(config.safety_policy),
-        auth=auth if auth is not None else ApiKeyAuth(()),
+        auth=auth,
         rate_limiter=rate_limiter,
         token_limiter=token_limiter,
         body_budget=BodyBudget(config.edge.max_body_memory_bytes, config.max_body_bytes),
-        admission=AdmissionLimiter(config.max_in_flight),
+        admission=AdmissionLimiter(config.max_in_flight, per_client),
         metrics=metrics,
     )
 

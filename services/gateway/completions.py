@@ -130,7 +130,7 @@ async def _serve(
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
         input_param = front.input_param if front else _input_param(parsed)
         await _check_input(state, parsed.texts(), input_param)
-        slot = state.admission.try_acquire()
+        slot = state.admission.try_acquire(client)
         state.metrics.num_requests_running.inc()
         if isinstance(parsed, ChatRequest):
             job = await _prepare_chat(state, parsed, info, record)

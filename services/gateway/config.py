@@ -17,6 +17,7 @@ from services.gateway.prefill_policy import PrefillPolicy
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_MAX_IN_FLIGHT_PER_CLIENT = 64  # a quarter of the gateway: one flood leaves room
 DEFAULT_MAX_MIGRATIONS = 3
 DEFAULT_DECODE_ADMISSION_TIMEOUT_S = 30.0
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
@@ -150,6 +151,10 @@ class GatewayConfig:
             ``None``: plain HTTP.
         edge: per-connection and memory limits at the edge (:class:`EdgeLimits`).
         max_in_flight: requests admitted at once; more get 429 (no queue).
+        max_in_flight_per_client: of those, at most this many from one client (an API key, or
+            an address without keys); more get 429 ``client_concurrency``. None: the default,
+            ``DEFAULT_MAX_IN_FLIGHT_PER_CLIENT`` per API key when keys are configured, no cap
+            without them (one local user, a benchmark at any concurrency).
         max_body_bytes: request bodies above this get 413.
         body_read_timeout_s: a request body must arrive whole within this many seconds of its
             headers, or the client gets 408 and is disconnected (a slow-loris client holds no
@@ -200,6 +205,7 @@ class GatewayConfig:
     https_key: str | None = None
     edge: EdgeLimits = field(default_factory=EdgeLimits)
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    max_in_flight_per_client: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     stats_interval_s: float = 1.0
@@ -255,6 +261,9 @@ class GatewayConfig:
                                        param="https_cert")  # fmt: skip
         if self.max_in_flight < 1:
             raise InvalidArgumentError("max in-flight must be >= 1", param="max_in_flight")
+        if self.max_in_flight_per_client is not None and self.max_in_flight_per_client < 1:
+            raise InvalidArgumentError("max in-flight per client must be >= 1",
+                                       param="max_in_flight_per_client")  # fmt: skip
         if self.max_body_bytes < 1024:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
         if not 0 < self.body_read_timeout_s < float("inf"):

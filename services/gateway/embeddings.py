@@ -77,7 +77,7 @@ async def embeddings(request: web.Request) -> web.Response:
         body = await read_body_in_budget(state, request, held)
         parsed = parse_embedding_request(body, served_models=state.served_names)
         record.model = parsed.model
-        held.enter_context(state.admission.try_acquire())
+        held.enter_context(state.admission.try_acquire(client))
         state.metrics.num_requests_running.inc()
         held.callback(state.metrics.num_requests_running.dec)
         inputs = await _token_inputs(state, record, parsed, info)

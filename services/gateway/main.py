@@ -46,6 +46,7 @@ from services.gateway.config import (
     DEFAULT_SSE_WRITE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_IN_FLIGHT_PER_CLIENT,
     DEFAULT_KV_LOAD_WEIGHT,
     DEFAULT_KV_OVERLAP_WEIGHT,
     DEFAULT_MAX_MIGRATIONS,
@@ -254,6 +255,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests served at once; more get 429 (default %(default)s)",
     )
     parser.add_argument(
+        "--max-in-flight-per-client",
+        type=int,
+        default=None,
+        help="of those, at most this many from one client (an API key, or one address without "
+        f"keys); more get 429 client_concurrency (default: {DEFAULT_MAX_IN_FLIGHT_PER_CLIENT} "
+        "per API key when keys are configured, no cap without keys)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -372,6 +381,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             max_body_memory_bytes=args.max_body_memory,
         ),
         max_in_flight=args.max_in_flight,
+        max_in_flight_per_client=args.max_in_flight_per_client,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,
         stats_interval_s=args.stats_interval,

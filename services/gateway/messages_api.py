@@ -121,12 +121,13 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         with contextlib.ExitStack() as held:
             api_key = state.auth.check(anthropic_authorization(request))
-            check_request_rate(state, client_id(api_key, request))
+            client = client_id(api_key, request)
+            check_request_rate(state, client)
             info = await state.require_model_info()
             body = await read_body_in_budget(state, request, held)
             parsed = parse_messages_request(body, served_models=state.served_names,
                                             require_max_tokens=False)  # fmt: skip
-            held.enter_context(state.admission.try_acquire())
+            held.enter_context(state.admission.try_acquire(client))
             messages, tools_json = chat_template_input(parsed.chat, info.chat_template)
             call = tokenizer_pb2.TokenizeRequest(
                 chat=tokenizer_pb2.ChatMessages(messages=messages), add_generation_prompt=True,

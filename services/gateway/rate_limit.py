@@ -171,33 +171,49 @@ class RateLimiter:
 class AdmissionSlot(ReleaseOnce):
     """One admitted request; ``release()`` is idempotent. Also a (async) context manager."""
 
-    __slots__ = ("_limiter",)
+    __slots__ = ("_limiter", "_client")
 
-    def __init__(self, limiter: AdmissionLimiter) -> None:
+    def __init__(self, limiter: AdmissionLimiter, client: str) -> None:
         super().__init__()
         self._limiter = limiter
+        self._client = client
 
     def _give_back(self) -> None:
-        self._limiter._release()
+        self._limiter._release(self._client)
 
 
 class AdmissionLimiter:
-    """At most ``max_in_flight`` requests at once in the gateway; no queue."""
+    """At most ``max_in_flight`` requests at once in the gateway, and at most ``per_client`` of
+    them from one client (an API key, or one address without keys), so one client's flood of
+    slow streams cannot take every slot from the others; no queue."""
 
     RETRY_AFTER_S = 1.0
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, per_client: int | None = None) -> None:
         if max_in_flight < 1:
             raise InvalidArgumentError("max_in_flight must be at least 1", param="max_in_flight")
+        if per_client is not None and per_client < 1:
+            raise InvalidArgumentError("the per-client in-flight cap must be at least 1",
+                                       param="max_in_flight_per_client")  # fmt: skip
         self.max_in_flight = max_in_flight
+        self.per_client = per_client
         self._in_flight = 0
+        self._by_client: dict[str, int] = {}
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
-    def try_acquire(self) -> AdmissionSlot:
-        """Admit one request or raise RateLimitError (429, Retry-After: 1)."""
+    def try_acquire(self, client: str = "") -> AdmissionSlot:
+        """Admit one request of ``client`` or raise RateLimitError (429, Retry-After: 1)."""
+        held = self._by_client.get(client, 0)
+        if self.per_client is not None and held >= self.per_client:
+            raise RateLimitError(
+                f"This client already has {held} requests in flight, the most one client may "
+                "have at once. Please retry when one has finished.",
+                retry_after=self.RETRY_AFTER_S,
+                code="client_concurrency",
+            )
         if self._in_flight >= self.max_in_flight:
             raise RateLimitError(
                 f"The server is at capacity ({self.max_in_flight} requests in flight). "
@@ -206,7 +222,13 @@ class AdmissionLimiter:
                 code="server_overloaded",
             )
         self._in_flight += 1
-        return AdmissionSlot(self)
+        self._by_client[client] = held + 1
+        return AdmissionSlot(self, client)
 
-    def _release(self) -> None:
+    def _release(self, client: str) -> None:
         self._in_flight -= 1
+        left = self._by_client.get(client, 1) - 1
+        if left > 0:
+            self._by_client[client] = left
+        else:
+            self._by_client.pop(client, None)

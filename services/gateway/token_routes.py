@@ -48,7 +48,8 @@ async def _body(
     body lease and the slot join ``held``)."""
     state = request.app[STATE_KEY]
     api_key = state.auth.check(request.headers.get("Authorization"))
-    check_request_rate(state, client_id(api_key, request))
+    client = client_id(api_key, request)
+    check_request_rate(state, client)
     obj = require_object(await read_body_in_budget(state, request, held))
     unknown = sorted(set(obj) - allowed)
     if unknown:
@@ -58,7 +59,7 @@ async def _body(
     model = get_str(obj, "model")
     if model is not None:
         check_served_model(model, state.served_names)
-    held.enter_context(state.admission.try_acquire())
+    held.enter_context(state.admission.try_acquire(client))
     return state, obj
 
 
