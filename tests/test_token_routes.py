@@ -4,6 +4,7 @@ errors for bad input."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -36,6 +37,21 @@ async def test_tokenize_a_prompt_and_a_chat_and_detokenize(make_stack: StackFact
     status, body = await _post(stack.url + "/detokenize", {"tokens": [104, 105]})
     assert (status, body) == (200, {"prompt": "hi"})
 
+
+
+async def test_tokenize_passes_chat_template_kwargs_as_a_chat_completion_does(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack()
+    chat = [{"role": "user", "content": "hi"}]
+    status, _ = await _post(stack.url + "/tokenize", {
+        "messages": chat, "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200
+    assert json.loads(stack.tokenizer.requests[-1].chat_template_kwargs_json) == {
+        "enable_thinking": False}
+    status, body = await _post(stack.url + "/tokenize", {
+        "messages": chat, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs.add_generation_prompt"
 
 async def test_version_needs_no_key_but_tokenize_does(make_stack: StackFactory) -> None:
     stack = await make_stack(keys=("sekrit",))

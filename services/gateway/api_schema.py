@@ -438,6 +438,9 @@ TOKENIZE = Body(
               "default true for prompt, false for messages (the template has them)."),
         Field("add_generation_prompt", "boolean", "End a conversation with the assistant's "
               "header.", default=True),
+        Field("chat_template_kwargs", "json", "With messages: more variables for the chat "
+              "template, as on /v1/chat/completions (not messages, tools or "
+              "add_generation_prompt).", schema={"type": "object"}),
         Field("return_token_strs", "boolean", "Also return each token's text.", default=False),
     ),
     additional_properties=False,

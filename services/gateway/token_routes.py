@@ -17,6 +17,7 @@ slot taken for the tokenizer call), and answer errors in OpenAI's shape:
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
@@ -34,7 +35,11 @@ from services.gateway.openai_fields import (
     parse_int_list,
     require_object,
 )
-from services.gateway.openai_requests import check_served_model, parse_messages
+from services.gateway.openai_requests import (
+    check_served_model,
+    parse_chat_template_kwargs,
+    parse_messages,
+)
 from services.gateway.state import STATE_KEY, GatewayState
 
 _TOKENIZE_KEYS = TOKENIZE.names  # declared in api_schema.py, documented by GET /openapi.json
@@ -76,10 +81,12 @@ async def _tokenize(state: GatewayState, obj: Mapping[str, object]) -> web.Respo
     if "messages" in obj:
         messages = [common_pb2.ChatMessage(role=m.role, content=m.content)
                     for m in parse_messages(obj)]  # fmt: skip
+        kwargs = parse_chat_template_kwargs(obj)  # as a chat completion renders its messages
         call = tokenizer_pb2.TokenizeRequest(
             chat=tokenizer_pb2.ChatMessages(messages=messages),
             add_generation_prompt=bool_or(obj, "add_generation_prompt", True),
             add_special_tokens=bool_or(obj, "add_special_tokens", False),
+            chat_template_kwargs_json=json.dumps(kwargs) if kwargs else "",
         )
     else:
         prompt = get_str(obj, "prompt")
