@@ -251,3 +251,47 @@ def repeated(call: str, parallel: bool, separator: str = '"\\n"') -> str:
 
 def whitespace_only(text: str) -> bool:
     return not text.strip()
+
+
+def scan_tagged(
+    text: str, final: bool, truncated: bool, open_: str, close: str,
+    partial: Callable[[int, str], ScannedCall | None],
+    whole: Callable[[int, int, str], ScannedCall | None],
+) -> Scan:
+    """The scan of a format whose calls are ``open_ ... close`` blocks with content between
+    them (``hermes``, ``qwen3_coder``): ``partial(body_start, body)`` reads an unclosed block of
+    a stream still running, ``whole(start, end, body)`` a closed one (or the last block of a
+    finished text), None when it is no call; a block that is no call is content, unless it is
+    the unclosed tail of a cut reply. Whitespace between calls is not content."""
+    content: list[str] = []
+    calls: list[ScannedCall] = []
+    pos = 0
+    while True:
+        start = text.find(open_, pos)
+        if start < 0:
+            tail = text[pos:]
+            if not final:
+                tail = tail[: len(tail) - partial_marker(tail, open_)]
+            if not calls or not whitespace_only(tail):
+                content.append(tail)
+            break
+        before = text[pos:start]
+        if not calls or not whitespace_only(before):
+            content.append(before)
+        body_start = start + len(open_)
+        end = text.find(close, body_start)
+        body = text[body_start:] if end < 0 else text[body_start:end]
+        if end < 0 and not final:
+            call = partial(body_start, body)
+            if call is not None:
+                calls.append(call)
+            break
+        call = whole(start, end, body)
+        if call is not None:
+            calls.append(call)
+        elif end >= 0 or not truncated:  # not a call after all: it was text
+            content.append(text[start : end + len(close)] if end >= 0 else text[start:])
+        if end < 0:
+            break
+        pos = end + len(close)
+    return Scan("".join(content), calls)

@@ -17,9 +17,8 @@ from services.gateway.tool_parsers.base import (
     ToolParser,
     call_schema,
     json_rule,
-    partial_marker,
     repeated,
-    whitespace_only,
+    scan_tagged,
 )
 from services.gateway.tool_parsers.json_scan import NotJson, complete_call, scan_call_object
 
@@ -31,41 +30,18 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def scan(self, text: str, final: bool, truncated: bool) -> Scan:
-        content: list[str] = []
-        calls: list[ScannedCall] = []
-        pos = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[: len(tail) - partial_marker(tail, OPEN)]
-                if not calls or not whitespace_only(tail):
-                    content.append(tail)
-                break
-            before = text[pos:start]
-            if not calls or not whitespace_only(before):
-                content.append(before)
-            body_start = start + len(OPEN)
-            end = text.find(CLOSE, body_start)
-            body = text[body_start:] if end < 0 else text[body_start:end]
-            if end < 0 and not final:
-                try:
-                    partial = scan_call_object(text, body_start, _KEYS, self.memo)
-                except NotJson:
-                    partial = None
-                if partial is not None and partial.name is not None:
-                    calls.append(ScannedCall(partial.name, partial.arguments))
-                break
+        def partial(body_start: int, body: str) -> ScannedCall | None:
+            try:
+                found = scan_call_object(text, body_start, _KEYS, self.memo)
+            except NotJson:
+                return None
+            return ScannedCall(found.name, found.arguments) if found.name is not None else None
+
+        def whole(start: int, end: int, body: str) -> ScannedCall | None:
             found = self.cached(("call", start, end), lambda: complete_call(body, _KEYS))
-            if found is not None:
-                calls.append(ScannedCall(found[0], found[1], complete=True))
-            elif end >= 0 or not truncated:  # not a call after all: it was text
-                content.append(text[start : end + len(CLOSE)] if end >= 0 else text[start:])
-            if end < 0:
-                break
-            pos = end + len(CLOSE)
-        return Scan("".join(content), calls)
+            return None if found is None else ScannedCall(found[0], found[1], complete=True)
+
+        return scan_tagged(text, final, truncated, OPEN, CLOSE, partial, whole)
 
     @classmethod
     def grammar(cls, tools: Sequence[Tool], parallel: bool, literal: Literal) -> str:

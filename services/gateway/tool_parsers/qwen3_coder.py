@@ -29,9 +29,8 @@ from services.gateway.tool_parsers.base import (
     Tool,
     ToolParser,
     json_rule,
-    partial_marker,
     repeated,
-    whitespace_only,
+    scan_tagged,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -44,36 +43,12 @@ class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
 
     def scan(self, text: str, final: bool, truncated: bool) -> Scan:
-        content: list[str] = []
-        calls: list[ScannedCall] = []
-        pos = 0
-        while True:
-            start = text.find(OPEN, pos)
-            if start < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[: len(tail) - partial_marker(tail, OPEN)]
-                if not calls or not whitespace_only(tail):
-                    content.append(tail)
-                break
-            before = text[pos:start]
-            if not calls or not whitespace_only(before):
-                content.append(before)
-            end = text.find(CLOSE, start)
-            body = text[start + len(OPEN) : end if end >= 0 else len(text)]
+        def whole(start: int, end: int, body: str) -> ScannedCall | None:
             call = self._call(body)
-            if end < 0 and not final:
-                if call is not None:
-                    calls.append(call)
-                break
-            if call is not None and call.complete:
-                calls.append(call)
-            elif end >= 0 or not truncated:  # not a call after all: it was text
-                content.append(text[start : end + len(CLOSE)] if end >= 0 else text[start:])
-            if end < 0:
-                break
-            pos = end + len(CLOSE)
-        return Scan("".join(content), calls)
+            return call if call is not None and call.complete else None
+
+        return scan_tagged(text, final, truncated, OPEN, CLOSE,
+                           lambda _, body: self._call(body), whole)  # fmt: skip
 
     def _call(self, body: str) -> ScannedCall | None:
         head = body.lstrip()
