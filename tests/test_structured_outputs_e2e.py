@@ -152,6 +152,30 @@ def test_a_rejected_schema_or_bias_is_a_400(stack: Up) -> None:
     assert info.value.body["param"] == "logit_bias"
 
 
+def _kill_a_serving_decode_worker(stack: Up) -> str:
+    """SIGKILL a decode worker that has a request in flight; its name."""
+    with urllib.request.urlopen(stack.rows["gateway"][0] + "/ready", timeout=10) as response:
+        ready = json.loads(response.read())
+    serving = {w["address"] for w in ready["decode"] if w["in_flight"]}
+    victim = next(n for n in ("decode-0", "decode-1") if stack.rows[n][0] in serving)
+    os.kill(stack.rows[victim][1], signal.SIGKILL)
+    return victim
+
+
+def _wait_restarted(stack: Up, victim: str) -> None:
+    """Until the launcher restarted ``victim`` and the gateway sees every decode worker healthy
+    again, so the next test (which may kill one too) finds the stack whole."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and f"restarted {victim} (pid " not in stack.stderr():
+        time.sleep(0.5)
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(stack.rows["gateway"][0] + "/ready", timeout=10) as response:
+            decode = json.loads(response.read())["decode"]
+        if len(decode) == 2 and all(w["healthy"] for w in decode):
+            return
+        time.sleep(0.5)
+
+
 def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
     import jsonschema
 
@@ -162,7 +186,6 @@ def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
                   "required": ["name", "age"], "additionalProperties": False}}},
               "required": ["people"], "additionalProperties": False}  # fmt: skip
     client = _client(stack)
-    url = stack.rows["gateway"][0]
     chunks: list[str] = []
     started = threading.Event()
 
@@ -185,11 +208,7 @@ def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
     thread = threading.Thread(target=run)
     thread.start()
     assert started.wait(120)
-    with urllib.request.urlopen(url + "/ready", timeout=10) as response:
-        ready = json.loads(response.read())
-    serving = {w["address"] for w in ready["decode"] if w["in_flight"]}
-    victim = next(n for n in ("decode-0", "decode-1") if stack.rows[n][0] in serving)
-    os.kill(stack.rows[victim][1], signal.SIGKILL)
+    victim = _kill_a_serving_decode_worker(stack)
     thread.join(240)
     assert not thread.is_alive()
     assert chunks[-1] == "<stop>", chunks[-5:]
@@ -198,9 +217,7 @@ def test_a_stream_migrated_mid_object_ends_valid(stack: Up) -> None:
         metrics = response.read().decode()
     assert any(line.startswith("tandem:migrations_total ") and float(line.split()[-1]) >= 1
                for line in metrics.splitlines())  # fmt: skip
-    deadline = time.monotonic() + 120  # the launcher restarts it; leave the stack whole
-    while time.monotonic() < deadline and f"restarted {victim} (pid " not in stack.stderr():
-        time.sleep(0.5)
+    _wait_restarted(stack, victim)
 
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -371,15 +388,9 @@ def test_a_responses_stream_migrated_mid_reply_completes(stack: Up) -> None:
     thread = threading.Thread(target=run)
     thread.start()
     assert started.wait(120)
-    with urllib.request.urlopen(stack.rows["gateway"][0] + "/ready", timeout=10) as response:
-        ready = json.loads(response.read())
-    serving = {w["address"] for w in ready["decode"] if w["in_flight"]}
-    victim = next(n for n in ("decode-0", "decode-1") if stack.rows[n][0] in serving)
-    os.kill(stack.rows[victim][1], signal.SIGKILL)
+    victim = _kill_a_serving_decode_worker(stack)
     thread.join(240)
     assert not thread.is_alive()
     assert kinds[-1] == "response.completed", kinds[-5:]
     json.loads("".join(texts))  # whole across the move
-    deadline = time.monotonic() + 120  # the launcher restarts it; leave the stack whole
-    while time.monotonic() < deadline and f"restarted {victim} (pid " not in stack.stderr():
-        time.sleep(0.5)
+    _wait_restarted(stack, victim)
