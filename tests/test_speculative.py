@@ -26,7 +26,8 @@ from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import EngineConfig, LLMEngine, RequestOutput
 from services.engine.core.loaders import LoadedModel, load_model
-from services.engine.core.draft_proposer import DraftProposer
+from services.engine.core.draft_proposer import DraftProposer, same_kv_shape
+from services.engine.core.kv_cache import KVLayout
 from services.engine.core.speculative import PromptLookup, SpeculativeConfig
 from tests.conftest import native_kernel_or_skip
 from tests.test_model_families import FAMILIES
@@ -369,13 +370,14 @@ def test_a_draft_model_after_a_hand_off_and_aborts(tiny: LoadedModel, small_draf
 
 
 def test_a_long_prompt_s_draft_catches_up_a_slice_a_step(tiny: LoadedModel) -> None:
-    """A mirror whose prompt the draft has not seen (here a hand-off's) builds its draft KV at
-    most CATCH_UP_TOKENS a step, proposing nothing meanwhile; the output is unchanged."""
+    """A mirror whose prompt the draft has not seen (here a hand-off's) builds its draft KV
+    (``--draft-kv build``) at most CATCH_UP_TOKENS a step, proposing nothing meanwhile; the
+    output is unchanged."""
     catch_up = DraftProposer.CATCH_UP_TOKENS
     prompt = (_repetitive_prompts(512, 12, count=1)[0] * 40)[: 3 * catch_up + 5]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = _result(_engine(tiny, None).generate([prompt], params)[0])
-    decode = _engine(tiny, DRAFT, tiny)
+    decode = _engine(tiny, dataclasses.replace(DRAFT, draft_kv="build"), tiny)
     assert decode.spec.draft is not None
     passes: list[int] = []
     execute = decode.spec.draft.runner.execute
@@ -385,6 +387,47 @@ def test_a_long_prompt_s_draft_catches_up_a_slice_a_step(tiny: LoadedModel) -> N
     assert max(passes) <= catch_up + 1 and passes[:3] == [catch_up] * 3, passes
     assert decode.spec_stats.acceptance_rate == 1.0 and decode.spec_stats.num_drafts > 0
     assert decode.spec.draft.num_blocks_in_use == 0
+
+
+def test_a_self_draft_adopts_the_target_s_prompt_kv(tiny: LoadedModel, small_draft: LoadedModel,
+                                                   tmp_path: Path) -> None:  # fmt: skip
+    """After a hand-off, a draft of the target's own shape (here the tiny model in float16)
+    copies the target's prompt KV instead of running its forward over the prompt: no draft pass
+    is longer than a proposal's, the output is unchanged, every guess still right; ``build`` and
+    a draft of another shape run the draft's forward."""
+    half = load_model(str(write_tiny_model(tmp_path / "h", 512, context=1024)), "float16")
+    prompt = (_repetitive_prompts(512, 13, count=1)[0] * 40)[:200]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = _result(_engine(tiny, None).generate([prompt], params)[0])
+    for draft, draft_kv, adopts in ((tiny, "auto", True), (half, "auto", True),
+                                    (tiny, "build", False), (small_draft, "auto", False)):  # fmt: skip
+        decode = _engine(tiny, dataclasses.replace(DRAFT, draft_kv=draft_kv), draft)
+        assert decode.spec.draft is not None
+        passes: list[int] = []
+        execute = decode.spec.draft.runner.execute
+        decode.spec.draft.runner.execute = lambda batch: (  # type: ignore[method-assign]
+            passes.append(sum(i.num_new_tokens for i in batch.items)), execute(batch))[1]
+        assert _hand_off(_engine(tiny, None), decode, prompt, params)[0] == expected[0], draft_kv
+        adopted = decode.spec.draft.adopted_tokens  # the prompt (and a first token or so)
+        assert (adopted >= len(prompt)) if adopts else adopted == 0, (draft_kv, adopted)
+        assert (max(passes) <= DraftProposer.TAIL_ROWS) == adopts, passes
+        if draft is tiny:
+            assert decode.spec_stats.acceptance_rate == 1.0, decode.spec_stats
+        assert decode.spec.draft.num_blocks_in_use == 0 and decode.block_manager.num_blocks_in_use == 0
+
+
+def test_only_a_draft_of_the_target_s_shape_may_adopt_its_kv(tiny: LoadedModel,
+                                                            small_draft: LoadedModel) -> None:  # fmt: skip
+    layout = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype="float32")
+    half, q8 = dataclasses.replace(layout, dtype="float16"), dataclasses.replace(layout, dtype="q8_0")
+    assert same_kv_shape(tiny.config, tiny.config, layout, half)
+    assert same_kv_shape(tiny.config, tiny.config, q8, q8)
+    assert not same_kv_shape(tiny.config, tiny.config, layout, q8)  # q8_0 against float: no
+    assert not same_kv_shape(tiny.config, tiny.config, layout, dataclasses.replace(layout, block_size=8))
+    assert not same_kv_shape(small_draft.config, tiny.config, layout, layout)
+    assert not same_kv_shape(dataclasses.replace(tiny.config, rope_theta=1.0), tiny.config, layout, layout)
+    with pytest.raises(InvalidArgumentError, match="draft-kv"):
+        _engine(tiny, dataclasses.replace(DRAFT, draft_kv="ship"), tiny)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny: LoadedModel, tmp_path: Path) -> None:

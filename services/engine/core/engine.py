@@ -176,8 +176,11 @@ class LLMEngine:
         self._finished: list[RequestOutput] = []
         drafter = None
         if draft is not None:
+            spec = self.config.speculative
             drafter = DraftProposer(draft, loaded, block_size=self.config.block_size,
-                                    num_blocks=num_blocks, eos_token_ids=tuple(self.eos_token_ids))  # fmt: skip
+                                    num_blocks=num_blocks, eos_token_ids=tuple(self.eos_token_ids),
+                                    target_kv=self.kv,
+                                    draft_kv=spec.draft_kv if spec is not None else "auto")  # fmt: skip
         self.spec = SpecDecoder(self.config.speculative, self.sampler, self.block_manager,
                                 self.max_model_len, drafter)  # fmt: skip
         self.spec_stats = self.spec.stats

@@ -60,7 +60,8 @@ MAX_NGRAM = 16
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """How a worker speculates (``--speculative``, ``--num-speculative-tokens``, ``--ngram-max``,
-    ``--ngram-min``, ``--speculative-max-batch``, ``--draft-model``, ``--draft-dtype``)."""
+    ``--ngram-min``, ``--speculative-max-batch``, ``--draft-model``, ``--draft-dtype``,
+    ``--draft-kv``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 8
@@ -69,6 +70,7 @@ class SpeculativeConfig:
     max_batch: int = 4
     draft_model: str | None = None  # the draft method's model (a path, ``default``, ...)
     draft_dtype: str = "auto"
+    draft_kv: str = "auto"  # a handed-off prompt's draft KV: adopted from the target's, or built
 
     def validate(self) -> SpeculativeConfig:
         """InvalidArgumentError naming the flag on any out-of-range value; return self."""

@@ -218,6 +218,12 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                              "same model's 4-bit GGUF drafting for its float32 or 16-bit form)")
     parser.add_argument("--draft-dtype", choices=DTYPE_CHOICES, default="auto",
                         help="the draft model's weight dtype (default auto)")
+    parser.add_argument("--draft-kv", choices=("auto", "build"), default="auto",
+                        help="how the draft gets a prompt's KV it has not seen (a hand-off's): "
+                             "auto adopts the target's KV when the draft is the target's own "
+                             "shape (a quantized self-draft: a memory copy), else builds it with "
+                             "the draft's forward on this worker; build always does (default "
+                             "auto)")
     parser.add_argument("--speculative-max-batch", type=int, default=4, metavar="N",
                         help="speculate only while at most N sequences run (default 4: larger "
                              "batches already use the weight read)")
@@ -232,6 +238,7 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
         ngram_max=args.ngram_max, ngram_min=args.ngram_min,
         max_batch=args.speculative_max_batch,
         draft_model=getattr(args, "draft_model", None), draft_dtype=getattr(args, "draft_dtype", "auto"),
+        draft_kv=getattr(args, "draft_kv", "auto"),
     ).validate()
 
 
