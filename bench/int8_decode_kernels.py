@@ -41,7 +41,7 @@ def random_blocks(ggml_type: T, out: int, n_in: int, seed: int) -> np.ndarray:
     n = out * n_in // block_size
     blocks = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
     offsets = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,),
-               T.Q5_0: (0,)}[ggml_type]  # fmt: skip
+               T.Q5_0: (0,), T.Q4_1: (0, 2)}[ggml_type]  # fmt: skip
     for offset in offsets:
         d = (rng.random(n) * 2e-3 - 1e-3).astype(np.float16)
         blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(n, 2)
