@@ -1,12 +1,12 @@
 """A decode worker under attack from inside the deployment's network (issues 32 and 47), on real
 prefill and decode workers (gRPC over mutual TLS on 127.0.0.1, the tiny model): a ``Reserve``
 flood and forged ``TransferKV`` streams change nothing for a well-behaved request running at the
-same time, what a flood may hold is bounded per caller and in total
-(services/engine/kv_transfer/reservation_quota.py), KV forged with a valid prefill certificate
-for a prefix another tenant uses leaves that tenant's output and ``cached_tokens`` unchanged
-(services/engine/kv_transfer/receiver.py: a transfer needs a reservation for its own prompt and
-salt), and a prefill worker ships KV only to a current decode member
-(services/common/member_addresses.py)."""
+same time, what a flood may hold is bounded per caller (its certificate) and in total from the
+first reservation (services/engine/kv_transfer/reservation_quota.py), KV forged with a valid
+prefill certificate for a prefix another tenant uses leaves that tenant's output and
+``cached_tokens`` unchanged (services/engine/kv_transfer/receiver.py: a transfer needs a
+reservation for its own prompt and salt), and a prefill worker ships KV only to a current decode
+member (services/common/member_addresses.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from services.common.grpc_channel import open_channel
 from services.common.internal_tls import InternalTls
 from services.common.member_addresses import MemberAddresses
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
-from services.common.peer_roles import peer_identity
+from services.common.peer_roles import caller_identity, peer_identity
 from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
@@ -37,6 +37,8 @@ from tests.tls_identities import session_ca, tls_for
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 POOL = 64  # decode blocks in these tests
+FLOOD_POOL = 256  # the flood test's: its bounds (64 per caller, 128 in all) are above one
+# full-context prompt (32 blocks of the 512-token context), which neither bound goes below
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +71,44 @@ async def flood(stub: decode_pb2_grpc.DecodeStub, prefix: str, tries: int = 64) 
 
 def test_quota_bounds_per_caller_and_in_total() -> None:
     quota = ReservationQuota(total_fraction=0.5, caller_fraction=0.25)
-    quota.check(num_blocks=40, held_by_caller=0, held_total=0, pool_blocks=64)  # a first one
     quota.check(num_blocks=4, held_by_caller=12, held_total=12, pool_blocks=64)
     with pytest.raises(ResourceExhaustedError, match="max-reserved-per-caller"):
         quota.check(num_blocks=5, held_by_caller=12, held_total=12, pool_blocks=64)
     quota.check(num_blocks=4, held_by_caller=4, held_total=28, pool_blocks=64)
     with pytest.raises(ResourceExhaustedError, match="max-reserved-fraction"):
         quota.check(num_blocks=5, held_by_caller=4, held_total=28, pool_blocks=64)
-    # a caller holding nothing passes both: a flood cannot starve another gateway
-    quota.check(num_blocks=20, held_by_caller=0, held_total=32, pool_blocks=64)
+    # counted from the first reservation: a caller holding nothing gets no pass on either bound
+    with pytest.raises(ResourceExhaustedError, match="max-reserved-per-caller"):
+        quota.check(num_blocks=17, held_by_caller=0, held_total=0, pool_blocks=64)
+    with pytest.raises(ResourceExhaustedError, match="max-reserved-fraction"):
+        quota.check(num_blocks=4, held_by_caller=0, held_total=30, pool_blocks=64)
+    # but neither bound is below one prompt of the longest the worker accepts (here 40
+    # blocks): such a prompt alone is never refused by a fraction, only by the room left
+    quota.check(num_blocks=40, held_by_caller=0, held_total=0, pool_blocks=64,
+                largest_prompt_blocks=40)  # fmt: skip
+    with pytest.raises(ResourceExhaustedError, match="max-reserved-fraction"):
+        quota.check(num_blocks=40, held_by_caller=0, held_total=4, pool_blocks=64,
+                    largest_prompt_blocks=40)  # fmt: skip
     for bad in (0.0, 1.5, float("nan")):
         with pytest.raises(Exception):
             ReservationQuota(total_fraction=bad).validate()
+
+
+def test_a_caller_is_its_certificate_not_its_address() -> None:
+    uri = {"peer_spiffe_id": [b"spiffe://tandem/gateway"]}
+    a = caller_identity("ipv4:10.0.0.5:41234", {**uri, "x509_pem_cert": [b"A"]})
+    assert a.startswith("spiffe://tandem/gateway#")  # the role it proves, and which certificate
+    # the same certificate from another port or another host is the same caller
+    assert a == caller_identity("ipv4:10.0.0.5:50000", {**uri, "x509_pem_cert": [b"A"]})
+    assert a == caller_identity("ipv4:10.0.0.9:41234", {**uri, "x509_pem_cert": [b"A"]})
+    # another certificate is another caller, even from the same address
+    assert a != caller_identity("ipv4:10.0.0.5:41234", {**uri, "x509_pem_cert": [b"B"]})
+    # the URI SANs count when gRPC gives no single SPIFFE id
+    sans = {"x509_subject_alternative_name": [b"gateway.tandem.internal",
+                                              b"spiffe://tandem/gateway"], "x509_pem_cert": [b"A"]}
+    assert caller_identity("ipv4:10.0.0.5:1", sans) == a
+    # without TLS the address is all there is
+    assert caller_identity("ipv6:[::1]:5000", {}) == "address:ipv6:[::1]"
 
 
 def test_peer_identity_tells_processes_apart() -> None:
@@ -94,32 +122,36 @@ def test_peer_identity_tells_processes_apart() -> None:
 async def test_a_reserve_flood_changes_nothing_for_a_running_request(model: LoadedModel) -> None:
     prompt = prompt_of(40)
     expected = reference(model, [prompt], PARAMS)[0]
-    async with cluster(model, decode_blocks=POOL) as c:
-        attacker = open_channel(c.decode_handle.address, tls=other_identity("gateway"))
+    async with cluster(model, decode_blocks=FLOOD_POOL) as c:
+        identity = other_identity("gateway")
+        attacker = open_channel(c.decode_handle.address, tls=identity)
+        same_cert = open_channel(c.decode_handle.address, tls=identity)  # another connection
+        second_channel = open_channel(c.decode_handle.address, tls=other_identity("gateway"))
         try:
             stub = decode_pb2_grpc.DecodeStub(attacker)
             good = asyncio.create_task(c.run("good", prompt, PARAMS))
             granted = await flood(stub, "flood")
-            # one caller holds at most a quarter of the pool (its first grant always passes)
-            assert 0 < sum(granted) <= POOL // 4
-            second_channel = open_channel(c.decode_handle.address, tls=other_identity("gateway"))
-            more = await flood(decode_pb2_grpc.DecodeStub(second_channel), "flood2")
-            # another caller: up to half the pool in total, plus each caller's first grant
-            assert sum(granted) + sum(more) <= POOL // 2 + 4
+            # one caller holds at most a quarter of the pool, its first grant counted
+            assert sum(granted) == FLOOD_POOL // 4
+            # another connection with the same certificate is the same caller: nothing more
+            assert await flood(decode_pb2_grpc.DecodeStub(same_cert), "flood1b") == []
             _, messages = await good
             assert tokens_of(messages) == expected
             # the well-behaved caller still reserves and serves, beside the flood
-            _, messages = await c.run("good2", prompt, PARAMS)  # reserves first, as a gateway
+            _, messages = await c.run("good2", prompt, PARAMS)
             assert tokens_of(messages) == expected
+            # another certificate floods too: all reservations together stay within half
+            more = await flood(decode_pb2_grpc.DecodeStub(second_channel), "flood2")
+            assert 0 < sum(more) and sum(granted) + sum(more) <= FLOOD_POOL // 2
             stats = c.decode_handle.engine_loop.stats
             assert stats.num_preemptions == 0
             for prefix, grants in (("flood", granted), ("flood2", more)):
                 for i in range(len(grants)):
                     await stub.Abort(common_pb2.AbortRequest(request_id=f"{prefix}-{i}"))
             await c.wait_idle()
-            await second_channel.close()
         finally:
-            await attacker.close()
+            for channel in (attacker, same_cert, second_channel):
+                await channel.close()
 
 
 def _forged(c: Cluster, rid: str, tokens: list[int], *, corrupt: bool,

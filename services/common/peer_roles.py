@@ -121,6 +121,29 @@ def peer_identity(peer: str, auth_context: dict[str, Iterable[bytes]]) -> str:
     return f"{host}/{hashlib.sha256(pem).hexdigest()[:16]}"
 
 
+def caller_identity(peer: str, auth_context: dict[str, Iterable[bytes]]) -> str:
+    """Who is calling, for per-caller quotas (``reservation_quota.py``): the identity its
+    verified certificate proves — the certificate's URI SANs (its role, ``spiffe://…/<role>``)
+    and a digest of the certificate itself — never the address it calls from. A caller cannot
+    become many by opening connections from many addresses or ports, and one certificate is one
+    caller wherever it calls from; two certificates (two issued identities) are two callers.
+    Without TLS (``--insecure-internal``) there is no identity to read, and the peer's host
+    stands in."""
+    pem = b"".join(auth_context.get("x509_pem_cert", ()))
+    if not pem:
+        host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+        return f"address:{host}"
+    uris = sorted(_text(value) for value in auth_context.get("peer_spiffe_id", ()))
+    if not uris:
+        uris = sorted(text for value in auth_context.get("x509_subject_alternative_name", ())
+                      if "://" in (text := _text(value)))  # fmt: skip
+    return f"{','.join(uris) or 'no-uri'}#{hashlib.sha256(pem).hexdigest()[:16]}"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def roles_in(auth_context: dict[str, Iterable[bytes]]) -> frozenset[str]:
     """The roles a verified peer certificate names (its ``spiffe://tandem/<role>`` SAN URIs).
 

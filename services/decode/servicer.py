@@ -1,7 +1,7 @@
 """The ``tandem.v1.Decode`` gRPC servicer: protos in and out around :class:`DecodeWorker`.
 
 ``Reserve`` holds a request's destination blocks before its prefill starts (RESOURCE_EXHAUSTED at
-once when there is no room or the caller's quota is spent), bound to
+once when there is no room or the caller's quota, counted per certificate, is spent), bound to
 the digest of the prompt and ``cache_salt`` it is for; ``TransferKV`` is the receiving end of the
 KV transports (it takes the reserved blocks, and is refused without a reservation for its
 header's prompt and salt; its go-ahead advertises the KV channel when this worker hosts one);
@@ -23,7 +23,7 @@ import grpc.aio
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import decode_pb2, decode_pb2_grpc
-from services.common.peer_roles import peer_identity
+from services.common.peer_roles import caller_identity, peer_identity
 from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
 from services.decode.worker import DecodeWorker
 from services.engine.core.engine import RequestOutput
@@ -47,7 +47,7 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
         grant = await self.worker.receiver.reserve(
             request.request_id, request.num_tokens, request.lease_seconds,
             prompt_digest=request.prompt_digest,
-            caller=peer_identity(context.peer(), context.auth_context()),
+            caller=caller_identity(context.peer(), context.auth_context()),
         )
         return decode_pb2.ReserveResponse(
             request_id=grant.request_id, num_blocks=grant.num_blocks,

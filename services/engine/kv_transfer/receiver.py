@@ -8,9 +8,9 @@ One transfer's state machine (ReceiveState), keyed by request id:
                  bound to the digest of the prompt and ``cache_salt`` the gateway serves
                  (``prefix_hash.reservation_digest``). No room: RESOURCE_EXHAUSTED at once,
                  nothing allocated, no entry, so the gateway tries another decode worker before
-                 any prefill work is done. What reservations hold is bounded per caller and in
-                 total (``reservation_quota.py``; over a bound: RESOURCE_EXHAUSTED at once
-                 too). The header then takes these blocks
+                 any prefill work is done. What reservations hold is bounded per caller (its
+                 certificate) and in total, from the first one (``reservation_quota.py``; over a
+                 bound: RESOURCE_EXHAUSTED at once too). The header then takes these blocks
                  (step 1). A lease that ends with no header frees them and drops the entry (no
                  tombstone: a late header finds no reservation and is refused, and a waiting
                  ``Generate`` keeps waiting); an abort frees them like any other state. Counted
@@ -275,11 +275,17 @@ class KVReceiver:
                     by_caller += entry.reserved_blocks
         try:
             self.quota.check(num_blocks=num_blocks, held_by_caller=by_caller, held_total=total,
-                             pool_blocks=self.engine_loop.stats.num_blocks_total)  # fmt: skip
+                             pool_blocks=self.engine_loop.stats.num_blocks_total,
+                             largest_prompt_blocks=self._largest_prompt_blocks)  # fmt: skip
         except ResourceExhaustedError as err:
             self._count_reservation("refused")
             logger.info("KV reservation refused: %s", err.message, extra={"request_id": request_id})
             raise
+
+    @property
+    def _largest_prompt_blocks(self) -> int:
+        """Blocks the longest prompt this worker accepts needs (a quota never refuses it alone)."""
+        return -(-(self.max_model_len - 1) // self.layout.block_size)
 
     def _drop_reservation(self, entry: _Entry, *, release: bool) -> None:
         """Forget a reservation still waiting for its header (no tombstone); free its blocks
