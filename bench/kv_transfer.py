@@ -49,6 +49,7 @@ from services.common.cert_authority import issue_identities  # noqa: E402
 from services.common.grpc_channel import open_channel  # noqa: E402
 from services.common.internal_tls import InternalTls  # noqa: E402
 from services.common.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
+from services.common.prefix_hash import reservation_digest  # noqa: E402
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.common.wire import sampling_params_to_proto  # noqa: E402
 
@@ -88,6 +89,9 @@ async def one_request(
     request_id: str,
     prompt: list[int],
 ) -> prefill_pb2.PrefillResponse:
+    await decode.Reserve(decode_pb2.ReserveRequest(  # as the gateway does: KV needs a reservation
+        request_id=request_id, num_tokens=len(prompt),
+        prompt_digest=reservation_digest(prompt, PARAMS.cache_salt)))
     call = decode.Generate(decode_pb2.GenerateRequest(request_id=request_id, wait_for_kv_seconds=600))
     response = await prefill.Prefill(prefill_pb2.PrefillRequest(
         request_id=request_id, token_ids=prompt, params=sampling_params_to_proto(PARAMS),

@@ -40,6 +40,7 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.decode.servicer import SERVICE_NAME as DECODE_SERVICE
@@ -317,6 +318,9 @@ class IpcPair:
         assert final is not None and final.finish_reason == "prefilled"
         request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
                                    len(final.block_ids))
+        # the gateway's reservation first: the receiver takes no KV without one
+        await self.receiver.reserve(rid, len(prompt),
+                                    prompt_digest=reservation_digest(prompt, GREEDY.cache_salt))
         return await self.sender.send(request, DECODE)
 
     async def decoded(self, rid: str) -> list[int]:
@@ -565,6 +569,9 @@ async def test_over_grpc_the_advert_travels_in_the_go_ahead(
     try:
         prefill_stub = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode_stub = decode_pb2_grpc.DecodeStub(decode_channel)
+        await decode_stub.Reserve(decode_pb2.ReserveRequest(  # what the gateway does first
+            request_id="g", num_tokens=len(prompt),
+            prompt_digest=reservation_digest(prompt, GREEDY.cache_salt)))
         call = decode_stub.Generate(decode_pb2.GenerateRequest(request_id="g",
                                                                wait_for_kv_seconds=10))
         response = await prefill_stub.Prefill(prefill_pb2.PrefillRequest(

@@ -25,6 +25,7 @@ from services.common.pb import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from services.common.prefix_hash import reservation_digest
 from services.common.wire import sampling_params_to_proto
 from services.engine.kv_transfer.cuda_ipc import CudaIpcEndpoint
 from services.engine.runtime.worker_options import WorkerOptions
@@ -98,6 +99,9 @@ async def test_cuda_ipc_between_two_processes_on_one_gpu(
         tokens: dict[str, list[int]] = {}
         for rid, handle, channel in (("via-ipc", ipc_decode, channels[1]),
                                      ("via-grpc", grpc_decode, channels[2])):
+            await decode_pb2_grpc.DecodeStub(channel).Reserve(decode_pb2.ReserveRequest(
+                request_id=rid, num_tokens=len(prompt),
+                prompt_digest=reservation_digest(prompt, GREEDY.cache_salt)))
             response = await prefill.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, token_ids=prompt, params=sampling_params_to_proto(GREEDY),
                 decode_address=handle.address,

@@ -24,6 +24,7 @@ import pytest
 
 from services.common.grpc_channel import open_channel, wait_healthy
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from tests.tls_identities import tls_flags, tls_for
@@ -84,6 +85,9 @@ async def test_workers_as_separate_processes(processes: dict[str, object]) -> No
     try:
         prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode = decode_pb2_grpc.DecodeStub(decode_channel)
+        await decode.Reserve(decode_pb2.ReserveRequest(  # what the gateway does first
+            request_id="p1", num_tokens=len(prompt),
+            prompt_digest=reservation_digest(prompt, GREEDY.cache_salt)))
         call = decode.Generate(decode_pb2.GenerateRequest(request_id="p1", wait_for_kv_seconds=10))
         response = await prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id="p1", token_ids=prompt, params=sampling_params_to_proto(GREEDY),
@@ -149,6 +153,9 @@ async def test_smollm2_text_and_stop_strings_through_the_handoff() -> None:
         prefill_stub = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode_stub = decode_pb2_grpc.DecodeStub(decode_channel)
         for rid, p, want in (("s1", params, expected), ("s2", stop_params, expected_stop)):
+            await decode_stub.Reserve(decode_pb2.ReserveRequest(
+                request_id=rid, num_tokens=len(prompt),
+                prompt_digest=reservation_digest(prompt, p.cache_salt)))
             call = decode_stub.Generate(decode_pb2.GenerateRequest(request_id=rid))
             await prefill_stub.Prefill(prefill_pb2.PrefillRequest(
                 request_id=rid, token_ids=prompt, params=sampling_params_to_proto(p),

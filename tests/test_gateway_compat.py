@@ -2,7 +2,8 @@
 real gateway over fake gRPC workers: a worker that speaks another internal protocol version
 (services/common/protocol.py) or serves a model whose fingerprint (shape and weights' digest,
 services/common/model_fingerprint.py) is not the tokenizer's gets no request, and a tokenizer of
-another protocol leaves the gateway answering 503."""
+another protocol leaves the gateway answering 503. The fingerprint covers a Hugging Face folder's
+tokenizer and chat template, and the tokenizer's fails closed (issue 47)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import json
 from pathlib import Path
 
 import aiohttp
+import pytest
 
+from services.common.errors import ModelLoadError
 from services.common.model_fingerprint import fingerprint, weights_digest
 from services.common.model_source import resolve_model
 from services.common.protocol import PROTOCOL_VERSION, check_peer
@@ -98,3 +101,55 @@ def test_workers_and_tokenizer_agree_and_the_weights_count(tiny_llama_dir: Path)
     other = resolve_model(str(copy))
     assert model_fingerprint(other) != model_fingerprint(source)
     assert load_model(str(copy)).config.fingerprint() == loaded.config.fingerprint()
+
+
+def _copy_folder(source: Path, target: Path) -> Path:
+    target.mkdir()
+    for f in source.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+def test_the_fingerprint_covers_the_tokenizer_and_the_chat_template(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """One set of weights with another vocabulary or chat template is another model: they
+    tokenize or render prompts differently, so their KV and prefix keys must not mix."""
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "with-tokenizer")
+    bare = model_fingerprint(resolve_model(str(folder)))
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    config = {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    source = resolve_model(str(folder))
+    with_tokenizer = model_fingerprint(source)
+    assert with_tokenizer != bare
+    # the engine's loader computes the same value (the workers and the tokenizer agree)
+    assert load_model(str(folder)).fingerprint == with_tokenizer
+    # another chat template, same weights and vocabulary: another fingerprint
+    config["chat_template"] = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert model_fingerprint(source) not in (with_tokenizer, bare)
+    # a template in its own file counts too
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    with_file = model_fingerprint(source)
+    (folder / "chat_template.jinja").write_text("{{ messages[-1].content }}")
+    assert model_fingerprint(source) != with_file
+    # and another vocabulary, same template
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 1, "b": 0}}}))
+    assert model_fingerprint(source) != with_file
+
+
+def test_the_tokenizer_fingerprint_fails_closed(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """No fingerprint means the gateway could not check its workers: the tokenizer refuses to
+    start (ModelLoadError) instead of serving with an empty one."""
+    for name in ("tokenizer.json", "extra.safetensors"):  # there, but cannot be read
+        unreadable = _copy_folder(tiny_llama_dir, tmp_path / f"unreadable-{name}")
+        (unreadable / name).symlink_to(tmp_path / f"nowhere-{name}")
+        with pytest.raises(ModelLoadError, match="cannot compute the model fingerprint"):
+            model_fingerprint(resolve_model(str(unreadable)))
+    unknown = _copy_folder(tiny_llama_dir, tmp_path / "unknown-architecture")
+    config = json.loads((unknown / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["NoSuchForCausalLM"], "no-such"
+    (unknown / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="cannot compute the model fingerprint"):
+        model_fingerprint(resolve_model(str(unknown)))

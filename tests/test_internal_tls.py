@@ -48,7 +48,7 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.common.peer_roles import ROLES, allowed_roles, server_name
+from services.common.peer_roles import ACCESS_POLICY, ROLES, allowed_roles, server_name
 from tests.tls_identities import session_ca, tls_flags, tls_for
 from tests.up_process import REPO, StartUp, port_flags
 
@@ -162,6 +162,72 @@ async def test_every_rpc_refuses_strangers_and_wrong_roles(
             assert code == grpc.StatusCode.PERMISSION_DENIED, (client, method)
 
 
+def _rpcs_in_the_protos() -> set[tuple[str, str]]:
+    """Every (package.Service, Method) declared in ``protos/``, read from the .proto text (not
+    the generated stubs, which could be stale)."""
+    found = set()
+    for path in sorted((REPO / "protos").rglob("*.proto")):
+        text = re.sub(r"//[^\n]*", "", path.read_text(encoding="utf-8"))
+        package = re.search(r"^\s*package\s+([\w.]+)\s*;", text, re.M)
+        assert package, path
+        for service, body in re.findall(r"\bservice\s+(\w+)\s*\{(.*?)\n\}", text, re.S):
+            for method in re.findall(r"\brpc\s+(\w+)\s*\(", body):
+                found.add((f"{package.group(1)}.{service}", method))
+    return found
+
+
+def test_every_rpc_has_an_explicit_decision_and_no_rule_is_a_wildcard() -> None:
+    rpcs = _rpcs_in_the_protos()
+    assert ("tandem.v1.Decode", "TransferKV") in rpcs and len(rpcs) >= 14  # the reader works
+    assert all(method != "*" and "*" not in service for service, method in ACCESS_POLICY)
+    missing = sorted(rpc for rpc in rpcs if rpc not in ACCESS_POLICY)
+    assert not missing, f"RPCs with no access decision in peer_roles.ACCESS_POLICY: {missing}"
+    # the infrastructure services every server adds are listed method by method too
+    for module, name in ((health_pb2, "Health"),):
+        service = module.DESCRIPTOR.services_by_name[name]
+        for method in service.methods:
+            assert (service.full_name, method.name) in ACCESS_POLICY, method.full_name
+    # and nothing is listed that no proto declares (a stale entry would hide a rename)
+    infrastructure = {service for service, _ in ACCESS_POLICY if service.startswith("grpc.")}
+    stale = sorted(key for key in ACCESS_POLICY if key[0] not in infrastructure
+                   and key not in rpcs)  # fmt: skip
+    assert not stale, stale
+    for service, method in rpcs:
+        assert allowed_roles(f"/{service}/{method}"), (service, method)
+    # a method no one listed is nobody's, even on a service whose other methods are open
+    assert allowed_roles("/tandem.v1.Decode/SomethingNew") == frozenset()
+    assert allowed_roles("/grpc.health.v1.Health/SomethingNew") == frozenset()
+
+
+async def test_an_unlisted_method_is_refused_to_every_role() -> None:
+    """A handler registered on the decode service without an access entry (a new RPC someone
+    forgot to list) is refused before it runs, to the gateway too (formerly ``Decode/*``)."""
+    ran: list[bytes] = []
+
+    async def unlisted(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        ran.append(request)
+        return b"ran"
+
+    def add(servicer: object, server: grpc.aio.Server) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(unlisted)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("tandem.v1.Decode", {"Unlisted": handler}),))
+
+    handle = await start_grpc_server([(add, None, "tandem.v1.Decode")], tls=tls_for("decode"),
+                                     host="127.0.0.1", port=0, grace=0.1)  # fmt: skip
+    try:
+        for client in ROLES:
+            async with open_channel(handle.address, tls=tls_for(client),
+                                    server_role="decode") as channel:  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await channel.unary_unary("/tandem.v1.Decode/Unlisted")(b"x", timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, client
+            assert "/tandem.v1.Decode/Unlisted is not allowed" in (err.value.details() or "")
+        assert ran == []
+    finally:
+        await handle.stop(0)
+
+
 def test_the_access_policy_is_the_issue_s() -> None:
     gateway_only = ["/tandem.v1.Decode/Generate", "/tandem.v1.Decode/Reserve",
                     "/tandem.v1.Decode/Abort", "/tandem.v1.Prefill/Prefill",
@@ -173,6 +239,9 @@ def test_the_access_policy_is_the_issue_s() -> None:
     assert allowed_roles("/tandem.v1.Decode/KVStore") == {"prefill"}
     assert allowed_roles("/tandem.v1.Nope/Nothing") == frozenset()
     assert allowed_roles("/grpc.health.v1.Health/Check") == set(ROLES)
+    for method in ("/tandem.v1.Decode/GetStats", "/tandem.v1.Prefill/GetStats",
+                   "/tandem.v1.Prefill/Abort", "/tandem.v1.Prefill/Embed"):  # fmt: skip
+        assert allowed_roles(method) == {"gateway"}, method
 
 
 async def test_a_client_refuses_a_server_of_the_wrong_role(

@@ -1,8 +1,10 @@
 """Reserve before compute on a real decode worker (gRPC on 127.0.0.1, the tiny model):
 ``Decode.Reserve`` holds a request's destination blocks before its prefill starts, refuses at
 once when there is no room, and its lease, an Abort or the transfer's header end the
-reservation exactly once (services/engine/kv_transfer/receiver.py, state RESERVED). The
-gateway's side (trying another decode worker, waiting, 503) is in
+reservation exactly once (services/engine/kv_transfer/receiver.py, state RESERVED). A transfer
+needs a reservation for its own prompt and ``cache_salt``: without one, or for another prompt
+or salt, it is refused with PERMISSION_DENIED and the reservation stays for the real sender.
+The gateway's side (trying another decode worker, waiting, 503) is in
 test_gateway_decode_admission.py."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc.aio
 import pytest
 
 from services.common.pb import common_pb2, decode_pb2
+from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.kv_transfer import ReceiveState
@@ -33,10 +36,16 @@ def model(tiny_llama_dir: Path) -> LoadedModel:
 
 
 async def reserve(
-    c: Cluster, rid: str, num_tokens: int, lease_seconds: float = 0.0
+    c: Cluster, rid: str, num_tokens: int, lease_seconds: float = 0.0,
+    digest: bytes | None = None,
 ) -> decode_pb2.ReserveResponse:
+    """Reserve ``num_tokens`` for the prompt ``prompt_of(num_tokens)`` with no salt (or for
+    ``digest``)."""
+    if digest is None:
+        digest = reservation_digest(prompt_of(num_tokens), "")
     return await c.decode_stub.Reserve(decode_pb2.ReserveRequest(
-        request_id=rid, num_tokens=num_tokens, lease_seconds=lease_seconds))
+        request_id=rid, num_tokens=num_tokens, lease_seconds=lease_seconds,
+        prompt_digest=digest))
 
 
 async def held(c: Cluster, rid: str) -> list[int]:
@@ -65,7 +74,7 @@ async def test_the_transfer_lands_in_the_reserved_blocks(model: LoadedModel) -> 
         assert dec.kv_blocks_in_use == 3 and dec.num_waiting == 1  # reserved counts as in use
         assert c.decode_handle.worker.receiver.state("r1") is ReceiveState.RESERVED
         blocks = await held(c, "r1")
-        await c.prefill("r1", prompt, GREEDY)  # returns with the ack: the KV is parked
+        await c.prefill("r1", prompt, GREEDY, reserve=False)  # returns with the ack: KV parked
         assert c.decode_handle.worker.receiver.state("r1") is ReceiveState.COMMITTED
         assert await held(c, "r1") == blocks and await in_use(c) == 3  # no second allocation
         assert tokens_of([m async for m in c.generate("r1")]) == expected
@@ -74,20 +83,29 @@ async def test_the_transfer_lands_in_the_reserved_blocks(model: LoadedModel) -> 
         assert reservations(c, "refused") == reservations(c, "expired") == 0
 
 
-async def test_a_header_of_another_size_resizes_the_reservation(model: LoadedModel) -> None:
+async def test_a_header_for_another_prompt_or_salt_is_refused_and_the_reservation_kept(
+    model: LoadedModel,
+) -> None:
+    prompt = prompt_of(40)
+    expected = reference(model, [prompt], GREEDY)[0]
+    salted = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, cache_salt="other")
     async with cluster(model) as c:
-        await reserve(c, "grow", 10)  # 1 block; the prompt needs 3: the shortfall is allocated
-        first = await held(c, "grow")
-        await c.prefill("grow", prompt_of(40), GREEDY)
-        grown = await held(c, "grow")
-        assert len(grown) == 3 and grown[0] == first[0]
-        await reserve(c, "shrink", 70)  # 5 blocks; the prompt needs 2: the excess is freed
-        reserved = await held(c, "shrink")
-        await c.prefill("shrink", prompt_of(20, offset=3), GREEDY)
-        assert await held(c, "shrink") == reserved[:2]
-        assert await in_use(c) == 3 + 2
-        for rid in ("grow", "shrink"):
-            assert [m async for m in c.generate(rid)][-1].finish_reason == "length"
+        await reserve(c, "bound", 40)
+        blocks = await held(c, "bound")
+        receiver = c.decode_handle.worker.receiver
+        for other, params in ((prompt_of(40, offset=1), GREEDY),  # same length, other tokens
+                              (prompt_of(20), GREEDY),  # another length
+                              (prompt, salted)):  # the same prompt under another salt
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.prefill("bound", other, params, reserve=False)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "another prompt or cache_salt" in (err.value.details() or "")
+            assert receiver.state("bound") is ReceiveState.RESERVED  # kept for the real one
+            assert await held(c, "bound") == blocks
+        assert c.prefill_handle.engine_loop.stats.num_blocks_in_use == 0  # prefill freed its KV
+        # the real sender still gets the reservation, and the request decodes as it should
+        await c.prefill("bound", prompt, GREEDY, reserve=False)
+        assert tokens_of([m async for m in c.generate("bound")]) == expected
         await c.wait_idle()
 
 
@@ -103,21 +121,14 @@ async def test_no_room_is_refused_at_once_and_nothing_is_held(model: LoadedModel
         assert c.decode_handle.worker.receiver.state("full") is None
         assert await in_use(c) == 6
         assert reservations(c, "refused") == 1 and reservations(c, "granted") == 1
-        # A header that needs more than the reservation and finds no room frees it too.
-        call = c.generate("fits", wait=5.0)
-        with pytest.raises(grpc.aio.AioRpcError) as too_big:
-            await c.prefill("fits", prompt_of(16 * 9))
-        assert too_big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with pytest.raises(grpc.aio.AioRpcError):
-            async for _ in call:
-                pass
+        await c.decode_stub.Abort(common_pb2.AbortRequest(request_id="fits"))
         await c.wait_idle()
         assert (await reserve(c, "now-fits", 16 * 3)).num_blocks == 3  # the room came back
         await c.decode_stub.Abort(common_pb2.AbortRequest(request_id="now-fits"))
         await c.wait_idle()
 
 
-async def test_an_expired_lease_frees_the_blocks_and_a_late_header_still_works(
+async def test_an_expired_lease_frees_the_blocks_and_a_late_header_is_refused(
     model: LoadedModel,
 ) -> None:
     kw: dict[str, object] = {"reservation_lease_seconds": 0.3, "reap_interval": 0.05}
@@ -130,9 +141,10 @@ async def test_an_expired_lease_frees_the_blocks_and_a_late_header_still_works(
         await wait_until(lambda: c.decode_handle.engine_loop.stats.num_blocks_in_use == 0)
         assert receiver.state("slow") is None and receiver.state("short") is None  # no tombstone
         assert reservations(c, "expired") == 2
-        # The header that arrives too late is placed like one without a reservation.
-        response, messages = await c.run("slow", prompt_of(30), GREEDY)
-        assert response.num_blocks == 2 and messages[-1].finish_reason == "length"
+        # The header that arrives too late finds no reservation: refused, both sides free.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill("slow", prompt_of(30), GREEDY, reserve=False)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         await c.wait_idle()
         # a caller never holds the blocks longer than the worker's own lease
         capped = await reserve(c, "long", 30, lease_seconds=MAX_RESERVATION_LEASE_SECONDS)
@@ -152,7 +164,7 @@ async def test_abort_frees_a_reservation_and_refuses_what_follows(model: LoadedM
             async for _ in waiting:
                 pass
         assert err.value.code() == grpc.StatusCode.ABORTED
-        for attempt in (reserve(c, "gone", 40), c.prefill("gone", prompt_of(40))):
+        for attempt in (reserve(c, "gone", 40), c.prefill("gone", prompt_of(40), reserve=False)):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await attempt
             assert err.value.code() == grpc.StatusCode.ABORTED
@@ -160,31 +172,43 @@ async def test_abort_frees_a_reservation_and_refuses_what_follows(model: LoadedM
         assert reservations(c, "expired") == 0
 
 
-async def test_a_transfer_without_a_reservation_works_as_before(model: LoadedModel) -> None:
+async def test_a_transfer_without_a_reservation_is_refused(model: LoadedModel) -> None:
     prompt = prompt_of(25)
     async with cluster(model) as c:
-        _, messages = await c.run("plain", prompt, GREEDY)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill("plain", prompt, GREEDY, reserve=False)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "holds no KV reservation" in (err.value.details() or "")
+        assert dict(err.value.trailing_metadata() or ()).get("tandem-error-code") is not None
+        assert c.decode_handle.worker.receiver.state("plain") is None  # nothing was kept
+        failures = c.decode_handle.metrics.kv_transfer_failures.labels(reason="refused")
+        assert failures._value.get() == 1  # type: ignore[attr-defined]
+        await c.wait_idle()
+        # the same prompt, reserved first, is served
+        _, messages = await c.run("reserved", prompt, GREEDY)
         assert tokens_of(messages) == reference(model, [prompt], GREEDY)[0]
         await c.wait_idle()
-        assert sum(reservations(c, o) for o in ("granted", "refused", "expired")) == 0
 
 
 @pytest.mark.parametrize(
-    ("rid", "num_tokens", "lease", "param"),
+    ("rid", "num_tokens", "lease", "digest", "param"),
     [
-        ("", 10, 0.0, "request_id"),
-        ("r", 0, 0.0, "num_tokens"),
-        ("r", 512, 0.0, "num_tokens"),  # + the first generated token exceeds the 512 context
-        ("r", 10, -1.0, "lease_seconds"),
-        ("r", 10, math.nan, "lease_seconds"),
+        ("", 10, 0.0, None, "request_id"),
+        ("r", 0, 0.0, None, "num_tokens"),
+        ("r", 512, 0.0, None, "num_tokens"),  # + the first generated token exceeds the context
+        ("r", 10, -1.0, None, "lease_seconds"),
+        ("r", 10, math.nan, None, "lease_seconds"),
+        ("r", 10, 0.0, b"", "prompt_digest"),  # a reservation that binds no prompt
+        ("r", 10, 0.0, b"\0" * 31, "prompt_digest"),
     ],
 )
 async def test_bad_reservations_are_invalid_arguments(
-    model: LoadedModel, rid: str, num_tokens: int, lease: float, param: str
+    model: LoadedModel, rid: str, num_tokens: int, lease: float, digest: bytes | None,
+    param: str,
 ) -> None:
     async with cluster(model) as c:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await reserve(c, rid, num_tokens, lease)
+            await reserve(c, rid, num_tokens, lease, digest)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         metadata = dict(err.value.trailing_metadata() or ())
         assert metadata.get("tandem-error-param") == param
@@ -199,9 +223,13 @@ async def test_a_duplicate_reservation_is_refused(model: LoadedModel) -> None:
                 await reserve(c, "twice", tokens)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert await in_use(c) == 3
-        await c.prefill("twice", prompt_of(40))  # the transfer takes it; a Reserve now is refused
+        # the transfer takes it: a Reserve now is refused, and so is a second transfer for the id
+        await c.prefill("twice", prompt_of(40), reserve=False)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await reserve(c, "twice", 40)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.prefill("twice", prompt_of(40), reserve=False)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [m async for m in c.generate("twice")][-1].finish_reason
         await c.wait_idle()
@@ -212,7 +240,8 @@ async def test_a_reserve_cancelled_by_its_client_holds_nothing(model: LoadedMode
         loop = c.decode_handle.engine_loop
         # Hold the engine thread so the allocation is still queued when the client leaves.
         blocker = asyncio.ensure_future(loop.call(lambda engine: time.sleep(0.3)))
-        call = c.decode_stub.Reserve(decode_pb2.ReserveRequest(request_id="gone", num_tokens=40))
+        call = c.decode_stub.Reserve(decode_pb2.ReserveRequest(
+            request_id="gone", num_tokens=40, prompt_digest=reservation_digest(prompt_of(40), "")))
         await asyncio.sleep(0.1)
         call.cancel()
         await blocker

@@ -17,11 +17,13 @@ from services.common.errors import (
     FailedPreconditionError,
     ModelLoadError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     UnavailableError,
 )
 from services.common.metrics import TandemMetrics
 from services.common.pb import common_pb2, decode_pb2
+from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import (
     sampling_params_from_proto,
@@ -139,6 +141,7 @@ class Pair:
         self.decode = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=decode_blocks,
                                                               kv_cache_dtype=decode_kv)))
         self.receiver = KVReceiver(self.decode, park_seconds=park_seconds, reap_interval=0.05)
+        self.receives_itself = endpoint is None  # else a stand-in takes the transfers
         transport = InProcessTransport({DECODE: endpoint or self.receiver})  # type: ignore[dict-item]
         self.sender = KVSender(self.prefill, transport, lease_seconds=lease_seconds,
                                lease_interval=0.05, max_chunk_bytes=max_chunk_bytes,
@@ -158,15 +161,28 @@ class Pair:
         await self.decode.stop()
 
     async def prefill_and_send(
-        self, rid: str, prompt: list[int], wire_params: common_pb2.SamplingParams | None = None
+        self, rid: str, prompt: list[int], wire_params: common_pb2.SamplingParams | None = None,
+        *, reserve: bool = True,
     ) -> object:
+        """Prefill ``prompt`` and send its KV, after the gateway's reservation on the receiver
+        (unless ``reserve`` is False or a stand-in endpoint receives instead)."""
         final = None
         async for out in self.prefill.generate(rid, prompt, GREEDY, prefill_only=True):
             final = out
         assert final is not None and final.finish_reason == "prefilled"
         request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
                                    len(final.block_ids), wire_params=wire_params)
+        if reserve and self.receives_itself:
+            await self.reserve(rid, prompt, wire_params)
         return await self.sender.send(request, DECODE)
+
+    async def reserve(
+        self, rid: str, prompt: list[int], wire_params: common_pb2.SamplingParams | None = None
+    ) -> None:
+        """The gateway's reservation for ``prompt`` (a transfer without one is refused)."""
+        salt = wire_params.cache_salt if wire_params is not None else GREEDY.cache_salt
+        await self.receiver.reserve(rid, len(prompt),
+                                    prompt_digest=reservation_digest(prompt, salt))
 
     async def idle(self) -> None:
         await wait_until(lambda: self.prefill.stats.num_blocks_in_use == 0
@@ -226,7 +242,8 @@ async def test_layout_mismatch_is_refused_before_allocating(tiny: LoadedModel) -
     async with Pair(tiny) as pair:
         pair.receiver.layout.model_fingerprint = "another-model"
         with pytest.raises(FailedPreconditionError, match="model_fingerprint"):
-            await pair.prefill_and_send("fp", prompt_of(20))
+            # (checked before the reservation: none needed to see it)
+            await pair.prefill_and_send("fp", prompt_of(20), reserve=False)
         await pair.idle()
         assert pair.receiver.state("fp") is None
         failures = pair.metrics.kv_transfer_failures.labels(reason="layout")._value.get()
@@ -296,7 +313,7 @@ async def test_a_kv_cache_dtype_mismatch_is_refused(
     async with Pair(tiny, kv_cache_dtypes=(prefill, decode)) as pair:
         with pytest.raises(FailedPreconditionError,
                            match=f"dtype '{prefill}' is not this worker's.*--kv-cache-dtype") as err:
-            await pair.prefill_and_send("mm", prompt_of(20))
+            await pair.prefill_and_send("mm", prompt_of(20), reserve=False)
         assert decode not in err.value.message  # the receiver's own layout is not echoed
         await pair.idle()
         assert pair.receiver.state("mm") is None
@@ -304,10 +321,34 @@ async def test_a_kv_cache_dtype_mismatch_is_refused(
 
 async def test_no_room_on_decode_is_refused_cleanly(tiny: LoadedModel) -> None:
     async with Pair(tiny, decode_blocks=2) as pair:
-        with pytest.raises(ResourceExhaustedError):
-            await pair.prefill_and_send("big", prompt_of(60))
+        with pytest.raises(ResourceExhaustedError):  # the reservation finds no room
+            await pair.reserve("big", prompt_of(60))
+        assert pair.receiver.state("big") is None  # nothing held
+        with pytest.raises(PermissionDeniedError, match="no KV reservation"):  # KV sent anyway
+            await pair.prefill_and_send("big", prompt_of(60), reserve=False)
         await pair.idle()
-        assert pair.receiver.state("big") is ReceiveState.FAILED
+        assert pair.receiver.state("big") is None
+        failures = pair.metrics.kv_transfer_failures.labels(reason="refused")
+        assert failures._value.get() == 1  # type: ignore[attr-defined]
+
+
+async def test_a_transfer_is_refused_without_its_reservation(tiny: LoadedModel) -> None:
+    salted = sampling_params_to_proto(SamplingParams(temperature=0.0, max_tokens=12,
+                                                     ignore_eos=True, cache_salt="tenant-b"))
+    async with Pair(tiny) as pair:
+        prompt = prompt_of(40)
+        with pytest.raises(PermissionDeniedError, match="no KV reservation"):
+            await pair.prefill_and_send("none", prompt, reserve=False)
+        await pair.reserve("bound", prompt)  # reserved for the prompt with no salt
+        for other, params in ((prompt_of(40, offset=1), None), (prompt, salted)):
+            with pytest.raises(PermissionDeniedError, match="another prompt or cache_salt"):
+                await pair.prefill_and_send("bound", other, params, reserve=False)
+            assert pair.receiver.state("bound") is ReceiveState.RESERVED  # kept
+        await pair.prefill_and_send("bound", prompt, reserve=False)  # the reserved one lands
+        ready = await pair.receiver.claim("bound", 1.0)
+        assert ready.prompt_token_ids == tuple(prompt)
+        await pair.decode.release("bound")
+        await pair.idle()
 
 
 async def test_corrupt_chunk_fails_with_data_loss_and_frees_both_sides(tiny: LoadedModel) -> None:

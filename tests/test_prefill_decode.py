@@ -26,6 +26,7 @@ from services.common.grpc_server import start_grpc_server
 from services.common.internal_tls import InternalTls
 from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.common.peer_roles import peer_identity
+from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.decode.server import start_decode_worker
@@ -85,9 +86,25 @@ class Cluster:
         request = decode_pb2.GenerateRequest(request_id=rid, wait_for_kv_seconds=wait)
         return self.decode_stub.Generate(request)
 
+    async def reserve(
+        self, rid: str, prompt: list[int], params: SamplingParams = GREEDY,
+        lease_seconds: float = 0.0,
+    ) -> decode_pb2.ReserveResponse:
+        """What the gateway does before a remote prefill: reserve the decode worker's room for
+        this prompt and salt (a transfer without it is refused)."""
+        return await self.decode_stub.Reserve(decode_pb2.ReserveRequest(
+            request_id=rid, num_tokens=len(prompt), lease_seconds=lease_seconds,
+            prompt_digest=reservation_digest(prompt, params.cache_salt)))
+
     async def prefill(
-        self, rid: str, prompt: list[int], params: SamplingParams = GREEDY, **extra: object
+        self, rid: str, prompt: list[int], params: SamplingParams = GREEDY, *,
+        reserve: bool = True, **extra: object,
     ) -> prefill_pb2.PrefillResponse:
+        """Prefill ``prompt`` towards the decode target, reserving its room there first (as the
+        gateway does) unless ``reserve`` is False or the target is not this cluster's decode
+        worker."""
+        if reserve and self.decode_target == self.decode_handle.address:
+            await self.reserve(rid, prompt, params)
         return await self.prefill_stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=rid, token_ids=prompt, params=sampling_params_to_proto(params),
             decode_address=self.decode_target, **extra,
@@ -362,14 +379,17 @@ async def test_decode_without_room_refuses_and_both_sides_free(
     model: LoadedModel, transport: str
 ) -> None:
     async with cluster(model, transport=transport, decode_blocks=2) as c:
-        call = c.generate("big", wait=5.0)
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await c.prefill("big", prompt_of(60))
+        call = c.generate("big", wait=1.0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the reservation finds no room
+            await c.reserve("big", prompt_of(60))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # so the KV has nowhere to go
+            await c.prefill("big", prompt_of(60), reserve=False)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with pytest.raises(grpc.aio.AioRpcError) as gen_err:
             async for _ in call:
                 pass
-        assert gen_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert gen_err.value.code() == grpc.StatusCode.NOT_FOUND  # no KV ever came
         await c.wait_idle()
         # A prompt that fits still goes through.
         _, responses = await c.run("small", prompt_of(10))
@@ -382,7 +402,7 @@ async def test_prompt_larger_than_the_prefill_pool_is_refused(
 ) -> None:
     async with cluster(model, transport=transport, prefill_blocks=2) as c:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await c.prefill("huge", prompt_of(60))
+            await c.prefill("huge", prompt_of(60), reserve=False)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         await c.wait_idle()
 
@@ -524,13 +544,13 @@ async def test_prefill_abort_and_deadline(model: LoadedModel, transport: str) ->
     async with cluster(model, transport=transport) as c:
         await c.prefill_stub.Abort(common_pb2.AbortRequest(request_id="early"))
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await c.prefill("early", prompt_of(20))
+            await c.prefill("early", prompt_of(20), reserve=False)
         assert err.value.code() == grpc.StatusCode.ABORTED
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            await c.prefill("late", prompt_of(20), deadline_unix=time.time() - 1)
+            await c.prefill("late", prompt_of(20), reserve=False, deadline_unix=time.time() - 1)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         with pytest.raises(grpc.aio.AioRpcError) as bad:
-            await c.prefill("bad", [])
+            await c.prefill("bad", [], reserve=False)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             async for _ in c.generate("nobody", wait=0.1):

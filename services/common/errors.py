@@ -79,6 +79,15 @@ class FailedPreconditionError(TandemError):
     error_type = "invalid_request_error"
 
 
+class PermissionDeniedError(TandemError):
+    """An authenticated caller asked for something it may not do, e.g. KV for a request it
+    holds no reservation for (HTTP 403, gRPC PERMISSION_DENIED)."""
+
+    grpc_code = "PERMISSION_DENIED"
+    http_status = 403
+    error_type = "permission_error"
+
+
 class DataLossError(TandemError):
     """Transferred data failed its checksum (gRPC DATA_LOSS)."""
 

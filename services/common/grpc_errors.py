@@ -38,6 +38,7 @@ from services.common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     TandemError,
     UnavailableError,
@@ -61,6 +62,7 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.DATA_LOSS: DataLossError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.ABORTED: AbortedError,
     grpc.StatusCode.CANCELLED: AbortedError,
 }

@@ -4,21 +4,27 @@ enforces it.
 Every Tandem process holds a certificate signed by the deployment's CA (``cert_authority.py``)
 whose SAN carries its role as the URI ``spiffe://tandem/<role>``. TLS (``internal_tls.py``)
 proves the peer holds a certificate of *this* deployment; :class:`RoleInterceptor` then checks,
-on every RPC, that the peer's role may call the method:
+on every RPC, that the peer's role may call the method. :data:`ACCESS_POLICY` lists every method
+by its full name, with no wildcard, so an RPC added to a proto is refused to everyone until it is
+listed here (a test enumerates every RPC of ``protos/`` and checks each has an entry):
 
-==============================  ===========================================================
-method                          allowed roles
-==============================  ===========================================================
-``tandem.v1.Tokenizer/*``       gateway
-``tandem.v1.Prefill/*``         gateway
-``tandem.v1.Decode/*``          gateway (Reserve, Generate, Abort, GetStats)
-``tandem.v1.Decode/TransferKV`` prefill
-``tandem.v1.Decode/KVStore``    prefill (the KV channel's rendezvous store)
-``tandem.v1.PrefixCache/Watch`` gateway
-``grpc.health.v1.Health/*``     any role of the deployment
-reflection                      any role of the deployment
-anything else                   nobody
-==============================  ===========================================================
+==========================================  ===============================================
+method                                      allowed roles
+==========================================  ===============================================
+``tandem.v1.Tokenizer/`` Tokenize,          gateway
+Detokenize, GetModelInfo
+``tandem.v1.Prefill/`` Prefill, Embed,      gateway
+Abort, GetStats
+``tandem.v1.Decode/`` Reserve, Generate,    gateway
+Abort, GetStats
+``tandem.v1.Decode/TransferKV``             prefill
+``tandem.v1.Decode/KVStore``                prefill (the KV channel's rendezvous store)
+``tandem.v1.PrefixCache/Watch``             gateway
+``grpc.health.v1.Health/`` Check, Watch,    any role of the deployment
+List
+reflection's ``ServerReflectionInfo``       any role of the deployment
+anything else                               nobody
+==========================================  ===============================================
 
 A refused call gets ``PERMISSION_DENIED`` naming the peer's role and the method, before the
 handler runs. The ``operator`` role (``tandem up``'s readiness checks, ``grpcurl`` by hand,
@@ -55,17 +61,31 @@ ANY_ROLE = frozenset(ROLES)
 ROLE_URI_PREFIX = "spiffe://tandem/"
 SERVER_NAME_SUFFIX = "tandem.internal"
 
-# (service, method or "*") -> roles allowed; the most specific entry wins.
+_GATEWAY_ONLY = frozenset({GATEWAY})
+_PREFILL_ONLY = frozenset({PREFILL})
+
+# (service, method) -> roles allowed: one entry per RPC, no wildcard (a method not listed is
+# refused to every role, so a new RPC stays closed until someone decides who may call it).
 ACCESS_POLICY: dict[tuple[str, str], frozenset[str]] = {
-    ("tandem.v1.Tokenizer", "*"): frozenset({GATEWAY}),
-    ("tandem.v1.Prefill", "*"): frozenset({GATEWAY}),
-    ("tandem.v1.Decode", "*"): frozenset({GATEWAY}),
-    ("tandem.v1.Decode", "TransferKV"): frozenset({PREFILL}),
-    ("tandem.v1.Decode", "KVStore"): frozenset({PREFILL}),
-    ("tandem.v1.PrefixCache", "*"): frozenset({GATEWAY}),
-    ("grpc.health.v1.Health", "*"): ANY_ROLE,
-    ("grpc.reflection.v1alpha.ServerReflection", "*"): ANY_ROLE,
-    ("grpc.reflection.v1.ServerReflection", "*"): ANY_ROLE,
+    ("tandem.v1.Tokenizer", "Tokenize"): _GATEWAY_ONLY,
+    ("tandem.v1.Tokenizer", "Detokenize"): _GATEWAY_ONLY,
+    ("tandem.v1.Tokenizer", "GetModelInfo"): _GATEWAY_ONLY,
+    ("tandem.v1.Prefill", "Prefill"): _GATEWAY_ONLY,
+    ("tandem.v1.Prefill", "Embed"): _GATEWAY_ONLY,
+    ("tandem.v1.Prefill", "Abort"): _GATEWAY_ONLY,
+    ("tandem.v1.Prefill", "GetStats"): _GATEWAY_ONLY,
+    ("tandem.v1.Decode", "Reserve"): _GATEWAY_ONLY,
+    ("tandem.v1.Decode", "Generate"): _GATEWAY_ONLY,
+    ("tandem.v1.Decode", "Abort"): _GATEWAY_ONLY,
+    ("tandem.v1.Decode", "GetStats"): _GATEWAY_ONLY,
+    ("tandem.v1.Decode", "TransferKV"): _PREFILL_ONLY,
+    ("tandem.v1.Decode", "KVStore"): _PREFILL_ONLY,
+    ("tandem.v1.PrefixCache", "Watch"): _GATEWAY_ONLY,
+    ("grpc.health.v1.Health", "Check"): ANY_ROLE,
+    ("grpc.health.v1.Health", "Watch"): ANY_ROLE,
+    ("grpc.health.v1.Health", "List"): ANY_ROLE,
+    ("grpc.reflection.v1alpha.ServerReflection", "ServerReflectionInfo"): ANY_ROLE,
+    ("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo"): ANY_ROLE,
 }
 
 
@@ -81,21 +101,47 @@ def server_name(role: str | None) -> str:
 
 
 def allowed_roles(method: str) -> frozenset[str]:
-    """The roles that may call ``/package.Service/Method`` (empty: nobody)."""
+    """The roles that may call ``/package.Service/Method``: its own entry in
+    :data:`ACCESS_POLICY`, or nobody (no wildcard, no default)."""
     service, _, name = method.lstrip("/").partition("/")
-    return ACCESS_POLICY.get((service, name)) or ACCESS_POLICY.get((service, "*")) or frozenset()
+    return ACCESS_POLICY.get((service, name), frozenset())
 
 
 def peer_identity(peer: str, auth_context: dict[str, Iterable[bytes]]) -> str:
-    """Who is calling, for per-caller quotas: the peer's host (gRPC's ``context.peer()``,
+    """Which peer process is calling, for what is advertised to one peer (a KV channel's pair
+    group, ``channel_store.py``): the peer's host (gRPC's ``context.peer()``,
     ``ipv4:10.0.0.5:41234`` → ``ipv4:10.0.0.5``) and a digest of its verified certificate, so
-    that two gateway pods sharing one certificate, or two processes on one host with their own
-    certificates, are distinct callers (plaintext: the host alone)."""
+    that two prefill pods sharing one certificate, or two processes on one host with their own
+    certificates, are distinct peers (plaintext: the host alone). Quotas count per
+    :func:`caller_identity` instead."""
     host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
     pem = b"".join(auth_context.get("x509_pem_cert", ()))
     if not pem:
         return host
     return f"{host}/{hashlib.sha256(pem).hexdigest()[:16]}"
+
+
+def caller_identity(peer: str, auth_context: dict[str, Iterable[bytes]]) -> str:
+    """Who is calling, for per-caller quotas (``reservation_quota.py``): the identity its
+    verified certificate proves — the certificate's URI SANs (its role, ``spiffe://…/<role>``)
+    and a digest of the certificate itself — never the address it calls from. A caller cannot
+    become many by opening connections from many addresses or ports, and one certificate is one
+    caller wherever it calls from; two certificates (two issued identities) are two callers.
+    Without TLS (``--insecure-internal``) there is no identity to read, and the peer's host
+    stands in."""
+    pem = b"".join(auth_context.get("x509_pem_cert", ()))
+    if not pem:
+        host = peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+        return f"address:{host}"
+    uris = sorted(_text(value) for value in auth_context.get("peer_spiffe_id", ()))
+    if not uris:
+        uris = sorted(text for value in auth_context.get("x509_subject_alternative_name", ())
+                      if "://" in (text := _text(value)))  # fmt: skip
+    return f"{','.join(uris) or 'no-uri'}#{hashlib.sha256(pem).hexdigest()[:16]}"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def roles_in(auth_context: dict[str, Iterable[bytes]]) -> frozenset[str]:

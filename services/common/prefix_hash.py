@@ -82,3 +82,24 @@ def routing_key(digest: bytes) -> int:
 def routing_keys(token_ids: Sequence[int], block_size: int, root: bytes = b"") -> list[int]:
     """The routing keys of every full block of ``token_ids`` under ``root``."""
     return [routing_key(d) for d in iter_block_hashes(token_ids, block_size, root)]
+
+
+RESERVATION_DIGEST_BYTES = 32
+"""Length of :func:`reservation_digest` (SHA-256)."""
+
+
+def reservation_digest(token_ids: Sequence[int], cache_salt: str) -> bytes:
+    """What a decode reservation binds (``Decode.Reserve``'s ``prompt_digest``): SHA-256 over
+    the prompt's token ids and the ``cache_salt`` its KV will be cached under.
+
+    The gateway computes it from the prompt and salt it is serving; the decode worker admits a
+    ``TransferKV`` header only when the header's prompt and ``params.cache_salt`` give the same
+    digest, so a sender cannot place KV under a prompt or salt the gateway did not reserve for
+    (``services/engine/kv_transfer/receiver.py``). The salt is length-prefixed, so no salt and
+    token list can be shifted into another pair with the same bytes.
+    """
+    salt = cache_salt.encode("utf-8")
+    digest = hashlib.sha256(b"tandem-kv-reservation\0")
+    digest.update(struct.pack("<I", len(salt)) + salt)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()

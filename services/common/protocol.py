@@ -16,12 +16,16 @@ History:
      logprobs silently), ``TokenizeRequest.chat_template_kwargs_json`` (a v1 tokenizer would
      render without them), the pair group's sealed payload (``KVChannelOffer.payload_key``),
      ``Prefill.Embed`` (issues 45-47).
+  3. ``ReserveRequest.prompt_digest``: a decode worker takes KV only under a reservation for that
+     prompt and ``cache_salt`` (issue 47); a v2 decode worker would accept KV nobody reserved
+     for, so v2 workers are no longer routed to, and a v2 gateway's reservations (no digest) are
+     refused by v3 workers.
 """
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 2
-OLDEST_COMPATIBLE = 2
+PROTOCOL_VERSION = 3
+OLDEST_COMPATIBLE = 3
 
 
 def check_peer(version: int) -> str | None:

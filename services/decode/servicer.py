@@ -1,8 +1,10 @@
 """The ``tandem.v1.Decode`` gRPC servicer: protos in and out around :class:`DecodeWorker`.
 
 ``Reserve`` holds a request's destination blocks before its prefill starts (RESOURCE_EXHAUSTED at
-once when there is no room); ``TransferKV`` is the receiving end of the KV transports (it takes
-the reserved blocks, if any; its go-ahead advertises the KV channel when this worker hosts one);
+once when there is no room or the caller's quota, counted per certificate, is spent), bound to
+the digest of the prompt and ``cache_salt`` it is for; ``TransferKV`` is the receiving end of the
+KV transports (it takes the reserved blocks, and is refused without a reservation for its
+header's prompt and salt; its go-ahead advertises the KV channel when this worker hosts one);
 ``KVStore`` is the rendezvous store of that channel's pair groups (answering only the peer a group
 was advertised to); ``Generate`` streams one
 ``GenerateResponse`` per engine output (the first starts with prefill's token; the last carries
@@ -21,7 +23,7 @@ import grpc.aio
 
 from services.common.errors import InvalidArgumentError
 from services.common.pb import decode_pb2, decode_pb2_grpc
-from services.common.peer_roles import peer_identity
+from services.common.peer_roles import caller_identity, peer_identity
 from services.common.wire import sampling_params_from_proto, token_logprobs_to_proto
 from services.decode.worker import DecodeWorker
 from services.engine.core.engine import RequestOutput
@@ -44,7 +46,8 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
         require_request_id(request.request_id)
         grant = await self.worker.receiver.reserve(
             request.request_id, request.num_tokens, request.lease_seconds,
-            caller=peer_identity(context.peer(), context.auth_context()),
+            prompt_digest=request.prompt_digest,
+            caller=caller_identity(context.peer(), context.auth_context()),
         )
         return decode_pb2.ReserveResponse(
             request_id=grant.request_id, num_blocks=grant.num_blocks,

@@ -2,7 +2,8 @@
 
 One request (docs/request-lifecycle.md steps 4-7, docs/kv-handoff.md):
   0. ``Reserve`` (``receiver.reserve``), before the prefill starts: allocate the destination
-     blocks under a lease, or refuse at once when there is no room (optional; see
+     blocks under a lease for one prompt and ``cache_salt``, or refuse at once when there is no
+     room (required: a transfer without its reservation is refused; see
      ``kv_transfer/receiver.py``).
   1. ``TransferKV`` (``receive_kv``: ``receiver.receive``, behind the payload channel's
      endpoint when this worker serves one: the distributed pair groups or CUDA IPC) checks the

@@ -212,11 +212,18 @@ class WorkerClient:
             raise status_to_error(err) from err
 
     async def reserve(
-        self, request_id: str, num_tokens: int, lease_seconds: float = 0.0
+        self,
+        request_id: str,
+        num_tokens: int,
+        lease_seconds: float = 0.0,
+        *,
+        prompt_digest: bytes,
     ) -> decode_pb2.ReserveResponse | None:
         """Reserve room for ``num_tokens`` prompt tokens' KV on this decode worker before their
-        prefill starts (``lease_seconds`` 0: the worker's default lease). None when the worker
-        predates ``Reserve`` (UNIMPLEMENTED): its KV is then placed when it arrives, as before.
+        prefill starts (``lease_seconds`` 0: the worker's default lease), for the one prompt and
+        ``cache_salt`` whose ``prefix_hash.reservation_digest`` is ``prompt_digest`` (the only
+        KV the worker will then accept under ``request_id``). None when the worker predates
+        ``Reserve`` (UNIMPLEMENTED): its KV is then placed when it arrives, as before.
 
         Raises:
             ResourceExhaustedError: no room now (nothing was reserved).
@@ -225,7 +232,8 @@ class WorkerClient:
         if self._decode is None:
             raise TypeError(f"{self!r} is not a decode worker")
         request = decode_pb2.ReserveRequest(
-            request_id=request_id, num_tokens=num_tokens, lease_seconds=lease_seconds
+            request_id=request_id, num_tokens=num_tokens, lease_seconds=lease_seconds,
+            prompt_digest=prompt_digest,
         )
         try:
             return await self._decode.Reserve(request, timeout=self._timeouts.control_s)

@@ -11,9 +11,10 @@ Lifecycle of a :class:`ChoiceRun`:
    ``Decode.Reserve``): a full worker refuses at once and the next one is asked, best first; when
    all are full the choice waits (``--decode-admission-timeout``, then 503 ``decode_capacity``).
    The worker that granted is the choice's decode worker, so no prefill is ever computed for a
-   worker without room. Then start ``Decode.Generate`` (it waits for the KV) and, concurrently,
-   ``Prefill.Prefill`` with that worker's address: prefill ships the KV straight into the
-   reserved blocks; the gateway never sees it. Local: one ``Decode.Generate`` carrying the prompt
+   worker without room, and the reservation names the prompt and ``cache_salt`` (their digest)
+   so that the worker accepts no other KV under the request id. Then start ``Decode.Generate``
+   (it waits for the KV) and, concurrently, ``Prefill.Prefill`` with that worker's address:
+   prefill ships the KV straight into the reserved blocks; the gateway never sees it. Local: one ``Decode.Generate`` carrying the prompt
    (no reservation: the decode worker's own scheduler waits for blocks, wasting nothing).
 3. Relay Generate's messages through the output safety filter: only text the filter released is
    emitted, and each logprob entry is emitted with the text its token produced (held back with
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import TandemError, UnavailableError
 from services.common.pb import decode_pb2, prefill_pb2
-from services.common.prefix_hash import prefix_root
+from services.common.prefix_hash import prefix_root, reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
 from services.gateway.backend import GenerateStream
@@ -129,7 +130,8 @@ class ChoiceDeps:
     count_prefill_path: Callable[[str], None] = lambda path: None
     max_migrations: int = 0
     count_migration: Callable[[], None] = lambda: None
-    admission: DecodeAdmission | None = None  # None: no reservation, KV placed when it arrives
+    # None (test doubles only): no reservation; a real decode worker then refuses the KV
+    admission: DecodeAdmission | None = None
     prefix_salt: bytes = b""  # the deployment's prefix-cache salt (prefix_hash.prefix_root)
 
 
@@ -172,6 +174,7 @@ class ChoiceRun:
             if prefill is not None and self._deps.admission is not None:  # reserve before compute
                 decode = await self._deps.admission.admit(
                     self.stats.request_id + suffix, len(self._prompt_ids), decode,
+                    prompt_digest=reservation_digest(self._prompt_ids, self._params.cache_salt),
                     prefill=prefill, prompt=prompt,
                 )  # fmt: skip
             try:

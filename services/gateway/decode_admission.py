@@ -6,7 +6,9 @@ room when the KV arrives, the prefill was wasted. So a choice first asks for roo
 (``Decode.Reserve``), and :meth:`DecodeAdmission.admit` returns the worker that granted it:
 
 1. Ask the preferred decode worker (the router's pick), then every other healthy one, best
-   first (``Router.ranked``). The first that grants is where the choice runs; its reservation is
+   first (``Router.ranked``), for room for this prompt under this ``cache_salt`` (the
+   reservation carries their digest, ``prefix_hash.reservation_digest``: the worker then takes
+   KV under the request id for that prompt and salt only, so a sender cannot bring another). The first that grants is where the choice runs; its reservation is
    then the choice's (the KV header takes it over; the choice's Abort frees it on every other
    exit).
 2. A refusal (RESOURCE_EXHAUSTED: no room, nothing reserved) moves on to the next worker. A
@@ -66,6 +68,15 @@ def _nothing() -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class _Ask:
+    """One reservation request: its id, its prompt's length and the prompt and salt's digest."""
+
+    request_id: str
+    num_tokens: int
+    prompt_digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeAdmission:
     """Where a remote-prefill choice reserves its decode room (see the module lifecycle).
 
@@ -91,11 +102,14 @@ class DecodeAdmission:
         num_tokens: int,
         preferred: WorkerState,
         *,
+        prompt_digest: bytes,
         prefill: WorkerState | None = None,
         prompt: PromptKeys | None = None,
     ) -> WorkerState:
         """The decode worker that reserved room for ``num_tokens`` prompt tokens' KV under
         ``request_id``, ``preferred`` first; the caller owns the reservation from here.
+        ``prompt_digest`` binds it to the prompt and its ``cache_salt``
+        (``prefix_hash.reservation_digest``).
 
         ``prefill``, the worker that will compute the prompt, counts the request as in flight
         meanwhile (a router lease), so a burst that chose at once still spreads over the pool.
@@ -106,14 +120,16 @@ class DecodeAdmission:
             UnavailableError: no healthy decode worker is left to ask.
             InvalidArgumentError: the worker refused the request itself (nothing reserved).
         """
+        ask = _Ask(request_id, num_tokens, prompt_digest)
         if prefill is None:
-            return await self._admit(request_id, num_tokens, preferred, prompt)
+            return await self._admit(ask, preferred, prompt)
         with self.router.lease(prefill):
-            return await self._admit(request_id, num_tokens, preferred, prompt)
+            return await self._admit(ask, preferred, prompt)
 
     async def _admit(
-        self, request_id: str, num_tokens: int, preferred: WorkerState, prompt: PromptKeys | None
+        self, ask: _Ask, preferred: WorkerState, prompt: PromptKeys | None
     ) -> WorkerState:
+        request_id, num_tokens = ask.request_id, ask.num_tokens
         deadline = time.monotonic() + self.timeout_s
         backoff = self.first_backoff_s
         skipped: set[str] = set()
@@ -122,7 +138,7 @@ class DecodeAdmission:
             asked = False
             for worker in self._candidates(preferred, skipped, prompt):
                 asked = True
-                if await self._reserve(worker, request_id, num_tokens, skipped):
+                if await self._reserve(worker, ask, skipped):
                     return worker
             if not asked:
                 raise UnavailableError(
@@ -153,15 +169,15 @@ class DecodeAdmission:
         yield from self.router.ranked("decode", exclude={preferred.address, *skipped},
                                       prompt=prompt)  # fmt: skip
 
-    async def _reserve(
-        self, worker: WorkerState, request_id: str, num_tokens: int, skipped: set[str]
-    ) -> bool:
+    async def _reserve(self, worker: WorkerState, ask: _Ask, skipped: set[str]) -> bool:
         """Ask one worker; True when it granted (or predates Reserve). The ask counts as one of
         the gateway's requests on the worker (a router lease), so a burst that picks at once
         still spreads: the caller leases the worker that granted right after, with no pause."""
+        request_id = ask.request_id
         try:
             with self.router.lease(worker):
-                await worker.client.reserve(request_id, num_tokens)
+                await worker.client.reserve(request_id, ask.num_tokens,
+                                            prompt_digest=ask.prompt_digest)  # fmt: skip
         except ResourceExhaustedError:
             return False  # no room: nothing was reserved
         except InvalidArgumentError:

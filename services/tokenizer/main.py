@@ -24,10 +24,10 @@ The model fingerprint is ``ModelConfig.fingerprint()`` of the engine (``KVLayout
 on the KV path), computed here without torch: ``services/common/model_config.py`` is plain Python,
 and the GGUF / ``config.json`` shape fields are read the way the engine's loaders read them
 (:func:`model_fingerprint` mirrors ``loaders/gguf_file.gguf_config``, whose module imports torch;
-a test checks both agree). Reading it costs one memory-mapped open of the GGUF header. When the
-shape cannot be read (an architecture the engine does not run), the fingerprint is left empty
-and a warning is logged: the tokenizer still works, and the gateway then cannot cross-check
-that its workers serve the same model.
+a test checks both agree). Reading it costs one memory-mapped open of the GGUF header. It fails
+closed: when the shape or a model file cannot be read (an architecture the engine does not run,
+an unreadable file) the tokenizer does not start (:class:`ModelLoadError`), rather than serve
+with no fingerprint, which would let the gateway route to workers serving any model.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ async def serve(config: TokenizerServiceConfig) -> int:
             tokenizer.use_chat_template(read_chat_template(config.chat_template))
             logger.info("chat template from %s", config.chat_template)
         fingerprint = await asyncio.to_thread(model_fingerprint, source)
-        logger.info("loaded tokenizer %r (fingerprint %s)", tokenizer, fingerprint or "unknown")
+        logger.info("loaded tokenizer %r (fingerprint %s)", tokenizer, fingerprint)
         if stop.is_set():
             return 0
         servicer = TokenizerServicer(tokenizer, model_fingerprint=fingerprint)
@@ -167,16 +167,24 @@ async def serve(config: TokenizerServiceConfig) -> int:
 
 
 def model_fingerprint(source: ModelSource) -> str:
-    """The model fingerprint of ``source`` (shape and weights' digest,
-    ``services/common/model_fingerprint.py``) without torch, or "" when it cannot be read."""
+    """The model fingerprint of ``source`` (shape and the digest of its weights, tokenizer and
+    chat template, ``services/common/model_fingerprint.py``) without torch.
+
+    Raises:
+        ModelLoadError: it cannot be computed (fail closed: the tokenizer does not start).
+    """
     from services.common.config_reader import read_model_config  # plain Python + gguf, no torch
     from services.common.model_fingerprint import fingerprint, weights_digest
 
     try:
         return fingerprint(read_model_config(source).fingerprint(), weights_digest(source))
     except ModelLoadError as exc:
-        logger.warning("no model fingerprint for %s: %s", source.name, exc.message)
-    return ""
+        raise ModelLoadError(
+            f"cannot compute the model fingerprint of {source.name}, so the gateway could not "
+            f"check that every worker serves this model: {exc.message}") from exc
+    except (OSError, ValueError) as exc:  # a malformed file the readers did not type
+        raise ModelLoadError(
+            f"cannot compute the model fingerprint of {source.name}: {exc}") from exc
 
 
 def read_chat_template(path: str) -> str:

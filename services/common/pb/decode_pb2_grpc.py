@@ -74,6 +74,7 @@ class DecodeServicer:
 
     def Reserve(self, request, context):
         """Reserve a request's destination KV blocks before its prefill starts (lifecycle step 0).
+        Required before TransferKV.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

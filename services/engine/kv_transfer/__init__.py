@@ -7,9 +7,10 @@ one small module each:
   chunks (each with a crc32) and commit, under a lease (``lease.LeaseTable``) that frees the
   blocks on ack, failure, abort or expiry — exactly once.
 - ``receiver.KVReceiver`` (decode): reserves destination blocks under a lease before the
-  prefill starts (``Decode.Reserve``, optional), checks the layout, takes the reserved blocks or
-  allocates them before data moves, writes checked chunks, parks committed KV until ``Generate``
-  claims it, frees on every failure path.
+  prefill starts (``Decode.Reserve``, bound to the prompt and ``cache_salt``), checks the
+  layout, admits a header only into its own reservation (PERMISSION_DENIED otherwise), takes the
+  reserved blocks before data moves, writes checked chunks, parks committed KV until
+  ``Generate`` claims it, frees on every failure path.
 - ``transport.KVTransport``: how messages travel. ``grpc_transport.GrpcKVTransport`` (the
   default, ``Decode.TransferKV`` client streams), ``distributed_transport.DistributedKVTransport``
   (the same streams, the payload bytes over a ``torch.distributed`` pair group: ``pair_group``;

@@ -8,17 +8,23 @@
      device itself (CUDA IPC: ``channel_bytes``, no data) gets the same checks but the crc32.
   3. Commit: the byte and chunk totals match what arrived (DATA_LOSS).
 
+A header must also match its request's reservation: the digest of its prompt and ``cache_salt``
+is the one reserved for (PERMISSION_DENIED, :func:`check_reserved_for`).
+
 A reservation (``Decode.Reserve``, before the header) names its request, a prompt of at least one
-token that fits the context, and a lease that is not negative (INVALID_ARGUMENT).
+token that fits the context, the 32-byte digest of that prompt and its ``cache_salt`` (what the
+header must match, ``receiver.py``), and a lease that is not negative (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 import zlib
 
-from services.common.errors import DataLossError, InvalidArgumentError
+from services.common.errors import DataLossError, InvalidArgumentError, PermissionDeniedError
 from services.common.pb import common_pb2, decode_pb2
+from services.common.prefix_hash import RESERVATION_DIGEST_BYTES, reservation_digest
 from services.common.wire import sampling_params_from_proto, token_logprobs_from_proto
 from services.engine.kv_transfer.layout import check_layout
 from services.engine.kv_transfer.payload import PrefilledRequest, blocks_touched
@@ -60,9 +66,19 @@ def check_header(
 
 
 def check_reservation(
-    request_id: str, num_tokens: int, lease_seconds: float, *, max_model_len: int
+    request_id: str,
+    num_tokens: int,
+    lease_seconds: float,
+    prompt_digest: bytes,
+    *,
+    max_model_len: int,
 ) -> None:
-    """Check a ``Reserve`` call's arguments (the same prompt limits as a header's)."""
+    """Check a ``Reserve`` call's arguments (the same prompt limits as a header's, and the
+    digest of the prompt and salt it binds: ``prefix_hash.reservation_digest``)."""
+    if len(prompt_digest) != RESERVATION_DIGEST_BYTES:
+        raise InvalidArgumentError(
+            f"a reservation names the {RESERVATION_DIGEST_BYTES}-byte digest of its prompt and "
+            f"cache_salt (got {len(prompt_digest)} bytes)", param="prompt_digest")
     if not request_id:
         raise InvalidArgumentError("the reservation has no request id", param="request_id")
     if num_tokens < 1:
@@ -74,6 +90,18 @@ def check_reservation(
     if not (math.isfinite(lease_seconds) and lease_seconds >= 0):
         raise InvalidArgumentError("lease_seconds must be >= 0 (0: the worker's default)",
                                    param="lease_seconds")
+
+
+def check_reserved_for(ready: PrefilledRequest, reserved_digest: bytes) -> None:
+    """Check that a header's prompt and ``params.cache_salt`` are the ones its request's
+    reservation was made for (``prefix_hash.reservation_digest``); PERMISSION_DENIED otherwise:
+    the sender may not put KV under another prompt or salt than the gateway reserved."""
+    digest = reservation_digest(ready.prompt_token_ids, ready.params.cache_salt)
+    if not hmac.compare_digest(digest, reserved_digest):
+        raise PermissionDeniedError(
+            f"the KV header of request {ready.request_id!r} names another prompt or cache_salt "
+            "than the one reserved for it", param="prompt_token_ids", code="reservation_mismatch",
+        )  # fmt: skip
 
 
 def check_chunk(

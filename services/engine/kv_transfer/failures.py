@@ -1,9 +1,10 @@
 """How a failed KV transfer is labelled in ``tandem:kv_transfer_failures_total{reason}``.
 
 Both ends classify their typed errors the same way: a bad checksum or byte count is
-``checksum``, a layout mismatch ``layout``, a refusal (no room, aborted) ``refused``, a
-broken connection ``connection``, anything that ran out of time (lease, park or stall timeouts,
-marked with ``code=TIMEOUT_CODE``) ``timeout``, the rest ``other``.
+``checksum``, a layout mismatch ``layout``, a refusal (no room, aborted, no reservation for
+this prompt) ``refused``, a broken connection ``connection``, anything that ran out of time
+(lease, park or stall timeouts, marked with ``code=TIMEOUT_CODE``) ``timeout``, the rest
+``other``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from services.common.errors import (
     AbortedError,
     DataLossError,
     FailedPreconditionError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     TandemError,
     UnavailableError,
@@ -29,7 +31,7 @@ def failure_reason(err: BaseException) -> str:
         return "checksum"
     if isinstance(err, FailedPreconditionError):
         return "layout"
-    if isinstance(err, (ResourceExhaustedError, AbortedError)):
+    if isinstance(err, (ResourceExhaustedError, AbortedError, PermissionDeniedError)):
         return "refused"
     if isinstance(err, UnavailableError):
         return "connection"

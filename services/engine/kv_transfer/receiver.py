@@ -2,23 +2,26 @@
 
 One transfer's state machine (ReceiveState), keyed by request id:
 
-  0. RESERVED  — (optional) ``reserve`` ran before the prefill started ("reserve before
-                 compute"): the blocks its prompt's KV needs were allocated on the engine thread
-                 and are held under the request id for a lease (``reservation_lease_seconds`` by
-                 default). No room: RESOURCE_EXHAUSTED at once, nothing allocated, no entry, so
-                 the gateway tries another decode worker before any prefill work is done. What
-                 reservations hold is bounded per caller and in total (``reservation_quota.py``;
-                 over a bound: RESOURCE_EXHAUSTED at once too). The
-                 header then takes these blocks (step 1). A lease that ends with no header frees
-                 them and drops the entry (no tombstone: a late header is served like one
-                 without a reservation, and a waiting ``Generate`` keeps waiting); an abort frees
-                 them like any other state. Counted in ``tandem:kv_reservations_total{outcome}``.
+  0. RESERVED  — ``reserve`` ran before the prefill started ("reserve before compute"): the
+                 blocks its prompt's KV needs were allocated on the engine thread and are held
+                 under the request id for a lease (``reservation_lease_seconds`` by default),
+                 bound to the digest of the prompt and ``cache_salt`` the gateway serves
+                 (``prefix_hash.reservation_digest``). No room: RESOURCE_EXHAUSTED at once,
+                 nothing allocated, no entry, so the gateway tries another decode worker before
+                 any prefill work is done. What reservations hold is bounded per caller (its
+                 certificate) and in total, from the first one (``reservation_quota.py``; over a
+                 bound: RESOURCE_EXHAUSTED at once too). The header then takes these blocks
+                 (step 1). A lease that ends with no header frees them and drops the entry (no
+                 tombstone: a late header finds no reservation and is refused, and a waiting
+                 ``Generate`` keeps waiting); an abort frees them like any other state. Counted
+                 in ``tandem:kv_reservations_total{outcome}``.
   1. ALLOCATED — the header passed its checks (``checks.py``; layout: FAILED_PRECONDITION,
-                 counts and params: INVALID_ARGUMENT) and has its blocks before any data moved:
-                 the reserved ones (the excess freed, a shortfall allocated), or, with no
-                 reservation, blocks allocated now on the engine thread (no room:
-                 RESOURCE_EXHAUSTED, nothing allocated); then the transport's go-ahead lets the
-                 sender stream chunks.
+                 counts and params: INVALID_ARGUMENT), its request holds a reservation here, and
+                 its prompt and ``params.cache_salt`` give the digest that reservation was made
+                 for (else PERMISSION_DENIED, and a reservation stays for the real sender): so
+                 no KV lands here, nor later in the shared prefix cache, under a prompt or salt
+                 the gateway did not reserve for. It takes the reserved blocks before any data
+                 moved; then the transport's go-ahead lets the sender stream chunks.
   2. RECEIVING — chunks arrive in offset order; each is checked (crc32, contiguity, block
                  indices: DATA_LOSS) and written into the blocks on the engine thread. A
                  transfer run with a ``placer`` (CUDA IPC, ``cuda_ipc.py``) may instead get
@@ -58,6 +61,7 @@ from services.common.errors import (
     AbortedError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     TandemError,
     UnavailableError,
@@ -71,6 +75,7 @@ from services.engine.kv_transfer.checks import (
     check_commit,
     check_header,
     check_reservation,
+    check_reserved_for,
 )
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
@@ -136,6 +141,7 @@ class _Entry:
     expires: float = 0.0  # RESERVED: when the lease ends (time.monotonic)
     caller: str = ""  # RESERVED: who reserved (reservation_quota.py)
     reserved_blocks: int = 0  # RESERVED: how many blocks the reservation holds
+    digest: bytes = b""  # RESERVED: the prompt and cache_salt it binds (reservation_digest)
 
 
 class KVReceiver:
@@ -196,11 +202,19 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ reserving
     async def reserve(
-        self, request_id: str, num_tokens: int, lease_seconds: float = 0.0, *, caller: str = ""
+        self,
+        request_id: str,
+        num_tokens: int,
+        lease_seconds: float = 0.0,
+        *,
+        prompt_digest: bytes,
+        caller: str = "",
     ) -> Reservation:
         """Hold the blocks ``num_tokens`` prompt tokens' KV will fill, before the prefill starts
         (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; never longer
-        than it: a caller cannot hold this worker's KV longer than its operator allows).
+        than it: a caller cannot hold this worker's KV longer than its operator allows). Only a
+        header whose prompt and ``cache_salt`` give ``prompt_digest``
+        (``prefix_hash.reservation_digest``) may take the blocks.
 
         Raises:
             InvalidArgumentError: bad arguments (``checks.check_reservation``), or the request
@@ -210,7 +224,8 @@ class KVReceiver:
                 :class:`ReservationQuota` allows; nothing was allocated and nothing is kept.
             AbortedError: the request was aborted here (before or during the allocation).
         """
-        check_reservation(request_id, num_tokens, lease_seconds, max_model_len=self.max_model_len)
+        check_reservation(request_id, num_tokens, lease_seconds, prompt_digest,
+                          max_model_len=self.max_model_len)
         if lease_seconds == 0:
             lease = self.reservation_lease_seconds
         else:
@@ -227,7 +242,8 @@ class KVReceiver:
         self._check_quota(caller, num_blocks, request_id)
         now = time.monotonic()
         entry = _Entry(request_id, ReceiveState.RESERVED, now, owns_blocks=True,
-                       expires=now + lease, caller=caller, reserved_blocks=num_blocks)
+                       expires=now + lease, caller=caller, reserved_blocks=num_blocks,
+                       digest=prompt_digest)
         self._entries[request_id] = entry
         try:
             await self.engine_loop.allocate_blocks(request_id, num_blocks)
@@ -259,11 +275,17 @@ class KVReceiver:
                     by_caller += entry.reserved_blocks
         try:
             self.quota.check(num_blocks=num_blocks, held_by_caller=by_caller, held_total=total,
-                             pool_blocks=self.engine_loop.stats.num_blocks_total)  # fmt: skip
+                             pool_blocks=self.engine_loop.stats.num_blocks_total,
+                             largest_prompt_blocks=self._largest_prompt_blocks)  # fmt: skip
         except ResourceExhaustedError as err:
             self._count_reservation("refused")
             logger.info("KV reservation refused: %s", err.message, extra={"request_id": request_id})
             raise
+
+    @property
+    def _largest_prompt_blocks(self) -> int:
+        """Blocks the longest prompt this worker accepts needs (a quota never refuses it alone)."""
+        return -(-(self.max_model_len - 1) // self.layout.block_size)
 
     def _drop_reservation(self, entry: _Entry, *, release: bool) -> None:
         """Forget a reservation still waiting for its header (no tombstone); free its blocks
@@ -300,21 +322,16 @@ class KVReceiver:
         try:
             ready = check_header(header, self.layout, block_bytes=self.block_bytes,
                                  vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-            entry, reserved = self._admit(ready)
+            entry = self._admit(ready)
         except TandemError as err:
             self._count_failure(err)
             raise
         accepted = False
         try:
             entry.owns_blocks = True  # a cancelled allocation may still complete
-            try:
-                if reserved:  # take the reserved blocks: free the excess, allocate a shortfall
-                    await self.engine_loop.resize_held(ready.request_id, header.num_blocks)
-                else:
-                    await self.engine_loop.allocate_blocks(ready.request_id, header.num_blocks)
-            except TandemError:
-                entry.owns_blocks = reserved  # refused: only reserved blocks are held
-                raise
+            # Take the reserved blocks: a no-op when the gateway reserved for the prompt's own
+            # length (it does); otherwise the excess is freed or the shortfall allocated.
+            await self.engine_loop.resize_held(ready.request_id, header.num_blocks)
             if entry.state is ReceiveState.FAILED:  # aborted during the allocation
                 return self._ack(entry, header, 0)
             if on_accept is not None:
@@ -364,24 +381,38 @@ class KVReceiver:
             raise InvalidArgumentError("the KV transfer ended without a commit")
         return received
 
-    def _admit(self, ready: PrefilledRequest) -> tuple[_Entry, bool]:
-        """The entry this header's transfer runs in, and whether it was reserved."""
-        old = self._entries.get(ready.request_id)
+    def _admit(self, ready: PrefilledRequest) -> _Entry:
+        """The reserved entry this header's transfer runs in (see the state machine, step 1).
+
+        Raises:
+            AbortedError: the request was aborted here.
+            InvalidArgumentError: a transfer for the request already runs (or ran) here.
+            PermissionDeniedError: the request holds no reservation here, or the header's prompt
+                or ``cache_salt`` is not the one reserved for (the reservation is kept).
+        """
+        rid = ready.request_id
+        old = self._entries.get(rid)
         if old is not None and old.aborted:
-            raise AbortedError(f"request {ready.request_id!r} was aborted", code="aborted")
-        if old is not None and old.state is ReceiveState.RESERVED:
-            old.state, old.since, old.ready = ReceiveState.ALLOCATED, time.monotonic(), ready
-            old.task = asyncio.current_task()
-            return old, True
-        if old is not None and old.state is not ReceiveState.FAILED:
-            raise InvalidArgumentError(
-                f"a KV transfer for request {ready.request_id!r} already exists",
-                param="request_id",
-            )
-        entry = _Entry(ready.request_id, ReceiveState.ALLOCATED, time.monotonic(), ready=ready,
-                       task=asyncio.current_task())
-        self._entries[ready.request_id] = entry
-        return entry, False
+            raise AbortedError(f"request {rid!r} was aborted", code="aborted")
+        if old is not None and old.state not in (ReceiveState.RESERVED, ReceiveState.FAILED):
+            raise InvalidArgumentError(f"a KV transfer for request {rid!r} already exists",
+                                       param="request_id")  # fmt: skip
+        if old is None or old.state is not ReceiveState.RESERVED:
+            logger.warning("KV transfer refused: no reservation", extra={"request_id": rid})
+            raise PermissionDeniedError(
+                f"request {rid!r} holds no KV reservation on this decode worker (never reserved, "
+                "expired or already used): a TransferKV must follow the gateway's Reserve",
+                param="request_id", code="no_reservation",
+            )  # fmt: skip
+        try:
+            check_reserved_for(ready, old.digest)
+        except PermissionDeniedError:
+            logger.warning("KV transfer refused: its prompt or cache_salt is not the reserved one",
+                           extra={"request_id": rid})  # fmt: skip
+            raise
+        old.state, old.since, old.ready = ReceiveState.ALLOCATED, time.monotonic(), ready
+        old.task = asyncio.current_task()
+        return old
 
     async def _write_chunk(
         self,

@@ -7,14 +7,18 @@ of the pool (``--max-reserved-fraction``, ``--max-reserved-per-caller``):
 
 1. all reservations together hold at most ``total_fraction`` of the pool, so running requests
    always keep the rest to grow into;
-2. one caller's reservations hold at most ``caller_fraction`` of it, so one caller (one gateway
-   process: peer address and certificate, ``peer_roles.peer_identity``) cannot starve another.
+2. one caller's reservations hold at most ``caller_fraction`` of it, so one caller cannot starve
+   another. A caller is the identity its certificate proves (``peer_roles.caller_identity``: its
+   URI SANs and the certificate's digest), not its address: opening connections from other
+   ports or hosts does not make it another caller (without TLS the peer's host stands in).
 
-A caller holding no reservation may always reserve (if the pool has room): one long prompt is
-never refused forever by a small fraction, and a well-behaved gateway is not starved by another
-one's flood. So "in total" means the bound plus at most one reservation per other caller, and
-callers are only the deployment's gateways (mutual TLS, ``Reserve`` is the gateway role's). A refusal is ``RESOURCE_EXHAUSTED`` at once, which the gateway treats like a full
-worker (another worker, a wait, or 503 ``decode_capacity``).
+Both bounds count from a caller's first reservation: nothing is exempt, so the total bound is a
+bound. So that one long prompt is never refused forever by a small fraction, neither bound is
+ever below the blocks of the longest prompt the worker accepts (``largest_prompt_blocks``): a
+caller holding nothing may always reserve one prompt while the others' reservations leave room
+under the total. Callers are only the deployment's gateways (mutual TLS, ``Reserve`` is the
+gateway role's). A refusal is ``RESOURCE_EXHAUSTED`` at once, which the gateway treats like a
+full worker (another worker, a wait, or 503 ``decode_capacity``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,13 @@ class ReservationQuota:
         return self
 
     def check(
-        self, *, num_blocks: int, held_by_caller: int, held_total: int, pool_blocks: int
+        self,
+        *,
+        num_blocks: int,
+        held_by_caller: int,
+        held_total: int,
+        pool_blocks: int,
+        largest_prompt_blocks: int = 1,
     ) -> None:
         """Allow a reservation of ``num_blocks`` or raise ResourceExhaustedError.
 
@@ -56,11 +66,12 @@ class ReservationQuota:
             num_blocks: what the new reservation needs.
             held_by_caller / held_total: blocks already reserved by its caller / by everyone.
             pool_blocks: the worker's KV pool.
+            largest_prompt_blocks: the blocks of the longest prompt the worker accepts; neither
+                bound is below it (capped at the pool).
         """
-        caller_cap = max(1, math.floor(self.caller_fraction * pool_blocks))
-        total_cap = max(1, math.floor(self.total_fraction * pool_blocks))
-        if not held_by_caller:
-            return
+        floor = max(1, min(largest_prompt_blocks, pool_blocks))
+        caller_cap = max(floor, math.floor(self.caller_fraction * pool_blocks))
+        total_cap = max(floor, math.floor(self.total_fraction * pool_blocks))
         if held_by_caller + num_blocks > caller_cap:
             raise ResourceExhaustedError(
                 f"this caller already holds {held_by_caller} reserved KV blocks; another "
