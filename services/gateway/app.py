@@ -110,7 +110,8 @@ def build_state(
         auth=auth,
         rate_limiter=rate_limiter,
         token_limiter=token_limiter,
-        body_budget=BodyBudget(config.edge.max_body_memory_bytes, config.max_body_bytes),
+        body_budget=BodyBudget(config.edge.max_body_memory_bytes, config.max_body_bytes,
+                               config.edge.max_body_memory_per_client_bytes),
         admission=AdmissionLimiter(config.max_in_flight, per_client),
         metrics=metrics,
     )

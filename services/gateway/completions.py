@@ -113,7 +113,7 @@ async def _serve(
         client = client_id(record.api_key, request)
         check_request_rate(state, client)
         info = await state.require_model_info()
-        body = await read_body_in_budget(state, request, held)
+        body = await read_body_in_budget(state, request, held, client)
         parsed: ChatRequest | CompletionRequest
         if front is not None:
             parsed = front.parse(body, state.served_names)

@@ -46,12 +46,17 @@ class EdgeLimits:
         max_body_memory_bytes: request bodies held in memory at once, all clients together; a
             body is counted at its ``Content-Length`` (``max_body_bytes`` when chunked) from
             before it is read until its request ends, and one that does not fit gets 429.
+        max_body_memory_per_client_bytes: of that, what one client (an API key, or an address
+            without keys) may hold at once; more gets 429 ``client_body_budget``. None: an
+            eighth of ``max_body_memory_bytes``, at least one largest body
+            (``body_budget.default_per_client_bytes``).
     """
 
     header_read_timeout_s: float = DEFAULT_HEADER_READ_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     sse_write_timeout_s: float = DEFAULT_SSE_WRITE_TIMEOUT_S
     max_body_memory_bytes: int = DEFAULT_MAX_BODY_MEMORY_BYTES
+    max_body_memory_per_client_bytes: int | None = None
 
     def validate(self, max_body_bytes: int) -> EdgeLimits:
         for name, flag in (("header_read_timeout_s", "header_read_timeout"),
@@ -66,6 +71,11 @@ class EdgeLimits:
                 "--max-body-memory must be at least --max-body-bytes (else no body fits)",
                 param="max_body_memory",
             )
+        share = self.max_body_memory_per_client_bytes
+        if share is not None and not max_body_bytes <= share <= self.max_body_memory_bytes:
+            raise InvalidArgumentError(
+                "--max-body-memory-per-client must be at least --max-body-bytes and at most "
+                "--max-body-memory", param="max_body_memory_per_client")  # fmt: skip
         return self
 
 

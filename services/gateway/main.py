@@ -130,6 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="BYTES",
                       help="request-body bytes held at once, all clients together; more get "
                            "429 (default %(default)s)")
+    edge.add_argument("--max-body-memory-per-client", type=int, default=None, metavar="BYTES",
+                      help="of --max-body-memory, the bytes one client (an API key; an address "
+                           "without keys) may hold at once; more get 429 client_body_budget "
+                           "(default: an eighth of --max-body-memory, at least --max-body-bytes)")
     parser.add_argument(
         "--tokenizer",
         action="append",
@@ -379,6 +383,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             max_connections=args.max_connections,
             sse_write_timeout_s=args.sse_write_timeout,
             max_body_memory_bytes=args.max_body_memory,
+            max_body_memory_per_client_bytes=args.max_body_memory_per_client,
         ),
         max_in_flight=args.max_in_flight,
         max_in_flight_per_client=args.max_in_flight_per_client,
