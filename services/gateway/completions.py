@@ -127,6 +127,10 @@ async def _serve(
             parsed, sampling=dataclasses.replace(parsed.sampling, cache_salt=salt))
         _check_max_tokens_limit(parsed, state.config)
         refuse_streamed_prompt_logprobs(parsed)
+        if parsed.grammar_source is not None:  # compiled in the worker pool, not on this loop
+            grammar = await state.grammars.compile(parsed.grammar_source)
+            parsed = dataclasses.replace(
+                parsed, sampling=dataclasses.replace(parsed.sampling, grammar=grammar))
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
         input_param = front.input_param if front else _input_param(parsed)
         await _check_input(state, parsed.texts(), input_param)

@@ -166,6 +166,9 @@ class GatewayConfig:
             ``DEFAULT_MAX_IN_FLIGHT_PER_CLIENT`` per API key when keys are configured, no cap
             without them (one local user, a benchmark at any concurrency).
         max_body_bytes: request bodies above this get 413.
+        grammar_workers / grammar_timeout_s: processes that compile structured-output
+            constraints off the event loop, and the seconds one compilation may take before it
+            gets 400 ``grammar_too_complex`` (``grammar_pool.py``).
         body_read_timeout_s: a request body must arrive whole within this many seconds of its
             headers, or the client gets 408 and is disconnected (a slow-loris client holds no
             admission slot or worker meanwhile: bodies are read before either is taken).
@@ -218,6 +221,8 @@ class GatewayConfig:
     max_in_flight_per_client: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    grammar_workers: int = 2
+    grammar_timeout_s: float = 10.0
     stats_interval_s: float = 1.0
     resolve_interval_s: float = 5.0
     truncate_chats: bool = True
@@ -274,6 +279,9 @@ class GatewayConfig:
         if self.max_in_flight_per_client is not None and self.max_in_flight_per_client < 1:
             raise InvalidArgumentError("max in-flight per client must be >= 1",
                                        param="max_in_flight_per_client")  # fmt: skip
+        if self.grammar_workers < 1 or not 0 < self.grammar_timeout_s < float("inf"):
+            raise InvalidArgumentError("--grammar-workers must be >= 1 and --grammar-timeout "
+                                       "positive", param="grammar_workers")  # fmt: skip
         if self.max_body_bytes < 1024:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
         if not 0 < self.body_read_timeout_s < float("inf"):
