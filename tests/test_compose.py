@@ -219,7 +219,8 @@ def test_the_certs_job_writes_what_each_service_reads(compose: dict[str, Any],
     for name in SERVICES:
         files = sorted(p.name for p in (tmp_path / f"tandem-certs-{name}").iterdir())
         assert files == sorted(["ca.pem", f"{name}.pem", f"{name}-key.pem"]), name
-        domains.add(trust_domain_of((tmp_path / f"tandem-certs-{name}" / f"{name}.pem").read_bytes()))
+        cert = tmp_path / f"tandem-certs-{name}" / f"{name}.pem"
+        domains.add(trust_domain_of(cert.read_bytes()))
     assert len(domains) == 1 and domains.pop().startswith("tandem-")
     assert (tmp_path / "tandem-ca" / "ca-key.pem").exists()
 

@@ -433,7 +433,7 @@ def test_edge_flags_parse_as_documented() -> None:
                 ["--default-max-tokens", "100", "--max-tokens-limit", "50"],
                 ["--max-body-memory", "1024"], ["--max-connections", "0"],
                 ["--max-body-memory-per-client", "1024"],
-                ["--max-body-memory", "8388608", "--max-body-memory-per-client", "9000000"]):
-        # fmt: skip
+                ["--max-body-memory", "8388608",
+                 "--max-body-memory-per-client", "9000000"]):  # fmt: skip
         with pytest.raises(InvalidArgumentError):
             config_from_args(parser.parse_args([*base, *bad]))

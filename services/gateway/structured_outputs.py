@@ -15,10 +15,10 @@ grammar string (``SamplingParams.grammar``) that travels with the request to eve
 samples for it. A grammar the library rejects is a 400 naming the field and the library's
 message; one over :data:`~services.common.sampling_params.MAX_GRAMMAR_BYTES` is a 400 too.
 
-Two steps, so that compiling never runs on the gateway's event loop: :func:`structured_output_source`
-(cheap, at parse time) checks which constraint a request carries, its types and its size (the
-*size budget*: a source over ``MAX_GRAMMAR_BYTES`` is refused before anything compiles) and
-returns a :class:`GrammarSource`; :func:`compile_source` (the library's work: schema to grammar,
+Two steps, so that compiling never runs on the gateway's event loop:
+:func:`structured_output_source` (cheap, at parse time) checks which constraint a request
+carries, its types and its size (the *size budget*: a source over ``MAX_GRAMMAR_BYTES`` is
+refused before anything compiles) and returns a :class:`GrammarSource`; :func:`compile_source` (the library's work: schema to grammar,
 GBNF to Lark, the grammar's validation) runs in the gateway's grammar worker pool
 (``grammar_pool.py``), under a time budget. :func:`parse_structured_output` does both at once,
 for callers off the event loop.
