@@ -6,7 +6,8 @@ JSON schema's validation took 0.36 s, during which another Python thread did not
 0.18 s at a stretch), so a thread pool would still freeze the event loop and with it every
 stream the gateway relays. Worker processes (``spawn``: the gateway's gRPC threads are never
 forked) compile with :func:`~services.gateway.structured_outputs.compile_source`; the event loop
-only waits on a future.
+only waits on a future. The workers run at a lower CPU priority (:data:`WORKER_NICENESS`), so
+that on a small machine they yield the CPU to the gateway's event loop.
 
 Budgets:
 
@@ -38,6 +39,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.pool
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,8 +68,16 @@ def _compile_in_worker(kind: str, value: Any, param: str) -> tuple[str, str, str
                 param.split(".")[0], "invalid_value")  # fmt: skip
 
 
+WORKER_NICENESS = 10
+"""How much lower the workers' CPU priority is than the gateway's: on a machine with few cores,
+compiling workers would otherwise take the CPU from the event loop they are meant to spare
+(measured on 2 shared cores: a plain request waited 1-2 s behind two busy workers)."""
+
+
 def _warm() -> None:
-    """A worker's initializer: import the compiler before the first job."""
+    """A worker's initializer: lower its priority, import the compiler before the first job."""
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICENESS)
     import llguidance  # noqa: F401
 
     compile_source(GrammarSource("regex", "a", "warm-up"))
