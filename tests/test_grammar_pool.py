@@ -169,3 +169,18 @@ async def test_distinct_large_schemas_do_not_block_the_event_loop(
     assert gaps[len(gaps) // 2] < 0.05, gaps  # ITL p50 near the 10 ms floor (loose: 2 cores)
     assert busy > 0, "the flood finished before the plain requests: nothing was measured"
     assert pool.compiled >= 17
+
+
+async def test_tool_call_grammars_compile_in_the_pool_too(make_stack: StackFactory) -> None:
+    """``tool_choice`` required builds a Lark grammar from the tools' parameters: it too is
+    compiled in the pool (and cached: the same tools again cost nothing)."""
+    stack = await make_stack()
+    pool = stack.app[STATE_KEY].grammars
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "max_tokens": 4,
+            "tools": tools, "tool_choice": "required"}
+    for _ in range(2):
+        status, raw, _ = await post_raw(stack.url + "/v1/chat/completions", body)
+        assert status == 200, raw
+    assert pool.compiled == 1 and pool.cache.hits >= 1

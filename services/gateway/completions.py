@@ -64,7 +64,7 @@ from services.gateway.tool_calls import (
     hermes_instructions,
     hermes_text,
     template_renders_tools,
-    tool_grammar,
+    tool_grammar_source,
 )
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,8 @@ async def _prepare_chat(
                 "constraint (response_format, structured_outputs).", param="tool_choice",
                 code="invalid_value",
             )  # fmt: skip
-        grammar = tool_grammar(tools, tool_format or "hermes", info.special_tokens)
+        source = tool_grammar_source(tools, tool_format or "hermes", info.special_tokens)
+        grammar = await state.grammars.compile(source)  # in the grammar pool, off this loop
         params = dataclasses.replace(params, grammar=grammar)
     if params.grammar is not None:  # the grammar is for the answer, not for the thinking
         params = dataclasses.replace(params, grammar=after_reasoning(

@@ -55,7 +55,8 @@ class GrammarSource:
 
     Attributes:
         kind: ``json`` (``value`` a schema: an object or a bool), ``regex`` or ``grammar``
-            (``value`` the text; Lark or GBNF), ``choice`` (``value`` a list of strings).
+            (``value`` the text; Lark or GBNF), ``choice`` (``value`` a list of strings),
+            ``lark`` (Lark the gateway wrote: a tool-call grammar).
         value: as ``kind`` says; plain JSON data, so it pickles to a worker process.
         param: the request field it came from (a 400 names it).
     """
@@ -203,6 +204,8 @@ def _compile(kind: str, value: Any, param: str) -> str:
         return llguidance.LLMatcher.grammar_from_regex(f"({pattern})")
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "lark":  # Lark the gateway wrote itself (tool calls: tool_calls.py)
+        return llguidance.LLMatcher.grammar_from_lark(value)
     if "::=" in value:  # GBNF, llama.cpp's grammar format
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -222,8 +225,10 @@ def _validate(grammar: str, param: str) -> None:
         raise _too_large(param)
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidArgumentError(f"Invalid output constraint in '{param}': {error.strip()}",
-                                   param=param, code="invalid_value")  # fmt: skip
+        what = "Invalid tool parameters" if param == "tools" else (
+            f"Invalid output constraint in '{param}'")
+        raise InvalidArgumentError(f"{what}: {error.strip()}", param=param,
+                                   code="invalid_value")  # fmt: skip
 
 
 def _too_large(param: str) -> InvalidArgumentError:
