@@ -103,6 +103,7 @@ class _Refusal:
 @dataclass(slots=True)
 class _Job:
     source: GrammarSource
+    key: str  # source.key, computed once (a digest of up to 256 KiB of JSON)
     future: asyncio.Future[str | _Refusal]
     dispatched: bool = False
     done: bool = field(default=False)
@@ -143,7 +144,7 @@ class GrammarPool:
         if cached is None:
             job = self._jobs.get(key)
             if job is None:
-                job = self._start(source)
+                job = self._start(source, key)
             cached = await asyncio.shield(job.future)
         if isinstance(cached, _Refusal):
             raise cached.error()
@@ -179,9 +180,9 @@ class GrammarPool:
         pool.map(_settle, range(self.workers), chunksize=1)
         return pool
 
-    def _start(self, source: GrammarSource) -> _Job:
-        job = _Job(source, asyncio.get_running_loop().create_future())
-        self._jobs[source.key] = job
+    def _start(self, source: GrammarSource, key: str) -> _Job:
+        job = _Job(source, key, asyncio.get_running_loop().create_future())
+        self._jobs[key] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -231,7 +232,7 @@ class GrammarPool:
         status, text, param, code = result
         self.compiled += 1
         value: str | _Refusal = text if status == "ok" else _Refusal(text, param, code)
-        self.cache.put(job.source.key, value, len(text))
+        self.cache.put(job.key, value, len(text))
         self._finish(job, value)
 
     def _expire(self, job: _Job, generation: int) -> None:
@@ -243,7 +244,7 @@ class GrammarPool:
             f"The output constraint in '{job.source.param.split('.')[0]}' is too complex: it "
             f"did not compile within {self.timeout_s:g} seconds.",
             job.source.param.split(".")[0], "grammar_too_complex")  # fmt: skip
-        self.cache.put(job.source.key, refusal, len(refusal.message))
+        self.cache.put(job.key, refusal, len(refusal.message))
         self._finish(job, refusal)
         self._restart()
 
@@ -270,16 +271,16 @@ class GrammarPool:
 
     def _fail(self, job: _Job, error: TandemError) -> None:
         job.done = True
-        if self._jobs.get(job.source.key) is job:
-            del self._jobs[job.source.key]
+        if self._jobs.get(job.key) is job:
+            del self._jobs[job.key]
         if not job.future.done():
             job.future.set_exception(error)
             job.future.exception()  # retrieved: a job nobody awaits any more is not an error
 
     def _finish(self, job: _Job, value: str | _Refusal) -> None:
         job.done = True
-        if self._jobs.get(job.source.key) is job:
-            del self._jobs[job.source.key]
+        if self._jobs.get(job.key) is job:
+            del self._jobs[job.key]
         if not job.future.done():
             job.future.set_result(value)
 
