@@ -6,7 +6,8 @@ workers (tests/gateway_fakes.py), attacked with raw sockets.
   deadline closes the first kind on time, and the per-client body share keeps the second kind
   from taking the whole body budget (another API key still gets its body read);
 - the first-header deadline holds even for a connection that sends nothing at all, without
-  relying on aiohttp's keep-alive timer;
+  relying on aiohttp's keep-alive timer; over HTTPS, a connection whose handshake ends after
+  its deadline is closed as soon as it ends (the keep-alive timer alone: a whole timeout later);
 - the share itself: one client past it gets 429 ``client_body_budget`` while another client is
   served, and its bytes come back when its requests end.
 """
@@ -188,3 +189,34 @@ def test_body_budget_shares() -> None:
     assert budget.used == 0
     assert BodyBudget(128 * 2**20, 4 * 2**20).per_client_bytes == 16 * 2**20
     assert BodyBudget(6000, 4096).per_client_bytes == 4096
+
+
+async def test_a_tls_handshake_past_the_deadline_is_closed_once_it_completes(
+    make_stack: StackFactory,
+) -> None:
+    """Over HTTPS the deadline passes while the client has not even said hello; once its
+    handshake completes (the connection has a transport), it is closed at once."""
+    import ssl
+
+    from tests.tls_identities import cert_dir
+
+    d = cert_dir()
+    stack = await make_stack(https_cert=str(d / "gateway.pem"),
+                             https_key=str(d / "gateway-key.pem"),
+                             edge=EdgeLimits(header_read_timeout_s=1.0))  # fmt: skip
+    context = ssl.create_default_context(cafile=str(d / "ca.pem"))
+    context.check_hostname = False
+
+    def handshake_late_then_wait() -> float:  # on a thread: the server's loop keeps running
+        raw = socket.create_connection(_address(stack.url), timeout=10)
+        time.sleep(1.5)  # past the deadline, before the ClientHello
+        with context.wrap_socket(raw) as tls:
+            started = time.monotonic()
+            try:
+                while tls.recv(1024):
+                    pass
+            except (ssl.SSLError, OSError):
+                pass
+            return time.monotonic() - started
+
+    assert await asyncio.to_thread(handshake_late_then_wait) < 0.8  # keep-alive alone: 1 s

@@ -14,7 +14,9 @@ by the handlers (body budget, admission, rate limits, ``max_tokens``, the SSE wr
    503 and closes any connection past ``max_connections`` before reading from it, and arms an
    explicit first-header deadline on every connection it accepts (:class:`HeaderDeadline`): a
    connection whose first request header is not complete ``header_read_timeout_s`` after it was
-   accepted (TLS handshake included) is closed. Later requests on a kept-alive connection are
+   accepted is closed (with HTTPS, a connection still in its TLS handshake at the deadline is
+   closed as soon as the handshake completes; asyncio bounds the handshake itself at 60 s).
+   Later requests on a kept-alive connection are
    bounded by aiohttp's keep-alive timer, set to the same timeout, which aiohttp arms after each
    response. Why both: the keep-alive timer is all aiohttp offers, and some aiohttp versions do
    not start it before a connection's *first* request, so a client that connects and trickles a
@@ -40,6 +42,8 @@ from services.gateway.config import GatewayConfig
 logger = logging.getLogger(__name__)
 
 _REFUSAL_LOG_EVERY_S = 10.0
+_RECHECK_S = 0.5  # how often a connection still in its TLS handshake at its deadline is checked
+_HANDSHAKE_BOUND_S = 75.0  # past asyncio's 60 s handshake timeout: it has failed or finished
 
 
 def is_loopback(host: str) -> bool:
@@ -127,11 +131,17 @@ class HeaderDeadline:
         self._waiting.add(protocol)
         asyncio.get_running_loop().call_later(self.timeout_s, self._expire, protocol)
 
-    def _expire(self, protocol: asyncio.BaseProtocol) -> None:
+    def _expire(self, protocol: asyncio.BaseProtocol, waited: float = 0.0) -> None:
         if protocol not in self._waiting:
             return
-        self._waiting.discard(protocol)
         transport = getattr(protocol, "transport", None)
+        if transport is None and waited < _HANDSHAKE_BOUND_S:
+            # still in its TLS handshake (the protocol has no transport until it completes):
+            # look again shortly, and close it then if its deadline has passed
+            waited += self.timeout_s if waited == 0.0 else _RECHECK_S
+            asyncio.get_running_loop().call_later(_RECHECK_S, self._expire, protocol, waited)
+            return
+        self._waiting.discard(protocol)
         if transport is not None and not transport.is_closing():
             self.closed += 1
             logger.debug("closed a connection that sent no whole request header in %gs",
