@@ -81,8 +81,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKENIZERS_PARALLELISM=false \
     TANDEM_PREBUILT_KERNELS=/opt/tandem/kernels
 
+# Mount points of compose's volumes (a new named volume takes its owner and mode from here):
+# /certs, each service's own certificate and key; /ca and /certs-<role>, the one-shot `certs`
+# job's; /var/lib/tandem, the gateway's generated API key (compose.yaml, docs/security.md).
 RUN useradd --create-home --uid 10001 tandem \
-    && mkdir -p /certs && chown tandem:tandem /certs && chmod 0700 /certs
+    && for d in /certs /ca /certs-gateway /certs-tokenizer /certs-prefill /certs-decode \
+                /var/lib/tandem; do \
+         mkdir -p "$d" && chown tandem:tandem "$d" && chmod 0700 "$d"; \
+       done
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/tandem /opt/tandem
 USER tandem

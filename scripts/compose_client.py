@@ -20,10 +20,12 @@ logger = logging.getLogger("compose_test")
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def get_json(url: str) -> dict[str, Any]:
-    """GET ``url`` as JSON (``/ready``'s 503 carries JSON too)."""
+def get_json(url: str, api_key: str = "") -> dict[str, Any]:
+    """GET ``url`` as JSON (``/ready``'s 503 carries JSON too), with ``api_key`` if given."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=10) as response:  # fmt: skip
             return json.loads(response.read())
     except urllib.error.HTTPError as err:
         return json.loads(err.read())
@@ -78,9 +80,27 @@ class Going:
 class Client:
     """The official OpenAI SDK pointed at the gateway's published port."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, api_key: str = "") -> None:
         self.base_url = base_url
-        self.sdk = OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        self.api_key = ""
+        self.sdk = OpenAI(base_url=base_url + "/v1", api_key="none", timeout=300, max_retries=0)
+        if api_key:
+            self.use_key(api_key)
+
+    def use_key(self, api_key: str) -> None:
+        """Send ``api_key`` from now on (compose generates one at the gateway's first start)."""
+        self.api_key = api_key
+        self.sdk = OpenAI(base_url=self.base_url + "/v1", api_key=api_key, timeout=300,
+                          max_retries=0)  # fmt: skip
+
+    def unauthorized(self) -> bool:
+        """Whether a request with no key gets 401."""
+        request = urllib.request.Request(self.base_url + "/v1/models")
+        try:
+            with urllib.request.urlopen(request, timeout=10):
+                return False
+        except urllib.error.HTTPError as err:
+            return err.code == 401
 
     def stream(self, prompt: str, max_tokens: int, going: Going | None = None) -> Outcome:
         """One greedy streamed chat completion of exactly ``max_tokens`` tokens."""
@@ -115,5 +135,5 @@ class Client:
         return reply.choices[0].message.content or "", usage.prompt_tokens, cached
 
     def ready(self) -> dict[str, Any]:
-        return get_json(self.base_url + "/ready")
+        return get_json(self.base_url + "/ready", self.api_key)
 

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from compose_client import Client, Going, worker_metric
+from compose_client import Client, Going, get_json, worker_metric
 from compose_setup import BuildPlan, build_image, compose_env, free_port, plan_build
 from compose_stack import Replica, Stack, StackError, run
 
@@ -239,6 +239,23 @@ def kv_idle(stack: Stack) -> bool:
                for role in ("prefill", "decode") for r in running(stack, role))  # fmt: skip
 
 
+def check_closed_by_default(stack: Stack, client: Client) -> None:
+    """The gateway made an API key at its first start (no TANDEM_API_KEYS here) and printed it
+    once; without it a request is 401 and ``/ready`` bare; and the gateway's container holds
+    neither the CA key nor another role's key. The client uses the key from here on."""
+    key = stack.compose("exec", "-T", "gateway", "cat", "/var/lib/tandem/api-keys").strip()
+    check(key.startswith("sk-tandem-") and len(key) > 40, "the gateway generated no API key")
+    check(stack.compose("logs", "gateway").count(key) == 1, "the key was not printed once")
+    check(get_json(client.base_url + "/ready").keys() == {"status"},
+          "/ready shows details without a key")  # fmt: skip
+    check(client.unauthorized(), "a request without the key was not refused")
+    keys = stack.compose("exec", "-T", "gateway", "sh", "-c",
+                         "find / -name '*key*.pem' -not -path '/proc/*' 2>/dev/null; true")
+    check(keys.split() == ["/certs/gateway-key.pem"],
+          f"the gateway container can see keys other than its own: {keys.split()}")
+    client.use_key(key)
+
+
 def scenario(stack: Stack, client: Client) -> dict[str, float]:
     figures = {}
     offline = offline_text(PROMPTS[0])
@@ -246,6 +263,7 @@ def scenario(stack: Stack, client: Client) -> dict[str, float]:
     stack.up()
     figures["healthy_s"] = stack.wait_healthy({**TOKENIZERS, "prefill": 1, "decode": 1,
                                                "gateway": 1}, timeout=900)  # fmt: skip
+    check_closed_by_default(stack, client)
     wait_for("/ready lists every worker", lambda: ready_lists_every_replica(stack, client), 120)
     figures["ready_s"] = time.monotonic() - started
     compare_with_generate(client, PROMPTS[0], offline)

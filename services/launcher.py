@@ -476,7 +476,10 @@ class Launcher:
             else:
                 # /health is liveness only; /ready also means the gateway reached every backend.
                 url = f"{child.spec.address}/ready"
-                await _wait_gateway_ready(url, self.config.startup_timeout)
+                # with API keys on, /ready shows its workers only to a caller with a key
+                keys = os.environ.get("TANDEM_API_KEYS", "").split(",")
+                key = next((k.strip() for k in keys if k.strip()), None)
+                await _wait_gateway_ready(url, self.config.startup_timeout, api_key=key)
             self._not_ready.discard(child.spec.name)
             logger.info("%s is ready at %s", child.spec.name, child.spec.address)
 
@@ -523,9 +526,11 @@ class Launcher:
             logger.info("every service stopped")
 
 
-async def _wait_gateway_ready(url: str, timeout: float) -> None:
+async def _wait_gateway_ready(url: str, timeout: float, api_key: str | None = None) -> None:
     """Poll the gateway's ``GET url`` (``/ready``) until it answers 200 with every worker it
-    lists healthy; UnavailableError after ``timeout`` seconds.
+    lists healthy; UnavailableError after ``timeout`` seconds. ``api_key``: one of the
+    gateway's keys, when it has any (``/ready`` lists its workers only to a caller with one; a
+    gateway with keys from a file only is taken as ready at its bare 200).
 
     Every worker started here, not one per pool: a gateway whose channel to a slow-starting worker
     is still in reconnect backoff must not be "ready" while a request could need that worker (a
@@ -537,7 +542,8 @@ async def _wait_gateway_ready(url: str, timeout: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
         while time.monotonic() < deadline:
             try:
-                async with session.get(url) as response:
+                headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+                async with session.get(url, headers=headers) as response:
                     if response.status != 200:
                         last = f"HTTP {response.status}"
                     else:

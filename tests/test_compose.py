@@ -148,25 +148,6 @@ def test_every_command_is_accepted_by_the_cli(compose: dict[str, Any], name: str
     assert args.module == f"services.{name}.main"
 
 
-def test_certs_service_writes_a_volume_every_service_reads(compose: dict[str, Any]) -> None:
-    services = compose["services"]
-    certs = services["certs"]
-    argv = command_of(certs)
-    args = build_parser(argv[1:]).parse_args(argv[1:])
-    assert args.module == "services.certs_cli" and args.if_missing  # every `up` keeps the CA
-    assert certs["volumes"] == ["tandem-certs:/certs"] and certs["restart"] == "no"
-    assert "tandem-certs" in compose["volumes"]
-    for name in SERVICES:
-        service = services[name]
-        assert service["volumes"] == ["tandem-certs:/certs:ro"], name
-        env = service["environment"]
-        assert env["TANDEM_TLS_CERT"] == f"/certs/{name}.pem", name
-        assert env["TANDEM_TLS_KEY"] == f"/certs/{name}-key.pem", name
-        assert env["TANDEM_TLS_CA"] == "/certs/ca.pem", name
-        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-        assert "--insecure-internal" not in command_of(service)
-
-
 def _port_of(argv: list[str]) -> int:
     return int(argv[argv.index("--port") + 1])
 

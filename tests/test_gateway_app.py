@@ -392,6 +392,28 @@ async def test_health_ready_models(make_stack: StackFactory) -> None:
         assert r.status == 200
 
 
+async def test_ready_details_need_a_key_when_keys_are_configured(make_stack: StackFactory) -> None:
+    """With API keys on, ``/ready`` tells an anonymous probe only its status (no internal
+    address, worker error or cache statistic); a valid key sees the details, a wrong one 401."""
+    stack = await make_stack(keys=("sk-ready-key-123456",))
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/ready") as r:
+            assert r.status == 200 and await r.json() == {"status": "ready"}
+            assert stack.decodes[0].address not in await r.text()
+        async with s.get(stack.url + "/ready",
+                         headers={"Authorization": "Bearer wrong-key-000000"}) as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
+        async with s.get(stack.url + "/ready",
+                         headers={"Authorization": "Bearer sk-ready-key-123456"}) as r:
+            body = await r.json()
+            assert r.status == 200 and body["decode"][0]["address"] == stack.decodes[0].address
+    await stack.servers[stack.decodes[0].address].stop(0)
+    await asyncio.sleep(0.5)  # a poll or two
+    async with aiohttp.ClientSession() as s, s.get(stack.url + "/ready") as r:
+        assert r.status == 503 and await r.json() == {"status": "not_ready"}
+
+
 async def test_auth_body_limit_and_rate_limits(make_stack: StackFactory) -> None:
     stack = await make_stack(
         keys=("sk-good-key-123456",), max_body_bytes=2048, rate_limit_rpm=60, rate_limit_burst=2

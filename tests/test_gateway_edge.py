@@ -291,7 +291,10 @@ async def test_bodies_beyond_the_memory_budget_get_429_before_being_read(
 ) -> None:
     from services.gateway.config import EdgeLimits
 
-    stack = await make_stack(max_body_bytes=4096, edge=EdgeLimits(max_body_memory_bytes=6000))
+    # one client's share is the whole budget here: this is the global budget's test
+    # (tests/test_gateway_slow_clients.py tests the shares)
+    limits = EdgeLimits(max_body_memory_bytes=6000, max_body_memory_per_client_bytes=6000)
+    stack = await make_stack(max_body_bytes=4096, edge=limits)
     with _raw(stack.url) as slow:  # announces 4000 bytes, sends 10: holds 4000 of the budget
         slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: 4000\r\n\r\n{\"model\": ")  # fmt: skip
@@ -425,8 +428,12 @@ def test_edge_flags_parse_as_documented() -> None:
     assert (config.default_max_tokens, config.max_tokens_limit) == (None, 4096)
     assert config.rate_limit_tpm == 100000 and config.edge.sse_write_timeout_s == 3
     assert config.edge.max_body_memory_bytes == 8388608 and config.https_key == "k.pem"
+    assert config.edge.max_body_memory_per_client_bytes is None  # an eighth, in BodyBudget
     for bad in (["--default-max-tokens", "0"], ["--https-cert", "c.pem"],
                 ["--default-max-tokens", "100", "--max-tokens-limit", "50"],
-                ["--max-body-memory", "1024"], ["--max-connections", "0"]):  # fmt: skip
+                ["--max-body-memory", "1024"], ["--max-connections", "0"],
+                ["--max-body-memory-per-client", "1024"],
+                ["--max-body-memory", "8388608",
+                 "--max-body-memory-per-client", "9000000"]):  # fmt: skip
         with pytest.raises(InvalidArgumentError):
             config_from_args(parser.parse_args([*base, *bad]))

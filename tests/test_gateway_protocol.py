@@ -256,8 +256,12 @@ BAD_CHAT: list[tuple[str, object, str | None]] = [
 
 @pytest.mark.parametrize(("body", "param"), [c[1:] for c in BAD_CHAT], ids=[c[0] for c in BAD_CHAT])
 def test_bad_chat_bodies(body: object, param: str | None) -> None:
+    from services.gateway.structured_outputs import compile_source
+
     with pytest.raises(InvalidArgumentError) as info:
-        parse_chat_request(body, served_models=SERVED)
+        parsed = parse_chat_request(body, served_models=SERVED)
+        if parsed.grammar_source is not None:  # the gateway compiles it in its grammar pool
+            compile_source(parsed.grammar_source)
     err = info.value
     assert err.param == param, err.message
     assert err.http_status == 400 and err.to_openai()["error"]["param"] == param
@@ -302,7 +306,11 @@ def test_output_constraints_compile_to_a_grammar(fields: dict[str, object]) -> N
 
     for parse, body in ((parse_chat_request, chat(**fields)),
                         (parse_completion_request, comp(**fields))):  # fmt: skip
-        grammar = parse(body, served_models=SERVED).sampling.grammar
+        from services.gateway.structured_outputs import compile_source
+
+        parsed = parse(body, served_models=SERVED)
+        assert parsed.sampling.grammar is None and parsed.grammar_source is not None
+        grammar = compile_source(parsed.grammar_source)  # what the grammar pool runs
         assert grammar and not llguidance.LLMatcher.validate_grammar(grammar)
 
 

@@ -146,13 +146,15 @@ async def _check_services(rows: dict[str, tuple[str, int]]) -> None:
 
 
 def _sigterm_run(
-    start_up: StartUp, num_prefill: int, num_decode: int, gateway: bool = False
+    start_up: StartUp, num_prefill: int, num_decode: int, gateway: bool = False,
+    api_key: str | None = None,
 ) -> None:
     flags = port_flags(num_prefill, num_decode)
     if gateway:
         flags += ["--gateway-port", str(free_ports(1)[0])]
+    env = {**os.environ, "TANDEM_API_KEYS": api_key} if api_key else None
     up = start_up("--prefill", str(num_prefill), "--decode", str(num_decode), *flags,
-                  gateway=gateway)  # fmt: skip
+                  gateway=gateway, env=env)  # fmt: skip
     up.wait_ready()
     names = ["tokenizer"] + [f"prefill-{i}" for i in range(num_prefill)]
     names += [f"decode-{i}" for i in range(num_decode)] + (["gateway"] if gateway else [])
@@ -163,11 +165,19 @@ def _sigterm_run(
     asyncio.run(_check_services(grpc_rows))
     if gateway:
         url = up.rows["gateway"][0]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         for path in ("/health", "/ready", "/v1/models"):
-            with urllib.request.urlopen(url + path, timeout=10) as response:
+            request = urllib.request.Request(url + path, headers=headers)
+            with urllib.request.urlopen(request, timeout=10) as response:
                 assert response.status == 200, path
+                body = response.read()
                 if path == "/v1/models":
-                    assert b"SmolLM2-135M-Instruct" in response.read()
+                    assert b"SmolLM2-135M-Instruct" in body
+                if path == "/ready":  # the launcher waited for every worker, key in hand
+                    assert all(w["healthy"] for w in json.loads(body)["decode"]), body
+        if api_key:  # without the key, /ready is the bare status
+            with urllib.request.urlopen(url + "/ready", timeout=10) as response:
+                assert json.loads(response.read()) == {"status": "ready"}
 
     started = time.monotonic()
     up.process.send_signal(signal.SIGTERM)
@@ -188,7 +198,7 @@ def test_up_prefill_and_decode_then_sigterm(start_up: StartUp) -> None:
     reason="services.gateway.main not written yet",
 )
 def test_up_with_the_gateway_then_sigterm(start_up: StartUp) -> None:
-    _sigterm_run(start_up, 1, 1, gateway=True)
+    _sigterm_run(start_up, 1, 1, gateway=True, api_key="sk-launcher-test-0123456789")
 
 
 def test_up_tokenizer_only_then_sigterm(start_up: StartUp) -> None:

@@ -119,8 +119,11 @@ def _until(driver: webdriver.Chrome, what: str, check: Callable[[], Any], timeou
 
 
 def _ready(gateway: str) -> dict[str, Any]:
+    """``/ready``'s details: with API keys on, only an authenticated caller sees them."""
+    request = urllib.request.Request(gateway + "/ready",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
     try:
-        with urllib.request.urlopen(gateway + "/ready", timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as err:  # 503 still carries the JSON
         return json.loads(err.read())

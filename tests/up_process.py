@@ -205,15 +205,19 @@ def assert_all_gone(up: Up, timeout: float = 5.0) -> None:
     assert not [pid for pid in up.child_pids if alive(pid)], up.stderr()[-3000:]
 
 
-def wait_kv_freed(gateway_port: int, workers: int = 2, timeout: float = 20.0) -> None:
+def wait_kv_freed(gateway_port: int, workers: int = 2, timeout: float = 20.0,
+                  api_key: str | None = None) -> None:
     """Wait until every worker the gateway's ``/ready`` lists holds no KV block (the stats it
-    polls); fail with the last answer after ``timeout`` seconds."""
+    polls); fail with the last answer after ``timeout`` seconds. ``api_key``: the key to show
+    when the gateway has keys configured (``/ready``'s details need one then)."""
     import json
     import urllib.request
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{gateway_port}/ready", headers=headers)
     deadline = time.monotonic() + timeout
     while True:
-        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_port}/ready") as response:
+        with urllib.request.urlopen(request) as response:
             ready = json.load(response)
         held = [w.get("kv_blocks_in_use") for w in ready["prefill"] + ready["decode"]]
         if held == [0] * workers:

@@ -2,20 +2,23 @@
 
 Tandem's internal gRPC hops are mutual TLS (``internal_tls.py``): every process presents a
 certificate signed by the deployment's CA, and its *role* is written in the certificate as a SAN
-URI ``spiffe://tandem/<role>`` (``peer_roles.py`` reads it per RPC). This module makes those
-certificates with the ``cryptography`` package (nothing hand-rolled):
+URI ``spiffe://<trust domain>/<role>``, the trust domain being the deployment's own
+(``spiffe_id.py``; ``peer_roles.py`` reads it per RPC). This module makes those certificates with
+the ``cryptography`` package (nothing hand-rolled):
 
 - :func:`make_ca` creates a self-signed CA (ECDSA P-256, ``BasicConstraints(ca=True)``);
-- :func:`issue` signs one role's certificate: SAN URI ``spiffe://tandem/<role>``, DNS names
+- :func:`issue` signs one role's certificate: SAN URI ``spiffe://<trust domain>/<role>``, DNS names
   ``<role>.tandem.internal`` and ``tandem.internal`` (the names clients verify, whatever address
   they dial; see :data:`services.common.internal_tls.SERVER_NAME_SUFFIX`), ``localhost`` and
   ``127.0.0.1``, plus any extra names; usable as both a TLS server and a TLS client;
 - :func:`issue_identities` makes them in memory (benchmarks and tests that run servers
   in-process);
-- :func:`write_deployment_certs` writes ``ca.pem`` (the CA certificate), and ``<role>.pem`` /
-  ``<role>-key.pem`` per role into a directory, keys with mode 0600. The CA's private key is
-  written only when asked (``tandem certs init`` keeps it so more certificates can be issued;
-  ``tandem up``'s throwaway CA never writes it).
+- :func:`write_deployment_certs` writes ``ca.pem`` (the CA certificate), ``trust-domain`` and
+  ``<role>.pem`` / ``<role>-key.pem`` per role into a directory, keys with mode 0600 — or, for
+  key custody (compose), each role's three files (``ca.pem``, its certificate, its key) into a
+  directory of its own, so that a container mounting one role's directory holds no other key.
+  The CA's private key is written only when asked (``tandem certs init`` keeps it so more
+  certificates can be issued; ``tandem up``'s throwaway CA never writes it).
 
 Why ECDSA P-256: key generation takes microseconds (``tandem up`` makes a CA and five
 certificates at every start) and TLS 1.3 handshakes with it are cheap.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +39,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.common.internal_tls import InternalTls
-from services.common.peer_roles import ROLES, role_uri, server_name
+from services.common.peer_roles import ROLES, server_name
+from services.common.spiffe_id import (
+    DEFAULT_TRUST_DOMAIN,
+    new_trust_domain,
+    spiffe_id,
+    validate_trust_domain,
+)
 
 DEFAULT_VALIDITY_DAYS = 365
 CA_FILE = "ca.pem"
 CA_KEY_FILE = "ca-key.pem"
+TRUST_DOMAIN_FILE = "trust-domain"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,7 @@ def issue(
     *,
     extra_names: Iterable[str] = (),
     days: int = DEFAULT_VALIDITY_DAYS,
+    trust_domain: str = DEFAULT_TRUST_DOMAIN,
 ) -> IssuedCert:
     """A certificate for ``role`` signed by ``ca`` (server and client use).
 
@@ -117,6 +128,7 @@ def issue(
         role: one of :data:`services.common.peer_roles.ROLES`.
         extra_names: more DNS names or IP addresses for the SAN (e.g. a Kubernetes service name).
         days: validity.
+        trust_domain: the deployment's SPIFFE trust domain (``spiffe_id.py``).
 
     Raises:
         ValueError: an unknown role.
@@ -125,7 +137,7 @@ def issue(
         raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [
-        x509.UniformResourceIdentifier(role_uri(role)),
+        x509.UniformResourceIdentifier(spiffe_id(validate_trust_domain(trust_domain), role)),
         x509.DNSName(server_name(role)),
         x509.DNSName(server_name(None)),
         x509.DNSName("localhost"),
@@ -161,14 +173,16 @@ def issue(
     return IssuedCert(cert_pem=cert.public_bytes(serialization.Encoding.PEM), key_pem=_key_pem(key))
 
 
-def issue_identities(ca: CertAuthority | None = None,
-                     roles: Sequence[str] = ROLES) -> dict[str, InternalTls]:  # fmt: skip
-    """In-memory identities of ``roles`` signed by ``ca`` (a new CA by default), for processes
-    that start servers and clients themselves (benchmarks, tests); nothing touches the disk."""
+def issue_identities(ca: CertAuthority | None = None, roles: Sequence[str] = ROLES,
+                     trust_domain: str | None = None) -> dict[str, InternalTls]:  # fmt: skip
+    """In-memory identities of ``roles`` signed by ``ca`` (a new CA by default) in one trust
+    domain (a new one by default), for processes that start servers and clients themselves
+    (benchmarks, tests); nothing touches the disk."""
     authority = ca or make_ca()
+    domain = trust_domain or new_trust_domain()
     out = {}
     for role in roles:
-        issued = issue(authority, role)
+        issued = issue(authority, role, trust_domain=domain)
         out[role] = InternalTls.from_pem(issued.cert_pem, issued.key_pem, authority.cert_pem)
     return out
 
@@ -181,24 +195,40 @@ def write_deployment_certs(
     keep_ca_key: bool = False,
     extra_names: Iterable[str] = (),
     days: int = DEFAULT_VALIDITY_DAYS,
+    trust_domain: str | None = None,
+    role_dirs: Mapping[str, Path] | None = None,
 ) -> CertAuthority:
-    """Write ``ca.pem`` and ``<role>.pem`` / ``<role>-key.pem`` per role into ``directory``.
+    """Write ``ca.pem``, ``trust-domain`` and ``<role>.pem`` / ``<role>-key.pem`` per role into
+    ``directory``; a role in ``role_dirs`` gets its files (and a copy of ``ca.pem``) in its own
+    directory instead, and ``directory`` then holds none of its key.
 
-    The directory is created (mode 0700) if missing; keys are written with mode 0600. Returns
+    Directories are created (mode 0700) if missing; keys are written with mode 0600. Returns
     the CA used (a new one unless ``ca`` is given); its key goes to ``ca-key.pem`` only with
-    ``keep_ca_key``.
+    ``keep_ca_key``. ``trust_domain``: the deployment's (a new one by default).
     """
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     authority = ca or make_ca(days=days)
+    domain = validate_trust_domain(trust_domain or new_trust_domain())
     names = tuple(extra_names)
     _write(directory / CA_FILE, authority.cert_pem, 0o644)
+    _write(directory / TRUST_DOMAIN_FILE, domain.encode() + b"\n", 0o644)
     if keep_ca_key:
         _write(directory / CA_KEY_FILE, authority.key_pem, 0o600)
     for role in roles:
-        issued = issue(authority, role, extra_names=names, days=days)
-        _write(directory / f"{role}.pem", issued.cert_pem, 0o644)
-        _write(directory / f"{role}-key.pem", issued.key_pem, 0o600)
+        write_role_files(authority, role, (role_dirs or {}).get(role, directory),
+                         trust_domain=domain, extra_names=names, days=days)  # fmt: skip
     return authority
+
+
+def write_role_files(ca: CertAuthority, role: str, directory: Path, *, trust_domain: str,
+                     extra_names: Iterable[str] = (),
+                     days: int = DEFAULT_VALIDITY_DAYS) -> None:  # fmt: skip
+    """Issue ``role``'s certificate and write it, its key and ``ca.pem`` into ``directory``."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    issued = issue(ca, role, extra_names=extra_names, days=days, trust_domain=trust_domain)
+    _write(directory / CA_FILE, ca.cert_pem, 0o644)
+    _write(directory / f"{role}.pem", issued.cert_pem, 0o644)
+    _write(directory / f"{role}-key.pem", issued.key_pem, 0o600)
 
 
 def role_files(directory: Path, role: str) -> tuple[Path, Path, Path]:

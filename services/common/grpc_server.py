@@ -172,7 +172,7 @@ async def start_grpc_server(
 
     interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
     if not tls.insecure:
-        interceptors.insert(0, RoleInterceptor())
+        interceptors.insert(0, RoleInterceptor(tls.trust_domain))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(max_message_bytes))
     for add_fn, servicer, _ in servicers:
         add_fn(servicer, server)

@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from services.common.errors import InvalidArgumentError
+from services.common.spiffe_id import trust_domain_of
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,14 @@ class InternalTls:
                     param=flag.lstrip("-").replace("-", "_"),
                 ) from err
         return cls.from_pem(*data)
+
+    @property
+    def trust_domain(self) -> str:
+        """The SPIFFE trust domain of this process's certificate (``spiffe_id.py``): the only
+        domain whose roles its server grants; ``""`` (no peer gets a role) when it has none."""
+        if self.insecure or not self.cert_pem:
+            return ""
+        return trust_domain_of(self.cert_pem)
 
     @property
     def prefix_salt(self) -> bytes:

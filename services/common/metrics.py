@@ -68,7 +68,8 @@ SAFETY_STAGES = ("input", "output")
 PREFILL_PATHS = ("remote", "local")
 KV_TRANSFER_FAILURE_REASONS = ("checksum", "layout", "timeout", "connection", "refused", "other")
 KV_RESERVATION_OUTCOMES = ("granted", "refused", "expired")
-THROTTLE_CODES = ("rate_limit_exceeded", "server_overloaded", "client_concurrency", "other")
+THROTTLE_CODES = ("rate_limit_exceeded", "server_overloaded", "client_concurrency",
+                  "client_body_budget", "other")
 
 
 class TandemMetrics:

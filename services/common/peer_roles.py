@@ -2,10 +2,12 @@
 enforces it.
 
 Every Tandem process holds a certificate signed by the deployment's CA (``cert_authority.py``)
-whose SAN carries its role as the URI ``spiffe://tandem/<role>``. TLS (``internal_tls.py``)
-proves the peer holds a certificate of *this* deployment; :class:`RoleInterceptor` then checks,
-on every RPC, that the peer's role may call the method. :data:`ACCESS_POLICY` lists every method
-by its full name, with no wildcard, so an RPC added to a proto is refused to everyone until it is
+whose URI SAN carries its role as ``spiffe://<deployment trust domain>/<role>``
+(``spiffe_id.py``). TLS (``internal_tls.py``) proves the peer holds a certificate the CA signed;
+:class:`RoleInterceptor` then reads the peer's roles from its certificate's URI SANs in the
+server's own trust domain (only URI SANs, only this deployment's domain) and checks, on every
+RPC, that the peer's role may call the method. :data:`ACCESS_POLICY` lists every method by its
+full name, with no wildcard, so an RPC added to a proto is refused to everyone until it is
 listed here (a test enumerates every RPC of ``protos/`` and checks each has an entry):
 
 ==========================================  ===============================================
@@ -47,6 +49,7 @@ import grpc
 import grpc.aio
 
 from services.common.grpc_errors import rewrap_handler
+from services.common.spiffe_id import DEFAULT_TRUST_DOMAIN, roles_of, spiffe_id
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,6 @@ OPERATOR = "operator"
 ROLES = (GATEWAY, TOKENIZER, PREFILL, DECODE, OPERATOR)
 ANY_ROLE = frozenset(ROLES)
 
-ROLE_URI_PREFIX = "spiffe://tandem/"
 SERVER_NAME_SUFFIX = "tandem.internal"
 
 _GATEWAY_ONLY = frozenset({GATEWAY})
@@ -89,9 +91,9 @@ ACCESS_POLICY: dict[tuple[str, str], frozenset[str]] = {
 }
 
 
-def role_uri(role: str) -> str:
-    """The SAN URI that names ``role`` in a certificate, e.g. ``spiffe://tandem/decode``."""
-    return f"{ROLE_URI_PREFIX}{role}"
+def role_uri(role: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
+    """The SAN URI that names ``role`` in a certificate, e.g. ``spiffe://tandem-3f9a/decode``."""
+    return spiffe_id(trust_domain, role)
 
 
 def server_name(role: str | None) -> str:
@@ -144,30 +146,21 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def roles_in(auth_context: dict[str, Iterable[bytes]]) -> frozenset[str]:
-    """The roles a verified peer certificate names (its ``spiffe://tandem/<role>`` SAN URIs).
-
-    gRPC puts the verified SANs of the peer's certificate in the auth context under
-    ``x509_subject_alternative_name`` and a single SPIFFE URI under ``peer_spiffe_id``.
-    """
-    values = [*auth_context.get("peer_spiffe_id", ()),
-              *auth_context.get("x509_subject_alternative_name", ())]  # fmt: skip
-    roles = set()
-    for value in values:
-        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-        if text.startswith(ROLE_URI_PREFIX):
-            role = text[len(ROLE_URI_PREFIX):]
-            if role in ROLES:
-                roles.add(role)
-    return frozenset(roles)
+def roles_in(auth_context: dict[str, Iterable[bytes]],
+             trust_domain: str = DEFAULT_TRUST_DOMAIN) -> frozenset[str]:  # fmt: skip
+    """The roles a verified peer certificate names in ``trust_domain``: its
+    ``spiffe://<trust_domain>/<role>`` URI SANs, read from the certificate itself
+    (``x509_pem_cert``; gRPC's SAN list mixes DNS names and URIs, so it is not used)."""
+    pem = b"".join(auth_context.get("x509_pem_cert", ()))
+    return roles_of(pem, trust_domain, ANY_ROLE) if pem else frozenset()
 
 
 def _guard(behavior: Callable[..., Any], method: str, allowed: frozenset[str],
-           streaming_response: bool) -> Callable[..., Any]:  # fmt: skip
+           streaming_response: bool, trust_domain: str) -> Callable[..., Any]:  # fmt: skip
     """Wrap one handler so that it first checks the peer's role."""
 
     async def check(context: grpc.aio.ServicerContext) -> None:
-        roles = roles_in(context.auth_context())
+        roles = roles_in(context.auth_context(), trust_domain)
         if not roles & allowed:
             who = ", ".join(sorted(roles)) or "no Tandem role"
             logger.warning("refused %s to a peer with %s (%s)", method, who, context.peer())
@@ -204,7 +197,11 @@ def _guard(behavior: Callable[..., Any], method: str, allowed: frozenset[str],
 
 class RoleInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, with ``PERMISSION_DENIED``, every RPC whose peer's role may not call it
-    (:data:`ACCESS_POLICY`). Installed only on mutual-TLS servers."""
+    (:data:`ACCESS_POLICY`); roles count only in ``trust_domain`` (the server's own, from its
+    certificate). Installed only on mutual-TLS servers."""
+
+    def __init__(self, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> None:
+        self.trust_domain = trust_domain
 
     async def intercept_service(
         self,
@@ -217,5 +214,7 @@ class RoleInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         allowed = allowed_roles(method)
         return rewrap_handler(
-            handler, lambda behavior, streaming: _guard(behavior, method, allowed, streaming)
+            handler,
+            lambda behavior, streaming: _guard(behavior, method, allowed, streaming,
+                                               self.trust_domain),
         )

@@ -40,6 +40,7 @@ from services.common.metrics import TandemMetrics
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
+from services.gateway.grammar_pool import GrammarPool
 from services.gateway.completions import chat_completions, completions
 from services.gateway.config import DEFAULT_MAX_IN_FLIGHT_PER_CLIENT, GatewayConfig
 from services.gateway.embeddings import embeddings
@@ -110,8 +111,10 @@ def build_state(
         auth=auth,
         rate_limiter=rate_limiter,
         token_limiter=token_limiter,
-        body_budget=BodyBudget(config.edge.max_body_memory_bytes, config.max_body_bytes),
+        body_budget=BodyBudget(config.edge.max_body_memory_bytes, config.max_body_bytes,
+                               config.edge.max_body_memory_per_client_bytes),
         admission=AdmissionLimiter(config.max_in_flight, per_client),
+        grammars=GrammarPool(config.grammar_workers, config.grammar_timeout_s),
         metrics=metrics,
     )
 
@@ -188,4 +191,5 @@ async def _cleanup(app: web.Application) -> None:
     if _LOG_FILTER_KEY in app:
         detach_log_filter(app[_LOG_FILTER_KEY])
     await state.drain()
+    await state.grammars.close()
     await state.backend.close()

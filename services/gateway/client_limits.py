@@ -5,8 +5,8 @@
    authentication is off, ``ip:<peer address>`` (each anonymous client its own bucket; the peer
    address is the TCP peer, never a forwarded-for header a client could write itself);
 2. :func:`check_request_rate` — one request against the client's request bucket (429);
-3. :func:`read_body_in_budget` — the body read only once the global body budget holds it
-   (``body_budget.py``); the lease is released when the request ends.
+3. :func:`read_body_in_budget` — the body read only once the body budget, and the client's
+   share of it, hold it (``body_budget.py``); the lease is released when the request ends.
 """
 
 from __future__ import annotations
@@ -37,14 +37,16 @@ def check_request_rate(state: GatewayState, client: str) -> None:
 
 
 async def read_body_in_budget(
-    state: GatewayState, request: web.Request, held: contextlib.ExitStack
+    state: GatewayState, request: web.Request, held: contextlib.ExitStack, client: str
 ) -> object:
-    """The JSON body, read after the body budget counted it; the lease joins ``held``.
+    """The JSON body, read after the body budget counted it against ``client``'s share
+    (:func:`client_id`); the lease joins ``held``.
 
     Raises:
-        RateLimitError: the budget cannot hold the body now (429, nothing read).
+        RateLimitError: the budget or the client's share cannot hold the body now (429,
+            nothing read).
         InvalidArgumentError / RequestTimeoutError / RequestTooLargeError: see
             :func:`~services.gateway.http_errors.read_json_body`.
     """
-    held.enter_context(state.body_budget.reserve(request.content_length))
+    held.enter_context(state.body_budget.reserve(request.content_length, client))
     return await read_json_body(request, timeout_s=state.config.body_read_timeout_s)

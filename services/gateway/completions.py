@@ -64,7 +64,7 @@ from services.gateway.tool_calls import (
     hermes_instructions,
     hermes_text,
     template_renders_tools,
-    tool_grammar,
+    tool_grammar_source,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ async def _serve(
         client = client_id(record.api_key, request)
         check_request_rate(state, client)
         info = await state.require_model_info()
-        body = await read_body_in_budget(state, request, held)
+        body = await read_body_in_budget(state, request, held, client)
         parsed: ChatRequest | CompletionRequest
         if front is not None:
             parsed = front.parse(body, state.served_names)
@@ -127,6 +127,10 @@ async def _serve(
             parsed, sampling=dataclasses.replace(parsed.sampling, cache_salt=salt))
         _check_max_tokens_limit(parsed, state.config)
         refuse_streamed_prompt_logprobs(parsed)
+        if parsed.grammar_source is not None:  # compiled in the worker pool, not on this loop
+            grammar = await state.grammars.compile(parsed.grammar_source)
+            parsed = dataclasses.replace(
+                parsed, sampling=dataclasses.replace(parsed.sampling, grammar=grammar))
         check_vocabulary([t for t, _ in parsed.sampling.logit_bias], info.vocab_size, "logit_bias")
         input_param = front.input_param if front else _input_param(parsed)
         await _check_input(state, parsed.texts(), input_param)
@@ -233,7 +237,8 @@ async def _prepare_chat(
                 "constraint (response_format, structured_outputs).", param="tool_choice",
                 code="invalid_value",
             )  # fmt: skip
-        grammar = tool_grammar(tools, tool_format or "hermes", info.special_tokens)
+        source = tool_grammar_source(tools, tool_format or "hermes", info.special_tokens)
+        grammar = await state.grammars.compile(source)  # in the grammar pool, off this loop
         params = dataclasses.replace(params, grammar=grammar)
     if params.grammar is not None:  # the grammar is for the answer, not for the thinking
         params = dataclasses.replace(params, grammar=after_reasoning(

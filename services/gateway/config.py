@@ -46,12 +46,17 @@ class EdgeLimits:
         max_body_memory_bytes: request bodies held in memory at once, all clients together; a
             body is counted at its ``Content-Length`` (``max_body_bytes`` when chunked) from
             before it is read until its request ends, and one that does not fit gets 429.
+        max_body_memory_per_client_bytes: of that, what one client (an API key, or an address
+            without keys) may hold at once; more gets 429 ``client_body_budget``. None: an
+            eighth of ``max_body_memory_bytes``, at least one largest body
+            (``body_budget.default_per_client_bytes``).
     """
 
     header_read_timeout_s: float = DEFAULT_HEADER_READ_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     sse_write_timeout_s: float = DEFAULT_SSE_WRITE_TIMEOUT_S
     max_body_memory_bytes: int = DEFAULT_MAX_BODY_MEMORY_BYTES
+    max_body_memory_per_client_bytes: int | None = None
 
     def validate(self, max_body_bytes: int) -> EdgeLimits:
         for name, flag in (("header_read_timeout_s", "header_read_timeout"),
@@ -66,6 +71,11 @@ class EdgeLimits:
                 "--max-body-memory must be at least --max-body-bytes (else no body fits)",
                 param="max_body_memory",
             )
+        share = self.max_body_memory_per_client_bytes
+        if share is not None and not max_body_bytes <= share <= self.max_body_memory_bytes:
+            raise InvalidArgumentError(
+                "--max-body-memory-per-client must be at least --max-body-bytes and at most "
+                "--max-body-memory", param="max_body_memory_per_client")  # fmt: skip
         return self
 
 
@@ -156,6 +166,9 @@ class GatewayConfig:
             ``DEFAULT_MAX_IN_FLIGHT_PER_CLIENT`` per API key when keys are configured, no cap
             without them (one local user, a benchmark at any concurrency).
         max_body_bytes: request bodies above this get 413.
+        grammar_workers / grammar_timeout_s: processes that compile structured-output
+            constraints off the event loop, and the seconds one compilation may take before it
+            gets 400 ``grammar_too_complex`` (``grammar_pool.py``).
         body_read_timeout_s: a request body must arrive whole within this many seconds of its
             headers, or the client gets 408 and is disconnected (a slow-loris client holds no
             admission slot or worker meanwhile: bodies are read before either is taken).
@@ -208,6 +221,8 @@ class GatewayConfig:
     max_in_flight_per_client: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    grammar_workers: int = 2
+    grammar_timeout_s: float = 10.0
     stats_interval_s: float = 1.0
     resolve_interval_s: float = 5.0
     truncate_chats: bool = True
@@ -264,6 +279,9 @@ class GatewayConfig:
         if self.max_in_flight_per_client is not None and self.max_in_flight_per_client < 1:
             raise InvalidArgumentError("max in-flight per client must be >= 1",
                                        param="max_in_flight_per_client")  # fmt: skip
+        if self.grammar_workers < 1 or not 0 < self.grammar_timeout_s < float("inf"):
+            raise InvalidArgumentError("--grammar-workers must be >= 1 and --grammar-timeout "
+                                       "positive", param="grammar_workers")  # fmt: skip
         if self.max_body_bytes < 1024:
             raise InvalidArgumentError("max body bytes must be >= 1024", param="max_body_bytes")
         if not 0 < self.body_read_timeout_s < float("inf"):

@@ -10,11 +10,17 @@ by the handlers (body budget, admission, rate limits, ``max_tokens``, the SSE wr
 2. :func:`https_context` — stdlib ``ssl`` server context from ``--https-cert/--https-key``
    (TLS 1.2+, ALPN ``http/1.1``); the names differ from the issue's ``--tls-*`` because those
    already name every service's *internal* mTLS identity, the gateway's included;
-3. :func:`start_edge` — an aiohttp runner whose keep-alive timer is the header read timeout
-   (aiohttp 3.14 arms it when a connection opens and after each response, and it closes the
-   connection if no complete request header arrived by then: a slow-header client is dropped),
-   and whose protocol factory (:class:`ConnectionCap`) answers 503 and closes any connection
-   past ``max_connections`` before reading from it.
+3. :func:`start_edge` — an aiohttp runner whose protocol factory (:class:`ConnectionCap`) answers
+   503 and closes any connection past ``max_connections`` before reading from it, and arms an
+   explicit first-header deadline on every connection it accepts (:class:`HeaderDeadline`): a
+   connection whose first request header is not complete ``header_read_timeout_s`` after it was
+   accepted is closed (with HTTPS, a connection still in its TLS handshake at the deadline is
+   closed as soon as the handshake completes; asyncio bounds the handshake itself at 60 s).
+   Later requests on a kept-alive connection are
+   bounded by aiohttp's keep-alive timer, set to the same timeout, which aiohttp arms after each
+   response. Why both: the keep-alive timer is all aiohttp offers, and some aiohttp versions do
+   not start it before a connection's *first* request, so a client that connects and trickles a
+   header (or sends nothing) would be held for ever; the deadline does not depend on that.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import logging
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +42,8 @@ from services.gateway.config import GatewayConfig
 logger = logging.getLogger(__name__)
 
 _REFUSAL_LOG_EVERY_S = 10.0
+_RECHECK_S = 0.5  # how often a connection still in its TLS handshake at its deadline is checked
+_HANDSHAKE_BOUND_S = 75.0  # past asyncio's 60 s handshake timeout: it has failed or finished
 
 
 def is_loopback(host: str) -> bool:
@@ -101,19 +110,75 @@ class _Refusal(asyncio.Protocol):
         transport.close()
 
 
+class HeaderDeadline:
+    """Closes a connection whose first request header is not complete within ``timeout_s`` of
+    its accept.
+
+    :meth:`watch` arms a timer for a newly made protocol (aiohttp's ``RequestHandler``);
+    :attr:`middleware`, the application's outermost middleware, marks the protocol once a
+    request reached the handlers (its header was parsed whole), and the timer then does
+    nothing. Only public aiohttp API is used (``request.protocol``, the protocol's
+    ``transport``). A protocol is held only until its timer fires.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._waiting: set[asyncio.BaseProtocol] = set()
+        self.closed = 0  # connections closed for want of a header, for tests and logs
+
+    def watch(self, protocol: asyncio.BaseProtocol) -> None:
+        """Arm the deadline for a connection whose protocol was just made."""
+        self._waiting.add(protocol)
+        asyncio.get_running_loop().call_later(self.timeout_s, self._expire, protocol)
+
+    def _expire(self, protocol: asyncio.BaseProtocol, waited: float = 0.0) -> None:
+        if protocol not in self._waiting:
+            return
+        transport = getattr(protocol, "transport", None)
+        if transport is None and waited < _HANDSHAKE_BOUND_S:
+            # still in its TLS handshake (the protocol has no transport until it completes):
+            # look again shortly, and close it then if its deadline has passed
+            waited += self.timeout_s if waited == 0.0 else _RECHECK_S
+            asyncio.get_running_loop().call_later(_RECHECK_S, self._expire, protocol, waited)
+            return
+        self._waiting.discard(protocol)
+        if transport is not None and not transport.is_closing():
+            self.closed += 1
+            logger.debug("closed a connection that sent no whole request header in %gs",
+                         self.timeout_s)  # fmt: skip
+            transport.close()
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Marks the request's connection as past its first header."""
+        self._waiting.discard(request.protocol)
+        return await handler(request)
+
+
+HEADER_DEADLINE_KEY = web.AppKey("header_deadline", HeaderDeadline)
+
+
 class ConnectionCap:
     """A protocol factory: aiohttp's request handler while fewer than ``limit`` connections
-    are open, else :class:`_Refusal`."""
+    are open, else :class:`_Refusal`. Every accepted connection gets a first-header
+    ``deadline`` when one is given."""
 
-    def __init__(self, server: web.Server, limit: int) -> None:
+    def __init__(self, server: web.Server, limit: int,
+                 deadline: HeaderDeadline | None = None) -> None:  # fmt: skip
         self._server = server
         self._limit = limit
+        self._deadline = deadline
         self._refused = 0
         self._logged_at = 0.0
 
     def __call__(self) -> asyncio.Protocol:
         if len(self._server.connections) < self._limit:
-            return self._server()
+            protocol = self._server()
+            if self._deadline is not None:
+                self._deadline.watch(protocol)
+            return protocol
         self._refused += 1
         now = time.monotonic()
         if now - self._logged_at >= _REFUSAL_LOG_EVERY_S:
@@ -126,14 +191,18 @@ class ConnectionCap:
 class EdgeRunner(web.AppRunner):
     """An AppRunner whose sites accept connections through a :class:`ConnectionCap`."""
 
-    def __init__(self, app: web.Application, *, max_connections: int, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, *, max_connections: int,
+                 deadline: HeaderDeadline | None = None, **kwargs: Any) -> None:  # fmt: skip
         super().__init__(app, **kwargs)
         self._max_connections = max_connections
+        self._deadline = deadline
 
     @property
     def server(self) -> Any:  # what sites hand to loop.create_server: a protocol factory
         inner = super().server
-        return None if inner is None else ConnectionCap(inner, self._max_connections)
+        if inner is None:
+            return None
+        return ConnectionCap(inner, self._max_connections, self._deadline)
 
 
 async def start_edge(
@@ -149,8 +218,11 @@ async def start_edge(
     ssl_context = None
     if config.https_cert is not None and config.https_key is not None:
         ssl_context = https_context(config.https_cert, config.https_key)
+    deadline = HeaderDeadline(config.edge.header_read_timeout_s)
+    app.middlewares.insert(0, deadline.middleware)  # outermost: marks before anything can fail
+    app[HEADER_DEADLINE_KEY] = deadline
     runner = EdgeRunner(
-        app, max_connections=config.edge.max_connections, access_log=None,
+        app, max_connections=config.edge.max_connections, deadline=deadline, access_log=None,
         shutdown_timeout=shutdown_grace, keepalive_timeout=config.edge.header_read_timeout_s,
     )  # fmt: skip
     await runner.setup()

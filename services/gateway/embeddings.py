@@ -74,7 +74,7 @@ async def embeddings(request: web.Request) -> web.Response:
         client = client_id(record.api_key, request)
         check_request_rate(state, client)
         info = await state.require_model_info()
-        body = await read_body_in_budget(state, request, held)
+        body = await read_body_in_budget(state, request, held, client)
         parsed = parse_embedding_request(body, served_models=state.served_names)
         record.model = parsed.model
         held.enter_context(state.admission.try_acquire(client))

@@ -130,6 +130,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="BYTES",
                       help="request-body bytes held at once, all clients together; more get "
                            "429 (default %(default)s)")
+    edge.add_argument("--grammar-workers", type=int, default=2, metavar="N",
+                      help="processes that compile structured-output constraints (JSON schema, "
+                           "regex, grammar) off the event loop (default %(default)s)")
+    edge.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                      help="seconds one constraint may take to compile; slower ones get 400 "
+                           "grammar_too_complex (default %(default)s)")
+    edge.add_argument("--max-body-memory-per-client", type=int, default=None, metavar="BYTES",
+                      help="of --max-body-memory, the bytes one client (an API key; an address "
+                           "without keys) may hold at once; more get 429 client_body_budget "
+                           "(default: an eighth of --max-body-memory, at least --max-body-bytes)")
     parser.add_argument(
         "--tokenizer",
         action="append",
@@ -379,11 +389,14 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             max_connections=args.max_connections,
             sse_write_timeout_s=args.sse_write_timeout,
             max_body_memory_bytes=args.max_body_memory,
+            max_body_memory_per_client_bytes=args.max_body_memory_per_client,
         ),
         max_in_flight=args.max_in_flight,
         max_in_flight_per_client=args.max_in_flight_per_client,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,
+        grammar_workers=args.grammar_workers,
+        grammar_timeout_s=args.grammar_timeout,
         stats_interval_s=args.stats_interval,
         resolve_interval_s=args.resolve_interval,
         truncate_chats=not args.no_truncate,

@@ -124,7 +124,7 @@ async def count_tokens(request: web.Request) -> web.Response:
             client = client_id(api_key, request)
             check_request_rate(state, client)
             info = await state.require_model_info()
-            body = await read_body_in_budget(state, request, held)
+            body = await read_body_in_budget(state, request, held, client)
             parsed = parse_messages_request(body, served_models=state.served_names,
                                             require_max_tokens=False)  # fmt: skip
             held.enter_context(state.admission.try_acquire(client))

@@ -61,7 +61,11 @@ from services.gateway.openai_fields import (
     parse_stop,
     require_object,
 )
-from services.gateway.structured_outputs import parse_logit_bias, parse_structured_output
+from services.gateway.structured_outputs import (
+    GrammarSource,
+    parse_logit_bias,
+    structured_output_source,
+)
 from services.gateway.tool_calls import (
     ToolCall,
     ToolsRequest,
@@ -118,6 +122,9 @@ class ChatRequest:
     user: str | None = None
     tools: ToolsRequest | None = None
     chat_template_kwargs: Mapping[str, object] | None = None  # vLLM's: more template variables
+    # the output constraint, not compiled yet: the handler compiles it in the grammar pool
+    # (grammar_pool.py) into ``sampling.grammar``, off the event loop
+    grammar_source: GrammarSource | None = None
 
     def texts(self) -> tuple[str, ...]:
         """Every message's text (and earlier calls' arguments), for the input safety check."""
@@ -141,6 +148,7 @@ class CompletionRequest:
     include_usage: bool = False
     echo: bool = False
     user: str | None = None
+    grammar_source: GrammarSource | None = None  # as ChatRequest's
 
     def texts(self) -> tuple[str, ...]:
         """The prompt text for the input safety check (token ids are checked after decoding)."""
@@ -192,6 +200,7 @@ def parse_chat_request(body: object, *, served_models: Sequence[str]) -> ChatReq
         user=get_str(obj, "user"),
         tools=tools,
         chat_template_kwargs=parse_chat_template_kwargs(obj),
+        grammar_source=structured_output_source(obj),
     )
 
 
@@ -249,6 +258,7 @@ def parse_completion_request(body: object, *, served_models: Sequence[str]) -> C
         include_usage=include_usage,
         echo=echo,
         user=get_str(obj, "user"),
+        grammar_source=structured_output_source(obj),
     )
 
 
@@ -365,7 +375,6 @@ def _parse_sampling(
         logprobs=logprobs,
         n=1 if n is None else n,
         skip_special_tokens=bool_or(obj, "skip_special_tokens", True),
-        grammar=parse_structured_output(obj),
         logit_bias=parse_logit_bias(obj),
         cache_salt=get_str(obj, "cache_salt") or "",
         speculative=bool_or(obj, "speculative", True),

@@ -179,9 +179,12 @@ def _response_schemas() -> dict[str, JsonSchema]:
             "decode": {"type": "array", "items": {"type": "object"},
                        "description": "Every decode worker."},
             "in_flight": _COUNT,
-        }, description="Per-replica details; 503 lists the problems. Ready means a healthy "
+        }, optional=("problems", "warnings", "model", "tokenizer", "prefill", "decode",
+                     "in_flight"),
+           description="Per-replica details; 503 lists the problems. Ready means a healthy "
            "tokenizer replica serving the model and a healthy decode worker; prefill workers "
-           "are optional."),
+           "are optional. When API keys are configured, only a caller with a valid key sees "
+           "more than `status` (a wrong key: 401)."),
         "ErrorResponse": _obj({"error": _obj({
             "message": _STR, "type": _STR, "param": _NULL_STR, "code": _NULL_STR,
         })}, description="OpenAI's error shape: param names the offending field."),
@@ -325,7 +328,8 @@ def _paths() -> dict[str, Any]:
         "/ready": _get("Readiness: a tokenizer replica and a decode worker are reachable "
                        "(prefill workers are optional)",
                        "ready", {"200": _json(ready, "Ready."),
-                                 "503": _json(ready, "Not ready; problems says why.")}),
+                                 "503": _json(ready, "Not ready; problems says why."),
+                                 **_error_responses(("401",))}),
         "/openapi.json": _get("This document", "openapi", {"200": _json(
             {"type": "object"}, "The OpenAPI 3.1 document.")}),
         "/": _get("The browser playground", "playground", {"200": {

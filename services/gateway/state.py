@@ -26,6 +26,7 @@ from services.common.pb import tokenizer_pb2
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.backend import Backend
 from services.gateway.body_budget import BodyBudget
+from services.gateway.grammar_pool import GrammarPool
 from services.gateway.choice import ChoiceDeps
 from services.gateway.config import GatewayConfig
 from services.gateway.decode_admission import DecodeAdmission
@@ -57,6 +58,7 @@ class GatewayState:
     metrics: TandemMetrics
     membership: Membership
     body_budget: BodyBudget
+    grammars: GrammarPool = field(default_factory=GrammarPool)  # grammar_pool.py
     token_limiter: RateLimiter | None = None
     model_info: tokenizer_pb2.ModelInfo | None = None
     token_texts: TokenTexts = field(default_factory=TokenIdTexts)

@@ -12,7 +12,11 @@
   serve ``/v1/embeddings`` alone) is ready when a prefill worker is healthy. Both answers carry
   every replica's details as JSON: ``problems`` (why not ready), ``warnings`` (what is
   degraded), ``tokenizer``, ``prefill`` and ``decode`` (one entry per replica, ``healthy`` and,
-  when it is not, ``error``), ``model`` and ``in_flight``.
+  when it is not, ``error``), ``model`` and ``in_flight``. Those details name internal addresses,
+  worker errors and cache statistics, so when API keys are configured only a caller with a valid
+  key sees them; anyone else (a load balancer's or kubelet's probe sends no key) gets the bare
+  ``{"status": ...}`` with the same status code, and a *wrong* key gets the usual 401. With no
+  keys configured (``--allow-no-auth``) everyone is the operator and sees the details.
 - ``/v1/models`` lists the served model names and ``/v1/models/{model}`` shows one
   (authenticated like every ``/v1`` route).
 """
@@ -65,8 +69,22 @@ async def health(_: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def _may_see_details(request: web.Request) -> bool:
+    """Whether ``/ready`` may show this caller its details: auth is off, or the caller sent a
+    valid key. A wrong key raises the 401 (a probe that sends none is not refused)."""
+    auth = request.app[STATE_KEY].auth
+    if not auth.enabled:
+        return True
+    header = request.headers.get("Authorization")
+    if header is None:
+        return False
+    auth.check(header)
+    return True
+
+
 async def ready(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    details = _may_see_details(request)
     tokenizers, router = state.tokenizers, state.router
     await tokenizers.poll_new()
     if tokenizers.healthy_count() and state.model_info is None:
@@ -90,6 +108,10 @@ async def ready(request: web.Request) -> web.Response:
     pools = router.workers("decode") and router.workers("prefill")
     if pools and router.healthy_count("prefill") == 0:
         warnings.append("prefill: no healthy worker; decode workers prefill every prompt")
+    status = 200 if not problems else 503
+    if not details:
+        return web.json_response({"status": "ready" if not problems else "not_ready"},
+                                 status=status)
     body = {
         "status": "ready" if not problems else "not_ready",
         "problems": problems,
@@ -100,4 +122,4 @@ async def ready(request: web.Request) -> web.Response:
         "decode": [router.describe(w) for w in router.workers("decode")],
         "in_flight": state.admission.in_flight,
     }
-    return web.json_response(body, status=200 if not problems else 503)
+    return web.json_response(body, status=status)

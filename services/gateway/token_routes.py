@@ -55,7 +55,7 @@ async def _body(
     api_key = state.auth.check(request.headers.get("Authorization"))
     client = client_id(api_key, request)
     check_request_rate(state, client)
-    obj = require_object(await read_body_in_budget(state, request, held))
+    obj = require_object(await read_body_in_budget(state, request, held, client))
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise InvalidArgumentError(f"Unrecognized request argument supplied: {unknown[0]}",

@@ -25,8 +25,10 @@ import re
 from collections.abc import Mapping, Sequence
 
 from services.common.errors import InvalidArgumentError
+from services.common.sampling_params import MAX_GRAMMAR_BYTES
 from services.gateway.api_schema import MAX_TOOLS
 from services.gateway.openai_fields import invalid_type
+from services.gateway.structured_outputs import GrammarSource, compile_source
 from services.gateway.tool_parsers import (
     PARSERS,
     TOOL_CALL_PARSERS,
@@ -56,6 +58,7 @@ __all__ = [
     "choose_format", "hermes_instructions", "hermes_text", "new_parser", "parse_calls",
     "parse_message_tool_calls", "parse_tools", "partial_marker", "template_renders_tools",
     "tool_grammar",
+    "tool_grammar_source",
 ]  # fmt: skip
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -176,6 +179,24 @@ def hermes_text(calls: Sequence[ToolCall]) -> str:
                      f"{c.arguments}}}\n{HERMES_CLOSE}" for c in calls)  # fmt: skip
 
 
+def tool_grammar_source(
+    request: ToolsRequest, fmt: str, special_tokens: Mapping[str, int] | None = None
+) -> GrammarSource:
+    """The Lark text of :func:`tool_grammar`, not compiled: the handlers compile it in the
+    grammar pool (``grammar_pool.py``), off the event loop; 400 naming ``tools`` when it is
+    over the size budget."""
+    if fmt not in PARSERS:
+        raise InvalidArgumentError(f"tool_choice {request.choice!r} cannot be enforced for the "
+                                   f"{fmt} format; use 'auto'", param="tool_choice")  # fmt: skip
+    rules = PARSERS[fmt].grammar(request.chosen, request.many, literal_for(special_tokens))
+    lark = "start: calls\n" + rules
+    if len(lark.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidArgumentError(
+            f"The tools' parameters are too large to enforce (over {MAX_GRAMMAR_BYTES} bytes as "
+            "a grammar).", param="tools", code="invalid_value")  # fmt: skip
+    return GrammarSource("lark", lark, "tools")
+
+
 def tool_grammar(
     request: ToolsRequest, fmt: str, special_tokens: Mapping[str, int] | None = None
 ) -> str:
@@ -183,19 +204,8 @@ def tool_grammar(
     that one, exactly once), with arguments valid against the tool's ``parameters``.
     ``special_tokens`` (the tokenizer's text -> id) says which markers are single special
     tokens (then the grammar asks for that token, as the model was trained to write it, e.g.
-    Mistral's ``[TOOL_CALLS]``) rather than text."""
-    import llguidance
-
-    if fmt not in PARSERS:
-        raise InvalidArgumentError(f"tool_choice {request.choice!r} cannot be enforced for the "
-                                   f"{fmt} format; use 'auto'", param="tool_choice")  # fmt: skip
-    rules = PARSERS[fmt].grammar(request.chosen, request.many, literal_for(special_tokens))
-    grammar = llguidance.LLMatcher.grammar_from_lark("start: calls\n" + rules)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise InvalidArgumentError(f"Invalid tool parameters: {error.strip()}", param="tools",
-                                   code="invalid_value")  # fmt: skip
-    return grammar
+    Mistral's ``[TOOL_CALLS]``) rather than text. Compiles on the calling thread."""
+    return compile_source(tool_grammar_source(request, fmt, special_tokens))
 
 
 # --------------------------------------------------------------------------- output parsing

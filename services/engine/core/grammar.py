@@ -56,7 +56,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -65,6 +64,7 @@ import numpy as np
 import torch
 
 from services.common.errors import InvalidArgumentError
+from services.common.grammar_cache import GrammarCache, grammar_key
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ T = TypeVar("T")
 
 CACHED_GRAMMARS = 64
 """Compiled grammars kept per worker: a repeated schema (every request of one application sends
-the same) is compiled once, and each request gets a cheap copy of the fresh matcher."""
+the same) is compiled once, and each request gets a cheap copy of the fresh matcher. The cache is
+``services/common/grammar_cache.py``'s, the gateway's type, keyed by the digest of the grammar
+string the gateway compiled (what is shared with the gateway, and what cannot be: see there)."""
 
 
 class MatcherOwnershipError(RuntimeError):
@@ -197,7 +199,7 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=eos or None)  # fmt: skip
         self.vocab_size = vocab_size
-        self._fresh: OrderedDict[str, Any] = OrderedDict()
+        self._fresh: GrammarCache[Any] = GrammarCache(CACHED_GRAMMARS)
 
     @classmethod
     def create(cls, tokenizer_json: str | None, vocab_size: int,
@@ -217,17 +219,14 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> Any:
         """A fresh ``LLMatcher`` for ``grammar``; InvalidArgumentError naming the problem when
         the grammar does not compile against this tokenizer."""
-        fresh = self._fresh.get(grammar)
+        key = grammar_key(grammar)
+        fresh = self._fresh.get(key)
         if fresh is None:
             fresh = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             if fresh.is_error():
                 raise InvalidArgumentError(f"the output grammar is invalid: {fresh.get_error()}",
                                            param="response_format")  # fmt: skip
-            self._fresh[grammar] = fresh
-            if len(self._fresh) > CACHED_GRAMMARS:
-                self._fresh.popitem(last=False)
-        else:
-            self._fresh.move_to_end(grammar)
+            self._fresh.put(key, fresh)
         return fresh.deep_copy()
 
 

@@ -1,0 +1,147 @@
+"""What a flood of distinct large JSON schemas does to a concurrent client's inter-token latency.
+
+    tandem up &                                   # or any running gateway
+    python bench/grammar_flood.py --url http://127.0.0.1:8000 [--api-key KEY] \\
+        [--schemas 500] [--schema-kib 200] [--flood-concurrency 16] [--tokens 64] [--rounds 3]
+
+Issue 47's bar: 500 distinct 200 KiB schemas must not raise a concurrent client's ITL p50 by more
+than 20%. Each round streams one plain chat completion (``--tokens`` tokens, ``ignore_eos``)
+alone, then again while ``--schemas`` requests, each with its own schema of about
+``--schema-kib`` KiB, are sent ``--flood-concurrency`` at a time (each with ``max_tokens`` 1:
+the point is their compilation, which the gateway does in its grammar worker pool, and the
+workers' matcher build for the ones that get that far). Prints one row per phase: ITL p50/p95
+(ms) of the plain stream, its time to first token, and how the flood's requests were answered
+(status codes: 400 ``grammar_too_complex`` is the time budget at work).
+
+Heavy by design: on a shared machine run it with small numbers (``--schemas 16
+--schema-kib 100``), and never as part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import logging
+import statistics
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def schema(seed: int, kib: int) -> dict[str, Any]:
+    """A distinct schema of about ``kib`` KiB: patterned string properties (~60 bytes each)."""
+    fields = max(1, kib * 1024 // 62)
+    return {"type": "object", "required": [f"s{seed}_0"], "properties": {
+        f"s{seed}_{k}": {"type": "string", "pattern": f"^[a-z]{{{k % 7 + 1}}}[0-9]+{seed}$"}
+        for k in range(fields)}}  # fmt: skip
+
+
+async def stream_itl(session: Any, url: str, headers: dict[str, str], model: str,
+                     tokens: int) -> tuple[float, list[float]]:  # fmt: skip
+    """Time to first token and the gaps between tokens of one plain streamed completion."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Count slowly."}],
+            "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content"' in line:
+                arrivals.append(time.perf_counter())
+    if not arrivals:
+        raise RuntimeError("the plain stream produced no token")
+    return arrivals[0] - started, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+async def flood(session: Any, url: str, headers: dict[str, str], model: str, count: int,
+                kib: int, concurrency: int, seed: int) -> collections.Counter[str]:  # fmt: skip
+    """Send ``count`` requests with distinct schemas, ``concurrency`` at a time."""
+    answers: collections.Counter[str] = collections.Counter()
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": f"flood{i}", "schema": schema(seed * 100_000 + i, kib)}}}  # fmt: skip
+        async with gate:
+            async with session.post(url + "/v1/chat/completions", data=json.dumps(body),
+                                    headers={**headers, "Content-Type": "application/json"}) as r:
+                payload = await r.read()
+                code = ""
+                if r.status != 200:
+                    try:
+                        code = json.loads(payload)["error"].get("code") or ""
+                    except (ValueError, KeyError, TypeError):
+                        code = "?"
+                answers[f"{r.status}{' ' + code if code else ''}"] += 1
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return answers
+
+
+async def run(args: argparse.Namespace) -> None:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    rows: list[tuple[str, float, float, float, str]] = []
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        if args.model is None:  # the gateway's first served name
+            async with session.get(args.url + "/v1/models", headers=headers) as resp:
+                resp.raise_for_status()
+                args.model = (await resp.json())["data"][0]["id"]
+        for round_ in range(args.rounds):
+            ttft, gaps = await stream_itl(session, args.url, headers, args.model, args.tokens)
+            rows.append(("alone", ttft, *_p50_p95(gaps), ""))
+            flooding = asyncio.create_task(flood(session, args.url, headers, args.model,
+                                                 args.schemas, args.schema_kib,
+                                                 args.flood_concurrency, round_))  # fmt: skip
+            await asyncio.sleep(0.5)  # the flood is compiling
+            ttft, gaps = await stream_itl(session, args.url, headers, args.model, args.tokens)
+            answers = await flooding
+            rows.append(("with flood", ttft, *_p50_p95(gaps),
+                         ", ".join(f"{k}: {v}" for k, v in sorted(answers.items()))))
+    _print(rows, args)
+
+
+def _p50_p95(gaps: list[float]) -> tuple[float, float]:
+    ordered = sorted(gaps) or [0.0]
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def _print(rows: list[tuple[str, float, float, float, str]], args: argparse.Namespace) -> None:
+    print(f"\n{args.schemas} distinct ~{args.schema_kib} KiB schemas, {args.flood_concurrency} at "
+          f"a time; plain stream of {args.tokens} tokens; {args.url}\n")
+    print("| phase | TTFT (ms) | ITL p50 (ms) | ITL p95 (ms) | flood answers |")
+    print("|---|---:|---:|---:|---|")
+    for phase, ttft, p50, p95, answers in rows:
+        print(f"| {phase} | {ttft * 1e3:.1f} | {p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {answers} |")
+    alone = [r[2] for r in rows if r[0] == "alone"]
+    flooded = [r[2] for r in rows if r[0] == "with flood"]
+    if alone and flooded:
+        change = statistics.median(flooded) / statistics.median(alone) - 1
+        print(f"\nITL p50, median over rounds: {statistics.median(alone) * 1e3:.2f} ms alone, "
+              f"{statistics.median(flooded) * 1e3:.2f} ms with the flood ({change:+.0%})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--model", default=None, help="default: the gateway's first model")
+    parser.add_argument("--schemas", type=int, default=500)
+    parser.add_argument("--schema-kib", type=int, default=200)
+    parser.add_argument("--flood-concurrency", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Per-deployment trust domains and key custody (issue 47, item 3), with real gRPC servers on
+127.0.0.1 and the real ``tandem certs init``:
+
+- a certificate the same CA signed, for the right role but another deployment's trust domain
+  (``spiffe://<other>/gateway``), passes the TLS handshake and gets PERMISSION_DENIED on every
+  RPC: two deployments under one issuer no longer accept each other;
+- only URI SANs count: a DNS SAN that reads ``spiffe://tandem/gateway`` grants nothing;
+- ``tandem certs init --role-dir ROLE=DIR`` leaves each role's key alone in its directory and
+  the CA key in the CA's only, with one generated trust domain per deployment (a new one per
+  init, kept for roles issued later by ``--if-missing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+
+from services.certs_cli import add_arguments, run
+from services.cli import main as tandem_main
+from services.common.cert_authority import issue
+from services.common.errors import InvalidArgumentError
+from services.common.grpc_channel import open_channel
+from services.common.grpc_server import GrpcServerHandle, start_grpc_server
+from services.common.internal_tls import InternalTls
+from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.spiffe_id import parse, roles_of, trust_domain_of, uri_sans
+from tests.tls_identities import session_ca, tls_for
+
+TOKENIZE = "/tandem.v1.Tokenizer/GetModelInfo"
+
+
+class _Tokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+    async def GetModelInfo(self, request: object, context: object) -> tokenizer_pb2.ModelInfo:
+        return tokenizer_pb2.ModelInfo()
+
+
+@pytest.fixture
+async def tokenizer_server() -> AsyncIterator[GrpcServerHandle]:
+    handle = await start_grpc_server(
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, _Tokenizer(), "tandem.v1.Tokenizer")],
+        tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
+    )  # fmt: skip
+    yield handle
+    await handle.stop(0)
+
+
+def _identity(role: str, **kwargs: object) -> InternalTls:
+    issued = issue(session_ca(), role, **kwargs)  # type: ignore[arg-type]
+    return InternalTls.from_pem(issued.cert_pem, issued.key_pem, session_ca().cert_pem)
+
+
+async def _code(address: str, tls: InternalTls) -> grpc.StatusCode:
+    async with open_channel(address, tls=tls, server_role="tokenizer") as channel:
+        call = channel.unary_unary(TOKENIZE, request_serializer=lambda _: b"",
+                                   response_deserializer=lambda b: b)  # fmt: skip
+        try:
+            await call(b"", timeout=5)
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+async def test_another_deployments_certificate_gets_no_role(
+    tokenizer_server: GrpcServerHandle,
+) -> None:
+    address = tokenizer_server.address
+    assert tls_for("tokenizer").trust_domain == "tandem"  # the test CA's fixed domain
+    assert await _code(address, tls_for("gateway")) == grpc.StatusCode.OK
+    foreign = _identity("gateway", trust_domain="tandem-other-deployment")
+    assert foreign.trust_domain == "tandem-other-deployment"
+    assert await _code(address, foreign) == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_only_uri_sans_name_a_role(tokenizer_server: GrpcServerHandle) -> None:
+    # an operator certificate whose *DNS* SAN reads like the gateway's SPIFFE ID
+    sneaky = _identity("operator", extra_names=["spiffe://tandem/gateway"])
+    assert "spiffe://tandem/gateway" not in uri_sans(sneaky.cert_pem)
+    assert roles_of(sneaky.cert_pem, "tandem", frozenset({"gateway", "operator"})) == {"operator"}
+    assert await _code(tokenizer_server.address, sneaky) == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_spiffe_ids_parse_strictly() -> None:
+    assert parse("spiffe://tandem-1a/decode") == ("tandem-1a", "decode")
+    for bad in ("spiffe://tandem", "spiffe://tandem/", "spiffe://Tandem/decode",
+                "spiffe://tandem/a/b", "https://tandem/decode", "spiffe:///decode"):  # fmt: skip
+        assert parse(bad) is None, bad
+    assert trust_domain_of(b"not a certificate") == ""
+
+
+def _init(directory: Path, *extra: str) -> None:
+    assert tandem_main(["certs", "init", str(directory), *extra]) == 0
+
+
+def test_certs_init_keeps_each_key_in_its_own_directory(tmp_path: Path) -> None:
+    ca_dir = tmp_path / "ca"
+    roles = ("gateway", "tokenizer", "prefill", "decode")
+    dirs = {role: tmp_path / f"certs-{role}" for role in roles}
+    _init(ca_dir, "--if-missing", *(f"--role-dir={r}={d}" for r, d in dirs.items()))
+    assert (ca_dir / "ca-key.pem").exists()
+    domain = (ca_dir / "trust-domain").read_text().strip()
+    assert domain.startswith("tandem-") and len(domain) == len("tandem-") + 12
+    for role, directory in dirs.items():
+        files = sorted(p.name for p in directory.iterdir())
+        assert files == sorted(["ca.pem", f"{role}.pem", f"{role}-key.pem"]), (role, files)
+        assert stat.S_IMODE((directory / f"{role}-key.pem").stat().st_mode) == 0o600
+        cert = (directory / f"{role}.pem").read_bytes()
+        assert uri_sans(cert) == (f"spiffe://{domain}/{role}",)
+        assert not (ca_dir / f"{role}-key.pem").exists()  # not in the CA's directory either
+    # a new volume for one role later: issued from the kept CA, in the same trust domain
+    new_decode = tmp_path / "certs-decode-new"
+    _init(ca_dir, "--if-missing", f"--role-dir=decode={new_decode}")
+    assert trust_domain_of((new_decode / "decode.pem").read_bytes()) == domain
+    assert (new_decode / "ca.pem").read_bytes() == (ca_dir / "ca.pem").read_bytes()
+    # another deployment: another trust domain; a chosen one is used as given
+    _init(tmp_path / "other")
+    assert (tmp_path / "other" / "trust-domain").read_text().strip() != domain
+    _init(tmp_path / "named", "--trust-domain", "prod.example")
+    assert trust_domain_of((tmp_path / "named" / "gateway.pem").read_bytes()) == "prod.example"
+
+
+def test_certs_init_refuses_bad_role_dirs_and_domains(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for bad in (["--role-dir", "nobody=/x"], ["--role-dir", "decode"],
+                ["--trust-domain", "Not Valid"]):  # fmt: skip
+        with pytest.raises(InvalidArgumentError):
+            run(parser.parse_args([str(tmp_path / "x"), *bad]))
