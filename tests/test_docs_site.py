@@ -45,6 +45,7 @@ def test_the_site_builds_strict_with_no_warning(tmp_path: Path) -> None:
     assert not warnings, warnings
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "img" / "architecture.svg").is_file()
+    assert (tmp_path / "site" / "img" / "grafana-dashboard.png").is_file()
 
 
 def _nav_pages(nav: object) -> list[str]:
