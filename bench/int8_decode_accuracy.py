@@ -1,4 +1,4 @@
-"""What ``q4_a8``'s int8 decode rows cost in tokens: the README's agreement with float32.
+"""What ``q4_a8``'s int8 decode rows cost in tokens: docs/models.md's agreement with float32.
 
     python bench/int8_decode_accuracy.py [--model default|gemma3-270m] [--tokens 64]
 

@@ -139,7 +139,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tok, pre, dec, http, http_metrics, tok_metrics, pre_metrics, dec_metrics = free_ports(8)
     # q4: the default GGUF's 4-bit weights with float32 activations, whose greedy text is the
     # float32 engine's (the reference below); auto's q4_a8 rounds prompts' activations as
-    # llama.cpp does, and answers FRANCE without "Paris" (README).
+    # llama.cpp does, and answers FRANCE without "Paris" (docs/getting-started.md, `tandem
+    # generate`).
     worker = ["--host", "127.0.0.1", "--num-blocks", "512", "--dtype", "q4"]
     procs: list[subprocess.Popen[bytes]] = []
     try:

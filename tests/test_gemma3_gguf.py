@@ -11,7 +11,7 @@ the same file, and served end to end.
 4. ``tandem up --model PATH`` (float32 workers, a prefill and a decode) answers an OpenAI chat
    completion through the real gateway with the text transformers' greedy decoding gives.
 5. The quantized default (``--dtype auto``) against float32: greedy agreement, teacher-forced
-   argmax agreement and the largest logit difference, printed (the README records them) and held
+   argmax agreement and the largest logit difference, printed (docs/models.md records them) and held
    to loose bounds.
 
 The model is the pretrained (not instruction-tuned) 270M: its chats echo the question, so the
@@ -237,7 +237,7 @@ def test_served_chat_completion_through_tandem_up(
 
 @torch.no_grad()
 def test_quantized_default_against_float32(ours: LoadedModel, gguf_path: Path, tokenizer: Tokenizer) -> None:
-    """``--dtype auto`` against float32 on 8 prompts × 32 greedy tokens; the README's numbers."""
+    """``--dtype auto`` against float32 on 8 prompts × 32 greedy tokens: docs/models.md's."""
     quant = load_model(str(gguf_path), "auto")
     prompts = _prompts(tokenizer)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

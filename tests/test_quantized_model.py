@@ -414,9 +414,9 @@ def test_smollm2_q4_a8_rounds_prompt_activations_to_int8(  # type: ignore[no-unt
     smol_f32, smol_q4
 ) -> None:
     """``q4_a8``: q4's weights, prompt tokens' rows over int8 activations (llama.cpp's scheme),
-    generated tokens' over float32 ones. Measured against float32, as the README states: teacher-
-    forced argmax over float32's greedy text (every position through the int8 path), free-running
-    greedy tokens, logits."""
+    generated tokens' over float32 ones. Measured against float32, as docs/models.md states:
+    teacher-forced argmax over float32's greedy text (every position through the int8 path),
+    free-running greedy tokens, logits."""
     (f32, f32_tokens, _), (_, q4_tokens, _) = smol_f32, smol_q4
     q4a8 = load_model("default", "q4_a8")
     assert q4a8.weight_format == "q4_a8" and q4a8.int8_activations

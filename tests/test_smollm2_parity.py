@@ -1,8 +1,8 @@
 """The default SmolLM2 GGUF: Tandem's GGUF loader + paged engine vs transformers on the same file.
 
 Greedy generation of 32 tokens must equal transformers' token for token on several prompts
-(run as one batch through the paged engine), logits must match to ~1e-4, and the README's
-``tandem generate ... --json`` demo must print transformers' token ids.
+(run as one batch through the paged engine), logits must match to ~1e-4, and the
+``tandem generate ... --json`` demo of docs/getting-started.md must print transformers' token ids.
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ def test_greedy_32_tokens_match_transformers_batched(ours: LoadedModel, hf_model
 
 
 def test_cli_generate_json_matches_transformers(hf_model, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """The README's ``tandem generate`` example with ``--dtype q4``: the GGUF's 4-bit weights with
-    float32 activations give transformers' greedy ids (the default, ``q4_a8`` on AVX2/AVX-512,
-    rounds the prompt's activations as llama.cpp does and flips this prompt's first token)."""
+    """docs/getting-started.md's ``tandem generate`` example with ``--dtype q4``: the GGUF's
+    4-bit weights with float32 activations give transformers' greedy ids (the default, ``q4_a8``
+    on AVX2/AVX-512, rounds the prompt's activations as llama.cpp does and flips this prompt's
+    first token)."""
     question = "What is the capital of France?"
     proc = subprocess.run(
         [sys.executable, "-m", "services", "generate", "--model", "default", "--chat", question,

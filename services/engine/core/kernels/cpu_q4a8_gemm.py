@@ -4,7 +4,7 @@
 to int8 per group of 32 inputs (llama.cpp's activation scheme) and multiplied by the ``q4`` or
 ``q4_k`` tiles of :class:`~services.engine.core.kernels.cpu_qgemv.CpuQGemv` in integer arithmetic. It reads the
 same tiles as the weight-only kernel (no second copy of the weight). Its results differ from
-float32's by the activations' rounding, measured in the README; ``--dtype q4`` (float32
+float32's by the activations' rounding, measured in docs/models.md; ``--dtype q4`` (float32
 activations throughout) is the exact alternative.
 
 :func:`load_cpu_q4a8_gemm` builds it once per process and instruction set (the one selected when it

@@ -16,7 +16,7 @@ Weight dtypes (``--dtype``):
   blocks to keep, so ``q4`` needs a GGUF;
 * ``q4_a8``: ``q4``'s weights, and every row of the 4-bit matrices rounds its activations to int8
   per group of 32, as llama.cpp does: integer multiply-adds, about twice the float32 rate on AVX2.
-  It moves the logits by the activations' rounding (measured in the README), the trade llama.cpp
+  It moves the logits by the activations' rounding (measured in docs/models.md), the trade llama.cpp
   makes for every matmul;
 * ``q4_a8_decode``: ``q4_a8``, and every other quantized matrix's rows over int8 activations too
   (the int8 decode kernel): llama.cpp's trade for every matmul. Prompt and generated tokens' rows
