@@ -178,7 +178,7 @@ def test_the_recipes_compose_override_renders(tmp_path: Path) -> None:
         assert mounts(name) == {"/certs", "/models"}, name
         assert services[name]["environment"]["TANDEM_MODEL"] == env["TANDEM_MODEL"]
     gateway = services["gateway"]
-    assert mounts("gateway") == {"/certs", "/models", "/https"}
+    assert mounts("gateway") == {"/certs", "/models", "/https", "/var/lib/tandem"}  # + API key
     assert gateway["environment"]["TANDEM_HTTPS_CERT"] == "/https/cert.pem"
     assert gateway["environment"]["TANDEM_TLS_CERT"] == "/certs/gateway.pem"  # mTLS kept
     assert gateway["environment"]["TANDEM_API_KEYS"] == "sk-mykey"
