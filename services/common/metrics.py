@@ -278,8 +278,9 @@ class TandemMetrics:
         self.requests_throttled = Counter(
             "tandem:requests_throttled_total",
             "Requests the gateway answered HTTP 429, by error code (rate_limit_exceeded: the API "
-            "key's rate limit; server_overloaded: --max-in-flight reached; other: a worker out "
-            "of room).",
+            "key's rate limit; server_overloaded: --max-in-flight reached; client_concurrency: "
+            "the client's share of the admission slots; client_body_budget: the client's share "
+            "of the request-body memory; other: a worker out of room).",
             ["code"],
             registry=r,
         )
