@@ -3,7 +3,7 @@ copy-heavy workload, ``tandem bench serve`` against each, in one run.
 
     python bench/speculative.py [--model default gemma3-270m] [--concurrency 1 16]
         [--num-prompts 8] [--output-tokens 160] [--text-tokens 500] [--output-dir DIR]
-        [--method ngram | --method draft --draft-model default --dtype float32]
+        [--method ngram | --method draft --draft-model default --dtype float32 [--draft-kv build]]
 
 ``--method draft`` measures a draft model instead of prompt lookup (e.g. a quantized self-draft:
 the served model as ``--dtype float32`` and its own 4-bit GGUF drafting with ``--draft-model
@@ -123,7 +123,7 @@ def sweep(args: argparse.Namespace, model: str, speculative: bool, prompts: Path
     if speculative:
         flags += ["--speculative", args.method, "--num-speculative-tokens", str(args.k)]
         if args.method == "draft":
-            flags += ["--draft-model", args.draft_model]
+            flags += ["--draft-model", args.draft_model, "--worker-args", f"--draft-kv {args.draft_kv}"]
     model_flags = [] if model == "default" else ["--model", model]
     argv = [str(tandem), "up", *model_flags, *flags]
     name = f"{model}-{args.method if speculative else 'off'}"
@@ -171,6 +171,9 @@ def main() -> int:
                         help="copy: repeat a given text (default); chat: open-ended questions")
     parser.add_argument("--method", choices=["ngram", "draft"], default="ngram")
     parser.add_argument("--draft-model", default="default", help="the draft method's model")
+    parser.add_argument("--draft-kv", choices=["auto", "build"], default="auto",
+                        help="the workers' --draft-kv: a handed-off prompt's draft KV adopted "
+                             "from the target's (auto, a same-shape draft) or built")
     parser.add_argument("--dtype", default=None, help="the served model's --dtype (both runs)")
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args()
@@ -188,7 +191,8 @@ def main() -> int:
     lines = [f"CPU: {cpu_model()}, {os.cpu_count()} cores; {workload}, greedy, up to "
              f"{args.output_tokens} tokens, {args.num_prompts} "
              f"requests per level, k={args.k}, --speculative {args.method}"
-             + (f" --draft-model {args.draft_model}" if args.method == "draft" else "")
+             + (f" --draft-model {args.draft_model} --draft-kv {args.draft_kv}"
+                if args.method == "draft" else "")
              + (f", --dtype {args.dtype}" if args.dtype else ""), "",
              f"| model | concurrency | off tok/s | {args.method} tok/s | speed-up | acceptance "
              f"| accepted / drafted | ITL p50 off → {args.method} |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
