@@ -97,7 +97,9 @@ class TinyStack:
             await asyncio.sleep(0.1)
 
     async def ready(self) -> dict[str, object]:
-        async with aiohttp.ClientSession() as s, s.get(self.url + "/ready") as r:
+        """The gateway's /ready with its details (asked with the stack's key, when it has one:
+        without one, a gateway with keys answers only its status)."""
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/ready", headers=self.headers) as r:
             body = await r.json()
             assert r.status == 200, body
             return body  # type: ignore[no-any-return]
