@@ -1,7 +1,9 @@
 """A real decode worker with ``--tensor-parallel-size 2`` (issue 48): ``tandem serve decode`` as
 an OS process, which starts its follower rank itself (Gloo, one core each). A prompt it prefills
 itself generates the same greedy tokens as the in-process engine at width 1; a KV hand-off into
-it is refused (not built yet); killing the worker takes its follower down (no orphan rank)."""
+it is refused (not built yet); killing the worker takes its follower down (no orphan rank), and
+killing the follower takes the worker down cleanly (its step fails, it exits as unhealthy for its
+supervisor to restart it whole)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 def children_of(pid: int) -> list[int]:
-    """The live processes whose parent is ``pid`` (from /proc)."""
+    """The live follower ranks ``pid`` started: its children that multiprocessing spawned (not
+    its resource tracker), from /proc."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -40,7 +43,8 @@ def children_of(pid: int) -> list[int]:
         except OSError:
             continue
         if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
+            if b"spawn_main" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
     return found
 
 
@@ -71,6 +75,14 @@ def worker() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         proc.wait(10)
 
 
+async def _wait_up(proc: subprocess.Popen[bytes], address: str) -> None:
+    try:
+        await wait_healthy(address, "tandem.v1.Decode", timeout=120, tls=tls_for("operator"))
+    except BaseException:
+        proc.kill()
+        pytest.fail("the worker did not come up:\n" + proc.communicate()[0].decode(errors="replace"))
+
+
 async def test_a_tensor_parallel_decode_worker_generates(
     worker: tuple[subprocess.Popen[bytes], int],
 ) -> None:
@@ -83,11 +95,7 @@ async def test_a_tensor_parallel_decode_worker_generates(
         [prompt], GREEDY
     )[0].new_token_ids
     address = f"127.0.0.1:{port}"
-    try:
-        await wait_healthy(address, "tandem.v1.Decode", timeout=120, tls=tls_for("operator"))
-    except BaseException:
-        proc.kill()
-        pytest.fail("the worker did not come up:\n" + proc.communicate()[0].decode(errors="replace"))
+    await _wait_up(proc, address)
     followers = children_of(proc.pid)
     assert followers, "the worker started no follower rank"
     channel = open_channel(address, tls=tls_for("gateway"))
@@ -111,3 +119,28 @@ async def test_a_tensor_parallel_decode_worker_generates(
     while any(alive(pid) for pid in followers):
         assert time.monotonic() < deadline, f"follower ranks {followers} outlived rank 0"
         time.sleep(0.1)
+
+
+async def test_a_dead_follower_takes_its_worker_down(
+    worker: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    """No rank waits forever: with its follower killed, the worker's next step fails, and the
+    worker exits with the unhealthy code (``worker_runtime.UNHEALTHY_EXIT_CODE``)."""
+    from services.engine.runtime.worker_runtime import UNHEALTHY_EXIT_CODE
+
+    proc, port = worker
+    address = f"127.0.0.1:{port}"
+    await _wait_up(proc, address)
+    (follower,) = children_of(proc.pid)
+    os.kill(follower, signal.SIGKILL)
+    channel = open_channel(address, tls=tls_for("gateway"))
+    try:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        request = decode_pb2.GenerateRequest(request_id="tp-3", prompt_token_ids=[5, 6, 7],
+                                             params=sampling_params_to_proto(GREEDY))  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError):
+            [m async for m in stub.Generate(request)]
+    finally:
+        await channel.close()
+    output = proc.communicate(timeout=60)[0].decode(errors="replace")
+    assert proc.returncode == UNHEALTHY_EXIT_CODE, output
