@@ -179,3 +179,19 @@ def test_quantized_weights_are_refused(tmp_path: Path) -> None:
     group = TensorParallelGroup(rank=0, world=2, device=torch.device("cpu"))  # never joined
     with pytest.raises(InvalidArgumentError, match="--tensor-parallel-size 2 with --dtype q8_0"):
         load_model("dummy:tiny", "q8_0", sharding=RankShard(group))
+
+
+def test_tandem_up_passes_the_width_to_colocated_decode_workers() -> None:
+    """``tandem up --mode colocated --tensor-parallel-size 2`` gives every decode worker the flag;
+    a disaggregated deployment is refused until hand-off between splits is built."""
+    from services.launch_plan import LaunchConfig, plan
+
+    specs = plan(LaunchConfig(mode="colocated", num_prefill=0, num_decode=2, gateway=False,
+                              tensor_parallel_size=2))  # fmt: skip
+    decode = [s.argv for s in specs if s.service == "decode"]
+    assert len(decode) == 2
+    assert all(a[a.index("--tensor-parallel-size") + 1] == "2" for a in decode)
+    plain = plan(LaunchConfig(mode="colocated", num_prefill=0, num_decode=1, gateway=False))
+    assert all("--tensor-parallel-size" not in s.argv for s in plain)
+    with pytest.raises(InvalidArgumentError, match="--tensor-parallel-size 2 needs --mode colocated"):
+        plan(LaunchConfig(num_prefill=1, num_decode=1, gateway=False, tensor_parallel_size=2))

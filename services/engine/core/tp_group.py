@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -98,10 +99,10 @@ class TensorParallelGroup:
             backend = "nccl"
         else:
             backend = "gloo"
-            # Gloo's own sockets: on the loopback unless the operator chose an interface
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo" if host.startswith("127.") else "")
-            if not os.environ["GLOO_SOCKET_IFNAME"]:
-                del os.environ["GLOO_SOCKET_IFNAME"]
+            # Gloo's own sockets on the loopback too (the ranks share one machine), unless the
+            # operator chose an interface: a hostname that resolves elsewhere cannot strand them
+            if host.startswith("127.") and sys.platform.startswith("linux"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group")
         dist.init_process_group(
