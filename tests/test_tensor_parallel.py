@@ -80,28 +80,33 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     return made
 
 
+HALF = ("qwen3", "bfloat16")  # CPU's weight-only 16-bit format, split before it is packed
+
+
 @pytest.fixture(scope="module")
-def width2(checkpoints: dict[str, tuple[Path, Any]]) -> dict[str, tuple[list[torch.Tensor], list[list[int]]]]:
-    """Every family's logits and greedy tokens at width 2: one real 2-rank group (rank 0 in a
-    process of its own, its follower spawned by it) loads the families one after another."""
-    folders = [str(folder) for folder, _ in checkpoints.values()]
+def width2(checkpoints: dict[str, tuple[Path, Any]]) -> dict[tuple[str, str], Any]:
+    """Every family's logits and greedy tokens at width 2 in float32 (and one in bfloat16): one
+    real 2-rank group (rank 0 in a process of its own, its follower spawned by it) loads the
+    models one after another."""
+    runs = [(name, "float32") for name in checkpoints] + [HALF]
+    jobs = [(str(checkpoints[name][0]), dtype) for name, dtype in runs]
     context = mp.get_context("spawn")
     results = context.Queue()
     driver = context.Process(target=tp_driver.run_rank0,
-                             args=(folders, 2, PROMPTS, GEN_PROMPTS, MAX_TOKENS, results))  # fmt: skip
+                             args=(jobs, 2, PROMPTS, GEN_PROMPTS, MAX_TOKENS, results))  # fmt: skip
     driver.start()
     found = {}
     try:
-        for _ in folders:
+        for _ in jobs:
             outcome = results.get(timeout=120)
             assert outcome[0] == "ok", f"{outcome[1]}: {outcome[2]}"
-            found[outcome[1]] = (outcome[2], outcome[3])
+            found[tuple(outcome[1])] = (outcome[2], outcome[3])
     finally:
         driver.join(30)
         if driver.is_alive():
             driver.kill()
     assert driver.exitcode == 0
-    return {name: found[str(folder)] for name, (folder, _) in checkpoints.items()}
+    return {run: found[job] for run, job in zip(runs, jobs, strict=True)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -121,7 +126,7 @@ def family(request: pytest.FixtureRequest, checkpoints: dict[str, tuple[Path, An
     width1 = (tp_driver.prefill_logits(single, PROMPTS),
               tp_driver.greedy(single, GEN_PROMPTS, MAX_TOKENS))  # fmt: skip
     return dict(name=name, expected=(expected_logits, expected_tokens), width1=width1,
-                width2=width2[name])
+                width2=width2[(name, "float32")])
 
 
 def test_tp2_logits_match_transformers_and_width1(family: dict[str, Any]) -> None:
@@ -141,6 +146,18 @@ def test_tp2_greedy_tokens_match_transformers_and_width1(family: dict[str, Any])
     _, width2 = family["width2"]
     assert width2 == expected
     assert width2 == width1
+
+
+def test_tp2_16bit_weights_match_width1(checkpoints: dict[str, tuple[Path, Any]],
+                                        width2: dict[tuple[str, str], Any]) -> None:  # fmt: skip
+    """bfloat16 weights (CPU: weight-only, float32 activations) are split before they are
+    packed: width 2 gives width 1's logits (to summation order) and tokens."""
+    name, dtype = HALF
+    single = load_model(str(checkpoints[name][0]), dtype)
+    logits, tokens = width2[HALF]
+    for one, two in zip(tp_driver.prefill_logits(single, PROMPTS), logits, strict=True):
+        torch.testing.assert_close(two, one, atol=ATOL, rtol=0)
+    assert tokens == tp_driver.greedy(single, GEN_PROMPTS, MAX_TOKENS)
 
 
 def _config(**changes: Any) -> ModelConfig:

@@ -52,25 +52,25 @@ def greedy(loaded: Any, prompts: list[list[int]], max_tokens: int) -> list[list[
     return [out.new_token_ids for out in engine.generate(prompts, params)]
 
 
-def run_rank0(folders: list[str], world: int, prompts: list[list[int]],
+def run_rank0(jobs: list[tuple[str, str]], world: int, prompts: list[list[int]],
               gen_prompts: list[list[int]], max_tokens: int, results: Queue) -> None:  # fmt: skip
-    """Start a ``world``-wide group; for each model folder (loaded one after another by every
-    rank) put ``("ok", folder, logits, tokens)`` on ``results``, or ``("error", folder, text)``
-    and stop."""
+    """Start a ``world``-wide group; for each ``(model folder, dtype)`` (loaded one after another
+    by every rank) put ``("ok", job, logits, tokens)`` on ``results``, or ``("error", job,
+    text)`` and stop."""
     logging.basicConfig(level=logging.WARNING)
     from services.engine.core.tp_follower import ShardSource, load_sharded, start_group
 
     group = None
-    folder = ""
+    job = ("", "")
     try:
         group = start_group(world, timeout_s=30)
-        for folder in folders:
-            loaded = load_sharded(group, ShardSource(folder))
+        for job in jobs:
+            loaded = load_sharded(group, ShardSource(*job))
             logits = prefill_logits(loaded, prompts)
             tokens = greedy(loaded, gen_prompts, max_tokens)
-            results.put(("ok", folder, [t.clone() for t in logits], tokens))
+            results.put(("ok", job, [t.clone() for t in logits], tokens))
     except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        results.put(("error", folder, traceback.format_exc()))
+        results.put(("error", job, traceback.format_exc()))
     finally:
         if group is not None:
             group.close()
