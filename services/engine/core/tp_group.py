@@ -13,6 +13,9 @@ Two channels, on purpose:
   blocking read of that pipe, not in a collective: an idle worker would otherwise trip the
   collectives' timeout, and a pipe says at once, by its end of file, that rank 0 is gone.
 
+``torch.distributed`` is imported only once a group is joined (the engine core alone, at width 1,
+does not need it).
+
 Only rank 0 sends plans (:meth:`TensorParallelGroup.send`); followers only read them
 (:meth:`TensorParallelGroup.recv`). Nothing here knows about models: see ``tp_shard.py`` (what a
 rank holds) and ``tp_follower.py`` (what a follower runs).
@@ -31,7 +34,6 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from services.common.errors import InvalidArgumentError
 
@@ -103,6 +105,8 @@ class TensorParallelGroup:
             # operator chose an interface: a hostname that resolves elsewhere cannot strand them
             if host.startswith("127.") and sys.platform.startswith("linux"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import torch.distributed as dist
+
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group")
         dist.init_process_group(
@@ -116,6 +120,8 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place (made contiguous first where it is not);
         returns the summed tensor."""
+        import torch.distributed as dist
+
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         dist.all_reduce(tensor)
@@ -123,12 +129,16 @@ class TensorParallelGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` into every rank's (same shape and dtype), in place."""
+        import torch.distributed as dist
+
         dist.broadcast(tensor, src=0)
         return tensor
 
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape everywhere) side by side along the last dim, in
         rank order."""
+        import torch.distributed as dist
+
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
         dist.all_gather(parts, tensor)
@@ -163,6 +173,8 @@ class TensorParallelGroup:
                     pass  # already gone
         for pipe in self.pipes:
             pipe.close()
+        import torch.distributed as dist
+
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
