@@ -96,6 +96,7 @@ class LaunchConfig:
     restart: bool = True
     tls_dir: str | None = None
     insecure_internal: bool = False
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,15 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     if config.mode not in MODES:
         raise InvalidArgumentError(f"--mode must be one of {', '.join(MODES)}", param="mode")
     colocated = config.mode == "colocated"
+    if config.tensor_parallel_size < 1:
+        raise InvalidArgumentError("--tensor-parallel-size must be >= 1",
+                                   param="tensor_parallel_size")  # fmt: skip
+    if config.tensor_parallel_size > 1 and not colocated:
+        raise InvalidArgumentError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} needs --mode colocated for "
+            "now: KV hand-off between tensor-parallel workers is not built yet "
+            "(docs/tensor-parallel.md)", param="tensor_parallel_size",
+        )  # fmt: skip
     if colocated and config.num_prefill:
         raise InvalidArgumentError("--mode colocated runs no prefill workers (drop --prefill)",
                                    param="prefill")  # fmt: skip
@@ -226,6 +236,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 extra += ["--kv-transport", config.kv_transport]
             if service == "decode":  # speculation is a decode step's business
                 extra += list(config.speculative)
+            if service == "decode" and config.tensor_parallel_size > 1:
+                extra += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
             if service == "prefill" and config.pooling is not None:  # embeddings are prefill's
                 extra += ["--pooling", config.pooling]
             grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])

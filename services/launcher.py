@@ -141,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc (CUDA "
              "workers sharing a GPU) | auto (the workers' default: cuda-ipc on CUDA, gRPC on "
              "CPU)")
+    add("--tensor-parallel-size", type=int, default=1, metavar="N",
+        help="split each decode worker's model over N ranks (processes) sharing its cores; "
+             "with --mode colocated only, for now (docs/tensor-parallel.md)")
     add("--speculative", choices=SPECULATIVE_METHODS, default=None,
         help="speculative decoding on every decode worker: ngram (prompt lookup; greedy and "
              "seeded output unchanged). Default: off")
@@ -208,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         restart=args.restart,
         tls_dir=args.certs,
         insecure_internal=args.insecure_internal,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if config.insecure_internal and config.tls_dir:
         raise InvalidArgumentError("--certs and --insecure-internal exclude each other",

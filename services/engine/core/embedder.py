@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import InvalidArgumentError, ResourceExhaustedError
+from services.common.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from services.common.pooling_config import POOLING_MODES
 from services.engine.core.attention import AttentionMetadata
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.models import CausalLM
+from services.engine.core.tp_shard import VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,12 @@ class Embedder:
         Raises:
             ResourceExhaustedError: the first input needs more blocks than the whole pool.
         """
+        if isinstance(self.model.embed_tokens, VocabParallelEmbedding):
+            # its forward would run on rank 0 alone: the followers are not handed this plan
+            raise FailedPreconditionError(
+                "embeddings are not served by a tensor-parallel worker yet "
+                "(--tensor-parallel-size > 1)", code="embeddings_tensor_parallel",
+            )
         if not inputs:
             return []
         if not self.fits_ever(len(inputs[0])):

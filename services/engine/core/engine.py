@@ -144,7 +144,7 @@ class LLMEngine:
         self.layout = KVLayout(
             num_layers=model_cfg.num_layers,
             block_size=self.config.block_size,
-            num_kv_heads=model_cfg.num_kv_heads,
+            num_kv_heads=loaded.model.config.num_kv_heads,  # a tensor-parallel rank's own
             head_dim=model_cfg.head_dim,
             dtype=dtype_name(kv_dtype),
         )

@@ -11,6 +11,10 @@ choice it makes on CPU is among paths that give a row the same bits (a token's n
 depend on its step, its batch or whether it is a prompt token: see ``linear.py``). On
 CUDA, decode steps replay captured graphs (:mod:`services.engine.core.cuda_graphs`) when the
 engine asks for them (:meth:`ModelRunner.capture_decode_graphs`).
+
+A tensor-parallel rank 0 (``loaded.sharding``) first hands each step's plan (token ids,
+positions, lengths, block tables) to its followers, which run the same forward on their shards
+(``tp_follower.py``); such a model takes neither the one-call C decode layers nor CUDA graphs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from services.engine.core.sampler import Sampler, SamplerOutput
 from services.engine.core.scheduler import ScheduledBatch
 from services.engine.core.sequence import Sequence
 from services.engine.core.step_phases import StepPhases
+from services.engine.core.tp_group import POOL, STEP, TensorParallelGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,11 @@ class ModelRunner:
         self.block_size = kv.layout.block_size
         self.device = next(self.model.parameters()).device
         self.graphs: DecodeGraphs | None = None
+        # rank 0 of a tensor-parallel group: hands every step's plan to the followers
+        self.tp: TensorParallelGroup | None = None
+        if loaded.sharding is not None and loaded.sharding.group.rank == 0:
+            self.tp = loaded.sharding.group
+            self.tp.send(POOL, kv.num_blocks, kv.layout)
         plan = pack_plan(self.device, loaded.dtype, int8_activations=loaded.int8_activations,
                          int8_decode=loaded.int8_decode)  # fmt: skip
         if plan is not None:
@@ -69,7 +79,8 @@ class ModelRunner:
             if fused is not None:
                 sampler.use_argmax(fused.argmax)
             _share_tied_table(self.model)
-            rows = self.model.use_decode_layers(load_cpu_decode_layers())
+            # the one-call layers cannot all-reduce between layers: per op at tensor-parallel
+            rows = 0 if loaded.sharding else self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
                 self._tune_decode_layers(rows)
         elif self.device.type == "cuda" and _graph_safe(self.model):
@@ -85,7 +96,7 @@ class ModelRunner:
         """Capture decode steps of up to ``max_batch`` sequences as CUDA graphs, their padding
         rows writing to ``scratch_block`` (a pool block the block manager never hands out).
         False (eager decode) when the attention backend reads host values in decode."""
-        if self.device.type != "cuda" or not _graph_safe(self.model):
+        if self.device.type != "cuda" or not _graph_safe(self.model) or self.tp is not None:
             return False
         width = min(max_blocks, -(-self.MAX_GRAPH_TOKENS // self.block_size))
         self.graphs = DecodeGraphs(self.model, self.kv, max_batch=max_batch, max_blocks=width,
@@ -141,6 +152,9 @@ class ModelRunner:
             if hidden is not None:
                 phases.lap("forward")  # a replay's inputs are copied inside the graph's run
         if hidden is None:
+            if self.tp is not None:
+                self.tp.send(STEP, not batch.is_decode, input_ids, positions, query_lens,
+                             context_lens, tables, prompt_counts)  # fmt: skip
             meta = AttentionMetadata.build(
                 is_prefill=not batch.is_decode,
                 query_lens=query_lens,

@@ -67,6 +67,9 @@ class WorkerOptions:
         health_port: also serve plaintext ``grpc.health.v1`` alone on this port (None: no).
         speculative: speculative decoding (``--speculative ngram`` and its knobs;
             ``services/engine/core/speculative.py``); None decodes one token per step.
+        tensor_parallel_size: ranks (processes) the model is split over (docs/tensor-parallel.md):
+            this process is rank 0 and starts the others, pinned to disjoint runs of
+            :attr:`cpus` (or of the cores it may run on); 1 runs the model whole, as ever.
     """
 
     model: str = "default"
@@ -92,6 +95,7 @@ class WorkerOptions:
     tls: InternalTls | None = None
     health_port: int | None = None
     speculative: SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
 
     def internal_tls(self) -> InternalTls:
         """:attr:`tls`, or InvalidArgumentError when none was given (mTLS is not optional)."""
@@ -149,6 +153,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
     parser.add_argument("--worker-id", default="", help="id reported in stats (default role-port)")
     parser.add_argument("--advertise-address", default=None,
                         help="host:port other services should use to reach this worker")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        default=env("TANDEM_TENSOR_PARALLEL_SIZE", "1"), metavar="N",
+                        help="split the model over N ranks (processes) of this worker: Gloo on "
+                             "CPU (ranks pinned to disjoint cores of --cpus), NCCL on CUDA (one "
+                             "GPU each); float weights only (default 1; env "
+                             "TANDEM_TENSOR_PARALLEL_SIZE; docs/tensor-parallel.md)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB")
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV pool size in blocks (overrides --kv-cache-gib)")
@@ -292,4 +302,15 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         enforce_eager=args.enforce_eager, tls=tls,
         health_port=None if args.health_port < 0 else args.health_port,
         speculative=speculative_from_args(args),
+        tensor_parallel_size=check_tensor_parallel_size(args.tensor_parallel_size),
     )
+
+
+def check_tensor_parallel_size(size: int) -> int:
+    """``--tensor-parallel-size`` checked (a positive integer) before any model loads."""
+    if not isinstance(size, int) or size < 1:
+        raise InvalidArgumentError(
+            f"--tensor-parallel-size must be a positive integer, got {size!r}",
+            param="tensor_parallel_size",
+        )
+    return size

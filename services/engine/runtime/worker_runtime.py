@@ -113,7 +113,7 @@ def build_engine(
             raise InvalidArgumentError("--threads must be >= 1", param="threads")
         torch.set_num_threads(options.threads)  # before this thread opens a parallel region
     if loaded is None:
-        loaded = load_model(options.model, parse_dtype(options.dtype), options.device)
+        loaded = load_worker_model(options)
     if tokenizer is None and load_tokenizer_too:
         tokenizer = load_tokenizer(loaded.source)
     eos = (tokenizer.eos_token_ids or None) if tokenizer is not None else None  # none: the model's
@@ -125,6 +125,28 @@ def build_engine(
     engine = LLMEngine(loaded, options.engine_config(), eos_token_ids=eos, grammars=grammars,
                        draft=draft)  # fmt: skip
     return engine, OutputText(tokenizer) if tokenizer is not None else None
+
+
+def load_worker_model(options: WorkerOptions) -> LoadedModel:
+    """The worker's model: whole, or with ``--tensor-parallel-size N`` this process's shard as
+    rank 0 of N, the followers started (pinned to disjoint runs of ``--cpus`` or of the cores this
+    thread may use; they exit with this process)."""
+    width = options.tensor_parallel_size
+    if width == 1:
+        return load_model(options.model, parse_dtype(options.dtype), options.device)
+    spec = options.speculative
+    if spec is not None and spec.method == "draft":
+        raise InvalidArgumentError(
+            f"--tensor-parallel-size {width} with --speculative draft: a draft model next to a "
+            "tensor-parallel one is not supported yet (ngram speculation is)",
+            param="tensor_parallel_size",
+        )
+    from services.engine.core.tp_follower import ShardSource, start_tensor_parallel
+
+    source = ShardSource(options.model, parse_dtype(options.dtype), options.device)
+    loaded = start_tensor_parallel(source, width, cores=options.cpus)
+    logger.info("model split over %d tensor-parallel ranks (this process is rank 0)", width)
+    return loaded
 
 
 def load_draft(spec: SpeculativeConfig | None, target: LoadedModel, tokenizer: Tokenizer | None,

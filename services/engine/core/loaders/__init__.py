@@ -38,12 +38,14 @@ KV cache, as the 16-bit float weights do on CPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from services.common.errors import ModelLoadError
+from services.common.errors import InvalidArgumentError, ModelLoadError
 from services.common.model_fingerprint import fingerprint, weights_digest
 from services.common.model_source import ModelSource, resolve_model
 from services.engine.core.attention_backends import make_attention_backend
@@ -58,6 +60,8 @@ from services.engine.core.loaders.hf_folder import hf_weight_dtypes, iter_hf_wei
 from services.engine.core.loaders.weights import empty_model, load_weights
 from services.engine.core.models import CausalLM
 from services.common.model_config import ModelConfig
+from services.engine.core.quant.quantized_weight import QuantizedWeight
+from services.engine.core.tp_group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,20 @@ _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 _HALF_TYPES = {"BF16": "bfloat16", "F16": "float16"}  # GGUF and safetensors spell them alike
 
 
+class Sharding(Protocol):
+    """How one tensor-parallel rank builds and fills its part of the model
+    (``tp_shard.RankShard``): the shape it builds, the layers it switches before loading, and its
+    slice of each weight as the checkpoint streams."""
+
+    group: TensorParallelGroup
+
+    def shard_config(self, config: ModelConfig) -> ModelConfig: ...
+    def prepare(self, model: CausalLM) -> None: ...
+    def shard_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A ready model with its config and where it came from."""
@@ -84,6 +102,9 @@ class LoadedModel:
     dtype: torch.dtype  # activations and KV cache
     weight_format: str = "float32"  # a name from DTYPE_CHOICES other than auto
     fingerprint: str = ""  # shape + weights' digest (services/common/model_fingerprint.py)
+    # this rank's part of a tensor-parallel model (``model`` is then built with
+    # ``sharding.shard_config(config)``; ``config`` stays the whole model's); None: width 1
+    sharding: Sharding | None = None
 
     @property
     def int8_activations(self) -> bool:
@@ -153,11 +174,14 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
     attention: str = "auto",
+    sharding: Sharding | None = None,
 ) -> LoadedModel:
     """Resolve ``model`` and build the network with its weights on ``device``.
 
     ``dtype`` is a torch float dtype or a name from :data:`DTYPE_CHOICES` (``auto``, ``q4``, ...);
-    ``attention`` names the paged-attention backend (see ``attention_backends.BACKENDS``).
+    ``attention`` names the paged-attention backend (see ``attention_backends.BACKENDS``);
+    ``sharding``: build and fill only this tensor-parallel rank's part (float weights only:
+    quantized ones are not split across ranks yet, an InvalidArgumentError).
     """
     source = resolve_model(model) if isinstance(model, str) else model
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -168,22 +192,36 @@ def load_model(
     quantize = weights if compact else None  # linear and embedding weights' storage
     gguf_blocks = quantize if quantize in QUANT_DTYPES else None  # kept as the file stores them
     compute = torch.float32 if compact else DTYPES[weights]
+    if sharding is not None and weights in QUANT_DTYPES:
+        raise InvalidArgumentError(
+            f"--tensor-parallel-size {sharding.group.world} with --dtype {weight_format}"
+            f"{' (from auto)' if name == 'auto' else ''}: quantized weights are not split across "
+            "ranks yet; use --dtype float32 (or bfloat16 / float16)",
+            param="tensor_parallel_size",
+        )
     backend = make_attention_backend(attention, device)
     if source.kind == "dummy":
         config = dummy_config(source.path)
-        net = empty_model(config, compute, device, backend, quantized=bool(quantize))
-        load_weights(net, iter_dummy_weights(config, compute, device), quantize)
+        weight_iter: Iterable[tuple[str, torch.Tensor | QuantizedWeight]] = iter_dummy_weights(
+            config, compute, device
+        )
     elif source.kind == "gguf":
         reader = open_gguf(Path(source.path))
         config = gguf_config(reader)
-        net = empty_model(config, compute, device, backend, quantized=bool(quantize))
-        load_weights(net, iter_gguf_weights(reader, config, gguf_blocks), quantize)
+        weight_iter = iter_gguf_weights(reader, config, gguf_blocks)
     elif source.kind == "hf":
         config = read_hf_config(Path(source.path))
-        net = empty_model(config, compute, device, backend, quantized=bool(quantize))
-        load_weights(net, iter_hf_weights(Path(source.path)), quantize)
+        weight_iter = iter_hf_weights(Path(source.path))
     else:  # pragma: no cover - ModelSource.kind is a closed set
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
+    if sharding is None:
+        net = empty_model(config, compute, device, backend, quantized=bool(quantize))
+    else:
+        net = empty_model(sharding.shard_config(config), compute, device, backend,
+                          quantized=bool(quantize))  # fmt: skip
+        sharding.prepare(net)
+        weight_iter = sharding.shard_weights(weight_iter)
+    load_weights(net, weight_iter, quantize)
     logger.info(
         "loaded %s (%s, %d layers, %s%s) on %s",
         source.name, config.architecture, config.num_layers, weight_format,
@@ -195,4 +233,5 @@ def load_model(
     return LoadedModel(
         source=source, config=config, model=net, dtype=compute, weight_format=weight_format,
         fingerprint=fingerprint(config.fingerprint(), weights_digest(source)),
+        sharding=sharding,
     )
