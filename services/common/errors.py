@@ -80,12 +80,14 @@ class FailedPreconditionError(TandemError):
 
 
 class PermissionDeniedError(TandemError):
-    """An authenticated caller asked for something it may not do, e.g. KV for a request it
-    holds no reservation for (HTTP 403, gRPC PERMISSION_DENIED)."""
+    """An authenticated service asked another for something it may not do, e.g. KV for a
+    request it holds no reservation for (gRPC PERMISSION_DENIED). It is between services: an HTTP
+    client that meets it (services of one deployment refusing each other) sees a server error,
+    502, never a 403 about its own rights."""
 
     grpc_code = "PERMISSION_DENIED"
-    http_status = 403
-    error_type = "permission_error"
+    http_status = 502
+    error_type = "server_error"
 
 
 class DataLossError(TandemError):

@@ -204,7 +204,7 @@ _ERRORS: dict[str, str] = {
     "413": "The body is over the gateway's --max-body-bytes (code request_too_large).",
     "429": "Over the API key's rate limit or the gateway's in-flight limit; nothing is queued.",
     "500": "An internal error (the details are only in the gateway's log).",
-    "502": "A worker's data failed its checksum.",
+    "502": "A worker's data failed its checksum, or one service refused another's call.",
     "503": "A backend service is not ready or not reachable, or no decode worker has room (code "
            "decode_capacity).",
 }  # fmt: skip
