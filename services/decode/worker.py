@@ -70,18 +70,6 @@ class DecodeWorker:
         if self.channel is not None:
             self.channel.close()
 
-    def refuse_kv_if_split(self) -> None:
-        """A FailedPreconditionError when this worker runs tensor-parallel: its follower ranks'
-        KV pools hold their own heads, which a hand-off does not reach yet (issue 48); such a
-        worker serves the prompts it prefills itself (``generate_local``)."""
-        sharding = self.engine_loop.engine.loaded.sharding
-        if sharding is not None:
-            raise FailedPreconditionError(
-                f"this decode worker runs --tensor-parallel-size {sharding.group.world}: taking "
-                "KV handed off by a prefill worker is not supported yet (it prefills its "
-                "prompts itself)", code="kv_tensor_parallel",
-            )  # fmt: skip
-
     async def receive_kv(
         self,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
@@ -91,7 +79,6 @@ class DecodeWorker:
         """Run one ``TransferKV`` stream; ``accept(metadata)`` sends the go-ahead (with the KV
         channel's advert when the sender offered one and this worker serves that channel);
         ``caller``: the sender's identity (a channel's store answers only that peer)."""
-        self.refuse_kv_if_split()
         if self.channel is not None:
             return await self.channel.receive(messages, accept, caller)
         return await self.receiver.receive(messages, lambda: accept(()))

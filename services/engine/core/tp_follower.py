@@ -5,7 +5,8 @@ spawns ranks ``1 .. N-1`` as child processes, joins the group with them and has 
 its shard. Each follower (:func:`follower_main`) pins itself to its cores and then obeys rank 0's
 plans (:func:`follow`): load its shard of the model, build the same KV pool as rank 0, run each
 step's forward on its shard (its part of every all-reduce), project the rows rank 0 asks for
-(its part of the logits' all-gather), until rank 0 says stop or is gone.
+(its part of the logits' all-gather), give or take its KV heads of a hand-off's blocks
+(``tp_kv.py``), until rank 0 says stop or is gone.
 
 A follower never outlives rank 0: it reads its plans from a pipe whose end of file says rank 0
 exited, asks Linux to kill it when its parent dies (``PR_SET_PDEATHSIG``), and its collectives
@@ -33,6 +34,8 @@ from services.engine.core.model_runner import ModelRunner
 from services.engine.core.sampler import Sampler
 from services.engine.core.tp_group import (
     DEFAULT_TIMEOUT_S,
+    KV_GATHER,
+    KV_SCATTER,
     LOAD,
     LOGITS,
     POOL,
@@ -42,6 +45,7 @@ from services.engine.core.tp_group import (
     check_width,
     free_port,
 )
+from services.engine.core.tp_kv import follow_kv
 from services.engine.core.tp_shard import RankShard, VocabParallelHead
 
 logger = logging.getLogger(__name__)
@@ -165,7 +169,7 @@ def follower_main(
 
 def follow(group: TensorParallelGroup) -> None:
     """Obey rank 0's plans until it says stop (EOFError when it is gone): load a shard, build
-    the KV pool, run steps' forwards, project rows for the logits."""
+    the KV pool, run steps' forwards, project rows for the logits, move hand-off KV."""
     device = group.device
     loaded: LoadedModel | None = None
     runner: ModelRunner | None = None
@@ -192,6 +196,10 @@ def follow(group: TensorParallelGroup) -> None:
                 raise RuntimeError("rank 0 asked for logits of a model without an LM head")
             with torch.inference_mode():
                 head.forward(torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+        elif kind in (KV_GATHER, KV_SCATTER):  # a KV hand-off's blocks (tp_kv.py)
+            if runner is None:
+                raise RuntimeError("a KV hand-off before the KV pool")
+            follow_kv(group, runner.kv, kind, message[1])
         elif kind == POOL:  # rank 0 built (or rebuilt) its engine
             if loaded is None:
                 raise RuntimeError("a KV pool before the model")

@@ -43,8 +43,10 @@ DEFAULT_TIMEOUT_S = 60.0
 """How long any collective may wait for the other ranks before it fails (a dead rank's peers
 give up after this at the latest; Gloo notices a closed connection sooner)."""
 
-# plan kinds rank 0 sends (the first item of every message)
+# plan kinds rank 0 sends (the first item of every message); KV_GATHER / KV_SCATTER move KV
+# blocks of a hand-off between rank 0 and the followers (``tp_kv.py``)
 LOAD, POOL, STEP, LOGITS, STOP = "load", "pool", "step", "logits", "stop"
+KV_GATHER, KV_SCATTER = "kv_gather", "kv_scatter"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,6 +145,25 @@ class TensorParallelGroup:
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
         dist.all_gather(parts, tensor)
         return torch.cat(parts, dim=-1)
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape everywhere) at rank 0, in rank order; an empty
+        list on the followers."""
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(tensor, parts, dst=0)
+        return parts or []
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Rank 0's ``parts[r]`` into rank r's ``out`` (same shape everywhere), in place;
+        followers pass no ``parts``."""
+        import torch.distributed as dist
+
+        dist.scatter(out, [p.contiguous() for p in parts] if self.rank == 0 and parts else None,
+                     src=0)  # fmt: skip
+        return out
 
     # ---- the plan --------------------------------------------------------------------------
     def send(self, *message: Any) -> None:

@@ -55,7 +55,10 @@ shape and ref counter (torch writes to it when a mapping is dropped) before anyt
 The wire carries plain fields only, never a pickle (unpickling a peer's bytes would run its
 code): :func:`share_pool` and :func:`map_remote_pool` are the one place that talks to torch's
 IPC primitives, so the mechanism can be swapped there. Across GPUs nothing here applies and
-transfers use gRPC bytes (NCCL between GPUs is not built).
+transfers use gRPC bytes (NCCL between GPUs is not built). A tensor-parallel worker (either
+end) neither offers nor accepts the device copy: its rank 0's pool holds that rank's KV heads
+only, so its transfers' bytes travel in the chunks, gathered from or scattered to its ranks
+(``core/tp_kv.py``).
 """
 
 from __future__ import annotations
@@ -220,7 +223,9 @@ class CudaIpcKVTransport(KVTransport):
         self.gpu_uuid = device_uuid(device) if gpu_uuid is None else gpu_uuid
         self._share = share or share_pool
         self._pool: decode_pb2.CudaIpcPool | None = None
-        self._unavailable = not self.gpu_uuid  # a CPU pool is never offered
+        # a CPU pool is never offered, nor a tensor-parallel rank 0's (it holds its own KV heads
+        # only: a split worker's hand-off gathers every rank's heads, core/tp_kv.py)
+        self._unavailable = not self.gpu_uuid or engine_loop.engine.loaded.sharding is not None
 
     def open(self, address: str) -> KVStream:
         return CudaIpcKVStream(self, self.inner.open(address))
@@ -317,6 +322,9 @@ class CudaIpcEndpoint:
         self.engine_loop = receiver.engine_loop
         kv = self.engine_loop.engine.kv
         self.gpu_uuid = device_uuid(kv.data.device) if gpu_uuid is None else gpu_uuid
+        # a tensor-parallel rank 0's pool holds its own KV heads only: its ranks take a
+        # hand-off's blocks through the scatter of core/tp_kv.py, so never a device copy
+        self.split = self.engine_loop.engine.loaded.sharding is not None
         self._map = map_pool or map_remote_pool
         self._peers: dict[str, _Peer] = {}
         self._elsewhere: set[str] = set()  # prefill workers seen on another GPU (logged once)
@@ -350,7 +358,7 @@ class CudaIpcEndpoint:
 
     def on_this_gpu(self, offer: decode_pb2.KVChannelOffer) -> bool:
         """Whether ``offer`` is a CUDA IPC offer from a worker on this GPU."""
-        if not offer.HasField("cuda_ipc"):
+        if not offer.HasField("cuda_ipc") or self.split:
             return False
         if self.gpu_uuid and offer.gpu_uuid == self.gpu_uuid:
             return True

@@ -12,6 +12,13 @@ byte ranges of this payload::
 block only when one alone is larger. :func:`read_payload` / :func:`write_payload` copy a byte
 range out of / into the pool; call them on the engine thread (``EngineLoop.call``) so they never
 race a model step.
+
+The pool they are given is :func:`handoff_pool`'s: the engine's ``KVPool`` at width 1, or on a
+tensor-parallel worker rank 0's whole-width view of every rank's KV heads
+(``core/tp_kv.FullWidthKV``), so a payload always holds all the model's KV heads, whatever
+either worker's width. A byte range that cuts a block (a block larger than a chunk) is copied
+straight from / into the pool's memory at width 1; through the whole-width view the touched
+blocks are gathered, and on a write patched and scattered back.
 """
 
 from __future__ import annotations
@@ -24,8 +31,20 @@ import torch
 from services.common.errors import DataLossError, InvalidArgumentError
 from services.common.pb import common_pb2
 from services.common.sampling_params import SamplingParams
-from services.engine.core.kv_cache import KVPool
+from services.engine.core.engine import LLMEngine
+from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.sampler import TokenLogprobs
+from services.engine.core.tp_kv import FullWidthKV, handoff_kv
+
+HandoffPool = KVPool | FullWidthKV
+
+
+def handoff_pool(engine: LLMEngine) -> HandoffPool:
+    """What a hand-off reads from / writes into on ``engine``: its pool, or on rank 0 of a
+    tensor-parallel worker the whole-width view of all its ranks' pools."""
+    sharding = engine.loaded.sharding
+    return handoff_kv(engine.kv, sharding.group if sharding is not None else None,
+                      engine.loaded.config)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +105,26 @@ def _block_bytes_view(kv: KVPool, block_id: int) -> torch.Tensor:
     return kv.data[block_id].reshape(-1).view(torch.uint8)
 
 
-def read_payload(kv: KVPool, block_ids: list[int], offset: int, length: int) -> bytes:
+def _as_bytes(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.reshape(-1).view(torch.uint8)
+
+
+def _block_shape(layout: KVLayout) -> tuple[int, ...]:
+    return (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.row)
+
+
+def read_payload(kv: HandoffPool, block_ids: list[int], offset: int, length: int) -> bytes:
     """Payload bytes ``[offset, offset + length)`` of a request whose table is ``block_ids``."""
     block_bytes = kv.layout.block_bytes
     first, count = blocks_touched(offset, length, block_bytes)
     _check_range(block_ids, first, count)
     if offset % block_bytes == 0 and length % block_bytes == 0:
         blocks = kv.read_blocks(block_ids[first : first + count])
-        return blocks.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        return _as_bytes(blocks).cpu().numpy().tobytes()
+    if not isinstance(kv, KVPool):  # the whole-width view: the touched blocks, then the range
+        start = offset - first * block_bytes
+        touched = _as_bytes(kv.read_blocks(block_ids[first : first + count]))
+        return touched[start : start + length].cpu().numpy().tobytes()
     parts: list[bytes] = []
     for i in range(first, first + count):
         start = max(offset, i * block_bytes) - i * block_bytes
@@ -102,7 +133,7 @@ def read_payload(kv: KVPool, block_ids: list[int], offset: int, length: int) -> 
     return b"".join(parts)
 
 
-def write_payload(kv: KVPool, block_ids: list[int], offset: int, data: bytes) -> None:
+def write_payload(kv: HandoffPool, block_ids: list[int], offset: int, data: bytes) -> None:
     """Copy ``data`` into payload bytes ``[offset, offset + len(data))`` of ``block_ids``."""
     block_bytes = kv.layout.block_bytes
     first, count = blocks_touched(offset, len(data), block_bytes)
@@ -111,9 +142,16 @@ def write_payload(kv: KVPool, block_ids: list[int], offset: int, data: bytes) ->
         warnings.simplefilter("ignore", UserWarning)
         source = torch.frombuffer(data, dtype=torch.uint8)
     if offset % block_bytes == 0 and len(data) % block_bytes == 0:
-        shape = (count, *kv.data.shape[1:])
-        blocks = source.view(kv.data.dtype).view(shape)
+        shape = (count, *_block_shape(kv.layout))
+        blocks = source.view(kv.layout.storage_dtype).view(shape)
         kv.write_blocks(block_ids[first : first + count], blocks)
+        return
+    if not isinstance(kv, KVPool):  # the whole-width view: read, patch and write back
+        ids = block_ids[first : first + count]
+        touched = kv.read_blocks(ids).contiguous()
+        start = offset - first * block_bytes
+        _as_bytes(touched)[start : start + len(data)].copy_(source)
+        kv.write_blocks(ids, touched)
         return
     for i in range(first, first + count):
         start = max(offset, i * block_bytes)

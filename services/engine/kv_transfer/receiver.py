@@ -79,7 +79,7 @@ from services.engine.kv_transfer.checks import (
 )
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
-from services.engine.kv_transfer.payload import PrefilledRequest, write_payload
+from services.engine.kv_transfer.payload import PrefilledRequest, handoff_pool, write_payload
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class KVReceiver:
         engine = engine_loop.engine
         self.engine_loop = engine_loop
         self.layout = engine_layout(engine)
-        self.block_bytes = engine.layout.block_bytes
+        self.block_bytes = handoff_pool(engine).layout.block_bytes  # all the model's KV heads
         self.vocab_size = engine.loaded.config.vocab_size
         self.max_model_len = engine.max_model_len
         self.park_seconds = park_seconds
@@ -429,8 +429,8 @@ class KVReceiver:
         if chunk.channel_bytes and placer is not None:
             await loop.call(lambda engine: placer(engine.kv, loop.held_blocks(rid), offset, length))
         else:
-            await loop.call(lambda engine: write_payload(engine.kv, loop.held_blocks(rid),
-                                                         offset, data))  # fmt: skip
+            await loop.call(lambda engine: write_payload(handoff_pool(engine),
+                                                         loop.held_blocks(rid), offset, data))  # fmt: skip
         entry.since = time.monotonic()
         return length
 

@@ -51,6 +51,7 @@ from services.engine.kv_transfer.lease import LeaseTable
 from services.engine.kv_transfer.payload import (
     ChunkPlan,
     PrefilledRequest,
+    handoff_pool,
     plan_chunks,
     read_payload,
 )
@@ -188,7 +189,7 @@ class KVSender:
     ) -> TransferResult:
         rid = request.request_id
         layout = engine_layout(self.engine_loop.engine)
-        block_bytes = self.engine_loop.engine.layout.block_bytes
+        block_bytes = handoff_pool(self.engine_loop.engine).layout.block_bytes  # all KV heads
         total = request.num_blocks * block_bytes
         header = decode_pb2.KVHeader(
             request_id=rid,
@@ -254,8 +255,8 @@ class KVSender:
 
         def read(plan: ChunkPlan) -> asyncio.Future[bytes]:
             return asyncio.ensure_future(loop.call(
-                lambda engine: read_payload(engine.kv, loop.held_blocks(rid), plan.offset,
-                                            plan.length)
+                lambda engine: read_payload(handoff_pool(engine), loop.held_blocks(rid),
+                                            plan.offset, plan.length)
             ))
 
         ok = True
