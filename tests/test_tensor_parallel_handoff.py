@@ -90,7 +90,8 @@ def hf_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
 def serve(role: str, folder: Path, width: int, port: int, worker_id: str) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "services.cli", "--log-level", "INFO", "serve", role,
-        "--model", str(folder), "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1",
+        "--model", str(folder), "--dtype", "float32", "--kv-cache-dtype", "float32", "--device",
+        "cpu", "--host", "127.0.0.1",
         "--port", str(port), "--metrics-port", "-1", "--num-blocks", "64",
         "--worker-id", worker_id, "--tensor-parallel-size", str(width), *tls_flags(role),
     ]  # fmt: skip
@@ -351,3 +352,39 @@ async def _wait_ready(url: str, timeout: float = 30.0) -> None:
         assert time.monotonic() < deadline, "the gateway never got ready"
         await asyncio.sleep(0.1)
     await asyncio.sleep(1.0)
+
+
+def test_the_whole_width_view_round_trips_a_replicated_head(
+    tmp_path: Path,
+) -> None:
+    """One KV head replicated on both ranks: a payload written through rank 0's whole-width view
+    in chunks that cut blocks reads back the same, whole or cut, and rank 0's pool holds the
+    head's bytes (so each rank got its copy through the scatter, and the gather takes one)."""
+    import multiprocessing as mp
+
+    import transformers
+
+    from tests import tp_driver
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    driver = context.Process(target=tp_driver.run_kv_roundtrip, args=(str(tmp_path), 2, results))
+    driver.start()
+    try:
+        reply = results.get(timeout=240)
+    finally:
+        driver.join(60)
+        if driver.is_alive():
+            driver.kill()
+    assert reply[0] == "ok", reply[1]
+    _, payload, whole, parts, mine, run = reply
+    assert whole == payload and parts == payload
+    assert run == (0, 1)
+    # one KV head: the whole-width block is rank 0's block, byte for byte
+    assert mine.reshape(-1).view(torch.uint8).numpy().tobytes() == payload

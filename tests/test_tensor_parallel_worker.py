@@ -1,7 +1,7 @@
 """A real decode worker with ``--tensor-parallel-size 2`` (issue 48): ``tandem serve decode`` as
 an OS process, which starts its follower rank itself (Gloo, one core each). A prompt it prefills
-itself generates the same greedy tokens as the in-process engine at width 1; a KV hand-off into
-it is refused (not built yet); killing the worker takes its follower down (no orphan rank), and
+itself generates the same greedy tokens as the in-process engine at width 1; it takes KV
+reservations for hand-offs (``tests/test_tensor_parallel_handoff.py`` runs them); killing the worker takes its follower down (no orphan rank), and
 killing the follower takes the worker down cleanly (its step fails, it exits as unhealthy for its
 supervisor to restart it whole)."""
 
@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from services.common.grpc_channel import open_channel, wait_healthy
-from services.common.pb import decode_pb2, decode_pb2_grpc
+from services.common.pb import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.common.wire import sampling_params_to_proto
@@ -105,12 +105,11 @@ async def test_a_tensor_parallel_decode_worker_generates(
                                              params=sampling_params_to_proto(GREEDY))  # fmt: skip
         tokens = [t async for message in stub.Generate(request) for t in message.token_ids]
         assert tokens == expected
-        with pytest.raises(grpc.aio.AioRpcError) as err:  # hand-offs into it: not yet
-            await stub.Reserve(decode_pb2.ReserveRequest(
-                request_id="tp-2", num_tokens=len(prompt),
-                prompt_digest=reservation_digest(prompt, GREEDY.cache_salt)))  # fmt: skip
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "--tensor-parallel-size 2" in (err.value.details() or "")
+        grant = await stub.Reserve(decode_pb2.ReserveRequest(  # hand-offs into it are taken
+            request_id="tp-2", num_tokens=len(prompt),
+            prompt_digest=reservation_digest(prompt, GREEDY.cache_salt)))  # fmt: skip
+        assert grant.num_blocks == 3
+        assert (await stub.Abort(common_pb2.AbortRequest(request_id="tp-2"))).found
     finally:
         await channel.close()
     proc.send_signal(signal.SIGKILL)  # rank 0 dies without a word: its follower must follow

@@ -74,3 +74,40 @@ def run_rank0(jobs: list[tuple[str, str]], world: int, prompts: list[list[int]],
     finally:
         if group is not None:
             group.close()
+
+
+def run_kv_roundtrip(folder: str, world: int, results: Queue) -> None:
+    """Rank 0 of a ``world``-wide group over ``folder``: write a random whole-width payload into
+    three blocks through the hand-off's view of every rank's pool (in chunks that cut blocks, and
+    whole), read it back (the same two ways), and put ``("ok", payload, read_whole, read_cut,
+    rank 0's pool blocks, rank 0's KV head run)`` (or ``("error", text)``) on ``results``."""
+    logging.basicConfig(level=logging.WARNING)
+    from services.engine.core.engine import EngineConfig, LLMEngine
+    from services.engine.core.tp_follower import ShardSource, start_tensor_parallel
+    from services.engine.core.tp_kv import FullWidthKV
+    from services.engine.kv_transfer.payload import handoff_pool, read_payload, write_payload
+
+    loaded = None
+    try:
+        loaded = start_tensor_parallel(ShardSource(folder), world, timeout_s=30)
+        engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK, num_blocks=16))
+        view = handoff_pool(engine)
+        assert isinstance(view, FullWidthKV)
+        blocks, size = [3, 9, 5], view.layout.block_bytes
+        payload = torch.randint(0, 256, (3 * size,), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(1)).numpy().tobytes()
+        cut = [0, size // 3, size + 5, 2 * size + 1, 3 * size]  # chunks that cut blocks
+        for start, end in zip(cut, cut[1:]):
+            write_payload(view, blocks, start, payload[start:end])
+        whole = read_payload(view, blocks, 0, 3 * size)
+        parts = b"".join(read_payload(view, blocks, a, b - a) for a, b in zip(cut, cut[1:]))
+        write_payload(view, blocks, 0, payload)  # whole blocks: the same bytes again
+        again = read_payload(view, blocks, 0, 3 * size)
+        assert again == whole
+        mine = engine.kv.read_blocks(blocks).clone()
+        results.put(("ok", payload, whole, parts, mine, view.runs[0]))
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        results.put(("error", traceback.format_exc()))
+    finally:
+        if loaded is not None and loaded.sharding is not None:
+            loaded.sharding.group.close()

@@ -46,7 +46,7 @@ from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.tp_group import KV_GATHER, KV_SCATTER, TensorParallelGroup
 from services.engine.core.tp_shard import ShardSizes
 
-HEAD_DIM = 4  # a block's axes: [layers, 2 (K, V), block_size, kv_heads, row]; blocks add one
+HEADS = 4  # the KV-head axis of blocks: [blocks, layers, 2 (K, V), block_size, kv_heads, row]
 
 
 class FullWidthKV:
@@ -75,13 +75,13 @@ class FullWidthKV:
         self.group.send(KV_GATHER, ids)
         parts = self.group.gather(self.kv.read_blocks(ids))
         shape = list(parts[0].shape)
-        shape[HEAD_DIM + 1] = self.layout.num_kv_heads
+        shape[HEADS] = self.layout.num_kv_heads
         full = parts[0].new_empty(shape)
         filled: set[int] = set()
         for (start, count), part in zip(self.runs, parts, strict=True):
             if start in filled:
                 continue  # a replicated head: the first rank holding it already gave it
-            full.narrow(HEAD_DIM + 1, start, count).copy_(part)
+            full.narrow(HEADS, start, count).copy_(part)
             filled.add(start)
         return full
 
@@ -90,7 +90,7 @@ class FullWidthKV:
         taking its KV heads."""
         ids = list(block_ids)
         blocks = blocks.to(self.kv.data.device, self.kv.data.dtype)
-        parts = [blocks.narrow(HEAD_DIM + 1, start, count) for start, count in self.runs]
+        parts = [blocks.narrow(HEADS, start, count) for start, count in self.runs]
         self.group.send(KV_SCATTER, ids)
         mine = torch.empty_like(parts[0], memory_format=torch.contiguous_format)
         self.group.scatter(mine, parts)
