@@ -74,6 +74,40 @@ async def test_a_worker_with_other_weights_gets_no_request(make_stack: StackFact
     assert len(stack.decodes[1].generate_ids) == before
 
 
+async def test_a_worker_reporting_no_fingerprint_gets_no_request(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fail closed (issue 47): a worker that does not say which model it serves is refused like
+    one serving another model, with a warning and the reason in /ready."""
+    stack = await make_stack(decode=2)
+    stack.decodes[0].model_fingerprint = ""  # an old or hostile worker, or a broken one
+    with caplog.at_level("WARNING", logger="services.gateway.router"):
+        assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
+        why = await _until_refused(stack, 0)
+    assert "reports no model fingerprint" in why
+    assert any("not routing to decode worker" in r.getMessage() and "no model fingerprint"
+               in r.getMessage() for r in caplog.records)  # fmt: skip
+    for _ in range(4):
+        assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
+    assert stack.decodes[0].generate_ids == [] and len(stack.decodes[1].generate_ids) == 5
+    status, body = await _ready(stack.url)
+    assert status == 200 and "reports no model fingerprint" in json.dumps(body["decode"])
+
+
+async def test_a_tokenizer_reporting_no_fingerprint_leaves_every_worker_refused(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(decode=1)
+    stack.tokenizer.model_fingerprint = ""  # nothing to check the workers against
+    status, raw, _ = await post_raw(stack.url + "/v1/chat/completions", CHAT)
+    assert status == 503, raw
+    assert stack.decodes[0].generate_ids == []
+    why = await _until_refused(stack, 0)
+    assert "the tokenizer reports no model fingerprint" in why
+    status, body = await _ready(stack.url)
+    assert status == 503 and "decode: no healthy worker" in json.dumps(body["problems"])
+
+
 async def test_a_tokenizer_of_another_protocol_is_refused(make_stack: StackFactory) -> None:
     stack = await make_stack()
     stack.tokenizer.protocol_version = PROTOCOL_VERSION + 1
