@@ -71,6 +71,8 @@ async def test_the_compiler_caches_refuses_and_shares(tokenizer: Any) -> None:
     assert compiler.compiled == 2 and compiler.pending == 0
     # the engine thread's own path (an engine driven directly) shares the cache
     assert not compiler.matcher(small).is_error() and compiler.compiled == 2
+    assert not compiler.matcher(grammar_of({"type": "string"})).is_error()
+    assert compiler.compiled == 3
 
 
 async def test_a_compilation_past_the_budget_is_400_and_the_queue_moves_on(tokenizer: Any) -> None:

@@ -193,6 +193,7 @@ class GrammarCompiler:
         if result is None:
             result = self._build(grammar, key)
             with self._lock:
+                self.compiled += 1
                 self._cache.put(key, result)
         if isinstance(result, _Refusal):
             raise result.error()
