@@ -31,6 +31,7 @@ from services.common.errors import (
 )
 from services.common.grpc_server import GrpcServerHandle, start_grpc_server
 from services.common.metrics import TandemMetrics, serve_metrics_http
+from services.common.model_fingerprint import fingerprint
 from services.common.pb import (
     common_pb2,
     decode_pb2,
@@ -51,6 +52,10 @@ from services.gateway.safety import RuleBasedPolicy
 from tests.tls_identities import tls_for
 
 MODEL = "fake-model"
+FINGERPRINT = fingerprint("fake-model:character-level", "no weights")
+"""The fake model's fingerprint (services/common/model_fingerprint.py's form): every fake reports
+it, as every process of a real deployment reports its model's (the gateway refuses a worker that
+reports none or another: router.py)."""
 CONTEXT = 2048  # room for the Hermes tool instructions a tools request adds
 DEFAULT_REPLY = "Hello from the fake model, one token per character."
 FRANCE_REPLY = "The capital of France is Paris. It is on the Seine."
@@ -77,7 +82,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.address = ""
         self.requests: list[Any] = []
         self.protocol_version = PROTOCOL_VERSION
-        self.model_fingerprint = ""
+        self.model_fingerprint = FINGERPRINT
         self.delay = 0.0  # seconds each Tokenize waits before answering
 
     async def Tokenize(self, request: Any, context: Any) -> Any:
@@ -136,7 +141,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.streaming = asyncio.Event()
         self.reply_text: str | None = None  # answer this to every prompt instead of reply_for's
         self.protocol_version = PROTOCOL_VERSION  # what GetStats advertises
-        self.model_fingerprint = ""
+        self.model_fingerprint = FINGERPRINT
         # Decode.Reserve: a reservation holds its blocks until the KV (or an Abort) arrives.
         self.capacity: int | None = None  # KV blocks; None: room for everything
         self.reserve_supported = True  # False: an older worker (UNIMPLEMENTED)
@@ -244,6 +249,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.blocks_in_use = 0
         self.error: TandemError | None = None
         self.delay = 0.005
+        self.model_fingerprint = FINGERPRINT
 
     async def Prefill(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
@@ -270,7 +276,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
 
     async def GetStats(self, request: Any, context: Any) -> Any:
         return common_pb2.WorkerStats(protocol_version=PROTOCOL_VERSION,
-            worker_id=self.name, role="prefill", kv_blocks_in_use=self.blocks_in_use
+            model_fingerprint=self.model_fingerprint, worker_id=self.name, role="prefill", kv_blocks_in_use=self.blocks_in_use
         )
 
 

@@ -359,7 +359,8 @@ async def served(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Serv
     loaded: LoadedModel = await asyncio.to_thread(load_model, str(folder), "float32")
     tok_server = await start_grpc_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-          TokenizerServicer(tokenizer, served_name=SERVED), SERVICE_NAME)],
+          TokenizerServicer(tokenizer, served_name=SERVED, model_fingerprint=loaded.fingerprint),
+          SERVICE_NAME)],
         tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
     )  # fmt: skip
     prefill = await start_prefill_worker(

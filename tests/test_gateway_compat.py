@@ -31,14 +31,25 @@ async def _ready(url: str) -> tuple[int, dict[str, object]]:
         return r.status, await r.json()
 
 
-async def _until_refused(stack: object, index: int) -> str:
+async def _until_refused(stack: object, index: int, why: str = "refused") -> str:
+    """The reason decode worker ``index`` is refused, once it contains ``why`` (a worker's
+    fakes change after its first poll: the reason follows at the next one)."""
     router = stack.app[STATE_KEY].router  # type: ignore[attr-defined]
     for _ in range(100):
         worker = router.workers("decode")[index]
-        if not worker.healthy and worker.last_error:
+        if not worker.healthy and why in (worker.last_error or ""):
             return str(worker.last_error)
         await asyncio.sleep(0.05)
-    raise AssertionError("the worker was never refused")
+    raise AssertionError(f"the worker was never refused for {why!r}")
+
+
+async def _until_served(url: str) -> None:
+    """Post until a request is served (the workers' next poll after their fakes changed)."""
+    for _ in range(100):
+        if (await post_raw(url + "/v1/chat/completions", CHAT))[0] == 200:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("no request was served")
 
 
 def test_protocol_versions() -> None:
@@ -50,7 +61,7 @@ def test_protocol_versions() -> None:
 async def test_a_worker_of_another_protocol_gets_no_request(make_stack: StackFactory) -> None:
     stack = await make_stack(decode=2)
     stack.decodes[0].protocol_version = 0  # a worker from before the field existed
-    why = await _until_refused(stack, 0)
+    why = await _until_refused(stack, 0, "protocol")
     assert "protocol 0" in why
     for _ in range(4):
         status, _, _ = await post_raw(stack.url + "/v1/chat/completions", CHAT)
@@ -65,13 +76,48 @@ async def test_a_worker_with_other_weights_gets_no_request(make_stack: StackFact
     stack.tokenizer.model_fingerprint = "aaaaaaaaaaaaaaaa"
     stack.decodes[0].model_fingerprint = "aaaaaaaaaaaaaaaa"
     stack.decodes[1].model_fingerprint = "bbbbbbbbbbbbbbbb"  # same shape, a fine-tune, say
-    assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
-    why = await _until_refused(stack, 1)
+    await _until_served(stack.url)
+    why = await _until_refused(stack, 1, "bbbbbbbbbbbbbbbb")
     assert "bbbbbbbbbbbbbbbb" in why and "aaaaaaaaaaaaaaaa" in why
     before = len(stack.decodes[1].generate_ids)
     for _ in range(4):
         assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
     assert len(stack.decodes[1].generate_ids) == before
+
+
+async def test_a_worker_reporting_no_fingerprint_gets_no_request(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fail closed (issue 47): a worker that does not say which model it serves is refused like
+    one serving another model, with a warning and the reason in /ready."""
+    stack = await make_stack(decode=2)
+    stack.decodes[0].model_fingerprint = ""  # an old or hostile worker, or a broken one
+    with caplog.at_level("WARNING", logger="services.gateway.router"):
+        await _until_served(stack.url)
+        why = await _until_refused(stack, 0, "no model fingerprint")
+    assert "reports no model fingerprint" in why
+    assert any("not routing to decode worker" in r.getMessage() and "no model fingerprint"
+               in r.getMessage() for r in caplog.records)  # fmt: skip
+    before = [len(d.generate_ids) for d in stack.decodes]
+    for _ in range(4):
+        assert (await post_raw(stack.url + "/v1/chat/completions", CHAT))[0] == 200
+    assert len(stack.decodes[0].generate_ids) == before[0]
+    assert len(stack.decodes[1].generate_ids) == before[1] + 4
+    status, body = await _ready(stack.url)
+    assert status == 200 and "reports no model fingerprint" in json.dumps(body["decode"])
+
+
+async def test_a_tokenizer_reporting_no_fingerprint_leaves_every_worker_refused(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(decode=1)
+    stack.tokenizer.model_fingerprint = ""  # nothing to check the workers against
+    status, raw, _ = await post_raw(stack.url + "/v1/chat/completions", CHAT)
+    assert status == 503, raw
+    assert stack.decodes[0].generate_ids == []
+    why = await _until_refused(stack, 0, "the tokenizer reports no model fingerprint")
+    status, body = await _ready(stack.url)
+    assert status == 503 and "decode: no healthy worker" in json.dumps(body["problems"])
 
 
 async def test_a_tokenizer_of_another_protocol_is_refused(make_stack: StackFactory) -> None:

@@ -118,6 +118,7 @@ async def test_the_router_follows_a_real_workers_feed(tiny_llama_dir) -> None:  
                            tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)
     router = Router(backend.prefill, backend.decode, interval_s=0.2)
+    router.model_fingerprint = model.fingerprint  # what the tokenizer would report
     channel = open_channel(handles[1].address, tls=tls_for("gateway"))
     try:
         await router.start()
@@ -188,6 +189,8 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
                            tls=tls_for("gateway"))  # fmt: skip
     backend = Backend(config)
     router = Router(backend.prefill, backend.decode, interval_s=0.1)
+    model = load_model(str(tiny_llama_dir))
+    router.model_fingerprint = model.fingerprint  # what the tokenizer would report
     handle = None
     try:
         await router.start()  # nothing listens yet: the first subscription fails
@@ -195,7 +198,7 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
         handle = await start_decode_worker(
             WorkerOptions(tls=tls_for("decode"),
                           host="127.0.0.1", port=port, num_blocks=16, worker_id="late"),
-            loaded=load_model(str(tiny_llama_dir)))  # fmt: skip
+            loaded=model)  # fmt: skip
         address = f"127.0.0.1:{port}"
         for _ in range(100):
             if router.prefix_index.block_size(address) is not None:
@@ -211,6 +214,7 @@ async def test_a_worker_that_comes_up_late_is_watched_at_once(  # type: ignore[n
 
 async def test_a_request_ending_during_a_stats_poll_is_not_counted_again() -> None:
     router, (d0, _) = router_of(2)
+    router.model_fingerprint = "0123456789abcdef"
 
     class SlowStats:
         role, address = "decode", "d0"
@@ -223,7 +227,8 @@ async def test_a_request_ending_during_a_stats_poll_is_not_counted_again() -> No
                 assert d0.in_flight == 1
             # ...and ended before the answer arrived
             return common_pb2.WorkerStats(block_size=BS, num_running=1,
-                                          protocol_version=PROTOCOL_VERSION)
+                                          protocol_version=PROTOCOL_VERSION,
+                                          model_fingerprint="0123456789abcdef")
 
     d0.client = SlowStats()  # type: ignore[assignment]
     await router._poll(d0)

@@ -88,7 +88,8 @@ async def test_only_uri_sans_name_a_role(tokenizer_server: GrpcServerHandle) -> 
 def test_spiffe_ids_parse_strictly() -> None:
     assert parse("spiffe://tandem-1a/decode") == ("tandem-1a", "decode")
     for bad in ("spiffe://tandem", "spiffe://tandem/", "spiffe://Tandem/decode",
-                "spiffe://tandem/a/b", "https://tandem/decode", "spiffe:///decode"):  # fmt: skip
+                "spiffe://tandem/a/b", "https://tandem/decode", "spiffe:///decode",
+                "spiffe://TRUST_DOMAIN/decode"):  # the Kubernetes example's placeholder  # fmt: skip
         assert parse(bad) is None, bad
     assert trust_domain_of(b"not a certificate") == ""
 

@@ -122,7 +122,8 @@ async def start_tiny_model_and_tokenizer(
     loaded = await asyncio.to_thread(load_model, str(model_dir))
     tok_server = await start_grpc_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-          TokenizerServicer(tokenizer, served_name="tiny"), SERVICE_NAME)],
+          TokenizerServicer(tokenizer, served_name="tiny", model_fingerprint=loaded.fingerprint),
+          SERVICE_NAME)],
         tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
     )  # fmt: skip
     return tokenizer, loaded, tok_server

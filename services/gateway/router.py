@@ -27,6 +27,12 @@ requests per cached block busier than another. ``overlap_weight = 0`` turns KV-a
 
 A worker whose call fails with UNAVAILABLE is marked down at once (:meth:`Router.mark_down`) and
 comes back at its next good poll.
+
+Fail closed on the model (docs/security.md): a worker is routed to only when its ``GetStats``
+reports the model fingerprint the tokenizer reported (``services/common/model_fingerprint.py``).
+A worker that reports none, or another, is refused (one warning per change, the reason in
+``/ready``), and so is every worker while the tokenizer's fingerprint is not known yet or when
+the tokenizer reported none: nothing is routed on an unchecked model.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ from services.gateway.config import RoutingWeights
 from services.gateway.prefix_index import PrefixIndex, PrefixWatcher
 
 logger = logging.getLogger(__name__)
+
+REFUSED = "refused:"
+FINGERPRINT_NOT_KNOWN = (f"{REFUSED} the model's fingerprint is not known yet (the tokenizer has "
+                         "not answered), so no worker's model can be checked")
 
 _ASSUMED_BLOCK_SIZE = 16
 """Block size credited to a worker whose feed has not reported one yet (its overlap is 0)."""
@@ -136,7 +146,7 @@ class Router:
         self.weights = weights.validate()
         self.metrics = metrics
         self.prefix_index = PrefixIndex()
-        self.model_fingerprint = ""  # the tokenizer's, once known: workers must match it
+        self._model_fingerprint: str | None = None  # the tokenizer's, once known
         self._watcher = PrefixWatcher(self.prefix_index) if weights.kv_aware else None
         self._started = False
         self._pools: dict[Role, list[WorkerState]] = {
@@ -169,6 +179,21 @@ class Router:
 
     def workers(self, role: Role) -> tuple[WorkerState, ...]:
         return tuple(self._pools[role])
+
+    @property
+    def model_fingerprint(self) -> str | None:
+        """The tokenizer's model fingerprint every worker must report (None: not known yet)."""
+        return self._model_fingerprint
+
+    @model_fingerprint.setter
+    def model_fingerprint(self, value: str) -> None:
+        """Set once the tokenizer answered: workers already polled and refused only for want
+        of it are checked again at once (not a poll interval later)."""
+        self._model_fingerprint = value
+        for pool in self._pools.values():
+            for worker in pool:
+                if worker.stats is not None and worker.last_error == FINGERPRINT_NOT_KNOWN:
+                    self._set_health(worker, self._incompatibility(worker.stats))
 
     def healthy_count(self, role: Role) -> int:
         return sum(1 for w in self._pools[role] if w.healthy)
@@ -285,16 +310,23 @@ class Router:
                 error = f"stats: {err.message}"
             else:
                 error = self._incompatibility(stats)
-        was_healthy = worker.healthy
         worker.polled_at = time.monotonic()
-        worker.healthy = error is None
-        worker.last_error = error
         if stats is not None:
             worker.stats = stats
             worker.finished_since_poll -= finished_before
             self._record(worker, stats)
+        self._set_health(worker, error)
+
+    def _set_health(self, worker: WorkerState, error: str | None) -> None:
+        """Record a poll's verdict on ``worker`` (None: healthy), logging changes."""
+        was_healthy, last_error = worker.healthy, worker.last_error
+        worker.healthy = error is None
+        worker.last_error = error
         if worker.healthy and not was_healthy and self._watcher is not None:
             self._watcher.wake(worker.address)  # (re)subscribe to its prefix feed now
+        if error is not None and error.startswith(REFUSED) and error != last_error:
+            log = logger.info if error == FINGERPRINT_NOT_KNOWN else logger.warning
+            log("not routing to %s worker %s: %s", worker.client.role, worker.address, error)
         if was_healthy != worker.healthy:
             log = logger.info if worker.healthy else logger.warning
             log(
@@ -305,15 +337,23 @@ class Router:
 
     def _incompatibility(self, stats: common_pb2.WorkerStats) -> str | None:
         """Why this gateway must not route to a worker reporting ``stats`` (None: it may): an
-        internal protocol it cannot speak, or a model fingerprint other than the tokenizer's
-        (``model_fingerprint``, set once the tokenizer answered; docs/security.md)."""
+        internal protocol it cannot speak, or a model fingerprint that is not the tokenizer's:
+        another, none, or any while the tokenizer's is not known (docs/security.md)."""
         why = check_peer(stats.protocol_version)
         if why is not None:
-            return f"refused: {why}"
-        expected = self.model_fingerprint
-        if expected and stats.model_fingerprint != expected:
-            return (f"refused: it serves model {stats.model_fingerprint or '(unknown)'} and the "
-                    f"tokenizer {expected} (other weights or another model)")
+            return f"{REFUSED} {why}"
+        expected = self._model_fingerprint
+        if expected is None:
+            return FINGERPRINT_NOT_KNOWN
+        if not expected:
+            return (f"{REFUSED} the tokenizer reports no model fingerprint, so no worker's "
+                    "model can be checked")
+        if not stats.model_fingerprint:
+            return (f"{REFUSED} it reports no model fingerprint (the tokenizer's is {expected}); "
+                    "a worker must prove which model it serves")
+        if stats.model_fingerprint != expected:
+            return (f"{REFUSED} it serves model {stats.model_fingerprint} and the tokenizer "
+                    f"{expected} (other weights or another model)")
         return None
 
     def _record(self, worker: WorkerState, stats: common_pb2.WorkerStats) -> None:

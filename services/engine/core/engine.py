@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.errors import InvalidArgumentError, TandemError
+from services.common.grammar_cache import grammar_key
 from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.draft_proposer import DraftProposer
-from services.engine.core.grammar import GrammarCompiler, OwnedMatcher, advance
+from services.engine.core.grammar import CompiledGrammar, GrammarCompiler, OwnedMatcher, advance
 from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.kv_dtype import dtype_name, engine_kv_dtype
 from services.engine.core.loaders import LoadedModel
@@ -194,8 +195,12 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         resume_output_ids: Seq[int] = (),
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue a request (validated: non-empty prompt that leaves room for one token).
+
+        ``grammar``: ``params.grammar`` already compiled (``GrammarCompiler.compile``, off this
+        thread); without it a constrained request's grammar is compiled here, on this thread.
 
         ``resume_output_ids``: tokens this request already generated elsewhere (a stream migrated
         from a decode worker that died). They count as its output (``max_tokens``, penalties,
@@ -203,7 +208,7 @@ class LLMEngine:
         a seeded request's generator skips their draws, so it goes on drawing what it would have
         drawn had it never moved.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, grammar)
         if resume_output_ids:
             outputs = self._token_ids(resume_output_ids, "output_token_ids")
             if len(outputs) >= params.max_tokens:
@@ -230,13 +235,15 @@ class LLMEngine:
         first_token_id: int,
         first_logprob: TokenLogprobs | None = None,
         num_cached_tokens: int = 0,
+        grammar: CompiledGrammar | None = None,
     ) -> list[RequestOutput]:
         """Queue a sequence whose prompt KV already fills ``block_ids`` (the engine takes them
-        over); it decodes once a seat is free (``max_num_seqs``).
+        over); it decodes once a seat is free (``max_num_seqs``). ``grammar``: as for
+        :meth:`add_request`.
 
         Returns the output for the first token (it may already finish the request).
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, False)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False, grammar)
         if seq.sampling.generator is not None:  # prefill drew the first token from this seed
             skip_draws(seq.sampling.generator, self.loaded.config.vocab_size, 1)
         seq.block_ids = list(block_ids)
@@ -416,7 +423,8 @@ class LLMEngine:
         return out
 
     def _new_sequence(
-        self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool
+        self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool,
+        grammar: CompiledGrammar | None = None,
     ) -> Sequence:
         params.validate()
         prompt_ids = self._token_ids(prompt, "prompt")
@@ -435,7 +443,7 @@ class LLMEngine:
             prompt_token_ids=prompt_ids,
             output_token_ids=[],
             generator=make_generator(params.seed) if not params.greedy else None,
-            matcher=self._matcher(params),
+            matcher=self._matcher(params, grammar),
         )
         return Sequence(
             request_id=request_id,
@@ -447,14 +455,17 @@ class LLMEngine:
             cache_root=prefix_root(self.config.prefix_salt, params.cache_salt),
         )
 
-    def _matcher(self, params: SamplingParams) -> object | None:
-        """The request's grammar matcher (None when unconstrained)."""
+    def _matcher(self, params: SamplingParams, grammar: CompiledGrammar | None) -> object | None:
+        """The request's grammar matcher (None when unconstrained): a copy of ``grammar``'s
+        start state, or compiled here when the caller did not compile it."""
         if params.grammar is None:
             return None
         if self.grammars is None:
             raise InvalidArgumentError("structured outputs need the model's tokenizer and "
                                        "llguidance on the worker", param="response_format")  # fmt: skip
-        return OwnedMatcher(self.grammars.matcher(params.grammar))  # owned by this thread
+        if grammar is not None and grammar.key == grammar_key(params.grammar):
+            return OwnedMatcher(grammar.matcher())  # owned by this thread
+        return OwnedMatcher(self.grammars.matcher(params.grammar))
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprobs | None, out: RequestOutput

@@ -42,8 +42,10 @@ the GIL, so this is a real race, not a theoretical one):
   the matcher at home.
 * Between steps nothing is lent, so everything else the engine thread does to a matcher — an
   abort, a preemption, a migrated stream's replay (``advance``), the first token of a prefilled
-  hand-in — runs with the matcher at home. The compiler's cached fresh matchers and the
-  ``LLTokenizer`` are only ever touched on the engine thread.
+  hand-in — runs with the matcher at home.
+* Compiling a grammar is not the engine thread's work: ``grammar_compiler.py`` builds it on a
+  compile thread before the request reaches the engine, which only copies the compiled start
+  state (a fresh matcher, never advanced) into the request's own matcher.
 
 A matcher whose Rust side raises (or a mask that cannot be computed) fails its own request only:
 :class:`OwnedMatcher` records the error as :attr:`OwnedMatcher.failure`, answers conservatively
@@ -64,18 +66,14 @@ import numpy as np
 import torch
 
 from services.common.errors import InvalidArgumentError
-from services.common.grammar_cache import GrammarCache, grammar_key
+from services.engine.core.grammar_compiler import CompiledGrammar, GrammarCompiler
+
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMasks", "MatcherOwnershipError",
+           "OwnedMatcher", "advance"]  # the compiler lives in grammar_compiler.py
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-CACHED_GRAMMARS = 64
-"""Compiled grammars kept per worker: a repeated schema (every request of one application sends
-the same) is compiled once, and each request gets a cheap copy of the fresh matcher. The cache is
-``services/common/grammar_cache.py``'s, the gateway's type, keyed by the digest of the grammar
-string the gateway compiled (what is shared with the gateway, and what cannot be: see there)."""
-
 
 class MatcherOwnershipError(RuntimeError):
     """A thread touched a grammar matcher it does not own (a bug: see the module docstring)."""
@@ -184,50 +182,6 @@ class OwnedMatcher:
         except Exception as err:  # noqa: BLE001 - the request's grammar failed, not the step
             self._fail(what, err)
             return fallback
-
-
-class GrammarCompiler:
-    """The served model's llguidance tokenizer and a cache of compiled grammars."""
-
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        """``tokenizer_json``: the ``tokenizers`` library's JSON of the model's tokenizer;
-        ``vocab_size``: the model's logits width (may exceed the tokenizer's)."""
-        import llguidance
-
-        self._llguidance = llguidance
-        eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=eos or None)  # fmt: skip
-        self.vocab_size = vocab_size
-        self._fresh: GrammarCache[Any] = GrammarCache(CACHED_GRAMMARS)
-
-    @classmethod
-    def create(cls, tokenizer_json: str | None, vocab_size: int,
-               eos_token_ids: Sequence[int]) -> GrammarCompiler | None:  # fmt: skip
-        """A compiler, or None (one log line) without a tokenizer or without llguidance."""
-        if tokenizer_json is None:
-            return None
-        try:
-            return cls(tokenizer_json, vocab_size, eos_token_ids)
-        except ImportError:
-            logger.warning("llguidance is not installed: structured outputs are refused")
-        except Exception as err:  # noqa: BLE001 - a tokenizer llguidance cannot read
-            logger.warning("structured outputs are off: llguidance cannot use this tokenizer "
-                           "(%s)", err)  # fmt: skip
-        return None
-
-    def matcher(self, grammar: str) -> Any:
-        """A fresh ``LLMatcher`` for ``grammar``; InvalidArgumentError naming the problem when
-        the grammar does not compile against this tokenizer."""
-        key = grammar_key(grammar)
-        fresh = self._fresh.get(key)
-        if fresh is None:
-            fresh = self._llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if fresh.is_error():
-                raise InvalidArgumentError(f"the output grammar is invalid: {fresh.get_error()}",
-                                           param="response_format")  # fmt: skip
-            self._fresh.put(key, fresh)
-        return fresh.deep_copy()
 
 
 def advance(matcher: Any, tokens: Sequence[int]) -> None:

@@ -65,6 +65,7 @@ from services.common.errors import FailedPreconditionError, TandemError, Unavail
 from services.common.metrics import TandemMetrics
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import LLMEngine, OutputFilter, RequestOutput
+from services.engine.core.grammar_compiler import CompiledGrammar
 from services.engine.core.sampler import TokenLogprobs
 from services.engine.runtime.engine_stats import EngineStats, StatsPublisher
 from services.engine.runtime.held_blocks import HeldBlocks
@@ -259,12 +260,13 @@ class EngineLoop:
         prompt = list(prompt_token_ids)
         resumed = list(resume_output_ids)
         sink = RequestSink.create("prefill" if prefill_only else "full")
+        grammar = await self._compiled(params)
 
         def start(engine: LLMEngine) -> None:
             self.health.check()
             self._check_free_id(request_id)
             engine.add_request(request_id, prompt, params, prefill_only=prefill_only,
-                               resume_output_ids=resumed)  # fmt: skip
+                               resume_output_ids=resumed, grammar=grammar)  # fmt: skip
             if self.output_filter is not None and not prefill_only:
                 self.output_filter.start(request_id, prompt, params, resumed)
             self._sinks[request_id] = sink
@@ -288,6 +290,7 @@ class EngineLoop:
         running sequence and yield its outputs; the first carries ``first_token_id``."""
         prompt = list(prompt_token_ids)
         sink = RequestSink.create("decode")
+        grammar = await self._compiled(params)
 
         def start(engine: LLMEngine) -> None:
             self.health.check()
@@ -299,6 +302,7 @@ class EngineLoop:
                 outputs = engine.add_prefilled(
                     request_id, prompt, params, block_ids=blocks, first_token_id=first_token_id,
                     first_logprob=first_logprob, num_cached_tokens=num_cached_tokens,
+                    grammar=grammar,
                 )
             except BaseException:
                 del self._sinks[request_id]
@@ -314,6 +318,15 @@ class EngineLoop:
 
         async for out in self._stream(request_id, sink, start):
             yield out
+
+    async def _compiled(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's grammar compiled off the engine thread (``grammar_compiler.py``): the
+        request waits here while the engine goes on; None when it has no grammar or the worker
+        has no compiler (the engine then refuses it)."""
+        compiler = self.engine.grammars
+        if params.grammar is None or compiler is None:
+            return None
+        return await compiler.compile(params.grammar)
 
     async def _stream(
         self, request_id: str, sink: RequestSink, start: Callable[[LLMEngine], None]
