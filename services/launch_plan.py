@@ -96,7 +96,15 @@ class LaunchConfig:
     restart: bool = True
     tls_dir: str | None = None
     insecure_internal: bool = False
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks per prefill and decode worker
+    prefill_tensor_parallel_size: int | None = None  # None: tensor_parallel_size
+    decode_tensor_parallel_size: int | None = None
+
+    def width(self, service: str) -> int:
+        """The tensor-parallel width of ``service``'s workers (``prefill`` / ``decode``)."""
+        own = (self.prefill_tensor_parallel_size if service == "prefill"
+               else self.decode_tensor_parallel_size)  # fmt: skip
+        return self.tensor_parallel_size if own is None else own
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +144,11 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     if config.mode not in MODES:
         raise InvalidArgumentError(f"--mode must be one of {', '.join(MODES)}", param="mode")
     colocated = config.mode == "colocated"
-    if config.tensor_parallel_size < 1:
-        raise InvalidArgumentError("--tensor-parallel-size must be >= 1",
-                                   param="tensor_parallel_size")  # fmt: skip
-    if config.tensor_parallel_size > 1 and not colocated:
-        raise InvalidArgumentError(
-            f"--tensor-parallel-size {config.tensor_parallel_size} needs --mode colocated for "
-            "now: KV hand-off between tensor-parallel workers is not built yet "
-            "(docs/tensor-parallel.md)", param="tensor_parallel_size",
-        )  # fmt: skip
+    for flag, width in (("--tensor-parallel-size", config.tensor_parallel_size),
+                        ("--prefill-tensor-parallel-size", config.width("prefill")),
+                        ("--decode-tensor-parallel-size", config.width("decode"))):  # fmt: skip
+        if width < 1:
+            raise InvalidArgumentError(f"{flag} must be >= 1", param="tensor_parallel_size")
     if colocated and config.num_prefill:
         raise InvalidArgumentError("--mode colocated runs no prefill workers (drop --prefill)",
                                    param="prefill")  # fmt: skip
@@ -236,8 +240,8 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
                 extra += ["--kv-transport", config.kv_transport]
             if service == "decode":  # speculation is a decode step's business
                 extra += list(config.speculative)
-            if service == "decode" and config.tensor_parallel_size > 1:
-                extra += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+            if config.width(service) > 1:  # its ranks: processes it starts on its own cores
+                extra += ["--tensor-parallel-size", str(config.width(service))]
             if service == "prefill" and config.pooling is not None:  # embeddings are prefill's
                 extra += ["--pooling", config.pooling]
             grpc_child(name, service, port + i, metrics_port + i, [*extra, *config.worker_args])

@@ -142,8 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "workers sharing a GPU) | auto (the workers' default: cuda-ipc on CUDA, gRPC on "
              "CPU)")
     add("--tensor-parallel-size", type=int, default=1, metavar="N",
-        help="split each decode worker's model over N ranks (processes) sharing its cores; "
-             "with --mode colocated only, for now (docs/tensor-parallel.md)")
+        help="split each prefill and decode worker's model over N ranks (processes) on its "
+             "cores (or N GPUs); default 1 (docs/tensor-parallel.md)")
+    add("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+        help="prefill workers' width, when it differs from --tensor-parallel-size (wide "
+             "prefill, narrow decode)")
+    add("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
+        help="decode workers' width, when it differs from --tensor-parallel-size")
     add("--speculative", choices=SPECULATIVE_METHODS, default=None,
         help="speculative decoding on every decode worker: ngram (prompt lookup; greedy and "
              "seeded output unchanged). Default: off")
@@ -212,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         tls_dir=args.certs,
         insecure_internal=args.insecure_internal,
         tensor_parallel_size=args.tensor_parallel_size,
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
     )
     if config.insecure_internal and config.tls_dir:
         raise InvalidArgumentError("--certs and --insecure-internal exclude each other",

@@ -34,9 +34,16 @@ yaml = pytest.importorskip("yaml")
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "kubernetes"
 ADAPTER_RULES = DEPLOY / "prometheus-adapter-rules.yaml"
-RENDERINGS = ("base", "overlays/cpu", "overlays/gpu")
-IMAGES = {"base": "tandem:latest", "overlays/cpu": "tandem:cpu", "overlays/gpu": "tandem:latest"}
-DEVICES = {"base": "auto", "overlays/cpu": "cpu", "overlays/gpu": "cuda"}
+RENDERINGS = ("base", "overlays/cpu", "overlays/gpu", "overlays/cpu-tensor-parallel",
+              "overlays/gpu-tensor-parallel")  # fmt: skip
+IMAGES = {"base": "tandem:latest", "overlays/cpu": "tandem:cpu", "overlays/gpu": "tandem:latest",
+          "overlays/cpu-tensor-parallel": "tandem:cpu",
+          "overlays/gpu-tensor-parallel": "tandem:latest"}  # fmt: skip
+DEVICES = {"base": "auto", "overlays/cpu": "cpu", "overlays/gpu": "cuda",
+           "overlays/cpu-tensor-parallel": "cpu", "overlays/gpu-tensor-parallel": "cuda"}
+# each worker's tensor-parallel ranks (docs/tensor-parallel.md), and its GPUs
+WIDTHS = {"overlays/cpu-tensor-parallel": 2, "overlays/gpu-tensor-parallel": 2}
+GPUS = {"overlays/gpu": 1, "overlays/gpu-tensor-parallel": 2}
 ROLES = ("tokenizer", "prefill", "decode", "gateway")
 WORKERS = ("prefill", "decode")
 POOLS = ("tokenizer", *WORKERS)  # behind the gateway: replicas it finds by a headless Service
@@ -322,6 +329,10 @@ def test_every_command_is_accepted_by_the_cli(
             limit = cpu_cores(container["resources"]["limits"]["cpu"])
             assert args.threads == math.ceil(limit) and args.threads >= 1
             assert args.kv_cache_gib > 0
+            # its ranks all in this container, each with whole cores of its own
+            width = WIDTHS.get(name, 1)
+            assert args.tensor_parallel_size == width
+            assert limit >= width * (1 if name in GPUS else 2), (name, role)
     from services.gateway.main import config_from_args
 
     config = config_from_args(parse(the_container(objects, "gateway"), objects, monkeypatch))
@@ -518,8 +529,8 @@ def test_images_and_gpus(rendered: dict[str, list[Obj]], name: str) -> None:
         assert container["imagePullPolicy"] == "IfNotPresent"  # a local build tagged :latest
         gpus = container["resources"]["limits"].get("nvidia.com/gpu")
         spec = pod_spec(one(objects, "Deployment", role))
-        if name == "overlays/gpu" and role in WORKERS:
-            assert int(gpus) == 1
+        if name in GPUS and role in WORKERS:
+            assert int(gpus) == GPUS[name] == WIDTHS.get(name, 1)  # one GPU a rank
             assert spec["nodeSelector"] and any(
                 t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]
             )

@@ -187,20 +187,9 @@ def test_rank_cores_are_disjoint() -> None:
     assert rank_cores(3, [4, 5]) == [[4], [5], [4]]  # fewer cores than ranks: shared round-robin
 
 
-def test_quantized_weights_are_refused(tmp_path: Path) -> None:
-    """Quantized GGUF blocks are not split yet: a clear error naming the flag, before any rank
-    loads."""
-    from services.engine.core.tp_group import TensorParallelGroup
-    from services.engine.core.tp_shard import RankShard
-
-    group = TensorParallelGroup(rank=0, world=2, device=torch.device("cpu"))  # never joined
-    with pytest.raises(InvalidArgumentError, match="--tensor-parallel-size 2 with --dtype q8_0"):
-        load_model("dummy:tiny", "q8_0", sharding=RankShard(group))
-
-
 def test_tandem_up_passes_the_width_to_colocated_decode_workers() -> None:
-    """``tandem up --mode colocated --tensor-parallel-size 2`` gives every decode worker the flag;
-    a disaggregated deployment is refused until hand-off between splits is built."""
+    """``tandem up --mode colocated --tensor-parallel-size 2`` gives every decode worker the flag
+    (disaggregated widths: tests/test_tensor_parallel_deploy.py)."""
     from services.launch_plan import LaunchConfig, plan
 
     specs = plan(LaunchConfig(mode="colocated", num_prefill=0, num_decode=2, gateway=False,
@@ -210,5 +199,3 @@ def test_tandem_up_passes_the_width_to_colocated_decode_workers() -> None:
     assert all(a[a.index("--tensor-parallel-size") + 1] == "2" for a in decode)
     plain = plan(LaunchConfig(mode="colocated", num_prefill=0, num_decode=1, gateway=False))
     assert all("--tensor-parallel-size" not in s.argv for s in plain)
-    with pytest.raises(InvalidArgumentError, match="--tensor-parallel-size 2 needs --mode colocated"):
-        plan(LaunchConfig(num_prefill=1, num_decode=1, gateway=False, tensor_parallel_size=2))

@@ -18,6 +18,14 @@ and gives back to the same block manager the scheduler uses:
   5. Free every block (``finally``: also when a pass raises). Nothing is registered in the prefix
      cache, so the blocks go straight back to the free list.
 
+On rank 0 of a tensor-parallel worker (``--tensor-parallel-size N``) each pass's plan goes to the
+followers first, as a prefill step's does (``tp_group.STEP``: the same ids, positions and block
+tables, in their own pools' blocks of the same ids), so every rank runs its shard of the pass and
+its part of the all-reduces; the final hidden states come out whole on every rank (the last
+layer's row-parallel outputs are all-reduced), and rank 0 pools them. The followers' KV of those
+blocks is left as it is: the blocks go back to the free list, and whatever takes them next
+overwrites it, as on rank 0.
+
 :func:`finish_embedding` is the per-request part: Matryoshka truncation to ``dimensions`` and L2
 normalisation (after truncating, so a truncated vector has unit length too).
 """
@@ -30,12 +38,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from services.common.errors import InvalidArgumentError, ResourceExhaustedError
 from services.common.pooling_config import POOLING_MODES
 from services.engine.core.attention import AttentionMetadata
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.models import CausalLM
+from services.engine.core.tp_group import STEP, TensorParallelGroup
 from services.engine.core.tp_shard import VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
@@ -72,6 +81,11 @@ class Embedder:
         self.budget = max(1, max_num_batched_tokens)
         self.block_size = kv.layout.block_size
         self.device = next(model.parameters()).device
+        embed = model.embed_tokens
+        # rank 0 of a tensor-parallel model: its followers run each pass on their shards too
+        self.tp: TensorParallelGroup | None = (
+            embed.tp if isinstance(embed, VocabParallelEmbedding) else None
+        )
 
     @property
     def hidden_size(self) -> int:
@@ -89,12 +103,6 @@ class Embedder:
         Raises:
             ResourceExhaustedError: the first input needs more blocks than the whole pool.
         """
-        if isinstance(self.model.embed_tokens, VocabParallelEmbedding):
-            # its forward would run on rank 0 alone: the followers are not handed this plan
-            raise FailedPreconditionError(
-                "embeddings are not served by a tensor-parallel worker yet "
-                "(--tensor-parallel-size > 1)", code="embeddings_tensor_parallel",
-            )
         if not inputs:
             return []
         if not self.fits_ever(len(inputs[0])):
@@ -135,10 +143,13 @@ class Embedder:
             ids.extend(int(t) for t in item.token_ids[start:end])
             positions.extend(range(start, end))
         lens = [end - start for _, start, end in chunks]
+        context_lens = [end for _, _, end in chunks]
+        tables = [item.block_ids for item, _, _ in chunks]
+        if self.tp is not None:  # the same plan a prefill step hands the followers
+            self.tp.send(STEP, True, ids, positions, lens, context_lens, tables, lens)
         meta = AttentionMetadata.build(
-            is_prefill=True, query_lens=lens, context_lens=[end for _, _, end in chunks],
-            block_tables=[item.block_ids for item, _, _ in chunks], block_size=self.block_size,
-            device=self.device, prompt_counts=lens,
+            is_prefill=True, query_lens=lens, context_lens=context_lens, block_tables=tables,
+            block_size=self.block_size, device=self.device, prompt_counts=lens,
         )  # fmt: skip
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

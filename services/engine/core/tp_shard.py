@@ -24,8 +24,14 @@ rank; only sizes and four kinds of layers differ):
 
 The weights are split as they stream from the checkpoint (:meth:`RankShard.shard_weights`, under
 Hugging Face names, Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` split into their parts first),
-so a rank never holds more than its shard plus one tensor. Quantized GGUF blocks are not split yet:
-:func:`services.engine.core.loaders.load_model` refuses a quantized ``--dtype`` with a width over 1.
+so a rank never holds more than its shard plus one tensor. Quantized weights (a GGUF's blocks as
+stored, or float ones quantized to Q8_0 at load) split the same way, on block boundaries:
+column-parallel ones by output rows (whole rows: every block stays intact), row-parallel ones by
+input columns (:meth:`QuantizedWeight.columns`), which must start and end on the format's blocks —
+32 values, 256 for the K formats — or the width is refused naming the weight. Split on a block
+boundary, a rank's blocks are bit for bit the unsplit weight's, and so are the int8 rows of the
+8-bit-activation dtypes (rounded per group of 32 inputs, the same groups at every width): only the
+order in which the row-parallel partial sums are added differs from width 1 (float32 throughout).
 
 A tensor-parallel model does not take the one-call C decode layers (they cannot all-reduce
 between layers) or CUDA graphs (the plan is sent from the host each step); the per-op fused
@@ -46,7 +52,7 @@ from services.engine.core.embedding import Embedding
 from services.engine.core.linear import Linear
 from services.engine.core.models.base import CausalLM
 from services.engine.core.models.blocks import GatedMLP
-from services.engine.core.quant.quantized_weight import QuantizedWeight
+from services.engine.core.quant.quantized_weight import GROUP, QuantizedWeight
 from services.engine.core.tp_group import LOGITS, TensorParallelGroup
 
 Weight = torch.Tensor | QuantizedWeight
@@ -176,21 +182,20 @@ class RankShard:
             head.__class__ = VocabParallelHead
             head.tp, head.vocab = tp, self._config.vocab_size  # type: ignore[attr-defined]
 
-    def shard_weights(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
-        """This rank's slice of each Hugging Face-named weight, as the checkpoint streams."""
+    def shard_weights(
+        self, weights: Iterable[tuple[str, Weight]], *, quantize: str | None = None
+    ) -> Iterator[tuple[str, Weight]]:
+        """This rank's slice of each Hugging Face-named weight, as the checkpoint streams.
+        ``quantize``: the loader's compact format (``q8_0`` / ``q4`` quantize float matrices to
+        Q8_0 after this split, so a row-parallel slice of one must be whole 32-value groups)."""
+        blocks = GROUP if quantize in ("q8_0", "q4") else 1
         for name, tensor in weights:
-            yield name, self.shard_weight(name, tensor)
+            yield name, self.shard_weight(name, tensor, float_block=blocks)
 
-    def shard_weight(self, name: str, tensor: Weight) -> Weight:
-        """This rank's slice of one weight (replicated weights as they are)."""
+    def shard_weight(self, name: str, tensor: Weight, *, float_block: int = 1) -> Weight:
+        """This rank's slice of one weight (replicated weights as they are). ``float_block``: the
+        block a float matrix is quantized in after the split (1: it is not)."""
         config, sizes = self._config, self._sizes
-        if isinstance(tensor, QuantizedWeight):
-            raise InvalidArgumentError(
-                f"--tensor-parallel-size {sizes.world}: weight {name} is quantized "
-                f"({tensor.format}); quantized GGUF blocks are not split across ranks yet "
-                "(use --dtype float32, or a width of 1)",
-                param="tensor_parallel_size",
-            )
         d = config.head_dim
         q_rows = (sizes.rank * sizes.heads * d, sizes.heads * d)
         kv_rows = (sizes.kv_start * d, sizes.kv_heads * d)
@@ -202,24 +207,48 @@ class RankShard:
         layer, rest = int(match.group(1)), match.group(2)
         dense = not config.is_moe_layer(layer)
         inter = (sizes.rank * sizes.intermediate, sizes.intermediate)
+
+        def columns(start: int, count: int) -> Weight:
+            return self._columns(name, tensor, start, count, float_block)
+
         if rest.startswith("self_attn.q_proj."):
             return _rows(tensor, *q_rows)
         if rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
             return _rows(tensor, *kv_rows)
         if rest.startswith("self_attn.qkv_proj."):  # Phi-3: q, k and v stored fused
-            q, k, v = tensor.split([config.num_heads * d, config.num_kv_heads * d,
-                                    config.num_kv_heads * d])  # fmt: skip
-            return torch.cat([_rows(q, *q_rows), _rows(k, *kv_rows), _rows(v, *kv_rows)])
+            q, k, v = _split_rows(tensor, [config.num_heads * d, config.num_kv_heads * d,
+                                           config.num_kv_heads * d])  # fmt: skip
+            return _cat([_rows(q, *q_rows), _rows(k, *kv_rows), _rows(v, *kv_rows)])
         if rest == "self_attn.o_proj.weight":
-            return _columns(tensor, *q_rows)
+            return columns(*q_rows)
         if dense and rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
             return _rows(tensor, *inter)
         if dense and rest == "mlp.gate_up_proj.weight":  # Phi-3: gate and up stored fused
-            gate, up = tensor.split(config.intermediate_size)
-            return torch.cat([_rows(gate, *inter), _rows(up, *inter)])
+            gate, up = _split_rows(tensor, [config.intermediate_size] * 2)
+            return _cat([_rows(gate, *inter), _rows(up, *inter)])
         if dense and rest == "mlp.down_proj.weight":
-            return _columns(tensor, *inter)
+            return columns(*inter)
         return tensor
+
+    def _columns(self, name: str, tensor: Weight, start: int, count: int,
+                 float_block: int) -> Weight:  # fmt: skip
+        """A row-parallel weight's input columns for this rank, refused (naming the weight and
+        the flag) where they do not start and end on the weight's quantization blocks."""
+        if isinstance(tensor, QuantizedWeight):
+            block, what = tensor.block, f"{tensor.format} blocks"
+        else:  # a float matrix quantized to Q8_0 after the split, if it is quantized whole
+            quantized_whole = float_block > 1 and tensor.shape[1] % float_block == 0
+            block, what = (float_block, "q8_0 groups") if quantized_whole else (1, "")
+        if start % block or count % block:
+            raise InvalidArgumentError(
+                f"--tensor-parallel-size {self._sizes.world} does not split {name} on its "
+                f"quantization blocks: each rank's {count} input columns are not a whole number "
+                f"of {block}-value {what} (use another width, or --dtype float32)",
+                param="tensor_parallel_size",
+            )
+        if isinstance(tensor, QuantizedWeight):
+            return tensor.columns(start, count)
+        return tensor[:, start : start + count].contiguous()
 
 
 def _row_parallel(linear: Linear, tp: TensorParallelGroup) -> None:
@@ -230,19 +259,36 @@ def _row_parallel(linear: Linear, tp: TensorParallelGroup) -> None:
     linear.tp = tp  # type: ignore[attr-defined]
 
 
-def _rows(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
+def _rows(tensor: Weight, start: int, count: int) -> Weight:
+    """Output rows ``start .. start + count`` (of a quantized weight: its whole rows of blocks)."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.map_rows(lambda t: t[start : start + count].contiguous())
     return tensor[start : start + count].contiguous()
 
 
-def _columns(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return tensor[:, start : start + count].contiguous()
+def _split_rows(tensor: Weight, counts: list[int]) -> list[Weight]:
+    """A fused weight's parts, ``counts`` rows each."""
+    if isinstance(tensor, QuantizedWeight):
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [_rows(tensor, s, n) for s, n in zip(starts, counts, strict=True)]
+    return list(tensor.split(counts))
 
 
-def _vocab_rows(tensor: torch.Tensor, sizes: ShardSizes) -> torch.Tensor:
-    """Rows ``rank * vocab`` onward, ``vocab`` of them, zero-padded past the vocabulary's end."""
+def _cat(parts: list[Weight]) -> Weight:
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)  # type: ignore[arg-type]
+    return torch.cat(parts)  # type: ignore[arg-type]
+
+
+def _vocab_rows(tensor: Weight, sizes: ShardSizes) -> Weight:
+    """Rows ``rank * vocab`` onward, ``vocab`` of them, zero-padded past the vocabulary's end (a
+    quantized table's padding is all-zero blocks: zero scales, so zero values)."""
     start = sizes.rank * sizes.vocab
-    rows = tensor[start : start + sizes.vocab]
-    if rows.shape[0] < sizes.vocab:
-        pad = rows.new_zeros(sizes.vocab - rows.shape[0], *rows.shape[1:])
-        rows = torch.cat([rows, pad])
-    return rows.contiguous()
+    rows = _rows(tensor, start, sizes.vocab)
+    have = rows.shape[0]
+    if have < sizes.vocab:
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(sizes.vocab - have, *t.shape[1:])])
+
+        rows = rows.map_rows(pad) if isinstance(rows, QuantizedWeight) else pad(rows)
+    return rows

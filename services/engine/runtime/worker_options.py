@@ -157,7 +157,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                         default=env("TANDEM_TENSOR_PARALLEL_SIZE", "1"), metavar="N",
                         help="split the model over N ranks (processes) of this worker: Gloo on "
                              "CPU (ranks pinned to disjoint cores of --cpus), NCCL on CUDA (one "
-                             "GPU each); float weights only (default 1; env "
+                             "GPU each); quantized GGUF blocks split on block boundaries (default 1; env "
                              "TANDEM_TENSOR_PARALLEL_SIZE; docs/tensor-parallel.md)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB")
     parser.add_argument("--num-blocks", type=int, default=None,

@@ -130,17 +130,12 @@ def build_engine(
 def load_worker_model(options: WorkerOptions) -> LoadedModel:
     """The worker's model: whole, or with ``--tensor-parallel-size N`` this process's shard as
     rank 0 of N, the followers started (pinned to disjoint runs of ``--cpus`` or of the cores this
-    thread may use; they exit with this process)."""
+    thread may use; they exit with this process). A ``--speculative draft`` model is not split:
+    :func:`load_draft` loads it whole in this process, where it runs on rank 0's cores while the
+    target is split (docs/tensor-parallel.md)."""
     width = options.tensor_parallel_size
     if width == 1:
         return load_model(options.model, parse_dtype(options.dtype), options.device)
-    spec = options.speculative
-    if spec is not None and spec.method == "draft":
-        raise InvalidArgumentError(
-            f"--tensor-parallel-size {width} with --speculative draft: a draft model next to a "
-            "tensor-parallel one is not supported yet (ngram speculation is)",
-            param="tensor_parallel_size",
-        )
     from services.engine.core.tp_follower import ShardSource, start_tensor_parallel
 
     source = ShardSource(options.model, parse_dtype(options.dtype), options.device)

@@ -45,7 +45,7 @@ from typing import Protocol
 
 import torch
 
-from services.common.errors import InvalidArgumentError, ModelLoadError
+from services.common.errors import ModelLoadError
 from services.common.model_fingerprint import fingerprint, weights_digest
 from services.common.model_source import ModelSource, resolve_model
 from services.engine.core.attention_backends import make_attention_backend
@@ -88,7 +88,8 @@ class Sharding(Protocol):
     def shard_config(self, config: ModelConfig) -> ModelConfig: ...
     def prepare(self, model: CausalLM) -> None: ...
     def shard_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], *,
+        quantize: str | None = None,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]: ...
 
 
@@ -180,8 +181,8 @@ def load_model(
 
     ``dtype`` is a torch float dtype or a name from :data:`DTYPE_CHOICES` (``auto``, ``q4``, ...);
     ``attention`` names the paged-attention backend (see ``attention_backends.BACKENDS``);
-    ``sharding``: build and fill only this tensor-parallel rank's part (float weights only:
-    quantized ones are not split across ranks yet, an InvalidArgumentError).
+    ``sharding``: build and fill only this tensor-parallel rank's part (quantized weights split
+    on their blocks; a width that would cut a block is an InvalidArgumentError: ``tp_shard``).
     """
     source = resolve_model(model) if isinstance(model, str) else model
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
@@ -192,13 +193,6 @@ def load_model(
     quantize = weights if compact else None  # linear and embedding weights' storage
     gguf_blocks = quantize if quantize in QUANT_DTYPES else None  # kept as the file stores them
     compute = torch.float32 if compact else DTYPES[weights]
-    if sharding is not None and weights in QUANT_DTYPES:
-        raise InvalidArgumentError(
-            f"--tensor-parallel-size {sharding.group.world} with --dtype {weight_format}"
-            f"{' (from auto)' if name == 'auto' else ''}: quantized weights are not split across "
-            "ranks yet; use --dtype float32 (or bfloat16 / float16)",
-            param="tensor_parallel_size",
-        )
     backend = make_attention_backend(attention, device)
     if source.kind == "dummy":
         config = dummy_config(source.path)
@@ -220,7 +214,7 @@ def load_model(
         net = empty_model(sharding.shard_config(config), compute, device, backend,
                           quantized=bool(quantize))  # fmt: skip
         sharding.prepare(net)
-        weight_iter = sharding.shard_weights(weight_iter)
+        weight_iter = sharding.shard_weights(weight_iter, quantize=quantize)
     load_weights(net, weight_iter, quantize)
     logger.info(
         "loaded %s (%s, %d layers, %s%s) on %s",

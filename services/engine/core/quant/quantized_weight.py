@@ -171,6 +171,33 @@ class QuantizedWeight:
         return QuantizedWeight(self.format, **{k: fn(v) for k, v in self.tensors().items()},
                                **_absent(self.format))  # fmt: skip
 
+    @property
+    def block(self) -> int:
+        """Inputs per block: the fewest whole inputs that every tensor of this format covers a
+        whole number of elements of (32; 256 for the K formats; 1 for the 16-bit floats). A slice
+        of input columns keeps the values exactly where it starts and ends on a block boundary."""
+        return max(per for _, per in LAYOUTS[self.format].values())
+
+    def columns(self, start: int, count: int) -> QuantizedWeight:
+        """Input columns ``start .. start + count`` of every row (a row-parallel rank's part of a
+        matrix), the blocks kept whole and bit for bit.
+
+        Raises:
+            ValueError: ``start`` or ``count`` is not a multiple of :attr:`block`, or the slice
+                runs past the weight's inputs.
+        """
+        block, n_in = self.block, self.shape[1]
+        if start % block or count % block or start < 0 or count <= 0 or start + count > n_in:
+            raise ValueError(
+                f"input columns {start}..{start + count} of a {self.format} weight of {n_in} "
+                f"inputs do not start and end on its {block}-value blocks"
+            )
+        parts = {}
+        for name, tensor in self.tensors().items():
+            per = LAYOUTS[self.format][name][1]
+            parts[name] = tensor[:, start // per : (start + count) // per].contiguous()
+        return QuantizedWeight(self.format, **parts, **_absent(self.format))
+
     def nbytes(self) -> int:
         """Bytes held by all its tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
