@@ -268,13 +268,15 @@ async def test_a_dead_follower_rank_migrates_its_stream_intact(checkpoint: Path)
     from services.gateway.app import build_app
     from services.gateway.auth import ApiKeyAuth
     from services.gateway.config import GatewayConfig
+    from services.tokenizer.main import model_fingerprint
     from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
     from services.tokenizer.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.load(resolve_model(str(checkpoint)))
+    source = resolve_model(str(checkpoint))
+    tokenizer = Tokenizer.load(source)
+    servicer = TokenizerServicer(tokenizer, served_name="tiny", model_fingerprint=model_fingerprint(source))
     tok_server = await start_grpc_server(
-        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-          TokenizerServicer(tokenizer, served_name="tiny"), SERVICE_NAME)],
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer, SERVICE_NAME)],
         tls=tls_for("tokenizer"), host="127.0.0.1", port=0, grace=0.1,
     )  # fmt: skip
     decodes: Workers = {}
