@@ -1,7 +1,7 @@
 """Tensor parallelism (issue 48): prefill and decode tokens per second of one model at width 1
 and at width N (default 2), on this machine.
 
-Width 1 runs in this process on the first run of cores :func:`rank_cores` gives rank 0 at width
+Width 1 runs in this process twice: on every core the process may use (what a split competes with), then on the first run of cores :func:`rank_cores` gives rank 0 at width
 N, so both widths' rank 0 see the same core(s); width N starts a real group (rank 0 here, its
 followers spawned and pinned to the other runs, Gloo on CPU or NCCL with ``--device cuda``). Each
 width: one prefill of ``--batch`` prompts of ``--prompt`` tokens, then ``--decode`` greedy steps
@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -78,25 +81,28 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     runs = rank_cores(args.width)
-    rows = []
-    pin(runs[0])
+    all_cores = sorted(os.sched_getaffinity(0))
+    rows: list[tuple[str, float, float]] = []
     single = load_model(args.model, args.dtype, args.device)
-    rows.append((1, *measure(single, args)))
+    torch.set_num_threads(len(all_cores))  # width 1 with the whole machine: what TP competes with
+    rows.append((f"1 ({len(all_cores)} cores)", *measure(single, args)))
+    pin(runs[0])  # width 1 on rank 0's share alone: what each rank works with
+    rows.append((f"1 ({len(runs[0])} core{'s' if len(runs[0]) > 1 else ''})", *measure(single, args)))
     del single
     loaded = start_tensor_parallel(ShardSource(args.model, args.dtype, args.device), args.width)
     try:
-        rows.append((args.width, *measure(loaded, args)))
+        rows.append((f"{args.width} ({sum(len(r) for r in runs)} cores)", *measure(loaded, args)))
     finally:
         assert loaded.sharding is not None
         loaded.sharding.group.close()
     print(f"{args.model} {args.dtype} on {args.device}, batch {args.batch}, prompt {args.prompt}, "
           f"{args.decode} decode steps; rank 0 on cores {runs[0]}")
-    print(f"{'width':>5} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'width':>12} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for width, prefill, decode in rows:
-        print(f"{width:>5} {prefill:>14.1f} {decode:>13.1f}")
-    base_prefill, base_decode = rows[0][1], rows[0][2]
-    print(f"width {args.width} / width 1: prefill {rows[1][1] / base_prefill:.2f}x, "
-          f"decode {rows[1][2] / base_decode:.2f}x")
+        print(f"{width:>12} {prefill:>14.1f} {decode:>13.1f}")
+    for base in rows[:2]:
+        print(f"width {args.width} / width {base[0]}: prefill {rows[-1][1] / base[1]:.2f}x, "
+              f"decode {rows[-1][2] / base[2]:.2f}x")
 
 
 if __name__ == "__main__":
