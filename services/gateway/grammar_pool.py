@@ -68,10 +68,11 @@ def _compile_in_worker(kind: str, value: Any, param: str) -> tuple[str, str, str
                 param.split(".")[0], "invalid_value")  # fmt: skip
 
 
-WORKER_NICENESS = 10
+WORKER_NICENESS = 19
 """How much lower the workers' CPU priority is than the gateway's: on a machine with few cores,
 compiling workers would otherwise take the CPU from the event loop they are meant to spare
-(measured on 2 shared cores: a plain request waited 1-2 s behind two busy workers)."""
+(measured on 2 shared cores: a plain request waited 1-2 s behind two busy workers). The lowest
+priority, as the decode workers' compile threads (``grammar_compiler.COMPILE_NICENESS``)."""
 
 
 def _warm() -> None:
