@@ -69,9 +69,8 @@ def test_rows_of_one_sequence_have_their_bits_alone(
         k = torch.randn(batch, kv_heads, dim, generator=gen)
         v = torch.randn(batch, kv_heads, dim, generator=gen)
         for dtype in KV_DTYPES:
-            row = kv_quant.row_bytes(dim) if dtype == torch.uint8 else dim
-            k_cache = _cache(dtype, (401, BLOCK, kv_heads, row), gen)
-            v_cache = _cache(dtype, (401, BLOCK, kv_heads, row), gen)
+            k_cache = _cache(dtype, (401, BLOCK, kv_heads, dim), gen)
+            v_cache = _cache(dtype, (401, BLOCK, kv_heads, dim), gen)
             k_alone, v_alone = k_cache.clone(), v_cache.clone()
             tables_t, lens_t = meta.block_tables, meta.decode_context_lens()
             together = cpu_paged_attention.cpu_paged_decode_attention(
