@@ -733,28 +733,56 @@ static inline __attribute__((always_inline)) void value_rows(
     default: CALL(ATTN_ROWS); break;                        \
     }
 
-/* The group's query heads (kh * group + g) of one row at position pos of a sequence (its block
- * table row `table`), over the cache as the prefill kernel attends a row (see above): out is
- * [heads, D] of that row, q the row's [heads, D] (stride q_sh); head_dim whole vectors. */
-static inline __attribute__((always_inline)) void row_task(
-    const float *q, int64_t q_sh,
+/* The first key tile a row at position pos reads (keys pos - window < k <= pos with a window). */
+static inline int64_t first_tile(int64_t pos, int64_t window) {
+    const int64_t first_key = window > 0 && pos >= window ? pos - window + 1 : 0;
+    return first_key - first_key % KEY_TILE;
+}
+
+/* How many slots of the key tile at ks a row at position pos >= ks reads (the rest are past it). */
+static inline int64_t seen_slots(int64_t pos, int64_t ks) {
+    return pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
+}
+
+/* The group's query heads (kh * group + g) of `rows` consecutive rows of one sequence, at positions
+ * pos0 .. pos0 + rows - 1 (its block table row `table`, which maps every position they read),
+ * each row over the cache as the prefill kernel attends a row (see above): q and out are the
+ * first row's [heads, D] (q's heads q_sh apart, rows q_sb apart; out's rows heads * D apart);
+ * head_dim whole vectors.
+ *
+ * Why rows together: a speculative step's verify rows (a sequence's last token and its drafts,
+ * ``model_runner.py``) are decode rows of one table at consecutive positions. Alone, each row
+ * gathers and transposes the whole context's keys for just `group` query vectors; together, each
+ * key tile is transposed once and scored against every row's vectors in register blocks, and each
+ * value row is loaded once per block. A vector's arithmetic is still its row's alone: a row takes
+ * part only in the tiles it reads (its window's first tile through its own position's), with its
+ * own softmax bounds, and its values are accumulated over exactly its own slots of the tile
+ * (rows that see the same slots share a block), so every row has the bits it has computed alone
+ * (rows = 1), which are the prefill's. */
+static inline __attribute__((always_inline)) void rows_task(
+    const float *q, int64_t q_sb, int64_t q_sh,
     void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
     void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
-    const int64_t *table, int64_t pos, float *out,
-    int64_t kh, int64_t group, int64_t head_dim, int64_t block_size,
+    const int64_t *table, int64_t pos0, int64_t rows, float *out,
+    int64_t kh, int64_t group, int64_t heads, int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float softcap, const int kv) {
-    const int64_t nq = group;
+    const int64_t nq = rows * group, last = pos0 + rows - 1; /* vector r * group + g: row r, head g */
     float qs[nq * head_dim], o[nq * head_dim], p[nq * KEY_TILE];
     float running_max[nq], total[nq], rescale[nq];
     float kt[head_dim * KEY_TILE];
     int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row */
-    for (int64_t g = 0; g < nq; g++)
-        memcpy(qs + g * head_dim, q + (kh * group + g) * q_sh, (size_t)head_dim * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < group; g++)
+            memcpy(qs + (r * group + g) * head_dim, q + r * q_sb + (kh * group + g) * q_sh,
+                   (size_t)head_dim * sizeof(float));
     memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
     for (int64_t x = 0; x < nq; x++) running_max[x] = -INFINITY, total[x] = 0.f;
-    const int64_t first_key = window > 0 && pos >= window ? pos - window + 1 : 0;
-    for (int64_t ks = first_key - first_key % KEY_TILE; ks <= pos; ks += KEY_TILE) {
-        const int64_t slots = pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
+    int64_t r_end = 0; /* rows r_begin .. r_end - 1 read the tile at ks (contiguous: positions ascend) */
+    for (int64_t ks = first_tile(pos0, window); ks <= last; ks += KEY_TILE) {
+        const int64_t r_begin = ks > pos0 ? ks - pos0 : 0; /* the earlier rows end before ks */
+        while (r_end < rows && first_tile(pos0 + r_end, window) <= ks) r_end++;
+        const int64_t top = pos0 + r_end - 1; /* the last key any of them reads */
+        const int64_t slots = seen_slots(top, ks);
         const int64_t chunks = (slots + TILE - 1) / TILE;
         for (int64_t s = 0; s < slots; s++) {
             const int64_t at = ks + s, block = table[at / block_size], slot = at % block_size;
@@ -762,51 +790,116 @@ static inline __attribute__((always_inline)) void row_task(
             vi[s] = block * v_sb + slot * v_ss + kh * v_sh;
         }
         transpose_keys(k, ki, slots, head_dim, kt, kv);
-        for (int64_t d = 0; d < head_dim; d++) /* keys past the row: scored, then given no weight */
+        for (int64_t d = 0; d < head_dim; d++) /* keys past a row: scored, then given no weight */
             for (int64_t s = slots; s < chunks * TILE; s++) kt[d * KEY_TILE + s] = 0.f;
+        const int64_t x_begin = r_begin * group, x_end = r_end * group;
         for (int64_t c = 0; c < chunks; c++)
-            for (int64_t x = 0; x < nq; x += ATTN_ROWS) {
-                const int n = nq - x < ATTN_ROWS ? (int)(nq - x) : ATTN_ROWS;
+            for (int64_t x = x_begin; x < x_end; x += ATTN_ROWS) {
+                const int n = x_end - x < ATTN_ROWS ? (int)(x_end - x) : ATTN_ROWS;
 #define SCORES(N) score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE, \
                               p + x * KEY_TILE + c * TILE, scale, N)
                 WITH_ROWS(n, SCORES)
 #undef SCORES
             }
-        int64_t lo = window > 0 ? pos - window + 1 - ks : 0;
-        lo = lo > 0 ? lo : 0;
-        for (int64_t x = 0; x < nq; x++)
-            rescale[x] = softmax_tile(p + x * KEY_TILE, lo, slots, running_max + x, total + x, softcap);
-        for (int64_t x = 0; x < nq; x += ATTN_ROWS) {
-            const int n = nq - x < ATTN_ROWS ? (int)(nq - x) : ATTN_ROWS;
-            int64_t d = 0;
+        for (int64_t ra = r_begin, rb; ra < r_end; ra = rb) {
+            /* rows ra .. rb - 1 see the same slots of the tile: their values form one block */
+            const int64_t seen = seen_slots(pos0 + ra, ks);
+            for (rb = ra; rb < r_end && seen_slots(pos0 + rb, ks) == seen; rb++) {
+                int64_t lo = window > 0 ? pos0 + rb - window + 1 - ks : 0;
+                lo = lo > 0 ? lo : 0;
+                for (int64_t x = rb * group; x < (rb + 1) * group; x++)
+                    rescale[x] = softmax_tile(p + x * KEY_TILE, lo, seen, running_max + x, total + x, softcap);
+            }
+            const int64_t xb_end = rb * group;
+            for (int64_t x = ra * group; x < xb_end; x += ATTN_ROWS) {
+                const int n = xb_end - x < ATTN_ROWS ? (int)(xb_end - x) : ATTN_ROWS;
+                int64_t d = 0;
 #define VALUES(N) value_rows(o + x * head_dim, head_dim, p + x * KEY_TILE, rescale + x, v, vi, \
-                             slots, d, N, NV, kv)
-            for (; d + TILE <= head_dim; d += TILE) {
+                             seen, d, N, NV, kv)
+                for (; d + TILE <= head_dim; d += TILE) {
 #define NV VECS
-                WITH_ROWS(n, VALUES)
+                    WITH_ROWS(n, VALUES)
 #undef NV
-            }
-            for (; d < head_dim; d += LANES) {
+                }
+                for (; d < head_dim; d += LANES) {
 #define NV 1
-                WITH_ROWS(n, VALUES)
+                    WITH_ROWS(n, VALUES)
 #undef NV
-            }
+                }
 #undef VALUES
+            }
         }
     }
-    for (int64_t g = 0; g < nq; g++) {
-        float *og = out + (kh * group + g) * head_dim;
-        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-        for (int64_t dd = 0; dd < head_dim; dd++) og[dd] = o[g * head_dim + dd] * inv;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t x = r * group + g;
+            float *og = out + r * heads * head_dim + (kh * group + g) * head_dim;
+            const float inv = total[x] > 0.f ? 1.f / total[x] : 0.f;
+            for (int64_t dd = 0; dd < head_dim; dd++) og[dd] = o[x * head_dim + dd] * inv;
+        }
+}
+
+/* query vectors a rows_task holds at most (16 rows of SmolLM2's 3 query heads per KV head): its
+ * scratch on the thread's stack stays a prefill task's or less */
+#define RUN_VECTORS 48
+
+/* Whether decode row b reads what row b - 1 reads and one position more: the next row of the same
+ * sequence (a verify step's rows). Its table maps every position row b - 1 reads the same way. */
+static int continues_run(const int64_t *tables, int64_t t_sb, const int64_t *lens, int64_t b,
+                         int64_t block_size) {
+    if (lens[b] != lens[b - 1] + 1) return 0;
+    const int64_t *prev = tables + (b - 1) * t_sb, *cur = tables + b * t_sb;
+    for (int64_t i = 0; i <= (lens[b - 1] - 1) / block_size; i++)
+        if (prev[i] != cur[i]) return 0;
+    return 1;
+}
+
+/* The step's tasks' rows: unit u is rows first[u] .. first[u] + count[u] - 1, runs of one
+ * sequence's consecutive rows (continues_run) in pieces of at most max_rows first, then single
+ * rows; returns the number of units (first and count hold batch entries). A run is cut into
+ * more pieces when the step would otherwise have fewer than two tasks per thread (a batch-1
+ * verify step of a model with few KV heads), since a task runs on one thread. */
+static int64_t plan_units(const int64_t *tables, int64_t t_sb, const int64_t *lens, int64_t batch,
+                          int64_t block_size, int64_t kv_heads, int64_t max_rows, int threads,
+                          int64_t *first, int64_t *count) {
+    int64_t units = 0, runs = 0, singles = 0, run_rows = 0;
+    for (int64_t b = 0, e; b < batch; b = e) { /* count[b]: the run starting at b */
+        for (e = b + 1; e < batch && continues_run(tables, t_sb, lens, e, block_size); e++) {}
+        count[b] = e - b;
+        if (e - b > 1) runs++, run_rows += e - b;
+        else singles++;
     }
+    if (!runs) return 0;
+    const int64_t wanted = (2 * (int64_t)threads + kv_heads - 1) / kv_heads - singles; /* pieces */
+    for (int64_t b = 0, len; b < batch; b += len) {
+        len = count[b]; /* read before the units below overwrite it (they never pass b + len) */
+        if (len < 2) continue;
+        int64_t pieces = (len + max_rows - 1) / max_rows;
+        const int64_t share = wanted > 0 ? (wanted * len + run_rows - 1) / run_rows : 0;
+        pieces = share > pieces ? share : pieces;
+        pieces = pieces < len ? pieces : len;
+        for (int64_t i = 0, at = b; i < pieces; i++) { /* as even as they go, longest first */
+            const int64_t n = len / pieces + (i < len % pieces);
+            first[units] = at, count[units] = n;
+            units++, at += n;
+        }
+    }
+    for (int64_t b = 0, n; b < batch; b += n) { /* singles after the runs */
+        n = 1;
+        while (b + n < batch && continues_run(tables, t_sb, lens, b + n, block_size)) n++;
+        if (n == 1) first[units] = b, count[units] = 1, units++;
+    }
+    return units;
 }
 
 /* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
  * *_ss, *_sh in elements; D contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64,
- * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, each
- * task first writes its sequence's new K and V rows (new_k, new_v [B, KVH, D] float32, strides
- * nk_* and nv_*; D contiguous) for its KV head into slot (slot_blocks[b], slot_offsets[b]): the
- * step's store and attention in one call. */
+ * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, the
+ * step's new K and V rows (new_k, new_v [B, KVH, D] float32, strides nk_* and nv_*; D
+ * contiguous) are first written into slot (slot_blocks[b], slot_offsets[b]): the step's store and
+ * attention in one call. Rows of one sequence at consecutive positions (a verify step) attend
+ * together (rows_task), after every row's K/V is stored; otherwise each task stores its own row's
+ * K/V for its KV head and attends. */
 void tandem_paged_decode_attention(
     const float *q, int64_t q_sb, int64_t q_sh,
     void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
@@ -818,33 +911,54 @@ void tandem_paged_decode_attention(
     const float *new_v, int64_t nv_sb, int64_t nv_sh,
     const int64_t *slot_blocks, const int64_t *slot_offsets) {
     const int64_t group = heads / kv_heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        const int64_t b = task / kv_heads, kh = task % kv_heads;
-        if (new_k) {
-            const int64_t block = slot_blocks[b], offset = slot_offsets[b];
-            kv_store(kv_at(k, block * k_sb + offset * k_ss + kh * k_sh, kv_dtype),
-                     new_k + b * nk_sb + kh * nk_sh, head_dim, kv_dtype);
-            kv_store(kv_at(v, block * v_sb + offset * v_ss + kh * v_sh, kv_dtype),
-                     new_v + b * nv_sb + kh * nv_sh, head_dim, kv_dtype);
+    /* units of rows: none (each row its own task) unless some rows form runs */
+    int64_t *first = batch > 1 && head_dim % LANES == 0 ? malloc(sizeof(int64_t) * 2 * (size_t)batch) : NULL;
+    const int64_t max_rows = group < RUN_VECTORS ? RUN_VECTORS / group : 1;
+    const int64_t units = first ? plan_units(tables, t_sb, lens, batch, block_size, kv_heads, max_rows,
+                                             threads, first, first + batch)
+                                : 0;
+    const int64_t *count = first ? first + batch : NULL;
+    const int64_t tasks = (units ? units : batch) * kv_heads;
+#define STORE(b, kh)                                                                              \
+    do {                                                                                          \
+        const int64_t block_ = slot_blocks[b], offset_ = slot_offsets[b];                         \
+        kv_store(kv_at(k, block_ * k_sb + offset_ * k_ss + (kh) * k_sh, kv_dtype),                 \
+                 new_k + (b) * nk_sb + (kh) * nk_sh, head_dim, kv_dtype);                          \
+        kv_store(kv_at(v, block_ * v_sb + offset_ * v_ss + (kh) * v_sh, kv_dtype),                 \
+                 new_v + (b) * nv_sb + (kh) * nv_sh, head_dim, kv_dtype);                          \
+    } while (0)
+#pragma omp parallel num_threads(threads)
+    {
+        if (new_k && units) { /* a run's rows read each other's K/V: all stored first */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < batch * kv_heads; task++) STORE(task / kv_heads, task % kv_heads);
         }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t kh = task % kv_heads;
+            const int64_t b = units ? first[task / kv_heads] : task / kv_heads;
+            const int64_t rows = units ? count[task / kv_heads] : 1;
+            if (new_k && !units) STORE(b, kh);
+            const int64_t *table = tables + (b + rows - 1) * t_sb; /* the last row's: maps them all */
 #define DECODE_TASK(KV)                                                                          \
     if (head_dim % LANES == 0)                                                                    \
-        row_task(q + b * q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables + b * t_sb,  \
-                 lens[b] - 1, out + b * heads * head_dim, kh, group, head_dim, block_size, scale, \
-                 window, softcap, KV);                                                            \
+        rows_task(q + b * q_sb, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, table,      \
+                  lens[b] - 1, rows, out + b * heads * head_dim, kh, group, heads, head_dim,      \
+                  block_size, scale, window, softcap, KV);                                        \
     else                                                                                          \
         decode_task(q, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables, t_sb, lens[b], out, \
                     b, kh, heads, group, head_dim, block_size, scale, window, softcap, KV)
-        if (kv_dtype == KV_BFLOAT16)
-            DECODE_TASK(KV_BFLOAT16);
-        else if (kv_dtype == KV_Q8_0)
-            DECODE_TASK(KV_Q8_0);
-        else if (kv_dtype == KV_FLOAT16)
-            DECODE_TASK(KV_FLOAT16);
-        else
-            DECODE_TASK(KV_FLOAT32);
+            if (kv_dtype == KV_BFLOAT16)
+                DECODE_TASK(KV_BFLOAT16);
+            else if (kv_dtype == KV_Q8_0)
+                DECODE_TASK(KV_Q8_0);
+            else if (kv_dtype == KV_FLOAT16)
+                DECODE_TASK(KV_FLOAT16);
+            else
+                DECODE_TASK(KV_FLOAT32);
 #undef DECODE_TASK
+        }
     }
+#undef STORE
+    free(first);
 }
-
