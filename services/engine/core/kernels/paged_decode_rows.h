@@ -1,0 +1,359 @@
+/* Decode attention over the paged cache with the prefill's per-row arithmetic, and the exported
+ * tandem_paged_decode_attention: part of cpu_paged_attention.c's kernel library (included at its
+ * end, after the prefill kernel whose score_block / softmax_tile / value helpers it shares). A
+ * header, not a .c file: native_build.py builds every .c beside it as a library of its own. */
+#ifndef TANDEM_PAGED_DECODE_ROWS_H
+#define TANDEM_PAGED_DECODE_ROWS_H
+
+/* ---- decode rows, with the prefill's arithmetic ------------------------------------------------
+ *
+ * A position's attention must give the same bits whether its token is a prompt token (the prefill
+ * kernel above) or a generated one (a decode step), so that the KV and the greedy text of a
+ * request never depend on the path it took (a prefix-cache hit, a chunked prefill, a recomputed
+ * sequence, a batch). So a decode row runs exactly the prefill's per-row chain: key tiles of
+ * KEY_TILE absolute positions, each score a multiply-add chain over D in order (score_block),
+ * the same online-softmax step per tile (softmax_tile) and the same value accumulation
+ * (value_block), one query vector per head of the group. Only the keys' layout differs: the
+ * prefill transposes a sequence's keys once for all its query rows; a decode row transposes one
+ * tile at a time into an L1 scratch (8 x 8 blocks in registers on AVX2 and AVX-512), and a 16-bit
+ * cache's values are widened per tile. The older per-block decode chain (decode_task) remains for
+ * head sizes that are not whole vectors, which the prefill kernel does not take either.
+ */
+
+#if defined(__AVX2__)
+/* 8 values d .. d + 7 of the cache row at element `row`, as floats (exact widening; d a multiple
+ * of 8). */
+static inline __attribute__((always_inline)) __m256 load8(const void *cache, int64_t row, int64_t d,
+                                                          int64_t head_dim, const int kv) {
+    const int64_t i = row + d;
+    if (kv == KV_FLOAT32) return _mm256_loadu_ps((const float *)cache + i);
+    if (kv == KV_Q8_0) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)cache + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                             _mm256_set1_ps(kv_q8_scale(cache, row, d, head_dim)));
+    }
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
+    if (kv == KV_BFLOAT16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(h);
+#else
+    float wide[8];
+    for (int l = 0; l < 8; l++) wide[l] = load_kv1(cache, row, d + l, head_dim, kv);
+    return _mm256_loadu_ps(wide);
+#endif
+}
+#endif
+
+/* kt[d * KEY_TILE + s] = K[rows[s] + d] (elements of a cache of type kv) for s < n (n <=
+ * KEY_TILE), d < head_dim (whole vectors): 8 x 8 blocks transposed in registers where there is
+ * AVX2, each value widened exactly as it is read; with AVX2, columns n .. (n rounded up to 8) - 1
+ * are written too (copies of column n - 1: the caller zeroes what it scores past n). */
+static inline __attribute__((always_inline)) void transpose_keys(const void *k, const int64_t *rows,
+                                                                 int64_t n, int64_t head_dim, float *kt,
+                                                                 const int kv) {
+    int64_t s = 0;
+#if defined(__AVX2__)
+    for (; s < n; s += 8) {
+        int64_t at[8]; /* a last, partial block repeats its last key (columns past n are unused) */
+        for (int i = 0; i < 8; i++) at[i] = rows[s + i < n ? s + i : n - 1];
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m256 r0 = load8(k, at[0], d, head_dim, kv), r1 = load8(k, at[1], d, head_dim, kv);
+            const __m256 r2 = load8(k, at[2], d, head_dim, kv), r3 = load8(k, at[3], d, head_dim, kv);
+            const __m256 r4 = load8(k, at[4], d, head_dim, kv), r5 = load8(k, at[5], d, head_dim, kv);
+            const __m256 r6 = load8(k, at[6], d, head_dim, kv), r7 = load8(k, at[7], d, head_dim, kv);
+            const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+            const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+            const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *o = kt + d * KEY_TILE + s;
+            _mm256_storeu_ps(o + 0 * KEY_TILE, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(o + 1 * KEY_TILE, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(o + 2 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(o + 3 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(o + 4 * KEY_TILE, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(o + 5 * KEY_TILE, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(o + 6 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(o + 7 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+    }
+#endif
+    for (; s < n; s++)
+        for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + s] = load_kv1(k, rows[s], d, head_dim, kv);
+}
+
+/* value_block over n query vectors (n <= ATTN_ROWS; p and o rows KEY_TILE and head_dim apart)
+ * and NV vectors of D from column d, the values read in place from a cache of type kv (vi[s]:
+ * element index of row s): o = o * rescale + sum_s p[s] * V[s], per vector the same operations
+ * in the same order as value_block over widened rows (widening is exact), each value row loaded
+ * once for the n vectors. */
+static inline __attribute__((always_inline)) void value_rows(
+    float *o, int64_t head_dim, const float *p, const float *rescale, const void *v,
+    const int64_t *vi, int64_t slots, int64_t d, const int n, const int nv, const int kv) {
+    vec acc[ATTN_ROWS][VECS];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = load_vec(o + r * head_dim + d + c * LANES) * rescale[r];
+    for (int64_t s = 0; s < slots; s++) {
+        vec vv[VECS];
+        for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s], d + c * LANES, head_dim, kv);
+        for (int r = 0; r < n; r++) {
+            const vec ps = splat(p[r * KEY_TILE + s]);
+            for (int c = 0; c < nv; c++) acc[r][c] += ps * vv[c];
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < nv; c++) store_vec(o + r * head_dim + d + c * LANES, acc[r][c]);
+}
+
+/* CALL(N) for n (1 .. ATTN_ROWS, a run-time count) query vectors, N a constant (n itself where
+ * the set has that many rows), so that each count's register blocks are unrolled. */
+#define WITH_ROWS(n, CALL)                                  \
+    switch (n) {                                            \
+    case 1: CALL(1 < ATTN_ROWS ? 1 : ATTN_ROWS); break;     \
+    case 2: CALL(2 < ATTN_ROWS ? 2 : ATTN_ROWS); break;     \
+    case 3: CALL(3 < ATTN_ROWS ? 3 : ATTN_ROWS); break;     \
+    case 4: CALL(4 < ATTN_ROWS ? 4 : ATTN_ROWS); break;     \
+    case 5: CALL(5 < ATTN_ROWS ? 5 : ATTN_ROWS); break;     \
+    case 6: CALL(6 < ATTN_ROWS ? 6 : ATTN_ROWS); break;     \
+    case 7: CALL(7 < ATTN_ROWS ? 7 : ATTN_ROWS); break;     \
+    case 8: CALL(8 < ATTN_ROWS ? 8 : ATTN_ROWS); break;     \
+    case 9: CALL(9 < ATTN_ROWS ? 9 : ATTN_ROWS); break;     \
+    case 10: CALL(10 < ATTN_ROWS ? 10 : ATTN_ROWS); break;  \
+    case 11: CALL(11 < ATTN_ROWS ? 11 : ATTN_ROWS); break;  \
+    default: CALL(ATTN_ROWS); break;                        \
+    }
+
+/* The first key tile a row at position pos reads (keys pos - window < k <= pos with a window). */
+static inline int64_t first_tile(int64_t pos, int64_t window) {
+    const int64_t first_key = window > 0 && pos >= window ? pos - window + 1 : 0;
+    return first_key - first_key % KEY_TILE;
+}
+
+/* How many slots of the key tile at ks a row at position pos >= ks reads (the rest are past it). */
+static inline int64_t seen_slots(int64_t pos, int64_t ks) {
+    return pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
+}
+
+/* The group's query heads (kh * group + g) of `rows` consecutive rows of one sequence, at positions
+ * pos0 .. pos0 + rows - 1 (its block table row `table`, which maps every position they read),
+ * each row over the cache as the prefill kernel attends a row (see above): q and out are the
+ * first row's [heads, D] (q's heads q_sh apart, rows q_sb apart; out's rows heads * D apart);
+ * head_dim whole vectors.
+ *
+ * Why rows together: a speculative step's verify rows (a sequence's last token and its drafts,
+ * ``model_runner.py``) are decode rows of one table at consecutive positions. Alone, each row
+ * gathers and transposes the whole context's keys for just `group` query vectors; together, each
+ * key tile is transposed once and scored against every row's vectors in register blocks, and each
+ * value row is loaded once per block. A vector's arithmetic is still its row's alone: a row takes
+ * part only in the tiles it reads (its window's first tile through its own position's), with its
+ * own softmax bounds, and its values are accumulated over exactly its own slots of the tile
+ * (rows that see the same slots share a block), so every row has the bits it has computed alone
+ * (rows = 1), which are the prefill's. */
+static inline __attribute__((always_inline)) void rows_task(
+    const float *q, int64_t q_sb, int64_t q_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
+    const int64_t *table, int64_t pos0, int64_t rows, float *out,
+    int64_t kh, int64_t group, int64_t heads, int64_t head_dim, int64_t block_size,
+    float scale, int64_t window, float softcap, const int kv) {
+    const int64_t nq = rows * group, last = pos0 + rows - 1; /* vector r * group + g: row r, head g */
+    float qs[nq * head_dim], o[nq * head_dim], p[nq * KEY_TILE];
+    float running_max[nq], total[nq], rescale[nq];
+    float kt[head_dim * KEY_TILE];
+    int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < group; g++)
+            memcpy(qs + (r * group + g) * head_dim, q + r * q_sb + (kh * group + g) * q_sh,
+                   (size_t)head_dim * sizeof(float));
+    memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
+    for (int64_t x = 0; x < nq; x++) running_max[x] = -INFINITY, total[x] = 0.f;
+    int64_t r_end = 0; /* rows r_begin .. r_end - 1 read the tile at ks (contiguous: positions ascend) */
+    for (int64_t ks = first_tile(pos0, window); ks <= last; ks += KEY_TILE) {
+        const int64_t r_begin = ks > pos0 ? ks - pos0 : 0; /* the earlier rows end before ks */
+        while (r_end < rows && first_tile(pos0 + r_end, window) <= ks) r_end++;
+        const int64_t top = pos0 + r_end - 1; /* the last key any of them reads */
+        const int64_t slots = seen_slots(top, ks);
+        const int64_t chunks = (slots + TILE - 1) / TILE;
+        for (int64_t s = 0; s < slots; s++) {
+            const int64_t at = ks + s, block = table[at / block_size], slot = at % block_size;
+            ki[s] = block * k_sb + slot * k_ss + kh * k_sh;
+            vi[s] = block * v_sb + slot * v_ss + kh * v_sh;
+        }
+        transpose_keys(k, ki, slots, head_dim, kt, kv);
+        for (int64_t d = 0; d < head_dim; d++) /* keys past a row: scored, then given no weight */
+            for (int64_t s = slots; s < chunks * TILE; s++) kt[d * KEY_TILE + s] = 0.f;
+        const int64_t x_begin = r_begin * group, x_end = r_end * group;
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t x = x_begin; x < x_end; x += ATTN_ROWS) {
+                const int n = x_end - x < ATTN_ROWS ? (int)(x_end - x) : ATTN_ROWS;
+#define SCORES(N) score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE, \
+                              p + x * KEY_TILE + c * TILE, scale, N)
+                WITH_ROWS(n, SCORES)
+#undef SCORES
+            }
+        for (int64_t ra = r_begin, rb; ra < r_end; ra = rb) {
+            /* rows ra .. rb - 1 see the same slots of the tile: their values form one block */
+            const int64_t seen = seen_slots(pos0 + ra, ks);
+            for (rb = ra; rb < r_end && seen_slots(pos0 + rb, ks) == seen; rb++) {
+                int64_t lo = window > 0 ? pos0 + rb - window + 1 - ks : 0;
+                lo = lo > 0 ? lo : 0;
+                for (int64_t x = rb * group; x < (rb + 1) * group; x++)
+                    rescale[x] = softmax_tile(p + x * KEY_TILE, lo, seen, running_max + x, total + x, softcap);
+            }
+            const int64_t xb_end = rb * group;
+            for (int64_t x = ra * group; x < xb_end; x += ATTN_ROWS) {
+                const int n = xb_end - x < ATTN_ROWS ? (int)(xb_end - x) : ATTN_ROWS;
+                int64_t d = 0;
+#define VALUES(N) value_rows(o + x * head_dim, head_dim, p + x * KEY_TILE, rescale + x, v, vi, \
+                             seen, d, N, NV, kv)
+                for (; d + TILE <= head_dim; d += TILE) {
+#define NV VECS
+                    WITH_ROWS(n, VALUES)
+#undef NV
+                }
+                for (; d < head_dim; d += LANES) {
+#define NV 1
+                    WITH_ROWS(n, VALUES)
+#undef NV
+                }
+#undef VALUES
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t x = r * group + g;
+            float *og = out + r * heads * head_dim + (kh * group + g) * head_dim;
+            const float inv = total[x] > 0.f ? 1.f / total[x] : 0.f;
+            for (int64_t dd = 0; dd < head_dim; dd++) og[dd] = o[x * head_dim + dd] * inv;
+        }
+}
+
+/* query vectors a rows_task holds at most (16 rows of SmolLM2's 3 query heads per KV head): its
+ * scratch on the thread's stack stays a prefill task's or less */
+#define RUN_VECTORS 48
+
+/* Whether decode row b reads what row b - 1 reads and one position more: the next row of the same
+ * sequence (a verify step's rows). Its table maps every position row b - 1 reads the same way. */
+static int continues_run(const int64_t *tables, int64_t t_sb, const int64_t *lens, int64_t b,
+                         int64_t block_size) {
+    if (lens[b] != lens[b - 1] + 1) return 0;
+    const int64_t *prev = tables + (b - 1) * t_sb, *cur = tables + b * t_sb;
+    for (int64_t i = 0; i <= (lens[b - 1] - 1) / block_size; i++)
+        if (prev[i] != cur[i]) return 0;
+    return 1;
+}
+
+/* The step's tasks' rows: unit u is rows first[u] .. first[u] + count[u] - 1, runs of one
+ * sequence's consecutive rows (continues_run) in pieces of at most max_rows first, then single
+ * rows; returns the number of units (first and count hold batch entries). A run is cut into
+ * more pieces when the step would otherwise have fewer than two tasks per thread (a batch-1
+ * verify step of a model with few KV heads), since a task runs on one thread. */
+static int64_t plan_units(const int64_t *tables, int64_t t_sb, const int64_t *lens, int64_t batch,
+                          int64_t block_size, int64_t kv_heads, int64_t max_rows, int threads,
+                          int64_t *first, int64_t *count) {
+    int64_t units = 0, runs = 0, singles = 0, run_rows = 0;
+    for (int64_t b = 0, e; b < batch; b = e) { /* count[b]: the run starting at b */
+        for (e = b + 1; e < batch && continues_run(tables, t_sb, lens, e, block_size); e++) {}
+        count[b] = e - b;
+        if (e - b > 1) runs++, run_rows += e - b;
+        else singles++;
+    }
+    if (!runs) return 0;
+    const int64_t wanted = (2 * (int64_t)threads + kv_heads - 1) / kv_heads - singles; /* pieces */
+    for (int64_t b = 0, len; b < batch; b += len) {
+        len = count[b]; /* read before the units below overwrite it (they never pass b + len) */
+        if (len < 2) continue;
+        int64_t pieces = (len + max_rows - 1) / max_rows;
+        const int64_t share = wanted > 0 ? (wanted * len + run_rows - 1) / run_rows : 0;
+        pieces = share > pieces ? share : pieces;
+        pieces = pieces < len ? pieces : len;
+        for (int64_t i = 0, at = b; i < pieces; i++) { /* as even as they go, longest first */
+            const int64_t n = len / pieces + (i < len % pieces);
+            first[units] = at, count[units] = n;
+            units++, at += n;
+        }
+    }
+    for (int64_t b = 0, n; b < batch; b += n) { /* singles after the runs */
+        n = 1;
+        while (b + n < batch && continues_run(tables, t_sb, lens, b + n, block_size)) n++;
+        if (n == 1) first[units] = b, count[units] = 1, units++;
+    }
+    return units;
+}
+
+/* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
+ * *_ss, *_sh in elements; D contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64,
+ * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, the
+ * step's new K and V rows (new_k, new_v [B, KVH, D] float32, strides nk_* and nv_*; D
+ * contiguous) are first written into slot (slot_blocks[b], slot_offsets[b]): the step's store and
+ * attention in one call. Rows of one sequence at consecutive positions (a verify step) attend
+ * together (rows_task), after every row's K/V is stored; otherwise each task stores its own row's
+ * K/V for its KV head and attends. */
+void tandem_paged_decode_attention(
+    const float *q, int64_t q_sb, int64_t q_sh,
+    void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
+    void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh, int kv_dtype,
+    const int64_t *tables, int64_t t_sb, const int64_t *lens, float *out,
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, int64_t window, float softcap, int threads,
+    const float *new_k, int64_t nk_sb, int64_t nk_sh,
+    const float *new_v, int64_t nv_sb, int64_t nv_sh,
+    const int64_t *slot_blocks, const int64_t *slot_offsets) {
+    const int64_t group = heads / kv_heads;
+    /* units of rows: none (each row its own task) unless some rows form runs */
+    int64_t *first = batch > 1 && head_dim % LANES == 0 ? malloc(sizeof(int64_t) * 2 * (size_t)batch) : NULL;
+    const int64_t max_rows = group < RUN_VECTORS ? RUN_VECTORS / group : 1;
+    const int64_t units = first ? plan_units(tables, t_sb, lens, batch, block_size, kv_heads, max_rows,
+                                             threads, first, first + batch)
+                                : 0;
+    const int64_t *count = first ? first + batch : NULL;
+    const int64_t tasks = (units ? units : batch) * kv_heads;
+#define STORE(b, kh)                                                                              \
+    do {                                                                                          \
+        const int64_t block_ = slot_blocks[b], offset_ = slot_offsets[b];                         \
+        kv_store(kv_at(k, block_ * k_sb + offset_ * k_ss + (kh) * k_sh, kv_dtype),                 \
+                 new_k + (b) * nk_sb + (kh) * nk_sh, head_dim, kv_dtype);                          \
+        kv_store(kv_at(v, block_ * v_sb + offset_ * v_ss + (kh) * v_sh, kv_dtype),                 \
+                 new_v + (b) * nv_sb + (kh) * nv_sh, head_dim, kv_dtype);                          \
+    } while (0)
+#pragma omp parallel num_threads(threads)
+    {
+        if (new_k && units) { /* a run's rows read each other's K/V: all stored first */
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < batch * kv_heads; task++) STORE(task / kv_heads, task % kv_heads);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t kh = task % kv_heads;
+            const int64_t b = units ? first[task / kv_heads] : task / kv_heads;
+            const int64_t rows = units ? count[task / kv_heads] : 1;
+            if (new_k && !units) STORE(b, kh);
+            const int64_t *table = tables + (b + rows - 1) * t_sb; /* the last row's: maps them all */
+#define DECODE_TASK(KV)                                                                          \
+    if (head_dim % LANES == 0)                                                                    \
+        rows_task(q + b * q_sb, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, table,      \
+                  lens[b] - 1, rows, out + b * heads * head_dim, kh, group, heads, head_dim,      \
+                  block_size, scale, window, softcap, KV);                                        \
+    else                                                                                          \
+        decode_task(q, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables, t_sb, lens[b], out, \
+                    b, kh, heads, group, head_dim, block_size, scale, window, softcap, KV)
+            if (kv_dtype == KV_BFLOAT16)
+                DECODE_TASK(KV_BFLOAT16);
+            else if (kv_dtype == KV_Q8_0)
+                DECODE_TASK(KV_Q8_0);
+            else if (kv_dtype == KV_FLOAT16)
+                DECODE_TASK(KV_FLOAT16);
+            else
+                DECODE_TASK(KV_FLOAT32);
+#undef DECODE_TASK
+        }
+    }
+#undef STORE
+    free(first);
+}
+
+#endif /* TANDEM_PAGED_DECODE_ROWS_H */
