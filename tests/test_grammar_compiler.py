@@ -96,6 +96,28 @@ async def test_a_compilation_past_the_budget_is_400_and_the_queue_moves_on(token
     assert compiler.abandoned == 0 and compiler.pending == 0
 
 
+async def test_the_budget_is_cpu_time_so_a_starved_compile_gets_its_wall_allowance(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile thread that gets no CPU (the engine busy on every core) is not refused when its
+    budget's worth of *wall* time has passed, only at MAX_WALL_FACTOR times it."""
+    from services.engine.core import grammar_compiler
+
+    monkeypatch.setattr(grammar_compiler, "_cpu_seconds", lambda clock: 0.0)  # as if starved
+    compiler = _compiler(tokenizer, timeout_s=0.01)
+    slow = grammar_of(big_schema(1, 1500))  # ~85 KiB: tenths of a second at least, past 0.06 s
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError, match="too complex"):
+        await compiler.compile(slow)
+    elapsed = time.monotonic() - started
+    assert elapsed >= 0.01 * grammar_compiler.MAX_WALL_FACTOR - 0.005, elapsed
+    for _ in range(600):
+        if compiler.abandoned == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert compiler.abandoned == 0
+
+
 async def test_a_running_stream_keeps_its_pace_while_large_grammars_compile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
