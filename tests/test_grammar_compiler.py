@@ -121,7 +121,7 @@ async def test_the_budget_is_cpu_time_so_a_starved_compile_gets_its_wall_allowan
 async def test_a_running_stream_keeps_its_pace_while_large_grammars_compile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Distinct ~70 KiB schemas reach one decode worker while it streams an unconstrained
+    """Distinct ~150 KiB schemas reach one decode worker while it streams an unconstrained
     request: the stream's inter-token gaps stay far below one compilation, which is what each
     of them cost every stream when compiling ran on the engine thread."""
     from services.common.grpc_channel import open_channel
@@ -143,7 +143,7 @@ async def test_a_running_stream_keeps_its_pace_while_large_grammars_compile(
     stub = decode_pb2_grpc.DecodeStub(channel)
     compiler = handle.engine_loop.engine.grammars
     assert compiler is not None
-    grammars = [grammar_of(big_schema(100 + i, 1200)) for i in range(3)]
+    grammars = [grammar_of(big_schema(100 + i, 2500)) for i in range(5)]  # ~150 KiB each
     try:
         times: list[float] = []
         window: list[float] = []  # when the constrained requests were sent, and all answered

@@ -122,8 +122,11 @@ async def test_ready_needs_a_tokenizer_and_a_decode_worker_not_prefill(
 ) -> None:
     stack = await make_stack()  # every prompt goes to the prefill pool while it is up
     (prefill,) = [a for a, h in stack.servers.items() if h.service_names == ("tandem.v1.Prefill",)]
-    await stack.servers[prefill].stop(0)
     router = stack.app[STATE_KEY].router
+    # routed first (the gateway refuses every worker until the tokenizer's fingerprint is known,
+    # which would satisfy the wait below before the stop is seen)
+    await _until(lambda: router.healthy_count("prefill") == 1, "the prefill worker is routed")
+    await stack.servers[prefill].stop(0)
     await _until(lambda: router.healthy_count("prefill") == 0, "the prefill worker is down")
     status, body = await _ready(stack.url)
     assert status == 200 and body["status"] == "ready" and body["problems"] == [], body
