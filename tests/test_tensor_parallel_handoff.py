@@ -152,6 +152,13 @@ async def _wait_no_blocks(address: str, stub_class: Any, timeout: float = 15.0) 
         await asyncio.sleep(0.05)
 
 
+async def _reserve(decode: Any, rid: str) -> None:
+    """The gateway's reservation of PROMPT's KV on a decode worker (``decode``: its stub)."""
+    await decode.Reserve(decode_pb2.ReserveRequest(
+        request_id=rid, num_tokens=len(PROMPT),
+        prompt_digest=reservation_digest(PROMPT, GREEDY.cache_salt)))  # fmt: skip
+
+
 async def _hand_off(prefill_address: str, decode_address: str, rid: str) -> tuple[list[int], int]:
     """Reserve on decode, prefill there, generate: the greedy tokens and the KV bytes moved."""
     prefill_channel = open_channel(prefill_address, tls=tls_for("gateway"))
@@ -159,9 +166,7 @@ async def _hand_off(prefill_address: str, decode_address: str, rid: str) -> tupl
     try:
         prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode = decode_pb2_grpc.DecodeStub(decode_channel)
-        await decode.Reserve(decode_pb2.ReserveRequest(
-            request_id=rid, num_tokens=len(PROMPT),
-            prompt_digest=reservation_digest(PROMPT, GREEDY.cache_salt)))  # fmt: skip
+        await _reserve(decode, rid)
         call = decode.Generate(decode_pb2.GenerateRequest(request_id=rid, wait_for_kv_seconds=30))
         response = await prefill.Prefill(prefill_pb2.PrefillRequest(
             request_id=rid, token_ids=PROMPT, params=sampling_params_to_proto(GREEDY),
@@ -206,9 +211,7 @@ async def test_one_ranks_heads_are_refused_naming_both_widths(
     try:
         decode = decode_pb2_grpc.DecodeStub(channel)
         gateway = decode_pb2_grpc.DecodeStub(gateway_channel)
-        await gateway.Reserve(decode_pb2.ReserveRequest(
-            request_id="old", num_tokens=len(PROMPT),
-            prompt_digest=reservation_digest(PROMPT, GREEDY.cache_salt)))  # fmt: skip
+        await _reserve(gateway, "old")
         layout = common_pb2.KVLayout(
             model_fingerprint=loaded.fingerprint, dtype="float32", block_size=16, num_layers=2,
             num_kv_heads=1, head_dim=16, tensor_parallel_size=2,

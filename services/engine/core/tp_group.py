@@ -23,6 +23,8 @@ rank holds) and ``tp_follower.py`` (what a follower runs).
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import socket
@@ -188,10 +190,8 @@ class TensorParallelGroup:
         self.closed = True
         if self.rank == 0:
             for pipe in self.pipes:
-                try:
+                with contextlib.suppress(OSError):  # a follower already gone
                     pipe.send((STOP,))
-                except OSError:
-                    pass  # already gone
         for pipe in self.pipes:
             pipe.close()
         import torch.distributed as dist
