@@ -2,11 +2,13 @@
 
     tandem up &                                   # or any running gateway
     python bench/grammar_flood.py --url http://127.0.0.1:8000 [--api-key KEY] \\
-        [--schemas 500] [--schema-kib 200] [--flood-concurrency 16] [--tokens 64] [--rounds 3]
+        [--schemas 500] [--schema-kib 200] [--flood-concurrency 16] [--tokens 64] [--rounds 3] \\
+        [--duration SECONDS]
 
 Issue 47's bar: 500 distinct 200 KiB schemas must not raise a concurrent client's ITL p50 by more
-than 20%. Each round streams one plain chat completion (``--tokens`` tokens, ``ignore_eos``)
-alone, then again while ``--schemas`` requests, each with its own schema of about
+than 20%. Each round streams plain chat completions (``--tokens`` tokens, ``ignore_eos``) back to
+back alone for ``--alone-seconds`` (the baseline: one stream's 63 gaps moved its median by 10%
+between runs), then again while ``--schemas`` requests, each with its own schema of about
 ``--schema-kib`` KiB, are sent ``--flood-concurrency`` at a time (each with ``max_tokens`` 1:
 the point is their compilation, which the gateway does in its grammar worker pool, and the
 workers' matcher build for the ones that get that far). Prints one row per phase: ITL p50/p95
@@ -19,6 +21,12 @@ only as the gateway's pool compiles it, so one short stream would end before mos
 The request bodies are built (and serialized) before the round starts, so that building them
 does not stall this client's own event loop and show up as latency. ``--api-key`` defaults to
 ``TANDEM_API_KEY`` (what ``tandem up`` / compose print once).
+
+``--duration S`` ends a round's flood after S seconds: requests not yet answered are cancelled
+and counted as ``cancelled`` (a 500-schema flood of 200 KiB schemas takes hours to compile on a
+2-core machine at a lower CPU priority, while its effect on the plain stream is the same from
+its first minute: at most ``--grammar-workers`` gateway processes and one compile thread per
+worker ever run at once, however many schemas wait).
 
 Heavy by design: on a shared machine run it with small numbers (``--schemas 16
 --schema-kib 100``), and never as part of the tests.
@@ -91,7 +99,14 @@ async def flood(session: Any, url: str, headers: dict[str, str], bodies: list[by
                         code = "?"
                 answers[f"{r.status}{' ' + code if code else ''}"] += 1
 
-    await asyncio.gather(*(one(body) for body in bodies))
+    tasks = [asyncio.ensure_future(one(body)) for body in bodies]
+    try:
+        await asyncio.gather(*tasks)
+    except asyncio.CancelledError:  # --duration ran out: count what never got an answer
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        answers["cancelled"] = len(bodies) - sum(answers.values())
     return answers
 
 
@@ -109,17 +124,27 @@ async def run(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):
             bodies = await asyncio.to_thread(flood_bodies, args.model, args.schemas,
                                              args.schema_kib, round_ + 1)  # fmt: skip
-            ttft, gaps = await stream_itl(session, args.url, headers, args.model, args.tokens)
-            rows.append(("alone", ttft, *_p50_p95(gaps), ""))
-            flooding = asyncio.create_task(flood(session, args.url, headers, bodies,
-                                                 args.flood_concurrency))  # fmt: skip
-            await asyncio.sleep(0.5)  # the flood is compiling
             ttfts, gaps, streams = [], [], 0
-            while not flooding.done() or streams == 0:
+            calm_ends = time.monotonic() + args.alone_seconds
+            while time.monotonic() < calm_ends or streams == 0:
                 ttft, more = await stream_itl(session, args.url, headers, args.model, args.tokens)
                 ttfts.append(ttft)
                 gaps.extend(more)
                 streams += 1
+            rows.append((f"alone ({streams} streams)", statistics.median(ttfts),
+                         *_p50_p95(gaps), ""))
+            flooding = asyncio.create_task(flood(session, args.url, headers, bodies,
+                                                 args.flood_concurrency))  # fmt: skip
+            await asyncio.sleep(0.5)  # the flood is compiling
+            ttfts, gaps, streams = [], [], 0
+            ends = time.monotonic() + args.duration if args.duration else float("inf")
+            while (not flooding.done() and time.monotonic() < ends) or streams == 0:
+                ttft, more = await stream_itl(session, args.url, headers, args.model, args.tokens)
+                ttfts.append(ttft)
+                gaps.extend(more)
+                streams += 1
+            if not flooding.done():
+                flooding.cancel()
             answers = await flooding
             del bodies
             rows.append((f"with flood ({streams} streams)", statistics.median(ttfts),
@@ -140,7 +165,7 @@ def _print(rows: list[tuple[str, float, float, float, str]], args: argparse.Name
     print("|---|---:|---:|---:|---|")
     for phase, ttft, p50, p95, answers in rows:
         print(f"| {phase} | {ttft * 1e3:.1f} | {p50 * 1e3:.2f} | {p95 * 1e3:.2f} | {answers} |")
-    alone = [r[2] for r in rows if r[0] == "alone"]
+    alone = [r[2] for r in rows if r[0].startswith("alone")]
     flooded = [r[2] for r in rows if r[0].startswith("with flood")]
     if alone and flooded:
         change = statistics.median(flooded) / statistics.median(alone) - 1
@@ -159,9 +184,17 @@ def main() -> int:
     parser.add_argument("--flood-concurrency", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--alone-seconds", type=float, default=15.0,
+                        help="how long plain streams run back to back, alone, before each "
+                        "round's flood: the baseline (default %(default)s)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="end each round's flood after this many seconds (default: when "
+                        "every flood request is answered)")
     args = parser.parse_args()
     if min(args.schemas, args.schema_kib, args.flood_concurrency, args.tokens, args.rounds) < 1:
         parser.error("every count must be >= 1")
+    if args.duration is not None and not args.duration > 0:
+        parser.error("--duration must be positive")
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(run(args))
     return 0

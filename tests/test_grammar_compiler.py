@@ -77,7 +77,7 @@ async def test_the_compiler_caches_refuses_and_shares(tokenizer: Any) -> None:
 
 async def test_a_compilation_past_the_budget_is_400_and_the_queue_moves_on(tokenizer: Any) -> None:
     compiler = _compiler(tokenizer, timeout_s=0.2)
-    slow = grammar_of(big_schema(1, 1500))  # ~85 KiB: seconds to compile here
+    slow = grammar_of(big_schema(1, 3300))  # ~200 KiB: ~0.9 s of CPU on an idle Zen 1 core
     small = grammar_of({"type": "integer"})
     started = time.monotonic()
     results = await asyncio.gather(compiler.compile(slow), compiler.compile(small),
@@ -94,6 +94,35 @@ async def test_a_compilation_past_the_budget_is_400_and_the_queue_moves_on(token
             break
         await asyncio.sleep(0.1)
     assert compiler.abandoned == 0 and compiler.pending == 0
+
+
+async def test_a_queued_compilation_nobody_waits_for_any_more_is_dropped(tokenizer: Any) -> None:
+    """A client that sends a schema and goes away (its request aborted while the grammar waits
+    for the compile thread) leaves no compile work behind; one already running finishes and is
+    cached, and a grammar still wanted by another request stays queued."""
+    compiler = _compiler(tokenizer)
+    running = grammar_of(big_schema(3, 3300))  # ~200 KiB: holds the one thread ~1 s or more
+    queued, shared = grammar_of({"type": "integer"}), grammar_of({"type": "boolean"})
+    first = asyncio.ensure_future(compiler.compile(running))
+    await asyncio.sleep(0.01)
+    gone = asyncio.ensure_future(compiler.compile(queued))
+    kept_a = asyncio.ensure_future(compiler.compile(shared))
+    kept_b = asyncio.ensure_future(compiler.compile(shared))
+    await asyncio.sleep(0.01)
+    assert compiler.pending == 3
+    for task in (first, gone, kept_a):  # the clients hang up
+        task.cancel()
+    await asyncio.gather(first, gone, kept_a, return_exceptions=True)
+    assert compiler.pending == 2  # the running one and the shared one, not the abandoned queue
+    assert not (await kept_b).matcher().is_error()
+    for _ in range(600):
+        if compiler.pending == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert compiler.pending == 0 and compiler.compiled == 2  # `queued` was never compiled
+    assert await asyncio.wait_for(compiler.compile(running), 0.1)  # cached when it finished
+    await compiler.compile(queued)
+    assert compiler.compiled == 3
 
 
 async def test_the_budget_is_cpu_time_so_a_starved_compile_gets_its_wall_allowance(

@@ -94,6 +94,35 @@ async def test_a_compilation_past_the_time_budget_is_400_and_others_still_compil
         await pool.close()
 
 
+async def test_a_queued_compilation_whose_clients_went_away_is_dropped() -> None:
+    """Send a schema and hang up: before a worker takes it, the compilation (and the schema it
+    holds, its body's lease already given back) is forgotten; a source another request still
+    waits for stays."""
+    pool = GrammarPool(workers=1, timeout_s=30.0)
+    try:
+        await pool.compile(_source({"type": "integer"}))  # the worker is up
+        # ~250 KB of Lark: 0.7 s to compile on an idle core, more on a busy one
+        lark = "start: " + " | ".join(f'"v{i}" y{i}' for i in range(7000)) + "\n" + "\n".join(
+            f'y{i}: "r{i}"+' for i in range(7000))
+        busy_source = structured_output_source({"guided_grammar": lark})
+        assert busy_source is not None
+        busy = asyncio.ensure_future(pool.compile(busy_source))
+        await asyncio.sleep(0.01)  # handed to the one worker
+        gone = asyncio.ensure_future(pool.compile(_source(big_schema(6, 1500))))
+        shared = _source({"type": "boolean"})
+        kept = [asyncio.ensure_future(pool.compile(shared)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert pool.pending == 3
+        gone.cancel()
+        kept[0].cancel()
+        await asyncio.gather(gone, kept[0], return_exceptions=True)
+        assert pool.pending == 2
+        assert isinstance(await kept[1], str) and isinstance(await busy, str)
+        assert pool.pending == 0 and pool.compiled == 3  # big_schema(6, ...) never compiled
+    finally:
+        await pool.close()
+
+
 def test_the_size_budget_is_checked_before_compiling() -> None:
     too_big = {"enum": ["x" * 1000] * (MAX_GRAMMAR_BYTES // 1000 + 1)}
     for body in ({"guided_json": too_big}, {"guided_json": json.dumps(too_big)},

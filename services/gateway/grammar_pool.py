@@ -24,7 +24,9 @@ Budgets:
 
 What waits for a worker is bounded by what holds it: every waiting request holds its body in the
 body budget (``body_budget.py``) until it ends, so a flood of schemas queues at most as many
-requests as the budget admits.
+requests as the budget admits; a queued compilation whose every request went away (the client
+disconnected) is dropped before a worker takes it, so sending schemas and hanging up leaves no
+work or memory behind. One already handed to a worker finishes, and its result is cached.
 
 Cache (``services/common/grammar_cache.py``, the type the engine uses too): keyed by the
 source's digest (:attr:`~services.gateway.structured_outputs.GrammarSource.key`), it holds the
@@ -72,7 +74,8 @@ WORKER_NICENESS = 19
 """How much lower the workers' CPU priority is than the gateway's: on a machine with few cores,
 compiling workers would otherwise take the CPU from the event loop they are meant to spare
 (measured on 2 shared cores: a plain request waited 1-2 s behind two busy workers). The lowest
-priority, as the decode workers' compile threads (``grammar_compiler.COMPILE_NICENESS``)."""
+priority (the decode workers' compile threads run at ``grammar_compiler.COMPILE_NICENESS``:
+they build the costlier matcher)."""
 
 
 def _warm() -> None:
@@ -108,6 +111,7 @@ class _Job:
     future: asyncio.Future[str | _Refusal]
     dispatched: bool = False
     done: bool = field(default=False)
+    waiters: int = 0  # requests awaiting it now
 
 
 class GrammarPool:
@@ -146,7 +150,13 @@ class GrammarPool:
             job = self._jobs.get(key)
             if job is None:
                 job = self._start(source, key)
-            cached = await asyncio.shield(job.future)
+            job.waiters += 1
+            try:
+                cached = await asyncio.shield(job.future)
+            finally:
+                job.waiters -= 1
+                if job.waiters == 0 and not job.dispatched and not job.done:
+                    self._drop(job)
         if isinstance(cached, _Refusal):
             raise cached.error()
         return cached
@@ -277,6 +287,15 @@ class GrammarPool:
         if not job.future.done():
             job.future.set_exception(error)
             job.future.exception()  # retrieved: a job nobody awaits any more is not an error
+
+    def _drop(self, job: _Job) -> None:
+        """Forget a job whose every request went away before a worker took it: a client that
+        sends a schema and disconnects leaves neither work nor its schema behind (its body's
+        lease ended with the request)."""
+        job.done = True
+        if self._jobs.get(job.key) is job:
+            del self._jobs[job.key]
+        job.future.cancel()
 
     def _finish(self, job: _Job, value: str | _Refusal) -> None:
         job.done = True

@@ -20,10 +20,11 @@ that on a small machine they take spare cycles, not the engine's.
 Budget and isolation:
 
 - at most ``threads`` compilations run at once, each on its own daemon thread; the others queue
-  (first come, first served; concurrent requests for one grammar share one compilation);
+  (first come, first served; concurrent requests for one grammar share one compilation), and a
+  queued one whose every request went away (aborted: the client disconnected) leaves the queue;
 - a compilation's budget is ``timeout_s`` of its thread's own CPU time (Linux's per-thread CPU
-  clock), so what is "too complex" is the grammar's cost, not how busy the machine is: at the
-  lowest priority on a machine whose engine uses every core, a compile thread gets few cycles,
+  clock), so what is "too complex" is the grammar's cost, not how busy the machine is: at a
+  lower priority on a machine whose engine uses every core, a compile thread gets few cycles,
   and a wall-clock budget refused grammars the gateway had just compiled in time (measured: every
   one of 24 distinct 200 KiB schemas, ``docs/security.md``). Wall time is still bounded, at
   :data:`MAX_WALL_FACTOR` times the budget from the compilation's start (not while it queues).
@@ -73,11 +74,16 @@ MAX_WALL_FACTOR = 6
 """A compilation's wall-clock bound, in multiples of its CPU budget (``timeout_s``)."""
 
 MAX_ABANDONED = 4
-COMPILE_NICENESS = 19
-"""The lowest priority: a compile thread takes only cores the engine leaves idle. At 10, a flood of
-24 distinct 200 KiB schemas (one compiling, four abandoned threads still running) raised a
-concurrent stream's ITL p50 by 26% on 2 cores (``bench/grammar_flood.py``): five nice-10 threads
-weigh half of one nice-0 thread in Linux's scheduler, enough to stretch every decode step."""
+COMPILE_NICENESS = 10
+"""Below the engine's priority, not the lowest: measured on 2 cores with a decode step using both
+(``bench/grammar_flood.py``, 24 distinct 200 KiB schemas against ``tandem up``): at 19 a compile
+thread got ~4% of a core, each 0.9 s matcher build took 30-60 s of wall time, requests queued
+behind each other for over ten minutes and some were refused at the wall-clock bound; at 10 the
+same flood was compiled in ~9 s each and answered in full while the concurrent stream's ITL p50
+rose 9%. One compile thread runs at a time (abandoned ones aside), so this is the whole of the
+flood's weight on the engine's cores. (At 10 with a wall-clock budget, four abandoned threads
+still compiling beside the live one raised the ITL p50 by 26%: the CPU-time budget is what keeps
+them rare.) The gateway's pool stays at 19: its validation is a quarter of this work."""
 GRAMMAR_TOO_COMPLEX = "grammar_too_complex"
 
 
@@ -110,7 +116,7 @@ class _Job:
     thread's CPU clock (None where unreadable), ``done`` the result (both thread-safe futures,
     awaited from the event loop)."""
 
-    __slots__ = ("key", "grammar", "started", "done", "abandoned")
+    __slots__ = ("key", "grammar", "started", "done", "abandoned", "waiters")
 
     def __init__(self, key: str, grammar: str) -> None:
         self.key = key
@@ -120,6 +126,7 @@ class _Job:
         self.done: concurrent.futures.Future[CompiledGrammar | _Refusal] = (
             concurrent.futures.Future())  # fmt: skip
         self.abandoned = False
+        self.waiters = 0  # requests awaiting it now (under the compiler's lock)
 
 
 class GrammarCompiler:
@@ -182,8 +189,12 @@ class GrammarCompiler:
             result = self._cache.get(key)
             if result is None:
                 job = self._jobs.get(key) or self._enqueue_locked(key, grammar)
+                job.waiters += 1
         if job is not None:
-            result = await self._wait(job)
+            try:
+                result = await self._wait(job)
+            finally:
+                self._leave(job)
         assert result is not None
         if isinstance(result, _Refusal):
             raise result.error()
@@ -207,6 +218,17 @@ class GrammarCompiler:
                 return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.done)), wait)
             except TimeoutError:
                 continue
+
+    def _leave(self, job: _Job) -> None:
+        """One request stopped waiting for ``job``; the last one to leave a job still queued
+        drops it (a client that sent a schema and went away leaves no compile work behind; a
+        compilation already running finishes, and its result is cached)."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters == 0 and not job.started.done() and job in self._queue:
+                self._queue.remove(job)
+                self._jobs.pop(job.key, None)
+                job.done.cancel()
 
     # ---- any thread
     def matcher(self, grammar: str) -> Any:
