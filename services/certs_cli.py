@@ -34,12 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", metavar="DIR", help="where to write the files (made 0700)")
     parser.add_argument("--san", action="append", default=[], metavar="NAME",
                         help="an extra DNS name or IP in every certificate (repeatable); clients "
-                             "verify servers as <role>.tandem.internal, so none is needed")
+                             "verify servers as <role>.<trust domain>.tandem.internal, so none "
+                             "is needed")
     parser.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing CA")
     parser.add_argument("--if-missing", action="store_true",
                         help="do nothing (and succeed) when DIR already holds a CA, except "
-                             "issue what a --role-dir lacks")
+                             "issue what a --role-dir lacks or holds from an older Tandem")
     parser.add_argument("--role-dir", action="append", default=[], metavar="ROLE=DIR",
                         help="write ROLE's certificate, key and ca.pem into DIR instead of the "
                              "CA's directory (repeatable; one directory per role: key custody)")
@@ -89,22 +90,30 @@ def _role_dirs(values: list[str]) -> dict[str, Path]:
 def _issue_missing(directory: Path, role_dirs: dict[str, Path], san: list[str],
                    days: int) -> list[str]:  # fmt: skip
     """Issue, from the kept CA, each role whose own directory lacks its key (a volume made after
-    the CA was); the roles issued."""
+    the CA was) or holds a certificate without the server name clients now verify (issued by
+    an older Tandem: ``cert_authority.carries_server_name``); the roles issued."""
     from services.common.cert_authority import (
         CA_FILE,
         CA_KEY_FILE,
         TRUST_DOMAIN_FILE,
+        carries_server_name,
         load_ca,
         write_role_files,
     )
     from services.common.spiffe_id import DEFAULT_TRUST_DOMAIN
 
-    missing = [r for r, d in role_dirs.items() if not (d / f"{r}-key.pem").exists()]
+    domain_file = directory / TRUST_DOMAIN_FILE
+    domain = domain_file.read_text().strip() if domain_file.exists() else DEFAULT_TRUST_DOMAIN
+
+    def current(role: str, where: Path) -> bool:
+        cert, key = where / f"{role}.pem", where / f"{role}-key.pem"
+        return key.exists() and cert.exists() and carries_server_name(
+            cert.read_bytes(), role, domain)
+
+    missing = [r for r, d in role_dirs.items() if not current(r, d)]
     if not missing:
         return []
     ca = load_ca((directory / CA_FILE).read_bytes(), (directory / CA_KEY_FILE).read_bytes())
-    domain_file = directory / TRUST_DOMAIN_FILE
-    domain = domain_file.read_text().strip() if domain_file.exists() else DEFAULT_TRUST_DOMAIN
     for role in missing:
         write_role_files(ca, role, role_dirs[role], trust_domain=domain, extra_names=san,
                          days=days)  # fmt: skip

@@ -28,6 +28,7 @@ from services.common.errors import InvalidArgumentError
 from services.common.grpc_channel import open_channel
 from services.common.grpc_server import GrpcServerHandle, start_grpc_server
 from services.common.internal_tls import InternalTls
+from services.common.peer_roles import server_name
 from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.spiffe_id import parse, roles_of, trust_domain_of, uri_sans
 from tests.tls_identities import session_ca, tls_for
@@ -55,8 +56,18 @@ def _identity(role: str, **kwargs: object) -> InternalTls:
     return InternalTls.from_pem(issued.cert_pem, issued.key_pem, session_ca().cert_pem)
 
 
-async def _code(address: str, tls: InternalTls) -> grpc.StatusCode:
-    async with open_channel(address, tls=tls, server_role="tokenizer") as channel:
+async def _code(address: str, tls: InternalTls, *, server_name: str | None = None
+                ) -> grpc.StatusCode:  # fmt: skip
+    """The status of one call from ``tls``'s identity: over ``open_channel`` (which verifies the
+    server as a tokenizer of ``tls``'s own trust domain), or, given ``server_name``, over a raw
+    channel that verifies that name instead (to reach the server's own check)."""
+    if server_name is None:
+        channel = open_channel(address, tls=tls, server_role="tokenizer")
+    else:
+        channel = grpc.aio.secure_channel(
+            address, tls.channel_credentials(),
+            options=[("grpc.ssl_target_name_override", server_name)])  # fmt: skip
+    async with channel:
         call = channel.unary_unary(TOKENIZE, request_serializer=lambda _: b"",
                                    response_deserializer=lambda b: b)  # fmt: skip
         try:
@@ -74,7 +85,46 @@ async def test_another_deployments_certificate_gets_no_role(
     assert await _code(address, tls_for("gateway")) == grpc.StatusCode.OK
     foreign = _identity("gateway", trust_domain="tandem-other-deployment")
     assert foreign.trust_domain == "tandem-other-deployment"
-    assert await _code(address, foreign) == grpc.StatusCode.PERMISSION_DENIED
+    # past its own client's check (it would not even connect: the next test), the server refuses
+    assert await _code(address, foreign, server_name="tokenizer.tandem.internal") == (
+        grpc.StatusCode.PERMISSION_DENIED)
+    assert await _code(address, foreign) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_client_refuses_a_server_of_another_deployment() -> None:
+    """The client side: a server whose certificate the same CA signed for the right role, but in
+    another trust domain, fails the handshake (its DNS names carry its own domain), so a client
+    never believes another deployment's answers."""
+    mine, theirs = "tandem-0a1b2c3d4e5f", "tandem-9f8e7d6c5b4a"
+    handle = await start_grpc_server(
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, _Tokenizer(), "tandem.v1.Tokenizer")],
+        tls=_identity("tokenizer", trust_domain=theirs), host="127.0.0.1", port=0, grace=0.1,
+    )  # fmt: skip
+    try:
+        assert await _code(handle.address, _identity("gateway", trust_domain=theirs)) == (
+            grpc.StatusCode.OK)  # its own deployment's client
+        assert await _code(handle.address, _identity("gateway", trust_domain=mine)) == (
+            grpc.StatusCode.UNAVAILABLE)  # the handshake: not tokenizer.<mine>.tandem.internal
+        assert await _code(handle.address, tls_for("gateway")) == (
+            grpc.StatusCode.UNAVAILABLE)  # nor the legacy tokenizer.tandem.internal
+    finally:
+        await handle.stop(0)
+
+
+def test_server_names_carry_the_trust_domain() -> None:
+    assert server_name("decode", "tandem-1a2b") == "decode.tandem-1a2b.tandem.internal"
+    assert server_name(None, "prod.example") == "prod.example.tandem.internal"
+    assert server_name("decode") == server_name("decode", "") == "decode.tandem.internal"
+    assert server_name("decode", "a_b") == "decode.no-dns-form.invalid.tandem.internal"
+    names = _identity("prefill", trust_domain="tandem-1a2b").cert_pem
+    from cryptography import x509
+
+    sans = x509.load_pem_x509_certificate(names).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)  # fmt: skip
+    assert "prefill.tandem-1a2b.tandem.internal" in sans and "tandem-1a2b.tandem.internal" in sans
+    assert "prefill.tandem.internal" not in sans  # not the legacy, shared name
+    with pytest.raises(InvalidArgumentError, match="DNS name"):
+        _identity("prefill", trust_domain="tandem_1a2b")  # a SPIFFE domain, not a DNS one
 
 
 async def test_only_uri_sans_name_a_role(tokenizer_server: GrpcServerHandle) -> None:
@@ -118,6 +168,19 @@ def test_certs_init_keeps_each_key_in_its_own_directory(tmp_path: Path) -> None:
     _init(ca_dir, "--if-missing", f"--role-dir=decode={new_decode}")
     assert trust_domain_of((new_decode / "decode.pem").read_bytes()) == domain
     assert (new_decode / "ca.pem").read_bytes() == (ca_dir / "ca.pem").read_bytes()
+    # a certificate an older Tandem issued (no <role>.<domain>.tandem.internal) is issued again,
+    # a current one is kept as it is
+    from services.common.cert_authority import carries_server_name, load_ca
+
+    ca = load_ca((ca_dir / "ca.pem").read_bytes(), (ca_dir / "ca-key.pem").read_bytes())
+    old = issue(ca, "prefill", trust_domain="tandem")  # the legacy names only
+    (dirs["prefill"] / "prefill.pem").write_bytes(old.cert_pem)
+    kept = (dirs["gateway"] / "gateway.pem").read_bytes()
+    _init(ca_dir, "--if-missing", *(f"--role-dir={r}={d}" for r, d in dirs.items()))
+    renewed = (dirs["prefill"] / "prefill.pem").read_bytes()
+    assert renewed != old.cert_pem and carries_server_name(renewed, "prefill", domain)
+    assert trust_domain_of(renewed) == domain
+    assert (dirs["gateway"] / "gateway.pem").read_bytes() == kept
     # another deployment: another trust domain; a chosen one is used as given
     _init(tmp_path / "other")
     assert (tmp_path / "other" / "trust-domain").read_text().strip() != domain

@@ -8,9 +8,10 @@ the ``cryptography`` package (nothing hand-rolled):
 
 - :func:`make_ca` creates a self-signed CA (ECDSA P-256, ``BasicConstraints(ca=True)``);
 - :func:`issue` signs one role's certificate: SAN URI ``spiffe://<trust domain>/<role>``, DNS names
-  ``<role>.tandem.internal`` and ``tandem.internal`` (the names clients verify, whatever address
-  they dial; see :data:`services.common.internal_tls.SERVER_NAME_SUFFIX`), ``localhost`` and
-  ``127.0.0.1``, plus any extra names; usable as both a TLS server and a TLS client;
+  ``<role>.<trust domain>.tandem.internal`` and ``<trust domain>.tandem.internal`` (the names
+  clients of that deployment verify, whatever address they dial: ``peer_roles.server_name``;
+  ``<role>.tandem.internal`` in the legacy domain ``tandem``), ``localhost`` and ``127.0.0.1``,
+  plus any extra names; usable as both a TLS server and a TLS client;
 - :func:`issue_identities` makes them in memory (benchmarks and tests that run servers
   in-process);
 - :func:`write_deployment_certs` writes ``ca.pem`` (the CA certificate), ``trust-domain`` and
@@ -38,8 +39,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from services.common.errors import InvalidArgumentError
 from services.common.internal_tls import InternalTls
-from services.common.peer_roles import ROLES, server_name
+from services.common.peer_roles import ROLES, dns_form, server_name
 from services.common.spiffe_id import (
     DEFAULT_TRUST_DOMAIN,
     new_trust_domain,
@@ -135,11 +137,17 @@ def issue(
     """
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    validate_trust_domain(trust_domain)
+    if dns_form(trust_domain) is None:  # clients verify it as a DNS name (peer_roles.server_name)
+        raise InvalidArgumentError(
+            f"trust domain {trust_domain!r} cannot be part of a DNS name (servers are verified as "
+            "<role>.<trust domain>.tandem.internal): use a-z, 0-9, '-' and '.' only",
+            param="trust_domain")  # fmt: skip
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [
-        x509.UniformResourceIdentifier(spiffe_id(validate_trust_domain(trust_domain), role)),
-        x509.DNSName(server_name(role)),
-        x509.DNSName(server_name(None)),
+        x509.UniformResourceIdentifier(spiffe_id(trust_domain, role)),
+        x509.DNSName(server_name(role, trust_domain)),
+        x509.DNSName(server_name(None, trust_domain)),
         x509.DNSName("localhost"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
@@ -229,6 +237,18 @@ def write_role_files(ca: CertAuthority, role: str, directory: Path, *, trust_dom
     _write(directory / CA_FILE, ca.cert_pem, 0o644)
     _write(directory / f"{role}.pem", issued.cert_pem, 0o644)
     _write(directory / f"{role}-key.pem", issued.key_pem, 0o600)
+
+
+def carries_server_name(cert_pem: bytes, role: str, trust_domain: str) -> bool:
+    """Whether ``cert_pem`` names ``role``'s server in ``trust_domain`` as clients verify it
+    (``peer_roles.server_name``): False for one an older Tandem issued, before the trust domain
+    was in that name, so ``tandem certs init --if-missing`` issues it again."""
+    try:
+        sans = x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)  # fmt: skip
+    except (ValueError, x509.ExtensionNotFound):
+        return False
+    return server_name(role, trust_domain) in sans
 
 
 def role_files(directory: Path, role: str) -> tuple[Path, Path, Path]:

@@ -74,15 +74,15 @@ def open_channel(
     """A ``grpc.aio`` channel to ``host:port`` with :func:`channel_options`.
 
     Mutual TLS with ``tls``'s identity (plaintext only for ``InternalTls.plaintext()``): the
-    server's certificate must be signed by ``tls``'s CA and name ``server_role``
-    (``<role>.tandem.internal``; None accepts any member of the deployment), whatever host
-    ``address`` names. Opening is lazy: no connection is made until the first RPC (or
+    server's certificate must be signed by ``tls``'s CA and name ``server_role`` in ``tls``'s own
+    trust domain (``<role>.<trust domain>.tandem.internal``: ``peer_roles.server_name``; None
+    accepts any member of the deployment), whatever host ``address`` names. Opening is lazy: no connection is made until the first RPC (or
     :func:`wait_healthy`). Close it with ``await channel.close()``.
     """
     options = channel_options(max_message_bytes)
     if tls.insecure:
         return grpc.aio.insecure_channel(address, options=options)
-    options.append(("grpc.ssl_target_name_override", server_name(server_role)))
+    options.append(("grpc.ssl_target_name_override", server_name(server_role, tls.trust_domain)))
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -96,10 +97,37 @@ def role_uri(role: str, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
     return spiffe_id(trust_domain, role)
 
 
-def server_name(role: str | None) -> str:
-    """The DNS name a client checks a server's certificate against: ``<role>.tandem.internal``,
-    or ``tandem.internal`` (any member of the deployment) when the role is not known."""
-    return f"{role}.{SERVER_NAME_SUFFIX}" if role else SERVER_NAME_SUFFIX
+_DNS_LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+UNNAMEABLE_DOMAIN = "no-dns-form.invalid"
+"""What a client checks when its own trust domain has no DNS form (``_`` in it): a name no
+certificate of ours carries, so such a client connects to nobody (fail closed)."""
+
+
+def dns_form(trust_domain: str) -> str | None:
+    """``trust_domain`` as DNS labels (it is one already when every dot-separated part is a DNS
+    label: what ``tandem certs init`` makes), or None when it cannot be (a ``_``, say)."""
+    labels = trust_domain.split(".")
+    if len(trust_domain) > 200 or not all(_DNS_LABEL.match(label) for label in labels):
+        return None
+    return trust_domain
+
+
+def server_name(role: str | None, trust_domain: str = DEFAULT_TRUST_DOMAIN) -> str:
+    """The DNS name a client checks a server's certificate against, bound to the client's own
+    trust domain: ``<role>.<trust domain>.tandem.internal``, or ``<trust domain>.tandem.internal``
+    (any member of the deployment) when the role is not known.
+
+    Why the trust domain is in a DNS name: gRPC's Python API lets a client check nothing of a
+    server's certificate but its chain and the host name set by ``grpc.ssl_target_name_override``
+    (docs/security.md, "Roles and certificates"). With the domain in that name, a server of
+    another deployment whose certificate the same CA signed fails the handshake. The legacy
+    domain ``tandem`` (and none: a certificate without a SPIFFE ID) keeps the names of before,
+    ``<role>.tandem.internal``."""
+    if trust_domain in ("", DEFAULT_TRUST_DOMAIN):
+        suffix = SERVER_NAME_SUFFIX
+    else:
+        suffix = f"{dns_form(trust_domain) or UNNAMEABLE_DOMAIN}.{SERVER_NAME_SUFFIX}"
+    return f"{role}.{suffix}" if role else suffix
 
 
 def allowed_roles(method: str) -> frozenset[str]:
