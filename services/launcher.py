@@ -28,9 +28,9 @@ instead; ``--insecure-internal`` runs every hop in plaintext (a loud warning; ne
 Lifecycle:
   1. Plan every child (command line, ports, addresses; ``launch_plan.py``) and refuse
      overlapping or busy ports with a one-line error, before anything starts.
-  2. Start every child in its own session / process group (a Ctrl-C in the terminal reaches only
-     the launcher), with ``PR_SET_PDEATHSIG`` on Linux so that a child is killed even when the
-     launcher itself is SIGKILLed. Children log to the launcher's stderr; its stdout carries only
+  2. Start every child (``child_process.py``) in its own session / process group (a Ctrl-C in
+     the terminal reaches only the launcher), with ``PR_SET_PDEATHSIG`` on Linux so that a child
+     is killed even when the launcher itself is SIGKILLed. Children log to the launcher's stderr; its stdout carries only
      the address table.
   3. Wait until every gRPC service reports SERVING through ``grpc.health.v1`` and the gateway
      answers ``GET /ready`` with 200 and every worker it lists healthy (reachable from the
@@ -51,20 +51,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import logging
 import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
+from services.child_process import Child, die_with_parent, signal_group, start_child
 from services.common import ports
 from services.common.errors import InvalidArgumentError, UnavailableError
 from services.common.internal_tls import INSECURE_WARNING, InternalTls
@@ -76,7 +75,6 @@ from services.launch_plan import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STOP_TIMEOUT_S,
     MODES,
-    ChildSpec,
     LaunchConfig,
     check_ports_free,
     plan,
@@ -88,7 +86,6 @@ MODEL_ENV = "TANDEM_MODEL"
 _POLL_S = 0.1
 RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, longest delay
 RESTART_RESET_S = 60.0  # a child that ran this long restarts after the first delay again
-_PR_SET_PDEATHSIG = 1
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -241,90 +238,6 @@ def _speculative_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flags)
 
 
-# ------------------------------------------------------------------------------------- processes
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGKILL the child when the launcher dies (None elsewhere).
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, so children are
-    started from the main thread. libc is looked up here, in the parent, so the function that
-    runs between fork and exec only makes one foreign call.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        logger.warning("prctl is unavailable; children will not die with the launcher")
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-@dataclass(slots=True)
-class Child:
-    """A started child process and its plan."""
-
-    spec: ChildSpec
-    process: subprocess.Popen[bytes]
-    started: float = 0.0  # time.monotonic() at start
-    crashes: int = 0  # deaths in a row that came before RESTART_RESET_S of running
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def describe_exit(self) -> str:
-        code = self.process.returncode
-        if code is None:
-            return "is running"
-        if code < 0:
-            try:
-                return f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
-
-
-def start_child(spec: ChildSpec, preexec: Callable[[], None] | None) -> Child:
-    """Start one child in its own session; its stdout goes to our stderr."""
-    process = subprocess.Popen(
-        spec.argv,
-        env={**os.environ, **spec.env} if spec.env else None,
-        stdin=subprocess.DEVNULL,
-        stdout=_stderr_fd(),
-        start_new_session=True,
-        preexec_fn=preexec,
-    )
-    logger.info("started %s (pid %d): %s", spec.name, process.pid, shlex.join(spec.argv[2:]))
-    return Child(spec, process, started=time.monotonic())
-
-
-def _stderr_fd() -> int | None:
-    """Our stderr's file descriptor (children's stdout goes there), or None to inherit stdout."""
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _signal_group(child: Child, sig: signal.Signals) -> None:
-    """Send ``sig`` to the child's process group (the child and anything it started)."""
-    try:
-        os.killpg(child.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 # ------------------------------------------------------------------------------------- supervisor
 
 
@@ -352,7 +265,7 @@ class Launcher:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._on_signal, sig)
             try:
-                self._preexec = _die_with_parent()
+                self._preexec = die_with_parent()
                 for spec in specs:
                     self.children.append(start_child(spec, self._preexec))
                 return await self._supervise()
@@ -518,7 +431,7 @@ class Launcher:
         running = [c for c in reversed(self.children) if c.process.poll() is None]
         for child in running:
             logger.info("stopping %s (pid %d)", child.spec.name, child.pid)
-            _signal_group(child, signal.SIGTERM)
+            signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + self.config.stop_timeout
         while any(c.process.poll() is None for c in running):
             if self._kill_now.is_set() or time.monotonic() >= deadline:
@@ -530,7 +443,7 @@ class Launcher:
                     "%s (pid %d) did not stop in time: SIGKILL", child.spec.name, child.pid
                 )
             # Also catches anything a child started in its group and left behind.
-            _signal_group(child, signal.SIGKILL)
+            signal_group(child, signal.SIGKILL)
         for child in self.children:
             await asyncio.to_thread(child.process.wait)
         if self.children:
