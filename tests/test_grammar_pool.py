@@ -49,6 +49,16 @@ def _source(schema: dict[str, Any]) -> GrammarSource:
     return source
 
 
+def _slow_lark_source(tag: str) -> GrammarSource:
+    """~250 KB of Lark (distinct per ``tag``): 0.7 s to compile on an idle core, more on a busy
+    one."""
+    lark = "start: " + " | ".join(f'"{tag}w{i}" {tag}x{i}' for i in range(7000)) + "\n" + (
+        "\n".join(f'{tag}x{i}: "{tag}q{i}"+' for i in range(7000)))
+    source = structured_output_source({"guided_grammar": lark})
+    assert source is not None
+    return source
+
+
 async def test_the_pool_compiles_caches_and_refuses() -> None:
     pool = GrammarPool(workers=1, timeout_s=30.0)
     try:
@@ -73,11 +83,7 @@ async def test_a_compilation_past_the_time_budget_is_400_and_others_still_compil
     pool = GrammarPool(workers=1, timeout_s=0.25)
     try:
         await pool.compile(_source({"type": "integer"}))  # the worker is up
-        # ~250 KB of Lark: 0.7 s to compile on an idle core, more on a busy one
-        lark = "start: " + " | ".join(f'"w{i}" x{i}' for i in range(7000)) + "\n" + "\n".join(
-            f'x{i}: "q{i}"+' for i in range(7000))
-        slow = structured_output_source({"guided_grammar": lark})
-        assert slow is not None
+        slow = _slow_lark_source("a")
         small = _source({"type": "string"})
         results = await asyncio.gather(pool.compile(slow), pool.compile(small),
                                        return_exceptions=True)  # fmt: skip
@@ -101,12 +107,7 @@ async def test_a_queued_compilation_whose_clients_went_away_is_dropped() -> None
     pool = GrammarPool(workers=1, timeout_s=30.0)
     try:
         await pool.compile(_source({"type": "integer"}))  # the worker is up
-        # ~250 KB of Lark: 0.7 s to compile on an idle core, more on a busy one
-        lark = "start: " + " | ".join(f'"v{i}" y{i}' for i in range(7000)) + "\n" + "\n".join(
-            f'y{i}: "r{i}"+' for i in range(7000))
-        busy_source = structured_output_source({"guided_grammar": lark})
-        assert busy_source is not None
-        busy = asyncio.ensure_future(pool.compile(busy_source))
+        busy = asyncio.ensure_future(pool.compile(_slow_lark_source("b")))
         await asyncio.sleep(0.01)  # handed to the one worker
         gone = asyncio.ensure_future(pool.compile(_source(big_schema(6, 1500))))
         shared = _source({"type": "boolean"})
