@@ -42,6 +42,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,20 @@ async def stream_itl(session: Any, url: str, headers: dict[str, str], model: str
     if not arrivals:
         raise RuntimeError("the plain stream produced no token")
     return arrivals[0] - started, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+async def plain_streams(
+    session: Any, args: argparse.Namespace, headers: dict[str, str], keep_going: Callable[[], bool]
+) -> tuple[list[float], list[float], int]:
+    """Plain streams one after another (at least one) while ``keep_going()``: their times to
+    first token, every gap between their tokens, and how many ran."""
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    while keep_going() or not ttfts:
+        ttft, more = await stream_itl(session, args.url, headers, args.model, args.tokens)
+        ttfts.append(ttft)
+        gaps.extend(more)
+    return ttfts, gaps, len(ttfts)
 
 
 def flood_bodies(model: str, count: int, kib: int, seed: int) -> list[bytes]:
@@ -124,25 +139,17 @@ async def run(args: argparse.Namespace) -> None:
         for round_ in range(args.rounds):
             bodies = await asyncio.to_thread(flood_bodies, args.model, args.schemas,
                                              args.schema_kib, round_ + 1)  # fmt: skip
-            ttfts, gaps, streams = [], [], 0
             calm_ends = time.monotonic() + args.alone_seconds
-            while time.monotonic() < calm_ends or streams == 0:
-                ttft, more = await stream_itl(session, args.url, headers, args.model, args.tokens)
-                ttfts.append(ttft)
-                gaps.extend(more)
-                streams += 1
+            ttfts, gaps, streams = await plain_streams(
+                session, args, headers, lambda: time.monotonic() < calm_ends)
             rows.append((f"alone ({streams} streams)", statistics.median(ttfts),
                          *_p50_p95(gaps), ""))
             flooding = asyncio.create_task(flood(session, args.url, headers, bodies,
                                                  args.flood_concurrency))  # fmt: skip
             await asyncio.sleep(0.5)  # the flood is compiling
-            ttfts, gaps, streams = [], [], 0
             ends = time.monotonic() + args.duration if args.duration else float("inf")
-            while (not flooding.done() and time.monotonic() < ends) or streams == 0:
-                ttft, more = await stream_itl(session, args.url, headers, args.model, args.tokens)
-                ttfts.append(ttft)
-                gaps.extend(more)
-                streams += 1
+            ttfts, gaps, streams = await plain_streams(
+                session, args, headers, lambda: not flooding.done() and time.monotonic() < ends)
             if not flooding.done():
                 flooding.cancel()
             answers = await flooding

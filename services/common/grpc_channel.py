@@ -76,8 +76,9 @@ def open_channel(
     Mutual TLS with ``tls``'s identity (plaintext only for ``InternalTls.plaintext()``): the
     server's certificate must be signed by ``tls``'s CA and name ``server_role`` in ``tls``'s own
     trust domain (``<role>.<trust domain>.tandem.internal``: ``peer_roles.server_name``; None
-    accepts any member of the deployment), whatever host ``address`` names. Opening is lazy: no connection is made until the first RPC (or
-    :func:`wait_healthy`). Close it with ``await channel.close()``.
+    accepts any member of the deployment), whatever host ``address`` names. Opening is lazy: no
+    connection is made until the first RPC (or :func:`wait_healthy`). Close it with
+    ``await channel.close()``.
     """
     options = channel_options(max_message_bytes)
     if tls.insecure:

@@ -225,7 +225,7 @@ class GrammarCompiler:
         compilation already running finishes, and its result is cached)."""
         with self._lock:
             job.waiters -= 1
-            if job.waiters == 0 and not job.started.done() and job in self._queue:
+            if job.waiters == 0 and job in self._queue:  # queued: not started
                 self._queue.remove(job)
                 self._jobs.pop(job.key, None)
                 job.done.cancel()
