@@ -4,18 +4,17 @@ container's command is one the ``tandem`` CLI parses (after Kubernetes' ``$(VAR)
 with the container's environment as the parser's defaults), and the pieces fit together: probes
 on the right ports and gRPC service names, draining that outlasts the gateway's re-resolution,
 headless Services the gateway finds the tokenizer replicas and the workers by, HPAs on metrics
-the workers export, internal services bound to the pod IP, and NetworkPolicies that let only the
-gateway (and prefill, for KV) reach them, Prometheus their metrics (the gateway's on a port of
-its own) and kubelet their health, and that let each pod connect only to its peers and DNS.
+the workers export, and internal services bound to the pod IP. The NetworkPolicies are
+tests/test_kubernetes_network.py's.
 
 No cluster is needed. The overlays use a small subset of kustomize (``resources``, ``images``,
-strategic-merge ``patches`` found by kind and name), which :func:`render` implements; when
-``kustomize`` or ``kubectl`` is installed, its rendering must equal this one.
+strategic-merge ``patches`` found by kind and name), which tests/kubernetes_render.py's
+:func:`render` implements; when ``kustomize`` or ``kubectl`` is installed, its rendering must
+equal this one.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import re
@@ -27,126 +26,37 @@ from typing import Any
 import pytest
 
 from services.cli import build_parser
+from tests.kubernetes_render import (
+    ADAPTER_RULES,
+    DEPLOY,
+    DEVICES,
+    GPUS,
+    IMAGES,
+    OLDEST_K8S,
+    POD_IP,
+    POD_NAME,
+    POOLS,
+    RENDERINGS,
+    ROLES,
+    WIDTHS,
+    WORKERS,
+    Obj,
+    by_kind,
+    container_port,
+    kustomization,
+    load_docs,
+    load_docs_text,
+    one,
+    pod_spec,
+    render,
+    the_container,
+    yaml,
+)
 from tests.tls_identities import tls_flags
-
-yaml = pytest.importorskip("yaml")
-
-REPO = Path(__file__).resolve().parents[1]
-DEPLOY = REPO / "deploy" / "kubernetes"
-ADAPTER_RULES = DEPLOY / "prometheus-adapter-rules.yaml"
-RENDERINGS = ("base", "overlays/cpu", "overlays/gpu", "overlays/cpu-tensor-parallel",
-              "overlays/gpu-tensor-parallel")  # fmt: skip
-IMAGES = {"base": "tandem:latest", "overlays/cpu": "tandem:cpu", "overlays/gpu": "tandem:latest",
-          "overlays/cpu-tensor-parallel": "tandem:cpu",
-          "overlays/gpu-tensor-parallel": "tandem:latest"}  # fmt: skip
-DEVICES = {"base": "auto", "overlays/cpu": "cpu", "overlays/gpu": "cuda",
-           "overlays/cpu-tensor-parallel": "cpu", "overlays/gpu-tensor-parallel": "cuda"}
-# each worker's tensor-parallel ranks (docs/tensor-parallel.md), and its GPUs
-WIDTHS = {"overlays/cpu-tensor-parallel": 2, "overlays/gpu-tensor-parallel": 2}
-GPUS = {"overlays/gpu": 1, "overlays/gpu-tensor-parallel": 2}
-ROLES = ("tokenizer", "prefill", "decode", "gateway")
-WORKERS = ("prefill", "decode")
-POOLS = ("tokenizer", *WORKERS)  # behind the gateway: replicas it finds by a headless Service
-# The oldest Kubernetes the manifests are meant for (gRPC probes are GA there) and the newest
-# the installed kubernetes-validate ships schemas for.
-OLDEST_K8S = "1.27.0"
-POD_NAME = "decode-5d8f7c9b6-x2k4q"
-POD_IP = "10.244.1.7"
-Obj = dict[str, Any]
-
-# Strategic merge: lists of these fields merge item by item on the key (Kubernetes' patchMergeKey);
-# every other list is replaced whole (e.g. args, tolerations).
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort"}  # fmt: skip
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "resources", "images", "patches"}
-
-
-# --- rendering -------------------------------------------------------------------------------
-
-
-def load_docs_text(text: str) -> list[Obj]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
-
-
-def load_docs(path: Path) -> list[Obj]:
-    return load_docs_text(path.read_text())
-
-
-def kustomization(directory: Path) -> Obj:
-    return yaml.safe_load((directory / "kustomization.yaml").read_text())
-
-
-def merge(base: Any, patch: Any, field: str = "") -> Any:
-    """A strategic merge patch (the subset the overlays use)."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for key, value in patch.items():
-            assert not key.startswith("$"), f"patch directive {key} is not implemented here"
-            if value is None:
-                out.pop(key, None)
-            else:
-                out[key] = merge(base[key], value, key) if key in base else copy.deepcopy(value)
-        return out
-    if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
-        key = MERGE_KEYS[field]
-        originals = {item[key]: item for item in base}
-        patched = [merge(originals[i[key]], i) if i[key] in originals else copy.deepcopy(i)
-                   for i in patch]  # fmt: skip
-        named = {item[key] for item in patch}
-        return patched + [item for item in base if item[key] not in named]  # kustomize's order
-    return copy.deepcopy(patch)
-
-
-def split_image(image: str) -> tuple[str, str]:
-    name, sep, tag = image.rpartition(":")
-    return (name, tag) if sep and "/" not in tag else (image, "")
-
-
-def pod_spec(obj: Obj) -> Obj:
-    return obj["spec"]["template"]["spec"]
-
-
-def render(directory: Path) -> list[Obj]:
-    """The objects ``kustomize build directory`` makes (the subset the overlays use)."""
-    spec = kustomization(directory)
-    unknown = set(spec) - KUSTOMIZATION_FIELDS
-    assert not unknown, f"{directory}: {sorted(unknown)} not implemented by this renderer"
-    objects: list[Obj] = []
-    for entry in spec.get("resources", []):
-        path = directory / entry
-        objects += render(path) if path.is_dir() else load_docs(path)
-    for entry in spec.get("patches", []):
-        assert set(entry) == {"path"}, f"{directory}: only file patches found by kind and name"
-        for patch in load_docs(directory / entry["path"]):
-            key = (patch["kind"], patch["metadata"]["name"])
-            hits = [i for i, o in enumerate(objects) if (o["kind"], o["metadata"]["name"]) == key]
-            assert len(hits) == 1, f"{entry['path']}: {key} matches {len(hits)} objects"
-            objects[hits[0]] = merge(objects[hits[0]], patch)
-    for entry in spec.get("images", []):
-        for obj in objects:
-            if obj["kind"] != "Deployment":
-                continue
-            for container in pod_spec(obj)["containers"]:
-                name, tag = split_image(container["image"])
-                if name == entry["name"]:
-                    tag = entry.get("newTag", tag)
-                    container["image"] = entry.get("newName", name) + (f":{tag}" if tag else "")
-    return objects
-
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[Obj]]:
     return {name: render(DEPLOY / name) for name in RENDERINGS}
-
-
-def one(objects: list[Obj], kind: str, name: str) -> Obj:
-    hits = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
-    return hits[0]
-
-
-def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
 
 
 def _sorted(objects: list[Obj]) -> list[Obj]:
@@ -292,16 +202,6 @@ def session_tls_files(container: Obj, env: dict[str, str]) -> dict[str, str]:
         assert any(env[name].startswith(mount + "/") for mount in mounts), (container["name"], name)
         out[name] = path
     return out
-
-
-def the_container(objects: list[Obj], role: str) -> Obj:
-    containers = pod_spec(one(objects, "Deployment", role))["containers"]
-    assert [c["name"] for c in containers] == [role]
-    return containers[0]
-
-
-def container_port(container: Obj, name: str) -> int:
-    return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
@@ -540,162 +440,3 @@ def test_images_and_gpus(rendered: dict[str, list[Obj]], name: str) -> None:
 
 
 # --- network policies ------------------------------------------------------------------------
-
-NAMESPACE = {"kubernetes.io/metadata.name": "tandem"}  # every namespace carries this label
-OUTSIDE = "outside any pod (a node's kubelet, a client)"
-# Where a connection may come from: (the namespace's labels, the pod's labels), None for an
-# address that is no pod's; the Tandem roles are added from the rendering.
-OTHER_PEERS: dict[str, tuple[dict[str, str], dict[str, str]] | None] = {
-    "another pod of the namespace": (NAMESPACE, {"app": "other"}),
-    "prometheus": ({"kubernetes.io/metadata.name": "monitoring"},
-                   {"app.kubernetes.io/name": "prometheus"}),
-    "a pod of another namespace": ({"kubernetes.io/metadata.name": "default"}, {}),
-    OUTSIDE: None,
-}
-
-
-def _selects(selector: Obj, labels: dict[str, str]) -> bool:
-    assert set(selector) <= {"matchLabels"}, "only matchLabels selectors are evaluated here"
-    return selector.get("matchLabels", {}).items() <= labels.items()
-
-
-def _admits(entry: Obj, peer: tuple[dict[str, str], dict[str, str]] | None) -> bool:
-    """Whether one ``from`` entry of a policy in the namespace admits ``peer``."""
-    if "ipBlock" in entry:
-        block = entry["ipBlock"]
-        return block["cidr"] in ("0.0.0.0/0", "::/0") and not block.get("except")
-    if peer is None:  # no pod: only an ipBlock can name it
-        return False
-    namespace, labels = peer
-    assert set(entry) <= {"podSelector", "namespaceSelector"}, entry
-    if "namespaceSelector" in entry:
-        in_namespace = _selects(entry["namespaceSelector"], namespace)
-    else:
-        in_namespace = namespace == NAMESPACE  # a bare podSelector: the policy's own namespace
-    return in_namespace and _selects(entry.get("podSelector", {}), labels)
-
-
-def _pod_labels(objects: list[Obj], role: str) -> dict[str, str]:
-    return dict(one(objects, "Deployment", role)["spec"]["template"]["metadata"]["labels"])
-
-
-def reachable(objects: list[Obj], role: str, port: str) -> set[str]:
-    """The peers that may open a connection to ``role``'s pods on their container port named
-    ``port``, as Kubernetes evaluates ingress NetworkPolicies (the union of every rule of every
-    policy that selects the pod; a pod no policy selects admits everyone)."""
-    peers = {r: (NAMESPACE, _pod_labels(objects, r)) for r in ROLES} | OTHER_PEERS
-    number = container_port(the_container(objects, role), port)
-    policies = [p["spec"] for p in by_kind(objects, "NetworkPolicy").values()
-                if "Ingress" in p["spec"]["policyTypes"]
-                and _selects(p["spec"]["podSelector"], _pod_labels(objects, role))]  # fmt: skip
-    if not policies:
-        return set(peers)
-    admitted: set[str] = set()
-    for rule in (r for p in policies for r in p.get("ingress", [])):
-        ports = rule.get("ports")
-        assert all(p.get("protocol", "TCP") == "TCP" for p in ports or ())
-        if ports is not None and not any(p["port"] in (port, number) for p in ports):
-            continue
-        entries = rule.get("from")
-        admitted |= {name for name, peer in peers.items()
-                     if entries is None or any(_admits(e, peer) for e in entries)}  # fmt: skip
-    return admitted
-
-
-@pytest.mark.parametrize("name", RENDERINGS)
-def test_network_policies_let_only_the_gateway_in(
-    rendered: dict[str, list[Obj]], name: str
-) -> None:
-    objects = rendered[name]
-    everyone = {*ROLES, *OTHER_PEERS}
-    expected = {
-        ("tokenizer", "grpc"): {"gateway"},
-        ("prefill", "grpc"): {"gateway"},
-        # Generate and TransferKV share the port: mTLS roles keep them apart (peer_roles.py)
-        ("decode", "grpc"): {"gateway", "prefill"},
-        ("gateway", "http"): everyone,  # the edge
-    }
-    for role in POOLS:
-        expected[(role, "health")] = everyone  # kubelet's probes: plaintext health only
-    for role in ROLES:
-        expected[(role, "metrics")] = {"prometheus"}  # the `monitoring` namespace, gateway too
-    for role in ROLES:
-        ports = {p["name"] for p in the_container(objects, role)["ports"]}
-        assert ports == {port for r, port in expected if r == role}, role  # every port judged
-        for port in sorted(ports):
-            assert reachable(objects, role, port) == expected[(role, port)], (role, port)
-    # every port a policy names is a port of some pod it selects (a typo would open nothing)
-    for policy in by_kind(objects, "NetworkPolicy").values():
-        selected = [r for r in ROLES if _selects(policy["spec"]["podSelector"],
-                                                 _pod_labels(objects, r))]  # fmt: skip
-        assert selected, policy["metadata"]["name"]
-        named = {p["name"] for r in selected for p in the_container(objects, r)["ports"]}
-        for rule in policy["spec"].get("ingress", []):
-            for port in rule.get("ports", []):
-                assert port["port"] in named, (policy["metadata"]["name"], port)
-
-
-# Where a pod may connect to, besides the Tandem roles' own ports: (name, peer, port, protocol).
-DNS = ({"kubernetes.io/metadata.name": "kube-system"}, {"k8s-app": "kube-dns"})
-OTHER_DESTINATIONS: list[tuple[str, tuple[dict[str, str], dict[str, str]] | None, int, str]] = [
-    ("DNS over UDP", DNS, 53, "UDP"),
-    ("DNS over TCP", DNS, 53, "TCP"),
-    ("DNS's other ports", DNS, 9153, "TCP"),
-    ("the internet", None, 443, "TCP"),
-    ("the Kubernetes API", ({"kubernetes.io/metadata.name": "default"}, {}), 443, "TCP"),
-    ("another pod of the namespace", (NAMESPACE, {"app": "other"}), 8080, "TCP"),
-]
-
-
-def may_connect(objects: list[Obj], role: str) -> set[str]:
-    """Where ``role``'s pods may open connections, as Kubernetes evaluates egress
-    NetworkPolicies (the union of the egress rules of every policy that selects the pod and
-    lists Egress; a pod no such policy selects may go anywhere): ``<role>:<port name>`` for
-    the Tandem pods' ports, and the names of :data:`OTHER_DESTINATIONS`."""
-    destinations = [(f"{r}:{p['name']}", (NAMESPACE, _pod_labels(objects, r)), p["name"],
-                     p["containerPort"], "TCP")
-                    for r in ROLES for p in the_container(objects, r)["ports"]]  # fmt: skip
-    destinations += [(name, peer, None, number, protocol)
-                     for name, peer, number, protocol in OTHER_DESTINATIONS]  # fmt: skip
-    policies = [p["spec"] for p in by_kind(objects, "NetworkPolicy").values()
-                if "Egress" in p["spec"]["policyTypes"]
-                and _selects(p["spec"]["podSelector"], _pod_labels(objects, role))]  # fmt: skip
-    if not policies:
-        return {d[0] for d in destinations}
-    allowed: set[str] = set()
-    for rule in (r for p in policies for r in p.get("egress", [])):
-        for name, peer, port_name, number, protocol in destinations:
-            ports = rule.get("ports")
-            if ports is not None and not any(
-                    p["port"] in (port_name, number) and p.get("protocol", "TCP") == protocol
-                    for p in ports):  # fmt: skip
-                continue
-            entries = rule.get("to")
-            if entries is None or any(_admits(e, peer) for e in entries):
-                allowed.add(name)
-    return allowed
-
-
-@pytest.mark.parametrize("name", RENDERINGS)
-def test_network_policies_restrict_egress_to_each_role_s_peers(
-    rendered: dict[str, list[Obj]], name: str
-) -> None:
-    """The gateway reaches the tokenizer replicas' and the workers' gRPC ports and DNS; prefill
-    reaches decode's gRPC port (KV) and DNS; the tokenizer and decode reach nothing (they only
-    answer). Nobody reaches the internet, the Kubernetes API, or another pod's other ports."""
-    objects = rendered[name]
-    dns = {"DNS over UDP", "DNS over TCP"}
-    expected = {
-        "gateway": {"tokenizer:grpc", "prefill:grpc", "decode:grpc", *dns},
-        "prefill": {"decode:grpc", *dns},
-        "tokenizer": set(),
-        "decode": set(),
-    }
-    for role in ROLES:
-        assert may_connect(objects, role) == expected[role], role
-    # every named port of an egress rule is a port of some pod it may go to (a typo opens nothing)
-    ports = {p["name"] for r in ROLES for p in the_container(objects, r)["ports"]}
-    for policy in by_kind(objects, "NetworkPolicy").values():
-        for rule in policy["spec"].get("egress", []):
-            for port in rule.get("ports", []):
-                assert isinstance(port["port"], int) or port["port"] in ports, policy
