@@ -102,7 +102,10 @@ def export_tokenizer(path: Path) -> None:
 def convert(folder: Path, out: Path, quant: str, llama_cpp: Path) -> Path:
     """``convert_hf_to_gguf.py`` to float16, then ``llama-quantize`` to ``quant``."""
     f16 = out.with_suffix(".f16.gguf")
-    env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
+    # the tree's own gguf-py first; what PYTHONPATH already holds (the converter's sentencepiece,
+    # say) after it
+    paths = [str(llama_cpp / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     subprocess.run(
         [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outtype",
          "f16", "--outfile", str(f16)],
