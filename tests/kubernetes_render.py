@@ -113,6 +113,11 @@ def render(directory: Path) -> list[Obj]:
     return objects
 
 
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[Obj]]:
+    return {name: render(DEPLOY / name) for name in RENDERINGS}
+
+
 def one(objects: list[Obj], kind: str, name: str) -> Obj:
     hits = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
     assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"

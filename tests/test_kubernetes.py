@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from services.cli import build_parser
-from tests.kubernetes_render import (
+from tests.kubernetes_render import (  # noqa: F401 - rendered is a fixture
     ADAPTER_RULES,
     DEPLOY,
     DEVICES,
@@ -49,14 +49,11 @@ from tests.kubernetes_render import (
     one,
     pod_spec,
     render,
+    rendered,
     the_container,
     yaml,
 )
 from tests.tls_identities import tls_flags
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[Obj]]:
-    return {name: render(DEPLOY / name) for name in RENDERINGS}
 
 
 def _sorted(objects: list[Obj]) -> list[Obj]:

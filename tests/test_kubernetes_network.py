@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kubernetes_render import (
-    DEPLOY,
+from tests.kubernetes_render import (  # noqa: F401 - rendered is a fixture
     POOLS,
     RENDERINGS,
     ROLES,
@@ -17,14 +16,9 @@ from tests.kubernetes_render import (
     by_kind,
     container_port,
     one,
-    render,
+    rendered,
     the_container,
 )
-
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[Obj]]:
-    return {name: render(DEPLOY / name) for name in RENDERINGS}
 
 
 NAMESPACE = {"kubernetes.io/metadata.name": "tandem"}  # every namespace carries this label
