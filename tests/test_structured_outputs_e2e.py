@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 
@@ -54,7 +54,7 @@ def _models() -> tuple[type, type]:
         age: int = Field(ge=0, le=130)
         height_cm: int = Field(ge=50, le=250)  # a bounded number (a free float may run on)
         role: Literal["engineer", "artist", "pilot"]
-        skills: list[str] = Field(min_length=1, max_length=3)
+        skills: list[Annotated[str, Field(max_length=24)]] = Field(min_length=1, max_length=3)
         address: Address
 
     return Person, Address

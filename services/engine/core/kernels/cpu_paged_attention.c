@@ -28,14 +28,18 @@
  *
  * Tasks run on OpenMP (PyTorch's own runtime; see native_build.py). Built at run time,
  * once per instruction set by services/engine/core/kernels/native_build.py (vector width from
- * tandem_simd.h). Two headers hold parts of this one library: paged_kv_values.h (the cache's
- * element types: widening, storing) and paged_decode_rows.h (decode with the prefill's per-row
- * arithmetic, and tandem_paged_decode_attention), included at the end.
+ * tandem_simd.h). Three headers hold parts of this one library: paged_kv_values.h (the cache's
+ * element types: widening, storing), paged_scores.h (score_keys, the scores both kernels compute
+ * with) and paged_decode_rows.h (decode with the prefill's per-row arithmetic, and
+ * tandem_paged_decode_attention), included at the end.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "tandem_simd.h"
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 #include "paged_kv_values.h"
 
@@ -188,18 +192,18 @@ static inline __attribute__((always_inline)) void decode_task(
  * rows times the group's query heads (GROUP x PREFILL_ROWS query vectors) and walks keys 0 ..
  * the block's last position in tiles of KEY_TILE. Per tile, as two small GEMMs:
  *
- *   scores [nq, KEY_TILE] = Q [nq, D] . K^T   (K's tile gathered transposed, [D, KEY_TILE]:
- *                                              register blocks of ROW_BLOCK queries x TILE keys)
- *   out    [nq, D]       = out * rescale + P [nq, KEY_TILE] . V  (ROW_BLOCK queries x TILE of D)
+ *   scores [nq, KEY_TILE] = Q [nq, D] . K^T   (score_keys: K's rows as stored, register blocks
+ *                                              of SCORE_Q query vectors x SCORE_K keys)
+ *   out    [nq, D]       = out * rescale + P [nq, KEY_TILE] . V  (ATTN_ROWS queries x TILE of D)
  *
  * with an online softmax between them (running max and sum per query vector, as FlashAttention).
  * A query row sees the positions up to its own (causal; with a window, only the last window of
  * them), keys past it get no weight; key tiles wholly before every row's window are skipped. A
- * 16-bit cache's keys are widened while being transposed, its values into a float32 copy laid
- * out the same way. Tasks run on OpenMP, the ones with the most keys first. */
+ * 16-bit or q8_0 cache's keys and values are widened into float32 rows once per sequence. Tasks
+ * run on OpenMP, the ones with the most keys first. */
 #define PREFILL_ROWS 16
 #define KEY_TILE 64
-/* query vectors per register block: ATTN_ROWS x VECS accumulators, 12 of AVX2's 16 registers
+/* query vectors per register block of the values: ATTN_ROWS x VECS accumulators, 12 of AVX2's 16 registers
  * (8 left FMA chains too few to cover the multiply-add latency), 24 of AVX-512's 32 */
 #if LANES == 16
 #define ATTN_ROWS 12
@@ -209,25 +213,7 @@ static inline __attribute__((always_inline)) void decode_task(
 #define ATTN_ROWS 4
 #endif
 
-/* Scores of ATTN_ROWS query vectors (rows qs, stride head_dim) against TILE keys (kt: [D, ldk]
- * from column 0), into sc (stride KEY_TILE), times scale. n: query vectors, at most ATTN_ROWS. */
-static inline __attribute__((always_inline)) void score_block(
-    const float *qs, int64_t head_dim, const float *kt, int64_t ldk, float *sc, float scale,
-    const int n) {
-    vec acc[ATTN_ROWS][VECS];
-    for (int r = 0; r < n; r++)
-        for (int c = 0; c < VECS; c++) acc[r][c] = (vec){0};
-    for (int64_t d = 0; d < head_dim; d++) {
-        vec kv[VECS];
-        for (int c = 0; c < VECS; c++) kv[c] = load_vec(kt + d * ldk + c * LANES);
-        for (int r = 0; r < n; r++) {
-            const vec qd = splat(qs[r * head_dim + d]);
-            for (int c = 0; c < VECS; c++) acc[r][c] += qd * kv[c];
-        }
-    }
-    for (int r = 0; r < n; r++)
-        for (int c = 0; c < VECS; c++) store_vec(sc + r * KEY_TILE + c * LANES, acc[r][c] * scale);
-}
+#include "paged_scores.h"
 
 /* o[r] (stride head_dim) = o[r] * rescale[r] + sum_s p[r][s] * V[s] over ATTN_ROWS query vectors and
  * NV vectors of D from column d; V rows at vrows[s] + d. n: query vectors, at most ATTN_ROWS. */
@@ -242,7 +228,7 @@ static inline __attribute__((always_inline)) void value_block(
         for (int c = 0; c < nv; c++) vv[c] = load_vec(vrows[s] + d + c * LANES);
         for (int r = 0; r < n; r++) {
             const vec ps = splat(p[r * KEY_TILE + s]);
-            for (int c = 0; c < nv; c++) acc[r][c] += ps * vv[c];
+            for (int c = 0; c < nv; c++) acc[r][c] = fused_madd(ps, vv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < n; r++)
@@ -283,9 +269,6 @@ static inline float softmax_tile(float *px, int64_t lo, int64_t seen, float *run
     return rescale;
 }
 
-/* Row stride of a sequence's transposed keys: its context in whole tiles, plus 16 floats (one
- * cache line) so that a power-of-two context does not put every row of a tile in one L1 set. */
-static inline int64_t key_stride(int64_t len) { return (len + KEY_TILE - 1) / KEY_TILE * KEY_TILE + 16; }
 
 /* q [T, H, D] (strides q_st, q_sh; T = the step's new tokens, sequence after sequence), caches
  * [NB, BS, KVH, D] of type kv_dtype (strides *_sb, *_ss, *_sh in elements; D contiguous) already
@@ -301,18 +284,18 @@ void tandem_paged_prefill_attention(
     float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t block_size, float scale, int64_t window, float softcap, int threads) {
     const int64_t group = heads / kv_heads;
-    /* each sequence's keys, transposed once for all its tasks: [KVH, D, ldk] from kt_start[b] */
-    int64_t blocks = 0, kt_size = 0; /* query blocks of all sequences; floats of transposed keys */
-    int64_t *kt_start = malloc(sizeof(int64_t) * (size_t)(batch + 1));
+    /* a 16-bit or q8_0 cache's keys and values, widened once for all of a sequence's tasks: float32
+     * rows [KVH, len, D] from row_start[b] (a float32 cache is read in place) */
+    int64_t blocks = 0, rows_size = 0; /* query blocks of all sequences; floats of widened rows */
+    int64_t *row_start = malloc(sizeof(int64_t) * (size_t)(batch + 1));
     for (int64_t b = 0; b < batch; b++) {
         blocks += (query_lens[b] + PREFILL_ROWS - 1) / PREFILL_ROWS;
-        kt_start[b] = kt_size;
-        kt_size += kv_heads * head_dim * key_stride(context_lens[b]);
+        row_start[b] = rows_size;
+        rows_size += kv_heads * head_dim * context_lens[b];
     }
-    float *kt_all = malloc(sizeof(float) * (size_t)(kt_size > 0 ? kt_size : 1));
-    /* a 16-bit or q8_0 cache's values as float32 rows: [KVH, len, D] from kt_start[b] (fits: len <= ldk) */
-    float *v_all = kv_dtype == KV_FLOAT32 ? NULL
-                                          : malloc(sizeof(float) * (size_t)(kt_size > 0 ? kt_size : 1));
+    const int widen = kv_dtype != KV_FLOAT32;
+    float *k_all = widen ? malloc(sizeof(float) * (size_t)(rows_size > 0 ? rows_size : 1)) : NULL;
+    float *v_all = widen ? malloc(sizeof(float) * (size_t)(rows_size > 0 ? rows_size : 1)) : NULL;
     /* block i -> (sequence, first row of the sequence's tokens, first query row of the block);
      * ordered by the block's last position, descending, so the longest tasks start first */
     int64_t *seq_of = malloc(sizeof(int64_t) * 3 * (size_t)(blocks > 0 ? blocks : 1));
@@ -336,24 +319,15 @@ void tandem_paged_prefill_attention(
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < batch * kv_heads; task++) {
+        for (int64_t task = 0; task < (widen ? batch * kv_heads : 0); task++) {
             const int64_t b = task / kv_heads, kh = task % kv_heads, len = context_lens[b];
-            const int64_t ldk = key_stride(len);
-            float *kt = kt_all + kt_start[b] + kh * head_dim * ldk;
-            float row[head_dim]; /* one key of a 16-bit or q8_0 cache, widened */
+            float *kw = k_all + row_start[b] + kh * head_dim * len;
+            float *vw = v_all + row_start[b] + kh * head_dim * len;
             for (int64_t pos = 0; pos < len; pos++) {
                 const int64_t block = tables[b * t_sb + pos / block_size], slot = pos % block_size;
-                const float *kr = (const float *)k + block * k_sb + slot * k_ss + kh * k_sh;
-                if (kv_dtype != KV_FLOAT32) {
-                    kv_widen(row, k, block * k_sb + slot * k_ss + kh * k_sh, head_dim, kv_dtype);
-                    kv_widen(v_all + kt_start[b] + kh * head_dim * ldk + pos * head_dim, v,
-                             block * v_sb + slot * v_ss + kh * v_sh, head_dim, kv_dtype);
-                    kr = row;
-                }
-                for (int64_t d = 0; d < head_dim; d++) kt[d * ldk + pos] = kr[d];
+                kv_widen(kw + pos * head_dim, k, block * k_sb + slot * k_ss + kh * k_sh, head_dim, kv_dtype);
+                kv_widen(vw + pos * head_dim, v, block * v_sb + slot * v_ss + kh * v_sh, head_dim, kv_dtype);
             }
-            for (int64_t d = 0; d < head_dim; d++)
-                for (int64_t pos = len; pos < ldk; pos++) kt[d * ldk + pos] = 0.f;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < blocks * kv_heads; task++) {
@@ -362,14 +336,15 @@ void tandem_paged_prefill_attention(
             const int64_t rows = query_lens[b] - j0 < PREFILL_ROWS ? query_lens[b] - j0 : PREFILL_ROWS;
             const int64_t first_pos = context_lens[b] - query_lens[b] + j0, nq = rows * group;
             const int64_t last_pos = first_pos + rows - 1;
-            const int64_t ldk = key_stride(context_lens[b]);
-            const float *kt = kt_all + kt_start[b] + kh * head_dim * ldk;
-            const float *vt = v_all ? v_all + kt_start[b] + kh * head_dim * ldk : NULL;
+            const int64_t len = context_lens[b];
+            const float *kw = widen ? k_all + row_start[b] + kh * head_dim * len : NULL;
+            const float *vw = widen ? v_all + row_start[b] + kh * head_dim * len : NULL;
             float qs[PREFILL_ROWS * group * head_dim], o[PREFILL_ROWS * group * head_dim];
             float p[PREFILL_ROWS * group * KEY_TILE];
             float running_max[PREFILL_ROWS * group], total[PREFILL_ROWS * group];
             float rescale[PREFILL_ROWS * group];
             const float *vrows[KEY_TILE];
+            int64_t kr[KEY_TILE]; /* each slot's key row: an element of kw, or of the float32 cache */
             for (int64_t r = 0; r < rows; r++) /* query vector r * group + g: row r, head kh * group + g */
                 for (int64_t g = 0; g < group; g++)
                     memcpy(qs + (r * group + g) * head_dim,
@@ -381,22 +356,14 @@ void tandem_paged_prefill_attention(
             const int64_t first_key = window > 0 && first_pos >= window ? first_pos - window + 1 : 0;
             for (int64_t ks = first_key - first_key % KEY_TILE; ks <= last_pos; ks += KEY_TILE) {
                 const int64_t slots = last_pos + 1 - ks < KEY_TILE ? last_pos + 1 - ks : KEY_TILE;
-                const int64_t chunks = (slots + TILE - 1) / TILE; /* TILE keys per score block */
                 for (int64_t s = 0; s < slots; s++) {
                     const int64_t pos = ks + s;
-                    vrows[s] = vt ? vt + pos * head_dim
-                                  : (const float *)v + tables[b * t_sb + pos / block_size] * v_sb
-                                        + (pos % block_size) * v_ss + kh * v_sh;
+                    const int64_t block = tables[b * t_sb + pos / block_size], slot = pos % block_size;
+                    kr[s] = widen ? pos * head_dim : block * k_sb + slot * k_ss + kh * k_sh;
+                    vrows[s] = widen ? vw + pos * head_dim
+                                     : (const float *)v + block * v_sb + slot * v_ss + kh * v_sh;
                 }
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *kc = kt + ks + c * TILE;
-                    int64_t x = 0;
-                    for (; x + ATTN_ROWS <= nq; x += ATTN_ROWS)
-                        score_block(qs + x * head_dim, head_dim, kc, ldk, p + x * KEY_TILE + c * TILE, scale,
-                                    ATTN_ROWS);
-                    for (; x < nq; x++)
-                        score_block(qs + x * head_dim, head_dim, kc, ldk, p + x * KEY_TILE + c * TILE, scale, 1);
-                }
+                score_keys(qs, nq, head_dim, widen ? (const void *)kw : k, kr, slots, p, scale, KV_FLOAT32);
                 int64_t used = 0; /* the most keys any query vector of the tile sees */
                 for (int64_t x = 0; x < nq; x++) {
                     const int64_t pos = first_pos + x / group;
@@ -444,8 +411,8 @@ void tandem_paged_prefill_attention(
     }
     free(seq_of);
     free(v_all);
-    free(kt_all);
-    free(kt_start);
+    free(k_all);
+    free(row_start);
 }
 
 #include "paged_decode_rows.h"

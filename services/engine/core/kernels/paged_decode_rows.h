@@ -1,6 +1,6 @@
 /* Decode attention over the paged cache with the prefill's per-row arithmetic, and the exported
  * tandem_paged_decode_attention: part of cpu_paged_attention.c's kernel library (included at its
- * end, after the prefill kernel whose score_block / softmax_tile / value helpers it shares). A
+ * end, after the prefill kernel whose score_keys / softmax_tile / value helpers it shares). A
  * header, not a .c file: native_build.py builds every .c beside it as a library of its own. */
 #ifndef TANDEM_PAGED_DECODE_ROWS_H
 #define TANDEM_PAGED_DECODE_ROWS_H
@@ -11,79 +11,13 @@
  * kernel above) or a generated one (a decode step), so that the KV and the greedy text of a
  * request never depend on the path it took (a prefix-cache hit, a chunked prefill, a recomputed
  * sequence, a batch). So a decode row runs exactly the prefill's per-row chain: key tiles of
- * KEY_TILE absolute positions, each score a multiply-add chain over D in order (score_block),
- * the same online-softmax step per tile (softmax_tile) and the same value accumulation
- * (value_block), one query vector per head of the group. Only the keys' layout differs: the
- * prefill transposes a sequence's keys once for all its query rows; a decode row transposes one
- * tile at a time into an L1 scratch (8 x 8 blocks in registers on AVX2 and AVX-512), and a 16-bit
- * cache's values are widened per tile. The older per-block decode chain (decode_task) remains for
- * head sizes that are not whole vectors, which the prefill kernel does not take either.
+ * KEY_TILE absolute positions, the same scores (score_keys, reading the cache's key rows as
+ * stored, widened as loaded), the same online-softmax step per tile (softmax_tile) and the same
+ * value accumulation (value_block), one query vector per head of the group. Widening is exact, so
+ * reading a 16-bit or q8_0 row in place gives the values the prefill's widened copy holds. The
+ * older per-block decode chain (decode_task) remains for head sizes that are not whole vectors,
+ * which the prefill kernel does not take either.
  */
-
-#if defined(__AVX2__)
-/* 8 values d .. d + 7 of the cache row at element `row`, as floats (exact widening; d a multiple
- * of 8). */
-static inline __attribute__((always_inline)) __m256 load8(const void *cache, int64_t row, int64_t d,
-                                                          int64_t head_dim, const int kv) {
-    const int64_t i = row + d;
-    if (kv == KV_FLOAT32) return _mm256_loadu_ps((const float *)cache + i);
-    if (kv == KV_Q8_0) {
-        const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)cache + i));
-        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-                             _mm256_set1_ps(kv_q8_scale(cache, row, d, head_dim)));
-    }
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + i));
-    if (kv == KV_BFLOAT16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(h);
-#else
-    float wide[8];
-    for (int l = 0; l < 8; l++) wide[l] = load_kv1(cache, row, d + l, head_dim, kv);
-    return _mm256_loadu_ps(wide);
-#endif
-}
-#endif
-
-/* kt[d * KEY_TILE + s] = K[rows[s] + d] (elements of a cache of type kv) for s < n (n <=
- * KEY_TILE), d < head_dim (whole vectors): 8 x 8 blocks transposed in registers where there is
- * AVX2, each value widened exactly as it is read; with AVX2, columns n .. (n rounded up to 8) - 1
- * are written too (copies of column n - 1: the caller zeroes what it scores past n). */
-static inline __attribute__((always_inline)) void transpose_keys(const void *k, const int64_t *rows,
-                                                                 int64_t n, int64_t head_dim, float *kt,
-                                                                 const int kv) {
-    int64_t s = 0;
-#if defined(__AVX2__)
-    for (; s < n; s += 8) {
-        int64_t at[8]; /* a last, partial block repeats its last key (columns past n are unused) */
-        for (int i = 0; i < 8; i++) at[i] = rows[s + i < n ? s + i : n - 1];
-        for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 r0 = load8(k, at[0], d, head_dim, kv), r1 = load8(k, at[1], d, head_dim, kv);
-            const __m256 r2 = load8(k, at[2], d, head_dim, kv), r3 = load8(k, at[3], d, head_dim, kv);
-            const __m256 r4 = load8(k, at[4], d, head_dim, kv), r5 = load8(k, at[5], d, head_dim, kv);
-            const __m256 r6 = load8(k, at[6], d, head_dim, kv), r7 = load8(k, at[7], d, head_dim, kv);
-            const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-            const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-            const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-            const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            float *o = kt + d * KEY_TILE + s;
-            _mm256_storeu_ps(o + 0 * KEY_TILE, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_storeu_ps(o + 1 * KEY_TILE, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_storeu_ps(o + 2 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_storeu_ps(o + 3 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_storeu_ps(o + 4 * KEY_TILE, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_storeu_ps(o + 5 * KEY_TILE, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_storeu_ps(o + 6 * KEY_TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_storeu_ps(o + 7 * KEY_TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
-        }
-    }
-#endif
-    for (; s < n; s++)
-        for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + s] = load_kv1(k, rows[s], d, head_dim, kv);
-}
 
 /* value_block over n query vectors (n <= ATTN_ROWS; p and o rows KEY_TILE and head_dim apart)
  * and NV vectors of D from column d, the values read in place from a cache of type kv (vi[s]:
@@ -101,7 +35,7 @@ static inline __attribute__((always_inline)) void value_rows(
         for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s], d + c * LANES, head_dim, kv);
         for (int r = 0; r < n; r++) {
             const vec ps = splat(p[r * KEY_TILE + s]);
-            for (int c = 0; c < nv; c++) acc[r][c] += ps * vv[c];
+            for (int c = 0; c < nv; c++) acc[r][c] = fused_madd(ps, vv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < n; r++)
@@ -145,9 +79,9 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
  *
  * Why rows together: a speculative step's verify rows (a sequence's last token and its drafts,
  * ``model_runner.py``) are decode rows of one table at consecutive positions. Alone, each row
- * gathers and transposes the whole context's keys for just `group` query vectors; together, each
- * key tile is transposed once and scored against every row's vectors in register blocks, and each
- * value row is loaded once per block. A vector's arithmetic is still its row's alone: a row takes
+ * reads the whole context's keys and values for just `group` query vectors; together, each key
+ * row is loaded once per register block of every row's vectors, and each value row once per
+ * block. A vector's arithmetic is still its row's alone: a row takes
  * part only in the tiles it reads (its window's first tile through its own position's), with its
  * own softmax bounds, and its values are accumulated over exactly its own slots of the tile
  * (rows that see the same slots share a block), so every row has the bits it has computed alone
@@ -162,7 +96,6 @@ static inline __attribute__((always_inline)) void rows_task(
     const int64_t nq = rows * group, last = pos0 + rows - 1; /* vector r * group + g: row r, head g */
     float qs[nq * head_dim], o[nq * head_dim], p[nq * KEY_TILE];
     float running_max[nq], total[nq], rescale[nq];
-    float kt[head_dim * KEY_TILE];
     int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row */
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < group; g++)
@@ -176,24 +109,14 @@ static inline __attribute__((always_inline)) void rows_task(
         while (r_end < rows && first_tile(pos0 + r_end, window) <= ks) r_end++;
         const int64_t top = pos0 + r_end - 1; /* the last key any of them reads */
         const int64_t slots = seen_slots(top, ks);
-        const int64_t chunks = (slots + TILE - 1) / TILE;
         for (int64_t s = 0; s < slots; s++) {
             const int64_t at = ks + s, block = table[at / block_size], slot = at % block_size;
             ki[s] = block * k_sb + slot * k_ss + kh * k_sh;
             vi[s] = block * v_sb + slot * v_ss + kh * v_sh;
         }
-        transpose_keys(k, ki, slots, head_dim, kt, kv);
-        for (int64_t d = 0; d < head_dim; d++) /* keys past a row: scored, then given no weight */
-            for (int64_t s = slots; s < chunks * TILE; s++) kt[d * KEY_TILE + s] = 0.f;
         const int64_t x_begin = r_begin * group, x_end = r_end * group;
-        for (int64_t c = 0; c < chunks; c++)
-            for (int64_t x = x_begin; x < x_end; x += ATTN_ROWS) {
-                const int n = x_end - x < ATTN_ROWS ? (int)(x_end - x) : ATTN_ROWS;
-#define SCORES(N) score_block(qs + x * head_dim, head_dim, kt + c * TILE, KEY_TILE, \
-                              p + x * KEY_TILE + c * TILE, scale, N)
-                WITH_ROWS(n, SCORES)
-#undef SCORES
-            }
+        score_keys(qs + x_begin * head_dim, x_end - x_begin, head_dim, k, ki, slots, p + x_begin * KEY_TILE,
+                   scale, kv); /* keys past a row: scored, then given no weight */
         for (int64_t ra = r_begin, rb; ra < r_end; ra = rb) {
             /* rows ra .. rb - 1 see the same slots of the tile: their values form one block */
             const int64_t seen = seen_slots(pos0 + ra, ks);
