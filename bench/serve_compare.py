@@ -39,6 +39,7 @@ engine's offline throughput on the same prompts.
     python bench/serve_compare.py [--concurrency 1 4 16 32] [--num-prompts 32]
         [--input-tokens 256] [--output-tokens 128] [--output-dir bench-serve]
         [--model default|PATH.gguf] [--stacks tandem ... tandem-plaintext] [--anchors llama-server vllm ...]
+        [--kv-cache-dtype q8_0]  # Tandem's --kv-cache-dtype; llama-server's -ctk / -ctv with it
         [--llama-server PATH] [--vllm-python PATH] [--vllm-model DIR]
         [--llama-cpp-path DIR]   # where 'llama-cpp-python[server]'s extra packages live
 
@@ -66,6 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.common.model_source import resolve_model  # noqa: E402
+from services.engine.runtime.worker_options import KV_CACHE_DTYPE_CHOICES  # noqa: E402
 
 logger = logging.getLogger("serve_compare")
 
@@ -147,7 +149,8 @@ def tandem_servers(args: argparse.Namespace, env: dict[str, str]) -> list[Server
     for name in args.stacks:
         flags = STACKS[name]
         port = flags[flags.index("--gateway-port") + 1]
-        servers.append(Server(name, [str(tandem), "up", *model, *flags],
+        kv = ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []
+        servers.append(Server(name, [str(tandem), "up", *model, *kv, *flags],
                               f"http://127.0.0.1:{port}/ready", f"http://127.0.0.1:{port}",
                               env))  # fmt: skip
     return servers
@@ -176,6 +179,8 @@ def _llama_server(args: argparse.Namespace, gguf: Path, env: dict[str, str]) -> 
     ctx = slots * (args.input_tokens + args.output_tokens + 64)
     argv = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(LLAMA_SERVER_PORT),
             "-np", str(slots), "-t", str(os.cpu_count() or 1), "-c", str(ctx), "--no-webui"]  # fmt: skip
+    if args.kv_cache_dtype == "q8_0":  # llama.cpp's own q8_0 (its quantized V needs flash attention)
+        argv += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
     url = f"http://127.0.0.1:{LLAMA_SERVER_PORT}"
     return Server("llama-server", argv, url + "/health", url, env)
 
@@ -308,7 +313,9 @@ def offline(args: argparse.Namespace) -> None:
         return tokenizer.encode(text or "")
 
     with torch.inference_mode():
-        one = LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=1024))
+        kv = args.kv_cache_dtype
+        blocks = max(1024, 2 * (args.input_tokens + args.output_tokens) // 16)  # one sequence, twice
+        one = LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=blocks, kv_cache_dtype=kv))
         for attempt in range(2):  # the first warms up
             one.add_request(f"b1-{attempt}", encode(levels[min(levels)][0].prompt), params)
             one.step()  # prefill and the first token
@@ -318,7 +325,9 @@ def offline(args: argparse.Namespace) -> None:
                 steps += 1
         step_ms = 1000 * (time.perf_counter() - start) / steps
         seats = 16 if 16 in levels else max(levels)
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=seats, num_blocks=4096))
+        blocks = max(4096, seats * (args.input_tokens + args.output_tokens) // 16 + seats)
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=seats, num_blocks=blocks,
+                                                kv_cache_dtype=kv))  # fmt: skip
         for i, spec in enumerate(levels[seats]):
             engine.add_request(f"c{i}", encode(spec.prompt), params)
         start, produced = time.perf_counter(), 0
@@ -351,6 +360,8 @@ def main() -> int:
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--llama-cpp-path", default=None,
                         help="extra import path for llama-cpp-python's server dependencies")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
+                        help="Tandem's KV cache dtype (and llama-server's -ctk / -ctv for q8_0)")
     parser.add_argument("--skip-serve", action="store_true", help="only the offline figures")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

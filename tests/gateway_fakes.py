@@ -148,11 +148,20 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.reserve_delay = 0.0  # seconds a grant takes to answer (granted before the wait)
         self.reserve_ids: list[str] = []  # every Reserve call
         self.refused: list[str] = []
+        self.lease_seconds = 30.0  # the lease every grant and renewal states
+        self.renewals: list[tuple[str, float]] = []  # (request id, time.monotonic()) per renewal
 
     async def Reserve(self, request: Any, context: Any) -> Any:
         if not self.reserve_supported:
             return super().Reserve(request, context)  # raises NotImplementedError
         rid = request.request_id
+        if request.renew:  # only a reservation still waiting for its KV
+            handoff = self.handoffs.get(rid)
+            if handoff is None or handoff.ready.is_set():
+                raise NotFoundError(f"request {rid!r} holds no reservation here to renew")
+            self.renewals.append((rid, time.monotonic()))
+            return decode_pb2.ReserveResponse(request_id=rid, num_blocks=handoff.blocks,
+                                              lease_seconds=self.lease_seconds)  # fmt: skip
         self.reserve_ids.append(rid)
         blocks = -(-request.num_tokens // BLOCKS_PER)
         if self.capacity is not None and self.blocks_in_use + blocks > self.capacity:
@@ -161,7 +170,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.handoffs[rid] = Handoff("", None, blocks)
         self.blocks_in_use += blocks
         await asyncio.sleep(self.reserve_delay)  # a client that leaves now never sees the grant
-        return decode_pb2.ReserveResponse(request_id=rid, num_blocks=blocks, lease_seconds=30.0)
+        return decode_pb2.ReserveResponse(request_id=rid, num_blocks=blocks,
+                                          lease_seconds=self.lease_seconds)  # fmt: skip
 
     def receive(self, rid: str, prompt: str, params: Any) -> None:
         handoff = self.handoffs.setdefault(rid, Handoff(prompt, params, 0))

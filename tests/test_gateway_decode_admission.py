@@ -131,6 +131,30 @@ async def test_local_prefill_reserves_nothing(make_stack: StackFactory) -> None:
     await stack.settled()
 
 
+async def test_a_reservation_is_renewed_while_its_prompt_waits_for_prefill(
+    make_stack: StackFactory,
+) -> None:
+    """A prompt queued behind long prefills can wait longer than a reservation's lease: the
+    gateway renews it (first after 1 s, then every third of the lease granted) until the prefill
+    answers, and not after."""
+    stack = await make_stack()
+    decode, prefill = stack.decodes[0], stack.prefills[0]
+    decode.lease_seconds = 0.6  # renewals every 0.2 s after the first
+    prefill.delay = 1.7
+    resp = await stack.client().completions.create(model=MODEL, prompt="Say", max_tokens=4)
+    assert resp.choices[0].text == DEFAULT_REPLY[:4]
+    (rid,) = decode.reserve_ids
+    renewed = [at for r, at in decode.renewals if r == rid]
+    assert 3 <= len(renewed) <= 5, renewed  # at ~1.0, 1.2, 1.4, 1.6 s
+    assert all(b - a >= 0.15 for a, b in zip(renewed, renewed[1:]))
+    count = len(decode.renewals)
+    prefill.delay = 0.005  # a prompt prefilled at once is never renewed
+    await stack.client().completions.create(model=MODEL, prompt="Say", max_tokens=4)
+    await asyncio.sleep(1.2)
+    assert len(decode.renewals) == count
+    await stack.settled()
+
+
 def test_the_admission_timeout_flag() -> None:
     from services.cli import build_parser
     from services.common.errors import InvalidArgumentError

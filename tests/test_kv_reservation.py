@@ -156,6 +156,44 @@ async def test_an_expired_lease_frees_the_blocks_and_a_late_header_is_refused(
         await c.wait_idle()
 
 
+async def test_its_holder_renews_a_reservation_and_nobody_else_does(model: LoadedModel) -> None:
+    kw: dict[str, object] = {"reservation_lease_seconds": 0.6, "reap_interval": 0.05}
+    async with cluster(model, decode_kw=kw) as c:
+        receiver = c.decode_handle.worker.receiver
+
+        async def renew(rid: str, num_tokens: int, digest: bytes | None = None) -> float:
+            digest = digest or reservation_digest(prompt_of(num_tokens), "")
+            reply = await c.decode_stub.Reserve(decode_pb2.ReserveRequest(
+                request_id=rid, num_tokens=num_tokens, prompt_digest=digest, renew=True))
+            return reply.lease_seconds
+
+        await reserve(c, "queued", 40)
+        for _ in range(6):  # 1.8 s in all, three leases: each renewal moves the deadline
+            await asyncio.sleep(0.3)
+            assert await renew("queued", 40) == 0.6
+        assert receiver.state("queued") is ReceiveState.RESERVED and await in_use(c) == 3
+        assert reservations(c, "renewed") == 6 and reservations(c, "expired") == 0
+        # Another prompt, another size, or no reservation at all: NOT_FOUND, nothing allocated.
+        for rid, tokens, digest in (("queued", 40, reservation_digest(prompt_of(41), "")),
+                                    ("queued", 20, None), ("nobody", 40, None)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await renew(rid, tokens, digest)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert receiver.state("nobody") is None and await in_use(c) == 3
+        # The header takes it over: nothing left to renew; the transfer and decode go on.
+        expected = reference(model, [prompt_of(40)], GREEDY)[0]
+        await c.prefill("queued", prompt_of(40), GREEDY, reserve=False)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await renew("queued", 40)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert tokens_of([m async for m in c.generate("queued")]) == expected
+        # Left alone, a reservation still expires.
+        await reserve(c, "left", 40)
+        await wait_until(lambda: receiver.state("left") is None)
+        assert reservations(c, "expired") == 1
+        await c.wait_idle()
+
+
 async def test_abort_frees_a_reservation_and_refuses_what_follows(model: LoadedModel) -> None:
     async with cluster(model) as c:
         await reserve(c, "gone", 40)

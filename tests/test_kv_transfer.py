@@ -42,7 +42,7 @@ from services.engine.kv_transfer import (
     PrefilledRequest,
     ReceiveState,
 )
-from services.engine.kv_transfer.payload import plan_chunks, read_payload, write_payload
+from services.engine.kv_transfer.payload import handoff_pool, plan_chunks, read_payload, write_payload
 from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.core.sampler import TokenLogprobs
 
@@ -394,6 +394,47 @@ async def test_lease_expires_when_decode_never_acknowledges(tiny: LoadedModel) -
         await pair.idle()
         assert pair.metrics.kv_transfer_leases_expired._value.get() == 1
         assert pair.metrics.kv_transfer_failures.labels(reason="timeout")._value.get() == 1
+
+
+async def test_a_slow_transfer_that_makes_progress_outlives_its_lease(tiny: LoadedModel) -> None:
+    """The lease bounds a stall, not a transfer: each chunk the receiver takes renews it (a
+    4k-token prompt's KV into a busy decode worker can take longer than the lease in all)."""
+
+    class Slow:
+        def __init__(self, inner: KVReceiver) -> None:
+            self.inner = inner
+            self.chunks = 0
+
+        async def receive(
+            self, messages: AsyncIterator[decode_pb2.KVTransferMessage], on_accept: Accept = None
+        ) -> object:
+            async def slow() -> AsyncIterator[decode_pb2.KVTransferMessage]:
+                async for message in messages:
+                    if message.WhichOneof("kind") == "chunk":
+                        self.chunks += 1
+                        await asyncio.sleep(0.04)  # 13 chunks: longer than the lease in all
+                    yield message
+
+            return await self.inner.receive(slow(), on_accept)
+
+    prompt = prompt_of(200)
+    reference = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate([prompt], GREEDY)[0]
+    async with Pair(tiny, lease_seconds=0.3) as pair:
+        pair.sender.max_chunk_bytes = handoff_pool(pair.prefill.engine).layout.block_bytes
+        slow = Slow(pair.receiver)
+        pair.sender.transport.endpoints[DECODE] = slow  # type: ignore[attr-defined]
+        started = time.monotonic()
+        await pair.prefill_and_send("slow", prompt)
+        assert slow.chunks == 13 and time.monotonic() - started > 0.4  # longer than the lease
+        assert pair.metrics.kv_transfer_leases_expired._value.get() == 0
+        ready = await pair.receiver.claim("slow", 5.0)
+        tokens: list[int] = []
+        async for out in pair.decode.generate_prefilled(
+            "slow", ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
+        ):
+            tokens += out.new_token_ids
+        assert tokens == reference.new_token_ids
+        await pair.idle()
 
 
 async def test_committed_kv_nobody_claims_is_freed(tiny: LoadedModel) -> None:

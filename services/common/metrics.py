@@ -67,7 +67,7 @@ FINISHED_REASONS = ("stop", "length", "abort", "content_filter", "error")
 SAFETY_STAGES = ("input", "output")
 PREFILL_PATHS = ("remote", "local")
 KV_TRANSFER_FAILURE_REASONS = ("checksum", "layout", "timeout", "connection", "refused", "other")
-KV_RESERVATION_OUTCOMES = ("granted", "refused", "expired")
+KV_RESERVATION_OUTCOMES = ("granted", "renewed", "refused", "expired")
 THROTTLE_CODES = ("rate_limit_exceeded", "server_overloaded", "client_concurrency",
                   "client_body_budget", "other")
 
@@ -212,6 +212,7 @@ class TandemMetrics:
         self.kv_reservations = Counter(
             "tandem:kv_reservations_total",
             "Decode KV reservations by outcome (granted; refused: no room, nothing allocated; "
+            "renewed: its holder extended the lease while the prefill was queued; "
             "expired: no KV header arrived within the lease, blocks freed).",
             ["outcome"],
             registry=r,

@@ -48,6 +48,7 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
             request.request_id, request.num_tokens, request.lease_seconds,
             prompt_digest=request.prompt_digest,
             caller=caller_identity(context.peer(), context.auth_context()),
+            renew=request.renew,
         )
         return decode_pb2.ReserveResponse(
             request_id=grant.request_id, num_blocks=grant.num_blocks,

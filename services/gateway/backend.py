@@ -218,12 +218,15 @@ class WorkerClient:
         lease_seconds: float = 0.0,
         *,
         prompt_digest: bytes,
+        renew: bool = False,
     ) -> decode_pb2.ReserveResponse | None:
         """Reserve room for ``num_tokens`` prompt tokens' KV on this decode worker before their
         prefill starts (``lease_seconds`` 0: the worker's default lease), for the one prompt and
         ``cache_salt`` whose ``prefix_hash.reservation_digest`` is ``prompt_digest`` (the only
         KV the worker will then accept under ``request_id``). None when the worker predates
         ``Reserve`` (UNIMPLEMENTED): its KV is then placed when it arrives, as before.
+        ``renew``: extend this gateway's reservation of ``request_id`` instead (NotFoundError
+        when it is gone).
 
         Raises:
             ResourceExhaustedError: no room now (nothing was reserved).
@@ -233,7 +236,7 @@ class WorkerClient:
             raise TypeError(f"{self!r} is not a decode worker")
         request = decode_pb2.ReserveRequest(
             request_id=request_id, num_tokens=num_tokens, lease_seconds=lease_seconds,
-            prompt_digest=prompt_digest,
+            prompt_digest=prompt_digest, renew=renew,
         )
         try:
             return await self._decode.Reserve(request, timeout=self._timeouts.control_s)

@@ -65,6 +65,9 @@ PREFILL_REPLY_GRACE_S = 5.0
 """How long a finished choice waits for its PrefillResponse (usage's cached tokens, timings)."""
 DECODE_DEATH_GRACE_S = 1.0
 """How long a failed prefill waits for its decode stream to say whether the decode worker died."""
+FIRST_RENEWAL_S = 1.0
+"""When a choice first renews its decode reservation while its prompt waits for a prefill; after
+that, every third of the lease the worker granted (10 s at the default 30 s lease)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,9 @@ class ChoiceRun:
             stream = decode.client.generate(rid)
             prefill_task = asyncio.ensure_future(self._prefill(rid, prefill, decode))
             self._deps.router.lease_until_done(prefill, prefill_task)
+            if self._deps.admission is not None:
+                renewal = asyncio.ensure_future(self._keep_reserved(rid, decode, prefill_task))
+                prefill_task.add_done_callback(lambda _: renewal.cancel())
         clean = False
         try:
             await self._relay(rid, stream, prefill_task, prefill, decode)
@@ -245,6 +251,32 @@ class ChoiceRun:
                     prefill_task.add_done_callback(_retrieve)
                 reason = "gateway: request ended early"
                 self._deps.spawn(_abort_all(rid, prefill, decode, reason))
+
+    async def _keep_reserved(
+        self, rid: str, decode: WorkerState, prefill_task: asyncio.Future[object]
+    ) -> None:
+        """Renew the decode reservation (first after ``FIRST_RENEWAL_S``, then every third of the
+        lease granted) until the prefill answers:
+        a prompt may wait in a prefill worker's queue (long prompts ahead of it on a small
+        machine) longer than a reservation's lease, and an expired one fails the request when its
+        KV finally arrives. Ends quietly once the reservation is gone (its KV header took it
+        over, or it ended: the prefill's own outcome reports that)."""
+        digest = reservation_digest(self._prompt_ids, self._params.cache_salt)
+        interval = FIRST_RENEWAL_S
+        while not prefill_task.done():
+            await asyncio.sleep(interval)
+            if prefill_task.done():
+                return
+            try:
+                reply = await decode.client.reserve(rid, len(self._prompt_ids),
+                                                    prompt_digest=digest, renew=True)  # fmt: skip
+            except TandemError as err:
+                logger.debug("reservation not renewed: %s", err.message,
+                             extra={"request_id": rid, "worker": decode.address})  # fmt: skip
+                return
+            if reply is None:  # a worker that predates Reserve: nothing to renew
+                return
+            interval = max(0.2, reply.lease_seconds / 3)
 
     async def _prefill(
         self, rid: str, prefill: WorkerState, decode: WorkerState

@@ -57,16 +57,18 @@ class KVStoreResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "lease_seconds", "prompt_digest")
+    __slots__ = ("request_id", "num_tokens", "lease_seconds", "prompt_digest", "renew")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     lease_seconds: float
     prompt_digest: bytes
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
+    renew: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., prompt_digest: _Optional[bytes] = ..., renew: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("request_id", "num_blocks", "lease_seconds", "kv_blocks_free")

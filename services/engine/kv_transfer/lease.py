@@ -6,7 +6,9 @@ is aborted, or when it expires — whichever comes first, exactly once, because 
 the lease from this table first:
 
   1. ``grant(request_id, on_expire)`` when the transfer starts; the lease expires ``ttl`` seconds
-     later.
+     later, and ``renew(request_id)`` moves that to ``ttl`` seconds from now each time the
+     transfer makes progress (the receiver took another chunk), so the lease bounds a stall, not
+     how long a large payload takes to a busy decode worker.
   2. ``release(request_id)`` on ack, failure or abort: pops the lease and frees the blocks.
   3. The reaper task, every ``interval`` seconds, pops each expired lease, counts it in
      ``tandem:kv_transfer_leases_expired_total``, calls its ``on_expire`` (the sender cancels the
@@ -94,6 +96,15 @@ class LeaseTable:
         self._leases[request_id] = lease
         return lease
 
+    def renew(self, request_id: str) -> bool:
+        """Move ``request_id``'s deadline to ``ttl`` seconds from now; False when it has ended."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        self._leases[request_id] = Lease(lease.request_id, lease.granted,
+                                         time.monotonic() + self.ttl, lease.on_expire)  # fmt: skip
+        return True
+
     def release(self, request_id: str) -> bool:
         """End the lease and free its blocks; False when it had already ended."""
         if self._leases.pop(request_id, None) is None:
@@ -111,8 +122,8 @@ class LeaseTable:
             if self.metrics is not None:
                 self.metrics.kv_transfer_leases_expired.inc()
             logger.warning(
-                "KV lease expired after %.1fs without an acknowledgement",
-                now - lease.granted, extra={"request_id": lease.request_id},
+                "KV lease expired: no progress for %.1fs and no acknowledgement",
+                self.ttl, extra={"request_id": lease.request_id},
             )
             try:
                 lease.on_expire()

@@ -14,7 +14,10 @@ One transfer's state machine (ReceiveState), keyed by request id:
                  (step 1). A lease that ends with no header frees them and drops the entry (no
                  tombstone: a late header finds no reservation and is refused, and a waiting
                  ``Generate`` keeps waiting); an abort frees them like any other state. Counted
-                 in ``tandem:kv_reservations_total{outcome}``.
+                 in ``tandem:kv_reservations_total{outcome}``. Its holder may renew the lease
+                 (``reserve(..., renew=True)``: the same caller, prompt digest and size; the
+                 gateway does so while the prompt waits in a prefill worker's queue), which
+                 allocates nothing; a reservation that is gone is NOT_FOUND then.
   1. ALLOCATED — the header passed its checks (``checks.py``; layout: FAILED_PRECONDITION,
                  counts and params: INVALID_ARGUMENT), its request holds a reservation here, and
                  its prompt and ``params.cache_salt`` give the digest that reservation was made
@@ -209,12 +212,15 @@ class KVReceiver:
         *,
         prompt_digest: bytes,
         caller: str = "",
+        renew: bool = False,
     ) -> Reservation:
         """Hold the blocks ``num_tokens`` prompt tokens' KV will fill, before the prefill starts
         (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; never longer
         than it: a caller cannot hold this worker's KV longer than its operator allows). Only a
         header whose prompt and ``cache_salt`` give ``prompt_digest``
-        (``prefix_hash.reservation_digest``) may take the blocks.
+        (``prefix_hash.reservation_digest``) may take the blocks. ``renew``: move the lease of
+        ``caller``'s reservation of this request, prompt and size, still waiting for its header,
+        to ``lease`` from now instead (nothing allocated).
 
         Raises:
             InvalidArgumentError: bad arguments (``checks.check_reservation``), or the request
@@ -223,6 +229,7 @@ class KVReceiver:
             ResourceExhaustedError: no room, or ``caller`` (or everyone) already holds what
                 :class:`ReservationQuota` allows; nothing was allocated and nothing is kept.
             AbortedError: the request was aborted here (before or during the allocation).
+            NotFoundError: ``renew`` found no such reservation waiting for its header.
         """
         check_reservation(request_id, num_tokens, lease_seconds, prompt_digest,
                           max_model_len=self.max_model_len)
@@ -232,6 +239,8 @@ class KVReceiver:
             lease = min(lease_seconds, self.reservation_lease_seconds)
         num_blocks = -(-num_tokens // self.layout.block_size)
         old = self._entries.get(request_id)
+        if renew:
+            return self._renew(old, request_id, num_blocks, lease, prompt_digest, caller)
         if old is not None and old.aborted:
             raise AbortedError(f"request {request_id!r} was aborted", code="aborted")
         if old is not None and old.state is not ReceiveState.FAILED:
@@ -263,6 +272,18 @@ class KVReceiver:
             # Aborted (or expired) during the allocation; its release was queued after it.
             raise entry.error or AbortedError(f"request {request_id!r} was aborted", code="aborted")
         self._count_reservation("granted")
+        return Reservation(request_id, num_blocks, lease, self.engine_loop.stats.num_blocks_free)
+
+    def _renew(self, entry: _Entry | None, request_id: str, num_blocks: int, lease: float,
+               digest: bytes, caller: str) -> Reservation:
+        """Extend ``caller``'s reservation ``entry`` (see ``reserve``'s ``renew``)."""
+        if (entry is None or entry.state is not ReceiveState.RESERVED or entry.aborted
+                or entry.caller != caller or entry.digest != digest
+                or entry.reserved_blocks != num_blocks):  # fmt: skip
+            raise NotFoundError(f"request {request_id!r} holds no reservation here to renew "
+                                "(expired, aborted, another caller's, or already taken by its KV)")
+        entry.expires = max(entry.expires, time.monotonic() + lease)
+        self._count_reservation("renewed")
         return Reservation(request_id, num_blocks, lease, self.engine_loop.stats.num_blocks_free)
 
     def _check_quota(self, caller: str, num_blocks: int, request_id: str) -> None:

@@ -4,8 +4,8 @@ One transfer's state machine (SendState):
 
   1. PENDING   — the lease is granted; nothing sent yet.
   2. SENDING   — the header is written and the receiver's go-ahead awaited (it allocated the
-                 destination blocks); then chunks of whole blocks (each read from the KV pool on
-                 the engine thread, with its crc32) and the commit.
+                 destination blocks); then chunks of whole blocks (each read from the KV pool,
+                 with its crc32) and the commit. Each chunk the receiver takes renews the lease.
   3. AWAIT_ACK — everything is written; waiting for decode's KVTransferAck.
   4. DONE      — decode accepted the KV: the lease is released and the blocks freed.
      FAILED    — refused, corrupt, broken, or aborted: the lease is released, blocks freed, the
@@ -14,7 +14,12 @@ One transfer's state machine (SendState):
                  the caller gets UnavailableError.
 
 Every terminal state frees the blocks exactly once (see ``lease.py``). Chunk reads are
-pipelined one deep: the next chunk is read on the engine thread while the current one is sent.
+pipelined one deep: the next chunk is read while the current one is sent. A CPU pool's chunks
+are read in a worker thread, not on the engine thread: the request's blocks are held for this
+transfer and nothing writes them, and a read queued behind the engine's next step would wait for
+a whole prefill (a 4k-token prompt on 2 cores: seconds a chunk, which ran a 94 MB payload past a
+30 s lease). Other pools (CUDA; a tensor-parallel worker's whole-width view, whose reads are
+collectives every rank must issue in step order) are read on the engine thread.
 
 A stream whose go-ahead moved the payload onto the device (``KVStream.payload_on_device``: CUDA
 IPC, the decode worker copies the blocks out of this worker's pool itself) gets one chunk
@@ -44,6 +49,7 @@ from services.common.grpc_channel import MAX_KV_CHUNK_BYTES
 from services.common.metrics import TandemMetrics
 from services.common.pb import decode_pb2
 from services.common.wire import sampling_params_to_proto, token_logprobs_to_proto
+from services.engine.core.kv_cache import KVPool
 from services.engine.runtime.engine_loop import EngineLoop
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
@@ -242,7 +248,8 @@ class KVSender:
             ok = ok and await self._send_chunks(stream, rid, plans)
         if ok:
             commit = decode_pb2.KVCommit(num_chunks=len(plans), total_bytes=total)
-            await stream.write(decode_pb2.KVTransferMessage(commit=commit))
+            if await stream.write(decode_pb2.KVTransferMessage(commit=commit)):
+                self.leases.renew(rid)  # a lease from here for what is still in flight, and the ack
         transfer_state = self._transfers.get(rid)
         if transfer_state is not None:
             transfer_state.state = SendState.AWAIT_ACK
@@ -252,12 +259,16 @@ class KVSender:
         """Read each chunk from the pool (one ahead) and send it with its crc32; False once the
         receiver ended the transfer."""
         loop = self.engine_loop
+        pool, blocks = await loop.call(lambda engine: (handoff_pool(engine),
+                                                       list(loop.held_blocks(rid))))  # fmt: skip
+        off_thread = isinstance(pool, KVPool) and pool.data.device.type == "cpu"
 
         def read(plan: ChunkPlan) -> asyncio.Future[bytes]:
+            if off_thread:
+                return asyncio.ensure_future(
+                    asyncio.to_thread(read_payload, pool, blocks, plan.offset, plan.length))
             return asyncio.ensure_future(loop.call(
-                lambda engine: read_payload(handoff_pool(engine), loop.held_blocks(rid),
-                                            plan.offset, plan.length)
-            ))
+                lambda engine: read_payload(pool, blocks, plan.offset, plan.length)))
 
         ok = True
         pending = read(plans[0]) if plans else None
@@ -273,6 +284,8 @@ class KVSender:
                 chunk = decode_pb2.KVChunk(first_block=plan.first_block, num_blocks=plan.num_blocks,
                                            data=data, crc32=crc, offset=plan.offset)
                 ok = await stream.write(decode_pb2.KVTransferMessage(chunk=chunk))
+                if ok:
+                    self.leases.renew(rid)  # the receiver took it: the transfer is alive
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
