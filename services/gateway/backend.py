@@ -230,7 +230,7 @@ class WorkerClient:
 
         Raises:
             ResourceExhaustedError: no room now (nothing was reserved).
-            TandemError: any other failure (typed; deadline ``control_s``).
+            TandemError: any other failure (typed; deadline ``reserve_s``).
         """
         if self._decode is None:
             raise TypeError(f"{self!r} is not a decode worker")
@@ -239,7 +239,7 @@ class WorkerClient:
             prompt_digest=prompt_digest, renew=renew,
         )
         try:
-            return await self._decode.Reserve(request, timeout=self._timeouts.control_s)
+            return await self._decode.Reserve(request, timeout=self._timeouts.reserve_s)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return None

@@ -91,6 +91,10 @@ class BackendTimeouts:
         generate_idle_s: longest silence tolerated between two Generate messages once the first
             arrived; a wedged decode worker fails the request instead of hanging it.
         control_s: GetStats, GetModelInfo, Abort and health checks.
+        reserve_s: one Decode.Reserve: the worker allocates on its engine thread between two
+            steps, and a decode step over long contexts on a loaded CPU takes seconds (2.8 s
+            measured at 4,096-token contexts, concurrency 4, on 2 cores, where the 5 s of
+            ``control_s`` failed a request and marked a live worker down).
     """
 
     tokenize_s: float = 30.0
@@ -98,9 +102,11 @@ class BackendTimeouts:
     wait_for_kv_s: float = 600.0
     generate_idle_s: float = 300.0
     control_s: float = 5.0
+    reserve_s: float = 30.0
 
     def validate(self) -> BackendTimeouts:
-        for name in ("tokenize_s", "prefill_s", "wait_for_kv_s", "generate_idle_s", "control_s"):
+        for name in ("tokenize_s", "prefill_s", "wait_for_kv_s", "generate_idle_s", "control_s",
+                     "reserve_s"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be positive", param=name)
         return self
