@@ -171,7 +171,8 @@ class Pair:
             final = out
         assert final is not None and final.finish_reason == "prefilled"
         request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
-                                   len(final.block_ids), wire_params=wire_params)
+                                   len(final.block_ids), wire_params=wire_params,
+                                   block_ids=tuple(final.block_ids))  # as the prefill worker
         if reserve and self.receives_itself:
             await self.reserve(rid, prompt, wire_params)
         return await self.sender.send(request, DECODE)

@@ -108,6 +108,7 @@ class PrefillWorker:
                 num_blocks=len(final.block_ids),
                 num_cached_tokens=final.num_cached_tokens,
                 wire_params=wire_params,
+                block_ids=tuple(final.block_ids),
             )
             result = await self.sender.send(request, decode_address)
         finally:

@@ -62,6 +62,9 @@ class PrefilledRequest:
     # The sampling parameters exactly as they arrived on the wire (the gateway's message), when
     # they did: the KV header forwards this message to decode instead of rebuilding it.
     wire_params: common_pb2.SamplingParams | None = None
+    # The blocks the prefill left the KV in (its table), when the sender knows them: a CPU pool
+    # is then read without a trip through the engine thread (sender.py).
+    block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

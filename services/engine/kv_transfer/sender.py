@@ -15,9 +15,10 @@ One transfer's state machine (SendState):
 
 Every terminal state frees the blocks exactly once (see ``lease.py``). Chunk reads are
 pipelined one deep: the next chunk is read while the current one is sent. A CPU pool's chunks
-are read in a worker thread, not on the engine thread: the request's blocks are held for this
-transfer and nothing writes them, and a read queued behind the engine's next step would wait for
-a whole prefill (a 4k-token prompt on 2 cores: seconds a chunk, which ran a 94 MB payload past a
+are read in a worker thread, from the block table the prefill handed over
+(``PrefilledRequest.block_ids``), without asking the engine thread at all: the request's blocks
+are held for this transfer and nothing writes them, and a read queued behind the engine's next
+step would wait for a whole prefill (a 4k-token prompt on 2 cores: seconds a chunk, which ran a 94 MB payload past a
 30 s lease). Other pools (CUDA; a tensor-parallel worker's whole-width view, whose reads are
 collectives every rank must issue in step order) are read on the engine thread.
 
@@ -56,6 +57,7 @@ from services.engine.kv_transfer.layout import engine_layout
 from services.engine.kv_transfer.lease import LeaseTable
 from services.engine.kv_transfer.payload import (
     ChunkPlan,
+    HandoffPool,
     PrefilledRequest,
     handoff_pool,
     plan_chunks,
@@ -216,7 +218,7 @@ class KVSender:
         stream = self.transport.open(address)
         finished = False
         try:
-            ack, num_chunks = await self._stream(stream, header, block_bytes)
+            ack, num_chunks = await self._stream(stream, header, block_bytes, request.block_ids)
             finished = True
         finally:
             if not finished:
@@ -234,7 +236,8 @@ class KVSender:
         return TransferResult(request.num_blocks, total, num_chunks, seconds)
 
     async def _stream(
-        self, stream: KVStream, header: decode_pb2.KVHeader, block_bytes: int
+        self, stream: KVStream, header: decode_pb2.KVHeader, block_bytes: int,
+        block_ids: tuple[int, ...] = (),
     ) -> tuple[decode_pb2.KVTransferAck, int]:
         """Header, go-ahead, chunks (or announcements) and commit; the ack and the chunk count."""
         rid, total = header.request_id, header.total_bytes
@@ -245,7 +248,7 @@ class KVSender:
             ok = await self._announce(stream, plans)
         else:
             plans = plan_chunks(header.num_blocks, block_bytes, self.max_chunk_bytes)
-            ok = ok and await self._send_chunks(stream, rid, plans)
+            ok = ok and await self._send_chunks(stream, rid, plans, block_ids)
         if ok:
             commit = decode_pb2.KVCommit(num_chunks=len(plans), total_bytes=total)
             if await stream.write(decode_pb2.KVTransferMessage(commit=commit)):
@@ -255,13 +258,21 @@ class KVSender:
             transfer_state.state = SendState.AWAIT_ACK
         return await stream.finish(), len(plans)
 
-    async def _send_chunks(self, stream: KVStream, rid: str, plans: list[ChunkPlan]) -> bool:
+    async def _send_chunks(
+        self, stream: KVStream, rid: str, plans: list[ChunkPlan], block_ids: tuple[int, ...]
+    ) -> bool:
         """Read each chunk from the pool (one ahead) and send it with its crc32; False once the
-        receiver ended the transfer."""
+        receiver ended the transfer. ``block_ids``: the request's table, when the caller has it."""
         loop = self.engine_loop
-        pool, blocks = await loop.call(lambda engine: (handoff_pool(engine),
-                                                       list(loop.held_blocks(rid))))  # fmt: skip
-        off_thread = isinstance(pool, KVPool) and pool.data.device.type == "cpu"
+        kv = loop.engine.kv
+        off_thread = (bool(block_ids) and loop.engine.loaded.sharding is None
+                      and isinstance(kv, KVPool) and kv.data.device.type == "cpu")  # fmt: skip
+        if off_thread:  # the engine thread may be deep in the next prompt's prefill: not asked
+            pool: HandoffPool = kv
+            blocks = list(block_ids)
+        else:
+            pool, blocks = await loop.call(lambda engine: (handoff_pool(engine),
+                                                           list(loop.held_blocks(rid))))  # fmt: skip
 
         def read(plan: ChunkPlan) -> asyncio.Future[bytes]:
             if off_thread:
