@@ -18,9 +18,10 @@ pipelined one deep: the next chunk is read while the current one is sent. A CPU 
 are read in a worker thread, from the block table the prefill handed over
 (``PrefilledRequest.block_ids``), without asking the engine thread at all: the request's blocks
 are held for this transfer and nothing writes them, and a read queued behind the engine's next
-step would wait for a whole prefill (a 4k-token prompt on 2 cores: seconds a chunk, which ran a 94 MB payload past a
-30 s lease). Other pools (CUDA; a tensor-parallel worker's whole-width view, whose reads are
-collectives every rank must issue in step order) are read on the engine thread.
+step would wait for another prompt's whole prefill, chunk after chunk (docs/kv-handoff.md: on a
+small CPU that ran long prompts' transfers past their lease). Other pools (CUDA; a
+tensor-parallel worker's whole-width view, whose reads are collectives every rank must issue in
+step order) are read on the engine thread.
 
 A stream whose go-ahead moved the payload onto the device (``KVStream.payload_on_device``: CUDA
 IPC, the decode worker copies the blocks out of this worker's pool itself) gets one chunk
@@ -271,8 +272,8 @@ class KVSender:
             pool: HandoffPool = kv
             blocks = list(block_ids)
         else:
-            pool, blocks = await loop.call(lambda engine: (handoff_pool(engine),
-                                                           list(loop.held_blocks(rid))))  # fmt: skip
+            pool, blocks = await loop.call(
+                lambda engine: (handoff_pool(engine), list(loop.held_blocks(rid))))
 
         def read(plan: ChunkPlan) -> asyncio.Future[bytes]:
             if off_thread:
