@@ -185,6 +185,16 @@ class Pair:
         await self.receiver.reserve(rid, len(prompt),
                                     prompt_digest=reservation_digest(prompt, salt))
 
+    async def decode_claimed(self, rid: str, timeout: float = 1.0) -> list[int]:
+        """Claim ``rid``'s committed KV on the receiver and decode it to the end: its tokens."""
+        ready = await self.receiver.claim(rid, timeout)
+        tokens: list[int] = []
+        async for out in self.decode.generate_prefilled(
+            rid, ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
+        ):
+            tokens += out.new_token_ids
+        return tokens
+
     async def idle(self) -> None:
         await wait_until(lambda: self.prefill.stats.num_blocks_in_use == 0
                          and self.decode.stats.num_blocks_in_use == 0)
@@ -201,13 +211,7 @@ async def test_transfer_then_generate_matches_engine(tiny: LoadedModel) -> None:
         result = await pair.prefill_and_send("r1", prompt)
         assert result.num_blocks == 3 and result.num_chunks > 1  # type: ignore[attr-defined]
         assert pair.receiver.state("r1") is ReceiveState.COMMITTED
-        ready = await pair.receiver.claim("r1", 1.0)
-        tokens: list[int] = []
-        async for out in pair.decode.generate_prefilled(
-            "r1", ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
-        ):
-            tokens += out.new_token_ids
-        assert tokens == reference.new_token_ids
+        assert await pair.decode_claimed("r1") == reference.new_token_ids
         await pair.idle()
         assert pair.metrics.kv_transfer_bytes._value.get() == result.num_bytes  # type: ignore[attr-defined]
 
@@ -428,13 +432,7 @@ async def test_a_slow_transfer_that_makes_progress_outlives_its_lease(tiny: Load
         await pair.prefill_and_send("slow", prompt)
         assert slow.chunks == 13 and time.monotonic() - started > 0.4  # longer than the lease
         assert pair.metrics.kv_transfer_leases_expired._value.get() == 0
-        ready = await pair.receiver.claim("slow", 5.0)
-        tokens: list[int] = []
-        async for out in pair.decode.generate_prefilled(
-            "slow", ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
-        ):
-            tokens += out.new_token_ids
-        assert tokens == reference.new_token_ids
+        assert await pair.decode_claimed("slow", 5.0) == reference.new_token_ids
         await pair.idle()
 
 

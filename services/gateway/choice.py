@@ -253,7 +253,8 @@ class ChoiceRun:
                 self._deps.spawn(_abort_all(rid, prefill, decode, reason))
 
     async def _keep_reserved(
-        self, rid: str, decode: WorkerState, prefill_task: asyncio.Future[object]
+        self, rid: str, decode: WorkerState,
+        prefill_task: asyncio.Future[prefill_pb2.PrefillResponse],
     ) -> None:
         """Renew the decode reservation (first after ``FIRST_RENEWAL_S``, then every third of the
         lease granted) until the prefill answers:
@@ -263,10 +264,8 @@ class ChoiceRun:
         over, or it ended: the prefill's own outcome reports that)."""
         digest = reservation_digest(self._prompt_ids, self._params.cache_salt)
         interval = FIRST_RENEWAL_S
-        while not prefill_task.done():
+        while not prefill_task.done():  # the prefill's end also cancels this task (_attempt)
             await asyncio.sleep(interval)
-            if prefill_task.done():
-                return
             try:
                 reply = await decode.client.reserve(rid, len(self._prompt_ids),
                                                     prompt_digest=digest, renew=True)  # fmt: skip
