@@ -127,6 +127,33 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T
         assert torch.equal(call(x[lo:hi]), alone[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_every_tile_is_computed_once_whoever_takes_it(isa: str, ggml_type: T) -> None:
+    """The team shares a call's tiles out (tile_claims.h: a contiguous range each, the tails
+    taken by threads done with their own). With more threads than this machine's cores (so some
+    are preempted mid-range and others take over their tails), and more threads than tiles (so
+    some start with nothing and only take), every output is there, bit equal to one thread's."""
+    qgemv, a8 = _kernels(isa)
+    out = 37 * 32 + 5  # a partial last tile, and an odd count of tiles at either width
+    weight = _weight(ggml_type, seed=11, out=out)
+    call = a8.bind_decode(qgemv.tile_weight(weight), None, out, qgemv.tile_format(weight))
+    small = a8.bind_decode(qgemv.tile_weight(_weight(ggml_type, seed=12)), None, OUT,
+                           qgemv.tile_format(weight))  # fmt: skip
+    x = _rows(3, seed=13)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, alone_small = call(x), small(x)
+        for threads in (2, 3, 8, 17):
+            torch.set_num_threads(threads)
+            for _ in range(20):
+                assert torch.equal(call(x[:1]), alone[:1]), threads
+                assert torch.equal(call(x), alone), threads
+                assert torch.equal(small(x[:1]), alone_small[:1]), threads
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_rounding_equals_the_gemms(isa: str) -> None:
     """Decode and prompt rows round their inputs alike: on q4 tiles the two kernels agree to
     float32 summation error (their sums run in different orders)."""

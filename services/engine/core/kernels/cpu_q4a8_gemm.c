@@ -30,6 +30,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "tile_claims.h"
 #include "cpu_qgemv.c" /* the tile layouts, format codes and scales this file reads */
 
 #define GROUP 32
@@ -324,6 +325,8 @@ const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
  * One row keeps everything in registers; more rows put each group's weights in that order once
  * into a scratch block and run every row over it. Both run the same chain per output (the integer
  * sums are exact in any order), so a row's result never depends on its batch mates or threads.
+ * The team shares a call's tiles out by tile_claims.h (a contiguous range each, the tails taken
+ * by whoever finishes first), so no thread waits long at the end for a slower one.
  */
 #define A8_VEC_BYTES (4 * LANES) /* one ivec: 4 inputs x LANES outputs, or 4 rows of a tile's nibbles */
 
@@ -850,6 +853,7 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
     /* the panel's values, then its scales and offsets, 64-byte aligned (vector loads) */
     const size_t values_bytes = (size_t)(subs * (f->sub / 4) * VECS) * sizeof(ivec);
     const size_t panel_bytes = (values_bytes + (size_t)(subs * 2 * VECS) * sizeof(vec) + 63) / 64 * 64;
+    tile_claim *claims = tile_claims_new(n_tiles, threads); /* NULL: static ranges */
 #pragma omp parallel num_threads(threads)
     {
         const int grouped = rows > 1 && !use_panel && !in_registers;
@@ -859,8 +863,10 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < n_tiles; t++) {
+        const int me = omp_get_thread_num();
+        int64_t next, end;
+        tile_range(n_tiles, omp_get_num_threads(), me, &next, &end);
+        for (int64_t t; (t = claims ? tile_claim_next(claims, threads, me) : next < end ? next++ : -1) >= 0;) {
             const uint8_t *wt = w + t * tile_bytes;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
@@ -887,6 +893,7 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
         free(accm);
         free(panel);
     }
+    free(claims);
     free(q);
     free(ds);
     return failed ? -1 : 0;
