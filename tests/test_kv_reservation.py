@@ -23,7 +23,7 @@ from services.common.prefix_hash import reservation_digest
 from services.common.sampling_params import SamplingParams
 from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.kv_transfer import ReceiveState
-from services.engine.kv_transfer.receiver import MAX_RESERVATION_LEASE_SECONDS
+from services.engine.kv_transfer.reservations import MAX_RESERVATION_LEASE_SECONDS
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
 from tests.test_prefill_decode import Cluster, cluster, prompt_of, reference, tokens_of, wait_until
 

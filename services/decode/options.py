@@ -14,7 +14,7 @@ DEFAULT_RESERVATION_LEASE_SECONDS = 30.0  # how long reserved blocks wait for th
 def check_reservation_lease(seconds: float) -> float:
     """``--reservation-lease-seconds`` must be positive and at most
     ``MAX_RESERVATION_LEASE_SECONDS`` (600); returns it."""
-    from services.engine.kv_transfer.receiver import MAX_RESERVATION_LEASE_SECONDS
+    from services.engine.kv_transfer.reservations import MAX_RESERVATION_LEASE_SECONDS
 
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_RESERVATION_LEASE_SECONDS):
         raise InvalidArgumentError(

@@ -33,7 +33,9 @@ from services.engine.kv_transfer.distributed_transport import DistributedKVTrans
 from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.lease import LeaseTable
 from services.engine.kv_transfer.payload import PrefilledRequest
-from services.engine.kv_transfer.receiver import KVReceiver, ReceiveState, Reservation
+from services.engine.kv_transfer.receive_entry import ReceiveState
+from services.engine.kv_transfer.receiver import KVReceiver
+from services.engine.kv_transfer.reservations import Reservation
 from services.engine.kv_transfer.sender import (
     KVSender,
     SendState,

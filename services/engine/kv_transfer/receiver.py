@@ -2,7 +2,7 @@
 
 One transfer's state machine (ReceiveState), keyed by request id:
 
-  0. RESERVED  — ``reserve`` ran before the prefill started ("reserve before compute"): the
+  0. RESERVED  — ``reserve`` (``reservations.py``) ran before the prefill started ("reserve before compute"): the
                  blocks its prompt's KV needs were allocated on the engine thread and are held
                  under the request id for a lease (``reservation_lease_seconds`` by default),
                  bound to the digest of the prompt and ``cache_salt`` the gateway serves
@@ -54,18 +54,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from services.common.errors import (
     AbortedError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
-    ResourceExhaustedError,
     TandemError,
     UnavailableError,
 )
@@ -77,13 +74,18 @@ from services.engine.kv_transfer.checks import (
     check_chunk,
     check_commit,
     check_header,
-    check_reservation,
     check_reserved_for,
 )
 from services.engine.kv_transfer.failures import TIMEOUT_CODE, failure_reason
 from services.engine.kv_transfer.layout import engine_layout
 from services.engine.kv_transfer.payload import PrefilledRequest, handoff_pool, write_payload
+from services.engine.kv_transfer.receive_entry import HOLDING, ReceiveEntry, ReceiveState
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
+from services.engine.kv_transfer.reservations import (
+    DEFAULT_RESERVATION_LEASE_SECONDS,
+    Reservation,
+    ReservationDesk,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +97,6 @@ only once the copy is complete (the ack lets the sender free the source)."""
 
 DRAIN_SECONDS = 10.0
 """Longest a failed transfer keeps reading (and discarding) what the sender still streams."""
-DEFAULT_RESERVATION_LEASE_SECONDS = 30.0
-"""How long reserved blocks wait for their header when the caller asks for no lease."""
-MAX_RESERVATION_LEASE_SECONDS = 600.0
-"""Longest ``--reservation-lease-seconds`` a worker accepts."""
 
 
 async def _drain(messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
@@ -106,45 +104,6 @@ async def _drain(messages: AsyncIterator[decode_pb2.KVTransferMessage]) -> None:
         async with asyncio.timeout(DRAIN_SECONDS):
             async for _ in messages:
                 pass
-
-
-class ReceiveState(enum.Enum):
-    RESERVED = "reserved"
-    ALLOCATED = "allocated"
-    RECEIVING = "receiving"
-    COMMITTED = "committed"
-    RUNNING = "running"
-    FAILED = "failed"
-
-
-_HOLDING = (ReceiveState.RESERVED, ReceiveState.ALLOCATED, ReceiveState.RECEIVING,
-            ReceiveState.COMMITTED)
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """What ``reserve`` granted: blocks held for the request, for ``lease_seconds``."""
-
-    request_id: str
-    num_blocks: int
-    lease_seconds: float
-    kv_blocks_free: int  # allocatable on this worker after the grant
-
-
-@dataclass(slots=True)
-class _Entry:
-    request_id: str
-    state: ReceiveState
-    since: float
-    ready: PrefilledRequest | None = None
-    error: TandemError | None = None
-    aborted: bool = False
-    owns_blocks: bool = False
-    task: asyncio.Task[object] | None = None
-    expires: float = 0.0  # RESERVED: when the lease ends (time.monotonic)
-    caller: str = ""  # RESERVED: who reserved (reservation_quota.py)
-    reserved_blocks: int = 0  # RESERVED: how many blocks the reservation holds
-    digest: bytes = b""  # RESERVED: the prompt and cache_salt it binds (reservation_digest)
 
 
 class KVReceiver:
@@ -174,10 +133,14 @@ class KVReceiver:
         self.reap_interval = (reap_interval if reap_interval is not None
                               else min(1.0, park_seconds / 4, reservation_lease_seconds / 4))
         self.metrics = metrics
-        self.quota = (quota or ReservationQuota()).validate()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, ReceiveEntry] = {}
         self._changed: asyncio.Future[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self.reservations = ReservationDesk(
+            engine_loop, self._entries, self._notify, block_size=self.layout.block_size,
+            max_model_len=self.max_model_len, lease_seconds=reservation_lease_seconds,
+            quota=(quota or ReservationQuota()).validate(), metrics=metrics,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -201,7 +164,7 @@ class KVReceiver:
     @property
     def num_pending(self) -> int:
         """Requests holding blocks but not yet generating (reserved, receiving or parked)."""
-        return sum(1 for entry in self._entries.values() if entry.state in _HOLDING)
+        return sum(1 for entry in self._entries.values() if entry.state in HOLDING)
 
     # ------------------------------------------------------------------ reserving
     async def reserve(
@@ -214,112 +177,11 @@ class KVReceiver:
         caller: str = "",
         renew: bool = False,
     ) -> Reservation:
-        """Hold the blocks ``num_tokens`` prompt tokens' KV will fill, before the prefill starts
-        (state RESERVED), for ``lease_seconds`` (0: ``reservation_lease_seconds``; never longer
-        than it: a caller cannot hold this worker's KV longer than its operator allows). Only a
-        header whose prompt and ``cache_salt`` give ``prompt_digest``
-        (``prefix_hash.reservation_digest``) may take the blocks. ``renew``: move the lease of
-        ``caller``'s reservation of this request, prompt and size, still waiting for its header,
-        to ``lease`` from now instead (nothing allocated).
-
-        Raises:
-            InvalidArgumentError: bad arguments (``checks.check_reservation``), or the request
-                id already has a reservation or a transfer here (a duplicate is refused, not
-                merged: two callers must never share an id).
-            ResourceExhaustedError: no room, or ``caller`` (or everyone) already holds what
-                :class:`ReservationQuota` allows; nothing was allocated and nothing is kept.
-            AbortedError: the request was aborted here (before or during the allocation).
-            NotFoundError: ``renew`` found no such reservation waiting for its header.
-        """
-        check_reservation(request_id, num_tokens, lease_seconds, prompt_digest,
-                          max_model_len=self.max_model_len)
-        if lease_seconds == 0:
-            lease = self.reservation_lease_seconds
-        else:
-            lease = min(lease_seconds, self.reservation_lease_seconds)
-        num_blocks = -(-num_tokens // self.layout.block_size)
-        old = self._entries.get(request_id)
-        if renew:
-            return self._renew(old, request_id, num_blocks, lease, prompt_digest, caller)
-        if old is not None and old.aborted:
-            raise AbortedError(f"request {request_id!r} was aborted", code="aborted")
-        if old is not None and old.state is not ReceiveState.FAILED:
-            raise InvalidArgumentError(
-                f"request {request_id!r} already has a reservation or a KV transfer here",
-                param="request_id",
-            )
-        self._check_quota(caller, num_blocks, request_id)
-        now = time.monotonic()
-        entry = _Entry(request_id, ReceiveState.RESERVED, now, owns_blocks=True,
-                       expires=now + lease, caller=caller, reserved_blocks=num_blocks,
-                       digest=prompt_digest)
-        self._entries[request_id] = entry
-        try:
-            await self.engine_loop.allocate_blocks(request_id, num_blocks)
-        except ResourceExhaustedError:
-            self._drop_reservation(entry, release=False)  # nothing was allocated
-            self._count_reservation("refused")
-            logger.info("KV reservation refused: no room for %d blocks", num_blocks,
-                        extra={"request_id": request_id})
-            raise
-        except TandemError:
-            self._drop_reservation(entry, release=False)  # refused: nothing was allocated
-            raise
-        except BaseException:  # cancelled: the allocation may still complete
-            self._drop_reservation(entry, release=True)
-            raise
-        if self._entries.get(request_id) is not entry or entry.state is ReceiveState.FAILED:
-            # Aborted (or expired) during the allocation; its release was queued after it.
-            raise entry.error or AbortedError(f"request {request_id!r} was aborted", code="aborted")
-        self._count_reservation("granted")
-        return Reservation(request_id, num_blocks, lease, self.engine_loop.stats.num_blocks_free)
-
-    def _renew(self, entry: _Entry | None, request_id: str, num_blocks: int, lease: float,
-               digest: bytes, caller: str) -> Reservation:
-        """Extend ``caller``'s reservation ``entry`` (see ``reserve``'s ``renew``)."""
-        if (entry is None or entry.state is not ReceiveState.RESERVED or entry.aborted
-                or entry.caller != caller or entry.digest != digest
-                or entry.reserved_blocks != num_blocks):  # fmt: skip
-            raise NotFoundError(f"request {request_id!r} holds no reservation here to renew "
-                                "(expired, aborted, another caller's, or already taken by its KV)")
-        entry.expires = max(entry.expires, time.monotonic() + lease)
-        self._count_reservation("renewed")
-        return Reservation(request_id, num_blocks, lease, self.engine_loop.stats.num_blocks_free)
-
-    def _check_quota(self, caller: str, num_blocks: int, request_id: str) -> None:
-        """Raise ResourceExhaustedError when the reservation would pass a quota bound."""
-        by_caller = total = 0
-        for entry in self._entries.values():
-            if entry.state is ReceiveState.RESERVED:
-                total += entry.reserved_blocks
-                if entry.caller == caller:
-                    by_caller += entry.reserved_blocks
-        try:
-            self.quota.check(num_blocks=num_blocks, held_by_caller=by_caller, held_total=total,
-                             pool_blocks=self.engine_loop.stats.num_blocks_total,
-                             largest_prompt_blocks=self._largest_prompt_blocks)  # fmt: skip
-        except ResourceExhaustedError as err:
-            self._count_reservation("refused")
-            logger.info("KV reservation refused: %s", err.message, extra={"request_id": request_id})
-            raise
-
-    @property
-    def _largest_prompt_blocks(self) -> int:
-        """Blocks the longest prompt this worker accepts needs (a quota never refuses it alone)."""
-        return -(-(self.max_model_len - 1) // self.layout.block_size)
-
-    def _drop_reservation(self, entry: _Entry, *, release: bool) -> None:
-        """Forget a reservation still waiting for its header (no tombstone); free its blocks
-        when ``release``. A no-op once a header took the entry over or it failed."""
-        if self._entries.get(entry.request_id) is not entry:
-            return
-        if entry.state is not ReceiveState.RESERVED:
-            return
-        del self._entries[entry.request_id]
-        entry.state = ReceiveState.FAILED
-        if release:
-            self.engine_loop.release_nowait(entry.request_id)
-        self._notify()
+        """Reserve (or ``renew``) the blocks a prompt's KV will fill: see
+        :meth:`ReservationDesk.reserve`."""
+        return await self.reservations.reserve(request_id, num_tokens, lease_seconds,
+                                               prompt_digest=prompt_digest, caller=caller,
+                                               renew=renew)  # fmt: skip
 
     # ------------------------------------------------------------------ receiving
     async def receive(
@@ -376,7 +238,7 @@ class KVReceiver:
 
     async def _receive_chunks(
         self,
-        entry: _Entry,
+        entry: ReceiveEntry,
         header: decode_pb2.KVHeader,
         messages: AsyncIterator[decode_pb2.KVTransferMessage],
         placer: Placer | None,
@@ -402,7 +264,7 @@ class KVReceiver:
             raise InvalidArgumentError("the KV transfer ended without a commit")
         return received
 
-    def _admit(self, ready: PrefilledRequest) -> _Entry:
+    def _admit(self, ready: PrefilledRequest) -> ReceiveEntry:
         """The reserved entry this header's transfer runs in (see the state machine, step 1).
 
         Raises:
@@ -437,7 +299,7 @@ class KVReceiver:
 
     async def _write_chunk(
         self,
-        entry: _Entry,
+        entry: ReceiveEntry,
         header: decode_pb2.KVHeader,
         chunk: decode_pb2.KVChunk,
         received: int,
@@ -455,7 +317,7 @@ class KVReceiver:
         entry.since = time.monotonic()
         return length
 
-    def _ack(self, entry: _Entry, header: decode_pb2.KVHeader, received: int) -> decode_pb2.KVTransferAck:
+    def _ack(self, entry: ReceiveEntry, header: decode_pb2.KVHeader, received: int) -> decode_pb2.KVTransferAck:
         if entry.state is ReceiveState.FAILED:
             message = entry.error.message if entry.error is not None else "failed"
             return decode_pb2.KVTransferAck(request_id=entry.request_id, accepted=False,
@@ -488,27 +350,27 @@ class KVReceiver:
         reservation is refused."""
         entry = self._entries.get(request_id)
         if entry is None:
-            entry = _Entry(request_id, ReceiveState.FAILED, time.monotonic(),
+            entry = ReceiveEntry(request_id, ReceiveState.FAILED, time.monotonic(),
                            error=AbortedError(f"request {request_id!r} was aborted: {reason}"))
             self._entries[request_id] = entry
             found = False
         else:
-            found = entry.state in _HOLDING
+            found = entry.state in HOLDING
             self._fail(entry, AbortedError(f"request {request_id!r} was aborted: {reason}"))
         entry.aborted = True
         self._notify()
         return found
 
     # ------------------------------------------------------------------ internals
-    def _set(self, entry: _Entry, state: ReceiveState) -> None:
+    def _set(self, entry: ReceiveEntry, state: ReceiveState) -> None:
         entry.state = state
         entry.since = time.monotonic()
         self._notify()
 
-    def _fail(self, entry: _Entry, error: TandemError) -> None:
+    def _fail(self, entry: ReceiveEntry, error: TandemError) -> None:
         if entry.state is ReceiveState.FAILED:
             return
-        holding = entry.state in _HOLDING and entry.owns_blocks
+        holding = entry.state in HOLDING and entry.owns_blocks
         reservation = entry.state is ReceiveState.RESERVED  # no transfer had started
         entry.error = error
         self._set(entry, ReceiveState.FAILED)
@@ -525,10 +387,6 @@ class KVReceiver:
         if self.metrics is not None:
             self.metrics.kv_transfer_failures.labels(reason=failure_reason(error)).inc()
 
-    def _count_reservation(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.kv_reservations.labels(outcome=outcome).inc()
-
     def _change(self) -> asyncio.Future[None]:
         if self._changed is None or self._changed.done():
             self._changed = asyncio.get_running_loop().create_future()
@@ -544,11 +402,7 @@ class KVReceiver:
         now = time.monotonic() if now is None else now
         for entry in list(self._entries.values()):
             if entry.state is ReceiveState.RESERVED:
-                if now >= entry.expires:
-                    self._drop_reservation(entry, release=True)
-                    self._count_reservation("expired")
-                    logger.warning("KV reservation expired: no header within its lease",
-                                   extra={"request_id": entry.request_id})
+                self.reservations.expire(entry, now)
                 continue
             if now - entry.since < self.park_seconds:
                 continue
