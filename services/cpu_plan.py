@@ -15,6 +15,10 @@ usable cores (the launcher's CPU affinity) and ``W`` workers:
    on the cores a decode step is using. Decode workers keep OpenMP's spinning: a decode step
    opens hundreds of short parallel regions, and waking sleeping threads for each costs more
    than the step itself (measured: a step ~3x slower).
+   With ``core_share`` (a file path; ``tandem up`` makes one per run), these workers also
+   share how many threads each is running (``services/common/core_share.py``): each engine step
+   takes the cores the others leave, so a decode step beside a busy prefill runs one thread on
+   its own core instead of two that wait for each other at every barrier.
 
 ``--threads ROLE=N`` overrides a role's thread count (placement is unchanged). The tokenizer
 and the gateway are light (no torch work) and are not placed.
@@ -26,6 +30,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.common.core_share import ENV as CORE_SHARE_ENV
 from services.common.cpu_list import format_cpus
 from services.common.errors import InvalidArgumentError
 
@@ -49,7 +54,8 @@ class Placement:
     def describe(self) -> str:
         where = "cpus " + format_cpus(self.cpus) if self.cpus is not None else "shared cores"
         wait = ", idle threads sleep" if self.env.get("OMP_WAIT_POLICY") == "PASSIVE" else ""
-        return f"{self.threads} threads, {where}{wait}"
+        share = ", cores shared step by step" if CORE_SHARE_ENV in self.env else ""
+        return f"{self.threads} threads, {where}{wait}{share}"
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -65,6 +71,7 @@ def plan_cpus(
     num_decode: int,
     cpus: Sequence[int],
     threads: Mapping[str, int] | None = None,
+    core_share: str | None = None,
 ) -> dict[str, Placement]:
     """A placement per worker name (``prefill-0``, ``decode-1``, ...); see the module rules."""
     threads = dict(threads or {})
@@ -93,11 +100,14 @@ def plan_cpus(
             start += sizes[name]
             plan[name] = Placement(threads.get(_role(name), len(mine)), mine)
         return plan
-    for name in names:
+    share = core_share is not None and len(names) > 1
+    for slot, name in enumerate(names):
         role = _role(name)
         count = num_prefill if role == "prefill" else num_decode
         default = max(1, len(cores) // count)
         env = {"OMP_WAIT_POLICY": "PASSIVE"} if role == "prefill" and num_decode else {}
+        if share:
+            env[CORE_SHARE_ENV] = f"{core_share},{slot},{len(names)},{len(cores)}"
         plan[name] = Placement(threads.get(role, default), None, env)
     return plan
 

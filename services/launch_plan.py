@@ -96,6 +96,7 @@ class LaunchConfig:
     restart: bool = True
     tls_dir: str | None = None
     insecure_internal: bool = False
+    core_share: str | None = None  # the run's shared-cores file (cpu_plan.py), made by the launcher
     tensor_parallel_size: int = 1  # ranks per prefill and decode worker
     prefill_tensor_parallel_size: int | None = None  # None: tensor_parallel_size
     decode_tensor_parallel_size: int | None = None
@@ -188,7 +189,7 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
     specs: list[ChildSpec] = []
     placements = plan_cpus(config.num_prefill, config.num_decode,
                            config.cpus if config.cpus is not None else usable_cpus(),
-                           dict(config.threads))  # fmt: skip
+                           dict(config.threads), config.core_share)  # fmt: skip
 
     def grpc_child(name: str, service: str, port: int, metrics_port: int, extra: list[str]) -> None:
         placement = placements.get(name)

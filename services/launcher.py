@@ -253,12 +253,15 @@ class Launcher:
         self._preexec: Callable[[], None] | None = None
         self._tls = InternalTls.plaintext()  # the launcher's own (operator) identity
         self._own_certs: str | None = None  # the throwaway directory, removed at exit
+        self._own_share: str | None = None  # the shared-cores file's directory, removed at exit
 
     async def run(self) -> int:
         """The whole lifecycle; returns the exit code or raises a one-line TandemError."""
         plan(self.config)  # a bad configuration fails before any certificate is made
         try:
             self.config = self._with_certs(self.config)
+            self._own_share = tempfile.mkdtemp(prefix="tandem-up-cores-")
+            self.config = replace(self.config, core_share=os.path.join(self._own_share, "cores"))
             specs = plan(self.config)
             check_ports_free(specs, self.config.host)
             loop = asyncio.get_running_loop()
@@ -274,9 +277,10 @@ class Launcher:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
         finally:
-            if self._own_certs is not None:
-                shutil.rmtree(self._own_certs, ignore_errors=True)
-                self._own_certs = None
+            for own in (self._own_certs, self._own_share):
+                if own is not None:
+                    shutil.rmtree(own, ignore_errors=True)
+            self._own_certs = self._own_share = None
 
     def _with_certs(self, config: LaunchConfig) -> LaunchConfig:
         """``config`` with a certificate directory (a throwaway one unless ``--certs`` named

@@ -93,9 +93,11 @@ class EngineLoop:
         metrics: TandemMetrics | None = None,
         name: str = "engine",
         output_filter: OutputFilter | None = None,
+        step_scope: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         _own_thread: threading.Thread | None = None,
     ) -> None:
         self.engine = engine
+        self._step_scope = step_scope  # each step runs in it (core_share.py's team size)
         self.output_filter = output_filter
         self.metrics = metrics
         self._cond = threading.Condition()
@@ -122,6 +124,7 @@ class EngineLoop:
         *,
         metrics: TandemMetrics | None = None,
         name: str = "engine",
+        step_scope: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
     ) -> EngineLoop:
         """Start a thread that runs ``build()`` (load the model, make the engine and its output
         filter) and then this loop, so one thread does all of the engine's torch work (see the
@@ -135,7 +138,7 @@ class EngineLoop:
             try:
                 engine, output_filter = build()
                 loop = cls(engine, metrics=metrics, name=name, output_filter=output_filter,
-                           _own_thread=threading.current_thread())  # fmt: skip
+                           step_scope=step_scope, _own_thread=threading.current_thread())  # fmt: skip
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 built.set_exception(exc)
                 return
@@ -397,7 +400,8 @@ class EngineLoop:
     def _step(self) -> bool:
         """One engine step; False when nothing could run."""
         try:
-            outputs = self.engine.step()
+            with self._step_scope() if self._step_scope is not None else contextlib.nullcontext():
+                outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step must not kill the thread
             logger.exception("engine step failed; failing %d requests over to other workers and "
                              "reporting this worker unhealthy", len(self._sinks))  # fmt: skip

@@ -17,6 +17,7 @@ Worker start-up (:func:`start_worker`, every role):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from services.common.core_share import CoreShare
 from services.common.cpu_list import format_cpus
 from services.common.errors import InvalidArgumentError, ModelLoadError
 from services.common.grpc_server import AddServicerFn, GrpcServerHandle, ServicerSpec, start_grpc_server
@@ -224,8 +226,10 @@ async def start_worker(
         engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
         return engine, text if with_text else None
 
+    share = CoreShare.from_env()  # tandem up's shared cores (cpu_plan.py), or None
     engine_loop = await EngineLoop.build_and_start(
-        build, metrics=metrics, name=f"engine-{options.worker_id or role}"
+        build, metrics=metrics, name=f"engine-{options.worker_id or role}",
+        step_scope=team_scope(share) if share is not None else None,
     )
     metrics.kv_blocks_total.set(engine_loop.engine.block_manager.num_blocks)
     threads = await engine_loop.call(lambda engine: torch.get_num_threads())
@@ -268,6 +272,27 @@ def report_unhealthy(engine_loop: EngineLoop, server: GrpcServerHandle) -> None:
             pass
 
     engine_loop.on_unhealthy(unhealthy)
+
+
+def team_scope(share: CoreShare) -> Callable[[], contextlib.AbstractContextManager[int]]:
+    """Each engine step in ``share.stepping``: PyTorch's (and so the native kernels') threads set
+    to the team the step takes, at most the worker's own count (read at its first step, on the
+    engine thread, after ``build_engine`` set it)."""
+    wanted = current = 0
+
+    def set_threads(team: int) -> None:
+        nonlocal current
+        if team != current:
+            torch.set_num_threads(team)
+            current = team
+
+    def scope() -> contextlib.AbstractContextManager[int]:
+        nonlocal wanted, current
+        if not wanted:
+            wanted = current = torch.get_num_threads()
+        return share.stepping(wanted, set_threads)
+
+    return scope
 
 
 def pin_this_thread(cpus: tuple[int, ...]) -> None:
