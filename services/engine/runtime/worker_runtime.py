@@ -226,7 +226,11 @@ async def start_worker(
         engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)
         return engine, text if with_text else None
 
-    share = CoreShare.from_env()  # tandem up's shared cores (cpu_plan.py), or None
+    try:
+        share = CoreShare.from_env()  # tandem up's shared cores (cpu_plan.py), or None
+    except OSError as err:  # its file: a worker still serves, with its own team every step
+        logger.warning("cores not shared with co-located workers: %s", err)
+        share = None
     engine_loop = await EngineLoop.build_and_start(
         build, metrics=metrics, name=f"engine-{options.worker_id or role}",
         step_scope=team_scope(share) if share is not None else None,
