@@ -88,7 +88,8 @@ async def main_async(args: argparse.Namespace) -> None:
     async with aiohttp.ClientSession(timeout=timeout) as session:
         model = await _model(session, args.url)
         await _stream(session, args.url, model, 8)  # warm-up
-        logger.info("| round | long prompts | ITL p50 ms | p90 | p99 | max | long prompts' seconds |")
+        logger.info("| round | long prompts | ITL p50 ms | p90 | p99 | max | "
+                    "long prompts' seconds |")
         logger.info("|---|---|---|---|---|---|---|")
         rounds = [("alone", 0)] + [(str(r + 1), args.long) for r in range(args.rounds)]
         for name, n_long in rounds:

@@ -319,7 +319,7 @@ class IpcPair:
         request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
                                    len(final.block_ids))
         # the gateway's reservation first: the receiver takes no KV without one
-        await self.receiver.reserve(rid, len(prompt),
+        await self.receiver.reservations.reserve(rid, len(prompt),
                                     prompt_digest=reservation_digest(prompt, GREEDY.cache_salt))
         return await self.sender.send(request, DECODE)
 

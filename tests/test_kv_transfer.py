@@ -180,7 +180,7 @@ class Pair:
     ) -> None:
         """The gateway's reservation for ``prompt`` (a transfer without one is refused)."""
         salt = wire_params.cache_salt if wire_params is not None else GREEDY.cache_salt
-        await self.receiver.reserve(rid, len(prompt),
+        await self.receiver.reservations.reserve(rid, len(prompt),
                                     prompt_digest=reservation_digest(prompt, salt))
 
     async def decode_claimed(self, rid: str, timeout: float = 1.0) -> list[int]:

@@ -44,7 +44,7 @@ class DecodeServicer(WorkerServicer, decode_pb2_grpc.DecodeServicer):
         self, request: decode_pb2.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.ReserveResponse:
         require_request_id(request.request_id)
-        grant = await self.worker.receiver.reserve(
+        grant = await self.worker.receiver.reservations.reserve(
             request.request_id, request.num_tokens, request.lease_seconds,
             prompt_digest=request.prompt_digest,
             caller=caller_identity(context.peer(), context.auth_context()),

@@ -2,9 +2,10 @@
 
 One transfer's state machine (ReceiveState), keyed by request id:
 
-  0. RESERVED  — ``reserve`` (``reservations.py``) ran before the prefill started ("reserve before compute"): the
-                 blocks its prompt's KV needs were allocated on the engine thread and are held
-                 under the request id for a lease (``reservation_lease_seconds`` by default),
+  0. RESERVED  — ``reservations.reserve`` (``reservations.py``) ran before the prefill
+                 started ("reserve before compute"): the blocks its prompt's KV needs were
+                 allocated on the engine thread and are held under the request id for a
+                 lease (``reservation_lease_seconds`` by default),
                  bound to the digest of the prompt and ``cache_salt`` the gateway serves
                  (``prefix_hash.reservation_digest``). No room: RESOURCE_EXHAUSTED at once,
                  nothing allocated, no entry, so the gateway tries another decode worker before
@@ -15,8 +16,8 @@ One transfer's state machine (ReceiveState), keyed by request id:
                  tombstone: a late header finds no reservation and is refused, and a waiting
                  ``Generate`` keeps waiting); an abort frees them like any other state. Counted
                  in ``tandem:kv_reservations_total{outcome}``. Its holder may renew the lease
-                 (``reserve(..., renew=True)``: the same caller, prompt digest and size; the
-                 gateway does so while the prompt waits in a prefill worker's queue), which
+                 (``reservations.reserve(..., renew=True)``: the same caller, prompt digest and
+                 size; the gateway does so while the prompt waits in a prefill worker's queue), which
                  allocates nothing; a reservation that is gone is NOT_FOUND then.
   1. ALLOCATED — the header passed its checks (``checks.py``; layout: FAILED_PRECONDITION,
                  counts and params: INVALID_ARGUMENT), its request holds a reservation here, and
@@ -83,7 +84,6 @@ from services.engine.kv_transfer.receive_entry import HOLDING, ReceiveEntry, Rec
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
 from services.engine.kv_transfer.reservations import (
     DEFAULT_RESERVATION_LEASE_SECONDS,
-    Reservation,
     ReservationDesk,
 )
 
@@ -165,23 +165,6 @@ class KVReceiver:
     def num_pending(self) -> int:
         """Requests holding blocks but not yet generating (reserved, receiving or parked)."""
         return sum(1 for entry in self._entries.values() if entry.state in HOLDING)
-
-    # ------------------------------------------------------------------ reserving
-    async def reserve(
-        self,
-        request_id: str,
-        num_tokens: int,
-        lease_seconds: float = 0.0,
-        *,
-        prompt_digest: bytes,
-        caller: str = "",
-        renew: bool = False,
-    ) -> Reservation:
-        """Reserve (or ``renew``) the blocks a prompt's KV will fill: see
-        :meth:`ReservationDesk.reserve`."""
-        return await self.reservations.reserve(request_id, num_tokens, lease_seconds,
-                                               prompt_digest=prompt_digest, caller=caller,
-                                               renew=renew)  # fmt: skip
 
     # ------------------------------------------------------------------ receiving
     async def receive(
