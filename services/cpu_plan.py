@@ -18,7 +18,9 @@ usable cores (the launcher's CPU affinity) and ``W`` workers:
    With ``core_share`` (a file path; ``tandem up`` makes one per run), these workers also
    share how many threads each is running (``services/common/core_share.py``): each engine step
    takes the cores the others leave, so a decode step beside a busy prefill runs one thread on
-   its own core instead of two that wait for each other at every barrier.
+   its own core instead of two that wait for each other at every barrier; and a prefill worker
+   that finds every core taken waits (a fraction of a second at most) for the decode step under
+   way to end, rather than start beside its full team.
 
 ``--threads ROLE=N`` overrides a role's thread count (placement is unchanged). The tokenizer
 and the gateway are light (no torch work) and are not placed.
@@ -31,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.core_share import ENV as CORE_SHARE_ENV
+from services.common.core_share import PATIENT as CORE_SHARE_PATIENT
 from services.common.cpu_list import format_cpus
 from services.common.errors import InvalidArgumentError
 
@@ -105,9 +108,11 @@ def plan_cpus(
         role = _role(name)
         count = num_prefill if role == "prefill" else num_decode
         default = max(1, len(cores) // count)
-        env = {"OMP_WAIT_POLICY": "PASSIVE"} if role == "prefill" and num_decode else {}
-        if share:
-            env[CORE_SHARE_ENV] = f"{core_share},{slot},{len(names)},{len(cores)}"
+        beside_decode = role == "prefill" and num_decode > 0
+        env = {"OMP_WAIT_POLICY": "PASSIVE"} if beside_decode else {}
+        if share:  # a prefill worker waits for a core rather than stall a decode step's team
+            patient = f",{CORE_SHARE_PATIENT}" if beside_decode else ""
+            env[CORE_SHARE_ENV] = f"{core_share},{slot},{len(names)},{len(cores)}{patient}"
         plan[name] = Placement(threads.get(role, default), None, env)
     return plan
 

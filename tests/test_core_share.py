@@ -4,11 +4,14 @@ engine loop stepping inside it."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from services.common import core_share
 from services.common.core_share import ENV, CoreShare
 from services.common.errors import InvalidArgumentError
 from services.common.sampling_params import SamplingParams
@@ -42,20 +45,64 @@ def test_a_step_takes_the_cores_its_peers_leave(tmp_path: Path) -> None:
     decode.close()
 
 
+def test_a_patient_worker_waits_for_the_step_under_way_rather_than_join_a_full_team(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "cores")
+    decode, prefill = CoreShare(path, 1, 2, 2), CoreShare(path, 0, 2, 2, patient=True)
+    decode.publish(2)  # a decode step under way with both cores
+    entered: list[tuple[int, float]] = []
+
+    def prefill_step() -> None:
+        with prefill.stepping(2, lambda team: None) as team:
+            entered.append((team, time.monotonic()))
+
+    thread = threading.Thread(target=prefill_step)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while decode.others() != 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert decode.others() == 1 and not entered  # it asks for a core and waits
+    assert decode.team_for_step(2) == 1  # the decode worker's next step leaves it one
+    released = time.monotonic()
+    decode.publish(1)
+    thread.join(5)
+    assert entered and entered[0][0] == 1 and entered[0][1] >= released
+    assert decode.others() == 0  # 0 again after its step
+
+    impatient = CoreShare(path, 1, 2, 2)  # a decode worker (its slot) beside a full prefill
+    prefill.publish(2)
+    start = time.monotonic()
+    with impatient.stepping(2, lambda team: None) as team:
+        assert team == 1
+    assert time.monotonic() - start < core_share.PATIENCE
+    prefill.publish(0)
+    decode.publish(2)
+    start = time.monotonic()  # a peer that never lets go: the wait is bounded
+    with prefill.stepping(2, lambda team: None) as team:
+        assert team == 1 and time.monotonic() - start >= core_share.PATIENCE
+    for share in (decode, prefill, impatient):
+        share.close()
+
+
 def test_the_environment_names_it_or_fails_clearly(tmp_path: Path) -> None:
     assert CoreShare.from_env({}) is None
     share = CoreShare.from_env({ENV: f"{tmp_path / 'a,b'},1,3,4"})  # a comma in the path
     assert share is not None and (share.slot, share.slots, share.cores) == (1, 3, 4)
+    assert not share.patient
+    share.close()
+    share = CoreShare.from_env({ENV: f"{tmp_path / 'a,b'},0,3,4,patient"})
+    assert share is not None and (share.slot, share.slots, share.cores, share.patient) == (0, 3, 4, True)
     share.close()
     for bad in ("x", f"{tmp_path / 'c'},1,2", f"{tmp_path / 'c'},2,2,2", f"{tmp_path / 'c'},0,2,0",
-                f"{tmp_path / 'c'},a,2,2"):
+                f"{tmp_path / 'c'},a,2,2", f"{tmp_path / 'c'},0,2,2,eager"):
         with pytest.raises(InvalidArgumentError):
             CoreShare.from_env({ENV: bad})
 
 
 def test_tandem_ups_plan_shares_cores_only_where_workers_share_them() -> None:
     shared = plan_cpus(1, 1, (0, 1), core_share="/run/cores")
-    assert shared["prefill-0"].env[ENV] == "/run/cores,0,2,2"
+    assert shared["prefill-0"].env[ENV] == "/run/cores,0,2,2,patient"  # waits for a core
     assert shared["decode-0"].env == {ENV: "/run/cores,1,2,2"}
     assert "shared step by step" in shared["decode-0"].describe()
     pinned = plan_cpus(1, 1, (0, 1, 2, 3), core_share="/run/cores")  # 2 cores each: apart

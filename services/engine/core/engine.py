@@ -32,27 +32,21 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.errors import InvalidArgumentError, TandemError
-from services.common.grammar_cache import grammar_key
-from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.draft_proposer import DraftProposer
-from services.engine.core.grammar import CompiledGrammar, GrammarCompiler, OwnedMatcher, advance
+from services.engine.core.grammar import CompiledGrammar, GrammarCompiler
 from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.kv_dtype import dtype_name, engine_kv_dtype
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.model_runner import ModelRunner
-from services.engine.core.sampler import (
-    Sampler,
-    SamplingState,
-    TokenLogprobs,
-    make_generator,
-    skip_draws,
-)
+from services.engine.core.sampler import Sampler, TokenLogprobs, skip_draws
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Sequence
+from services.engine.core.sequence_intake import SequenceIntake
 from services.engine.core.spec_decoder import SpecDecoder, Verification
 from services.engine.core.speculative import SpeculativeConfig
+from services.engine.core.step_pacer import ChunkCost, StepPacer
 from services.engine.core.step_phases import StepPhases
 
 logger = logging.getLogger(__name__)
@@ -76,6 +70,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (cuda_graphs.py)
     prefix_salt: bytes = b""  # the deployment's prefix-cache salt (prefix_hash.prefix_root)
     speculative: SpeculativeConfig | None = None  # speculative decoding (speculative.py); None: off
+    # a step with decode rows takes prompt tokens for about this long at most (step_pacer.py);
+    # None: the token budget alone
+    max_step_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -156,16 +153,23 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
+        self.pacer = (
+            StepPacer(ChunkCost.of(model_cfg), self.config.max_step_ms / 1000)
+            if self.config.max_step_ms else None
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            pacer=self.pacer,
         )
         self.eos_token_ids = frozenset(
             model_cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
         self.sampler = Sampler(model_cfg.vocab_size, tuple(self.eos_token_ids))
         self.max_model_len = self.config.max_model_len or model_cfg.max_position_embeddings
+        self.intake = SequenceIntake(model_cfg.vocab_size, self.max_model_len, grammars,
+                                     self.config.prefix_salt)  # fmt: skip
         self.phases = StepPhases()  # the engine thread's time per phase (see step_phases)
         self.runner = ModelRunner(loaded, self.kv, self.sampler, self.phases)
         if graphs:
@@ -210,19 +214,7 @@ class LLMEngine:
         """
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, grammar)
         if resume_output_ids:
-            outputs = self._token_ids(resume_output_ids, "output_token_ids")
-            if len(outputs) >= params.max_tokens:
-                raise InvalidArgumentError("the resumed output already has max_tokens tokens",
-                                           param="output_token_ids")  # fmt: skip
-            if seq.num_tokens + len(outputs) >= self.max_model_len:
-                raise InvalidArgumentError("the prompt and the resumed output fill the context",
-                                           param="output_token_ids")  # fmt: skip
-            if seq.sampling.matcher is not None:  # a migrated stream replays its tokens
-                advance(seq.sampling.matcher, outputs)
-            seq.output_token_ids.extend(outputs)
-            seq.logprobs.extend([None] * len(outputs))
-            if seq.sampling.generator is not None:
-                skip_draws(seq.sampling.generator, self.loaded.config.vocab_size, len(outputs))
+            self.intake.resume(seq, resume_output_ids)
         self.scheduler.add(seq)
 
     def add_prefilled(
@@ -305,6 +297,7 @@ class LLMEngine:
         """Schedule, run the model, post-process. Returns outputs of requests that moved."""
         phases = self.phases
         phases.start()
+        started = time.perf_counter()
         outputs, self._finished = self._finished, []
         self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -312,6 +305,8 @@ class LLMEngine:
             outputs.extend(self._fail_unschedulable())
             phases.lap("schedule")
             return outputs
+        chunks = [(item.num_new_tokens, item.seq.num_computed_tokens) for item in batch.items
+                  if item.num_new_tokens - item.num_draft_tokens > 1]  # fmt: skip
         self.sampler.prepare([item.seq.sampling for item in batch.items if item.sample])
         phases.steps += 1
         phases.lap("schedule")
@@ -350,6 +345,10 @@ class LLMEngine:
             if item.seq.finished:
                 self.spec.forget(item.seq.request_id)
         phases.lap("postprocess")
+        if self.pacer is not None:
+            decoding = any(item.num_new_tokens - item.num_draft_tokens == 1
+                           and not item.seq.prefill_only for item in batch.items)  # fmt: skip
+            self.pacer.observe(chunks, decoding, time.perf_counter() - started)
         return outputs
 
     def generate(
@@ -413,59 +412,11 @@ class LLMEngine:
             self._fail_request(seq, out, TandemError(
                 f"request {seq.request_id} failed while appending its token: {err}"))
 
-    def _token_ids(self, ids: Seq[int], param: str) -> list[int]:
-        """``ids`` as ints, each checked to be in the vocabulary (InvalidArgumentError naming
-        ``param`` otherwise)."""
-        out = [int(t) for t in ids]
-        vocab = self.loaded.config.vocab_size
-        if any(t < 0 or t >= vocab for t in out):
-            raise InvalidArgumentError(f"token ids must be in [0, {vocab})", param=param)
-        return out
-
-    def _new_sequence(
-        self, request_id: str, prompt: Seq[int], params: SamplingParams, prefill_only: bool,
-        grammar: CompiledGrammar | None = None,
-    ) -> Sequence:
-        params.validate()
-        prompt_ids = self._token_ids(prompt, "prompt")
-        if not prompt_ids:
-            raise InvalidArgumentError("the prompt is empty", param="prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidArgumentError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens",
-                param="prompt",
-            )
+    def _new_sequence(self, request_id: str, prompt: Seq[int], params: SamplingParams,
+                      prefill_only: bool, grammar: CompiledGrammar | None) -> Sequence:  # fmt: skip
         if self.scheduler.find(request_id) is not None:
             raise InvalidArgumentError(f"request id {request_id!r} is already running", param="request_id")
-        state = SamplingState(
-            params=params,
-            prompt_token_ids=prompt_ids,
-            output_token_ids=[],
-            generator=make_generator(params.seed) if not params.greedy else None,
-            matcher=self._matcher(params, grammar),
-        )
-        return Sequence(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            sampling=state,
-            prefill_only=prefill_only,
-            arrival_time=time.monotonic(),
-            cache_root=prefix_root(self.config.prefix_salt, params.cache_salt),
-        )
-
-    def _matcher(self, params: SamplingParams, grammar: CompiledGrammar | None) -> object | None:
-        """The request's grammar matcher (None when unconstrained): a copy of ``grammar``'s
-        start state, or compiled here when the caller did not compile it."""
-        if params.grammar is None:
-            return None
-        if self.grammars is None:
-            raise InvalidArgumentError("structured outputs need the model's tokenizer and "
-                                       "llguidance on the worker", param="response_format")  # fmt: skip
-        if grammar is not None and grammar.key == grammar_key(params.grammar):
-            return OwnedMatcher(grammar.matcher())  # owned by this thread
-        return OwnedMatcher(self.grammars.matcher(params.grammar))
+        return self.intake.new_sequence(request_id, prompt, params, prefill_only, grammar)
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprobs | None, out: RequestOutput

@@ -10,6 +10,8 @@ end. Policy per step:
   2. Then waiting sequences, in arrival order, while the token budget, the seat limit
      (``max_num_seqs``) and the free blocks allow. Their prompt blocks are allocated at
      admission, reusing cached prefix blocks (prefix caching).
+  3. With a pacer (``step_pacer.py``), a step in which a running sequence decodes gives prompt
+     chunks only the tokens that fit its time target, so a long prompt does not stall streams.
 
 A sequence that arrives with its KV already filled (prefilled on another worker,
 :meth:`Scheduler.add_prefilled`) waits in the same queue holding its blocks, and takes a seat
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from services.engine.core.block_manager import BlockManager, NoFreeBlocksError
 from services.engine.core.sequence import Sequence, SequenceStatus
+from services.engine.core.step_pacer import StepPacer, StepRoom
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +63,14 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        pacer: StepPacer | None = None,
     ) -> None:
+        """``pacer``: sizes prompt chunks in steps with decode rows to a time target
+        (``step_pacer.py``); None: the token budget alone."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.pacer = pacer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -101,12 +108,18 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's work; None when nothing can run."""
         budget = self.max_num_batched_tokens
+        room = self._room()
         items: list[ScheduledSeq] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             n = min(seq.num_uncomputed, budget)
+            if room is not None and n > 1:  # a prompt chunk beside decode rows
+                n = room.take(n, seq.num_computed_tokens)
+                if n == 0:
+                    index += 1
+                    continue
             drafts = 0
             if seq.draft_token_ids and seq.num_uncomputed == 1:  # its last token and its drafts
                 drafts = min(len(seq.draft_token_ids), budget - 1)
@@ -122,6 +135,8 @@ class Scheduler:
             index += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if room is not None and room.exhausted and not seq.block_ids:
+                break  # a prompt to compute, and no time left in this step for it
             try:
                 if seq.block_ids:  # prefilled elsewhere: its KV is in place; room for what's next
                     self.block_manager.ensure_capacity(seq.block_ids, seq.num_tokens)
@@ -138,9 +153,21 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget)
+            if room is not None and n > 1:
+                n = room.take(n, seq.num_computed_tokens)
+                if n == 0:
+                    continue  # running now: its chunks start next step
             items.append(ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens))
             budget -= n
         return ScheduledBatch(items) if items else None
+
+    def _room(self) -> StepRoom | None:
+        """This step's prompt allowance: paced when a running sequence decodes (a stream's next
+        token waits on the step), else None (the token budget alone)."""
+        if self.pacer is None or not any(seq.num_uncomputed == 1 and not seq.prefill_only
+                                         for seq in self.running):  # fmt: skip
+            return None
+        return self.pacer.room()
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for ``num_tokens`` in ``seq``; preempt the newest sequence when short.

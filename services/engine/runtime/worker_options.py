@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 DEFAULT_GRACE_SECONDS = 5.0
+DEFAULT_MAX_STEP_MS = 250.0  # a stream's longest wait for a step beside a prompt (step_pacer.py)
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8", "q4_a8_decode")
 # the names services.engine.core.kv_cache.KV_CACHE_DTYPES accepts (kept here for the same reason)
@@ -53,6 +54,9 @@ class WorkerOptions:
             ``q8_0``: int8 with a float16 scale per 32 values, float32 models on CPU only).
             Prefill and decode workers must agree on it to hand KV over.
         block_size / max_num_seqs / max_batched_tokens / enable_prefix_caching: engine limits.
+        max_step_ms: the time a step with decode rows gives prompt chunks at most (their tokens
+            sized by the engine's measured speed: ``services/engine/core/step_pacer.py``);
+            0 leaves the token budget alone.
         threads: intra-op threads of the engine (PyTorch and the native kernels); None keeps
             PyTorch's default (one per core it may run on).
         cpus: cores to pin the engine to; None runs anywhere.
@@ -86,6 +90,7 @@ class WorkerOptions:
     block_size: int = 16
     max_num_seqs: int = 64
     max_batched_tokens: int = 1024
+    max_step_ms: float = DEFAULT_MAX_STEP_MS
     enable_prefix_caching: bool = True
     threads: int | None = None
     cpus: tuple[int, ...] | None = None
@@ -121,6 +126,8 @@ class WorkerOptions:
             raise InvalidArgumentError("--kv-cache-gib must be positive", param="kv_cache_gib")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise InvalidArgumentError("--num-blocks must be at least 2", param="num_blocks")
+        if not self.max_step_ms >= 0:  # NaN too
+            raise InvalidArgumentError("--max-step-ms must be >= 0", param="max_step_ms")
         return EngineConfig(
             block_size=self.block_size,
             num_blocks=self.num_blocks,
@@ -128,6 +135,7 @@ class WorkerOptions:
             kv_cache_dtype=self.kv_cache_dtype,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_batched_tokens,
+            max_step_ms=self.max_step_ms or None,
             enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=not self.enforce_eager,
             prefix_salt=self.tls.prefix_salt if self.tls is not None else b"",
@@ -175,6 +183,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch")
     parser.add_argument("--max-batched-tokens", type=int, default=1024,
                         help="token budget per step (longer prompts are chunked)")
+    parser.add_argument("--max-step-ms", type=float, default=DEFAULT_MAX_STEP_MS, metavar="MS",
+                        help="a step that decodes running streams takes prompt tokens for about "
+                             "this long at most, their number sized by the engine's measured "
+                             "speed, so a long prompt prefilled beside streams delays each token "
+                             f"by this much rather than seconds (default {DEFAULT_MAX_STEP_MS:g}; "
+                             "0: the token budget alone)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, run decode steps op by op instead of replaying captured "
                              "CUDA graphs (slower; for debugging)")
@@ -296,7 +310,7 @@ def options_from_args(args: argparse.Namespace, role: str) -> WorkerOptions:
         advertise_address=args.advertise_address, kv_cache_gib=args.kv_cache_gib,
         num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
+        max_batched_tokens=args.max_batched_tokens, max_step_ms=args.max_step_ms,
         enable_prefix_caching=not args.no_prefix_caching,
         threads=args.threads, cpus=args.cpus, grace=args.grace, kv_transport=args.kv_transport,
         enforce_eager=args.enforce_eager, tls=tls,
