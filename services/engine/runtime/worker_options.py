@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 DEFAULT_GRACE_SECONDS = 5.0
-DEFAULT_MAX_STEP_MS = 250.0  # a stream's longest wait for a step beside a prompt (step_pacer.py)
+DEFAULT_MAX_STEP_MS = 500.0  # a stream's longest wait for a step beside a prompt (step_pacer.py)
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8", "q4_a8_decode")
 # the names services.engine.core.kv_cache.KV_CACHE_DTYPES accepts (kept here for the same reason)
