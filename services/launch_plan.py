@@ -42,6 +42,9 @@ SERVICE_MODULES = {
 MODES = ("disaggregated", "colocated")
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_STOP_TIMEOUT_S = 20.0
+SHARED_CORES_PREFILL_QUEUE = 64
+"""The gateway's ``--max-prefill-queue`` where prefill and decode workers share cores: a long
+prompt then waits for the prefill pool rather than being prefilled by a decode worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +259,11 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
             argv += [f"--{spec.service}", spec.address]
         if colocated:
             argv.append("--no-prefill")
+        elif shares_cores(config.num_prefill, config.num_decode, placements):
+            # a decode worker prefilling beside a busy prefill worker has no core of its own to
+            # do it on: it would take its streams' core (docs/benchmarks.md), so long prompts
+            # wait in the prefill queue instead (--gateway-args can still set it)
+            argv += ["--max-prefill-queue", str(SHARED_CORES_PREFILL_QUEUE)]
         if embeddings_only:  # an embedding model: its prefill workers serve /v1/embeddings
             argv.append("--no-decode")
         url = f"http://{_join(client_host, config.gateway_port)}"
@@ -272,6 +280,11 @@ def plan(config: LaunchConfig) -> list[ChildSpec]:
         )
     _check_distinct_ports(specs)
     return specs
+
+
+def shares_cores(num_prefill: int, num_decode: int, placements: Mapping[str, Placement]) -> bool:
+    """Whether prefill and decode workers run on the same cores (the CPU plan's second rule)."""
+    return bool(num_prefill and num_decode) and any(p.cpus is None for p in placements.values())
 
 
 def _check_distinct_ports(specs: Sequence[ChildSpec]) -> None:

@@ -107,6 +107,23 @@ def test_plan_default_ports_and_command_lines(monkeypatch: pytest.MonkeyPatch) -
     assert specs[-1].metrics_url == f"http://127.0.0.1:{ports.GATEWAY_METRICS_PORT}/metrics"
 
 
+def test_on_shared_cores_long_prompts_wait_for_the_prefill_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _with_gateway(monkeypatch, True)
+
+    def queue(**config: object) -> list[str]:
+        argv = list(plan(LaunchConfig(**config))[-1].argv)  # type: ignore[arg-type]
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--max-prefill-queue"]
+
+    shared = str(launch_plan.SHARED_CORES_PREFILL_QUEUE)
+    assert queue(num_prefill=1, num_decode=1, cpus=(0, 1)) == [shared]  # one pool of cores
+    assert queue(num_prefill=1, num_decode=1, cpus=(0, 1, 2, 3)) == []  # pinned apart: Dynamo's rule
+    assert queue(num_prefill=0, num_decode=1, mode="colocated", cpus=(0, 1)) == []
+    assert queue(num_prefill=1, num_decode=1, cpus=(0, 1),
+                 gateway_args=("--max-prefill-queue", "2")) == [shared, "2"]  # the user's wins
+
+
 def test_plan_refuses_impossible_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     _with_gateway(monkeypatch, True)
     with pytest.raises(InvalidArgumentError, match="planned twice"):
