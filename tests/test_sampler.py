@@ -12,11 +12,13 @@ from services.engine.core.sampler import (
     SamplerOutput,
     SamplingState,
     TokenLogprobs,
+    make_generator,
+)
+from services.engine.core.sampling_filters import (
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_p,
-    make_generator,
     sample_from_probs,
 )
 

@@ -40,7 +40,8 @@ from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.kv_dtype import dtype_name, engine_kv_dtype
 from services.engine.core.loaders import LoadedModel
 from services.engine.core.model_runner import ModelRunner
-from services.engine.core.sampler import Sampler, TokenLogprobs, skip_draws
+from services.engine.core.sampler import Sampler, TokenLogprobs
+from services.engine.core.sampling_filters import skip_draws
 from services.engine.core.scheduler import Scheduler
 from services.engine.core.sequence import Sequence
 from services.engine.core.sequence_intake import SequenceIntake

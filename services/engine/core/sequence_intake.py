@@ -17,7 +17,8 @@ from services.common.grammar_cache import grammar_key
 from services.common.prefix_hash import prefix_root
 from services.common.sampling_params import SamplingParams
 from services.engine.core.grammar import CompiledGrammar, GrammarCompiler, OwnedMatcher, advance
-from services.engine.core.sampler import SamplingState, make_generator, skip_draws
+from services.engine.core.sampler import SamplingState, make_generator
+from services.engine.core.sampling_filters import skip_draws
 from services.engine.core.sequence import Sequence
 
 
