@@ -90,6 +90,18 @@ def test_the_pacer_learns_the_speed_and_the_decode_part(tiny_config: ModelConfig
         StepPacer(cost, 0)
 
 
+def test_the_speed_is_per_thread_so_a_step_with_fewer_threads_gets_less(
+    tiny_config: ModelConfig,
+) -> None:
+    cost, threads = ChunkCost.of(tiny_config), [2]
+    pacer = StepPacer(cost, target_seconds=0.1, threads=lambda: threads[0])
+    pacer.observe([(100, 0)], False, 0.05)  # learnt with two threads (cores shared step by step)
+    assert pacer.rate == pytest.approx(cost.work(100, 0) / 0.05 / 2)
+    assert pacer.room().work == pytest.approx(2 * cost.work(100, 0))
+    threads[0] = 1  # the next step runs one thread beside a busy peer: half the room
+    assert pacer.room().work == pytest.approx(cost.work(100, 0))
+
+
 def _chunks(engine: LLMEngine) -> list[list[tuple[str, int]]]:
     """Records every step's (request, tokens) as the engine's scheduler picks them."""
     record: list[list[tuple[str, int]]] = []
@@ -115,7 +127,7 @@ def test_prompt_chunks_beside_a_stream_fit_the_step_target_and_give_the_same_tok
         engine = LLMEngine(loaded, EngineConfig(num_blocks=64, max_num_batched_tokens=128,
                                                 max_step_ms=max_step_ms))  # fmt: skip
         if engine.pacer is not None:  # a fixed speed: 0.1 s of work is 40 tokens from the start
-            engine.pacer.rate = engine.pacer.cost.work(40, 0) / 0.1
+            engine.pacer.rate = engine.pacer.cost.work(40, 0) / 0.1 / engine.pacer.threads()
             engine.pacer.observe = lambda *args: None  # type: ignore[method-assign]
         steps = _chunks(engine)
         tokens: dict[str, list[int]] = {"s": [], "long": []}

@@ -31,6 +31,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from services.common.errors import InvalidArgumentError, TandemError
 from services.common.sampling_params import SamplingParams
 from services.engine.core.block_manager import BlockManager
@@ -155,9 +157,10 @@ class LLMEngine:
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.pacer = (
-            StepPacer(ChunkCost.of(model_cfg), self.config.max_step_ms / 1000)
+            StepPacer(ChunkCost.of(model_cfg), self.config.max_step_ms / 1000,
+                      torch.get_num_threads if device.type == "cpu" else lambda: 1)
             if self.config.max_step_ms else None
-        )
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.config.max_num_seqs,

@@ -13,11 +13,12 @@ take; here the size comes from a time target (``EngineConfig.max_step_ms``, the 
   after ``c`` computed ones cost ``n`` times the projections and MLP, plus the attention of each
   token over the keys it sees (``c + i``; a sliding layer's at most its window). A chunk late in
   a long prompt therefore gets fewer tokens than an early one.
-* The engine's rate (multiply-adds a second) is learnt from the steps it ran
+* The engine's rate (multiply-adds a second and thread) is learnt from the steps it ran
   (:meth:`StepPacer.observe`): after a step with prompt chunks, ``work / (seconds - decode
-  part)``, averaged; the decode part is the median time of recent steps without prompt chunks.
-  Learnt rather than fixed: the same engine runs one thread or all of them, step by step, when
-  workers share cores (``services/common/core_share.py``), and its rate follows.
+  part) / threads``, averaged; the decode part is the median time of recent steps without prompt
+  chunks. Per thread, because the same engine runs one thread or all of them, step by step, when
+  workers share cores (``services/common/core_share.py``): a step's room is the rate times the
+  threads it runs with.
 * A step with decode rows gives its prompt chunks the work that fits in ``target - decode part``
   (:meth:`StepPacer.prompt_room`), and the first chunk at least :data:`MIN_CHUNK` tokens, so a
   prompt always advances, however slow the step.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.model_config import ModelConfig
@@ -114,12 +116,16 @@ class StepPacer:
     """Learns the engine's speed from its steps and sizes prompt chunks beside decode rows to a
     step time target (see the module docstring)."""
 
-    def __init__(self, cost: ChunkCost, target_seconds: float) -> None:
+    def __init__(self, cost: ChunkCost, target_seconds: float,
+                 threads: Callable[[], int] = lambda: 1) -> None:  # fmt: skip
+        """``threads``: the threads the engine's step runs with (PyTorch's on CPU, read at
+        each step; one on a GPU)."""
         if target_seconds <= 0:
             raise ValueError("a step time target must be positive")
         self.cost = cost
         self.target = target_seconds
-        self.rate: float | None = None  # multiply-adds a second; None until a chunk was timed
+        self.threads = threads
+        self.rate: float | None = None  # multiply-adds a second and thread; None: none timed yet
         self._decode_steps: deque[float] = deque(maxlen=DECODE_WINDOW)
 
     @property
@@ -132,7 +138,8 @@ class StepPacer:
         ``target - decode part`` (none until the rate is known: the first chunk then gets
         :data:`MIN_CHUNK` tokens, and its time sets the rate)."""
         seconds = max(0.0, self.target - self.decode_seconds)
-        return StepRoom(self.cost, seconds * self.rate if self.rate is not None else 0.0)
+        rate = self.rate * max(1, self.threads()) if self.rate is not None else 0.0
+        return StepRoom(self.cost, seconds * rate)
 
     def observe(self, chunks: list[tuple[int, int]], decoding: bool, seconds: float) -> None:
         """A step ran for ``seconds`` with these prompt chunks (``(tokens, context)`` each) and,
@@ -147,7 +154,7 @@ class StepPacer:
         # the chunks' own share of the step: all of it but the decode rows' usual time, and never
         # under a quarter of it (a step slower than usual for another reason is not all decode)
         own = seconds - self.decode_seconds if decoding else seconds
-        rate = work / max(own, 0.25 * seconds)
+        rate = work / max(own, 0.25 * seconds) / max(1, self.threads())
         self.rate = rate if self.rate is None else self.rate + SMOOTHING * (rate - self.rate)
 
 
