@@ -309,8 +309,7 @@ class LLMEngine:
             outputs.extend(self._fail_unschedulable())
             phases.lap("schedule")
             return outputs
-        chunks = [(item.num_new_tokens, item.seq.num_computed_tokens) for item in batch.items
-                  if item.num_new_tokens - item.num_draft_tokens > 1]  # fmt: skip
+        chunks = batch.prompt_chunks() if self.pacer is not None else []
         self.sampler.prepare([item.seq.sampling for item in batch.items if item.sample])
         phases.steps += 1
         phases.lap("schedule")
@@ -350,9 +349,7 @@ class LLMEngine:
                 self.spec.forget(item.seq.request_id)
         phases.lap("postprocess")
         if self.pacer is not None:
-            decoding = any(item.num_new_tokens - item.num_draft_tokens == 1
-                           and not item.seq.prefill_only for item in batch.items)  # fmt: skip
-            self.pacer.observe(chunks, decoding, time.perf_counter() - started)
+            self.pacer.observe(chunks, batch.has_stream_rows, time.perf_counter() - started)
         return outputs
 
     def generate(

@@ -53,6 +53,19 @@ class ScheduledBatch:
         ``model_runner``)."""
         return all(item.num_new_tokens - item.num_draft_tokens == 1 for item in self.items)
 
+    def prompt_chunks(self) -> list[tuple[int, int]]:
+        """``(tokens, tokens computed before)`` of each item that computes prompt tokens (more
+        than one of its own): what ``step_pacer`` charges. Read it before the step runs."""
+        return [(item.num_new_tokens, item.seq.num_computed_tokens) for item in self.items
+                if item.num_new_tokens - item.num_draft_tokens > 1]  # fmt: skip
+
+    @property
+    def has_stream_rows(self) -> bool:
+        """Whether a stream's next token is in this step (a decode row not of a prefill-only
+        request)."""
+        return any(item.num_new_tokens - item.num_draft_tokens == 1 and not item.seq.prefill_only
+                   for item in self.items)  # fmt: skip
+
 
 class Scheduler:
     """Owns the waiting queue and the running set; asks the BlockManager for blocks."""
