@@ -25,7 +25,8 @@ The thread, one iteration at a time:
 
 Each output passes the loop's ``output_filter`` (the worker's text: ``output_text.OutputText``)
 on the engine thread before it is delivered, so a stop string ends its request before the next
-step.
+step; :class:`~services.engine.runtime.output_router.OutputRouter` takes it from there to its
+consumer.
 
 Failure isolation. An error that belongs to one request — its grammar (the engine ends it with
 :attr:`RequestOutput.error`), its output's text or stop strings (``output_filter.apply`` raising)
@@ -61,7 +62,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
-from services.common.errors import FailedPreconditionError, TandemError, UnavailableError
+from services.common.errors import FailedPreconditionError, UnavailableError
 from services.common.metrics import TandemMetrics
 from services.common.sampling_params import SamplingParams
 from services.engine.core.engine import LLMEngine, OutputFilter, RequestOutput
@@ -69,6 +70,7 @@ from services.engine.core.grammar_compiler import CompiledGrammar
 from services.engine.core.sampler import TokenLogprobs
 from services.engine.runtime.engine_stats import EngineStats, StatsPublisher
 from services.engine.runtime.held_blocks import HeldBlocks
+from services.engine.runtime.output_router import OutputRouter
 from services.engine.runtime.request_sink import RequestSink
 from services.engine.runtime.worker_health import WorkerHealth
 
@@ -78,10 +80,6 @@ T = TypeVar("T")
 
 IDLE_POLL_SECONDS = 0.05
 """Longest sleep of a thread whose engine has work it cannot schedule yet."""
-
-OUTPUT_FAILED = "output_failed"
-"""The error code of a request whose output's post-processing (text, stop strings) failed."""
-
 
 class EngineLoop:
     """Owns the engine thread; every public coroutine is safe to call from any event loop."""
@@ -98,16 +96,15 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self._step_scope = step_scope  # each step runs in it (core_share.py's team size)
-        self.output_filter = output_filter
         self.metrics = metrics
         self._cond = threading.Condition()
         self._commands: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._stopping = False
         self._thread = _own_thread or threading.Thread(target=self._run, name=name, daemon=True)
         # Engine-thread state.
-        self._sinks: dict[str, RequestSink] = {}
         self._held = HeldBlocks(engine)
-        self._outbox: list[tuple[str, RequestSink, RequestOutput | BaseException]] = []
+        self._router = OutputRouter(engine, self._held, output_filter=output_filter,
+                                    metrics=metrics)  # fmt: skip
         self._num_steps = 0
         self._max_batch = 0
         self.health = WorkerHealth()
@@ -166,6 +163,11 @@ class EngineLoop:
             except UnavailableError:
                 pass
             await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def output_filter(self) -> OutputFilter | None:
+        """What each output passes on the engine thread (the worker's text), or None."""
+        return self._router.output_filter
 
     @property
     def healthy(self) -> bool:
@@ -272,7 +274,7 @@ class EngineLoop:
                                resume_output_ids=resumed, grammar=grammar)  # fmt: skip
             if self.output_filter is not None and not prefill_only:
                 self.output_filter.start(request_id, prompt, params, resumed)
-            self._sinks[request_id] = sink
+            self._router.register(request_id, sink)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt))
 
@@ -297,10 +299,10 @@ class EngineLoop:
 
         def start(engine: LLMEngine) -> None:
             self.health.check()
-            if request_id in self._sinks or engine.scheduler.find(request_id) is not None:
+            if request_id in self._router or engine.scheduler.find(request_id) is not None:
                 raise FailedPreconditionError(f"request {request_id!r} is already running")
             blocks = self._held.take(request_id)
-            self._sinks[request_id] = sink
+            self._router.register(request_id, sink)
             try:
                 outputs = engine.add_prefilled(
                     request_id, prompt, params, block_ids=blocks, first_token_id=first_token_id,
@@ -308,7 +310,7 @@ class EngineLoop:
                     grammar=grammar,
                 )
             except BaseException:
-                del self._sinks[request_id]
+                self._router.unregister(request_id)
                 if engine.scheduler.find(request_id) is not None:
                     engine.abort(request_id)
                 else:
@@ -317,7 +319,7 @@ class EngineLoop:
             if self.output_filter is not None:
                 self.output_filter.start(request_id, prompt, params)
             for out in outputs:
-                self._deliver(out, sampled_here=False)
+                self._router.deliver(out, sampled_here=False)
 
         async for out in self._stream(request_id, sink, start):
             yield out
@@ -356,7 +358,7 @@ class EngineLoop:
                 yield item
         finally:
             if not done:
-                self._submit_quietly(lambda engine: self._cancel(request_id, sink))
+                self._submit_quietly(lambda engine: self._router.cancel(request_id, sink))
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -389,7 +391,7 @@ class EngineLoop:
                     future.set_result(value)
                 else:
                     future.set_exception(value)  # type: ignore[arg-type]
-            self._flush()
+            self._router.flush()
             phases.lap("outputs")
             if not ran:
                 with self._cond:
@@ -404,77 +406,21 @@ class EngineLoop:
                 outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a failed step must not kill the thread
             logger.exception("engine step failed; failing %d requests over to other workers and "
-                             "reporting this worker unhealthy", len(self._sinks))  # fmt: skip
+                             "reporting this worker unhealthy", len(self._router))  # fmt: skip
             self._turn_unhealthy(f"engine step failed: {type(exc).__name__}: {exc}")
             return True
         self._num_steps += 1
         sampled = sum(1 for out in outputs if out.new_token_ids)
         self._max_batch = max(self._max_batch, sampled)
         for out in outputs:
-            self._deliver(out, sampled_here=True)
+            self._router.deliver(out, sampled_here=True)
         self.engine.phases.lap("outputs")
         return bool(outputs) or bool(self.engine.scheduler.running)
-
-    def _deliver(self, out: RequestOutput, *, sampled_here: bool) -> None:
-        rid = out.request_id
-        if self.output_filter is not None and out.error is None:
-            try:
-                self.output_filter.apply(out, self.engine)
-            except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
-                logger.warning("request %s: its output text failed: %s", rid, exc)
-                if not out.finished:
-                    self.engine.finish(rid, "error")
-                out.finished, out.finish_reason = True, "error"
-                out.error = TandemError(f"request {rid}: producing its output text failed: "
-                                        f"{type(exc).__name__}: {exc}", code=OUTPUT_FAILED)  # fmt: skip
-        sink = self._sinks.get(rid)
-        if out.finished and out.finish_reason == "prefilled":
-            self._held.hold(rid, out.block_ids, sink)
-            if sink is None:  # nobody will ever take them
-                self._held.release(rid)
-        if sink is None:
-            return
-        if out.finished:
-            del self._sinks[rid]
-        if out.error is not None:  # this request alone failed: its consumer gets the error
-            self._outbox.append((rid, sink, out.error))
-            return
-        if self.metrics is not None:
-            sink.record(self.metrics, out, sampled_here=sampled_here)
-        self._outbox.append((rid, sink, out))
-
-    def _flush(self) -> None:
-        """Hand the step's outputs to their consumers: one wake-up per event loop per step
-        (``call_soon_threadsafe`` writes the loop's self-pipe each time), not one per request."""
-        outbox, self._outbox = self._outbox, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestSink, object]]] = {}
-        for _, sink, item in outbox:
-            by_loop.setdefault(sink.loop, []).append((sink, item))  # type: ignore[arg-type]
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the consumers' event loop is closed
-                for rid, sink, _ in outbox:
-                    if sink.loop is loop:
-                        self._cancel(rid, sink)
-
-    def _cancel(self, request_id: str, sink: RequestSink) -> None:
-        """The consumer of ``sink`` left: abort its request and free what it still holds."""
-        if self._sinks.get(request_id) is sink:
-            del self._sinks[request_id]
-            self.engine.abort(request_id)
-        self._held.release_if_owned(request_id, sink)
-
-    def _fail_all(self, error: TandemError) -> None:
-        sinks, self._sinks = self._sinks, {}
-        for rid, sink in sinks.items():
-            self.engine.abort(rid)
-            self._outbox.append((rid, sink, error))
 
     def _turn_unhealthy(self, reason: str) -> None:
         """A step failed: fail every request (the gateway migrates them), drop every sequence
         (its state is suspect), and turn unhealthy (:class:`WorkerHealth`)."""
-        self._fail_all(self.health.fail(reason))
+        self._router.fail_all(self.health.fail(reason))
         scheduler = self.engine.scheduler
         for seq in [*scheduler.running, *scheduler.waiting]:
             self.engine.abort(seq.request_id)
@@ -484,14 +430,14 @@ class EngineLoop:
         for seq in [*scheduler.running, *scheduler.waiting]:
             self.engine.abort(seq.request_id)
         for out in self.engine.step():
-            self._deliver(out, sampled_here=False)
+            self._router.deliver(out, sampled_here=False)
         self._held.release_all()
         with self._cond:
             self._stopping = True
 
     def _check_free_id(self, request_id: str) -> None:
         if (
-            request_id in self._sinks
+            request_id in self._router
             or request_id in self._held
             or self.engine.scheduler.find(request_id) is not None
         ):
@@ -522,12 +468,6 @@ def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None
         else then.prompt_logprobs,
     )
-
-
-def _put_all(items: list[tuple[RequestSink, object]]) -> None:
-    """On a consumer's event loop: queue each output for its request."""
-    for sink, item in items:
-        sink.queue.put_nowait(item)
 
 
 def _stop_when_built(built: concurrent.futures.Future[EngineLoop]) -> None:
