@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 TAIL=6 step pytest "${PYTEST_S:-190}" python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu.py tests/test_gpu_families.py tests/test_cuda_ipc_gpu.py tests/test_cuda_ipc.py \
-    tests/test_gpu_fused.py tests/test_triton_attention.py tests/test_cuda_graphs.py
+    tests/test_cuda_ipc_failures.py tests/test_gpu_fused.py tests/test_triton_attention.py tests/test_cuda_graphs.py
 TAIL=30 step determinism "${DET_S:-70}" python3 bench/gpu_determinism.py
 TAIL=8 step handoff "${HANDOFF_S:-80}" python3 bench/kv_handoff_gpu.py --tokens 4096 --reps 3
 TAIL=12 step served "${SERVED_S:-170}" python3 bench/gpu_served.py \

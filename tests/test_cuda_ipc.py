@@ -3,120 +3,40 @@
 On CPU (CI): the offer's wire form, the block copy against the byte-payload reference, the
 checks of chunk announcements, and the whole protocol — offer, admission, go-ahead, one
 announcement, the placer's copy, commit, ack — through the real sender, receiver, transport and
-endpoint, with only torch's two IPC calls replaced by a fake (:class:`FakeIpc`: "mapping" a pool
-returns the prefill engine's own pool tensor, which is what a real mapping shows). Over the
-in-process transport: the same-GPU path, another GPU (plain go-ahead, bytes in the chunks), an
-unmappable pool, bad source blocks, announcements nobody agreed to, a failed copy, an abort
-and a lease expiry during a stuck copy — each freeing both sides. Over real gRPC workers: the
-go-ahead's advert through gRPC metadata, for one GPU and for two.
+endpoint, with only torch's two IPC calls replaced by a fake (``tests/cuda_ipc_pair.py``). Over
+the in-process transport: the same-GPU path, another GPU (plain go-ahead, bytes in the chunks),
+an unmappable pool, bad source blocks. Failures (announcements nobody agreed to, a failed copy,
+an abort and a lease expiry during a stuck copy) and the real gRPC workers are
+tests/test_cuda_ipc_failures.py.
 
 The same transfer through a real CUDA IPC mapping is tests/test_cuda_ipc_gpu.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import threading
-import time
 import zlib
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
-from services.common.errors import (
-    AbortedError,
-    DataLossError,
-    InvalidArgumentError,
-    UnavailableError,
-)
-from services.common.grpc_channel import open_channel
-from services.common.metrics import TandemMetrics
-from services.common.pb import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
-from services.common.prefix_hash import reservation_digest
-from services.common.sampling_params import SamplingParams
-from services.common.wire import sampling_params_to_proto
-from services.decode.servicer import SERVICE_NAME as DECODE_SERVICE
-from services.decode.servicer import DecodeServicer
-from services.decode.worker import DecodeWorker
+from services.common.errors import DataLossError, InvalidArgumentError
+from services.common.pb import decode_pb2
 from services.engine.core.engine import EngineConfig, LLMEngine
 from services.engine.core.kv_cache import KVLayout, KVPool
 from services.engine.core.loaders import LoadedModel, load_model
-from services.engine.kv_transfer import (
-    InProcessTransport,
-    KVReceiver,
-    KVSender,
-    PrefilledRequest,
-    ReceiveState,
-)
-from services.engine.kv_transfer import cuda_ipc
+from services.engine.kv_transfer import ReceiveState
 from services.engine.kv_transfer.checks import check_chunk
 from services.engine.kv_transfer.cuda_ipc import (
     CUDA_IPC_ADVERT,
-    CudaIpcEndpoint,
-    CudaIpcKVTransport,
     _Transfer,
     copy_blocks,
     has_cuda_ipc_advert,
     pool_problem,
 )
 from services.engine.kv_transfer.distributed_endpoint import ChannelHost
-from services.engine.kv_transfer.grpc_transport import GrpcKVTransport
 from services.engine.kv_transfer.pair_group import CHANNEL_KEY, ChannelAdvert
 from services.engine.kv_transfer.payload import read_payload, write_payload
-from services.engine.kv_transfer.transport import KVStream, KVTransport
-from services.engine.runtime.engine_loop import EngineLoop
-from services.engine.runtime.worker_options import WorkerOptions
-from services.engine.runtime.worker_runtime import RoleParts, WorkerHandle, start_worker
-from services.prefill.servicer import SERVICE_NAME as PREFILL_SERVICE
-from services.prefill.servicer import PrefillServicer
-from tests.test_kv_transfer import wait_until
-from services.prefill.worker import PrefillWorker
-from tests.tls_identities import tls_for
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-DECODE = "decode-0"
-GPU = "3f1c9a2e-0000-4000-8000-00000000a100"  # a made-up GPU uuid
-
-
-def prompt_of(n: int, offset: int = 0) -> list[int]:
-    return [(7 * i + 3 + offset) % 500 + 1 for i in range(n)]
-
-
-class FakeIpc:
-    """torch's two IPC calls on CPU: ``share`` files the pool tensor under a new binary handle,
-    ``map`` returns the tensor filed under the handle (the same memory, as a mapping gives)."""
-
-    def __init__(self) -> None:
-        self.pools: dict[bytes, torch.Tensor] = {}
-        self.mapped = 0
-        self.fail = False
-        self.blocks: int | None = None  # pretend the shared pool has this many blocks
-
-    def share(self, data: torch.Tensor) -> decode_pb2.CudaIpcPool:
-        handle = bytes([0, 255, len(self.pools)]) + b"\x00fake-cudaIpcMemHandle"
-        self.pools[handle] = data
-        shape = list(data.shape)
-        if self.blocks is not None:
-            shape[0] = self.blocks
-        return decode_pb2.CudaIpcPool(
-            device=0, handle=handle, storage_size_bytes=data.numel() * data.element_size(),
-            ref_counter_handle=b"/torch_1_fake", event_handle=bytes(64),
-            event_sync_required=True, dtype=str(data.dtype).removeprefix("torch."), shape=shape,
-        )  # fmt: skip
-
-    def map(self, pool: decode_pb2.CudaIpcPool, device: torch.device) -> torch.Tensor:
-        self.mapped += 1
-        if self.fail:
-            raise RuntimeError("cudaIpcOpenMemHandle: invalid device context (fake)")
-        return self.pools[pool.handle][: pool.shape[0]]
+from tests.cuda_ipc_pair import GPU, GREEDY, FakeIpc, IpcPair, prompt_of
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -248,98 +168,6 @@ def tiny() -> LoadedModel:
     return load_model("dummy:tiny")
 
 
-class Recording:
-    """An endpoint wrapper that keeps every message of every transfer."""
-
-    def __init__(self, inner: CudaIpcEndpoint | KVReceiver) -> None:
-        self.inner = inner
-        self.messages: list[decode_pb2.KVTransferMessage] = []
-
-    async def receive(
-        self,
-        messages: AsyncIterator[decode_pb2.KVTransferMessage],
-        on_accept: object = None,
-        *caller: str,
-    ) -> decode_pb2.KVTransferAck:
-        """The inner endpoint's ``receive``; a channel endpoint's ``caller`` passes through."""
-        async def record() -> AsyncIterator[decode_pb2.KVTransferMessage]:
-            async for message in messages:
-                self.messages.append(message)
-                yield message
-
-        return await self.inner.receive(record(), on_accept, *caller)  # type: ignore[arg-type]
-
-    def of(self, kind: str) -> list[decode_pb2.KVTransferMessage]:
-        return [m for m in self.messages if m.WhichOneof("kind") == kind]
-
-
-class IpcPair:
-    """A prefill engine loop + sender over CUDA IPC (fake) and a decode engine loop + receiver
-    behind the IPC endpoint, in process."""
-
-    def __init__(
-        self, tiny: LoadedModel, *, prefill_gpu: str = GPU, decode_gpu: str = GPU,
-        ipc: FakeIpc | None = None, lease_seconds: float = 30.0, plain_decode: bool = False,
-    ) -> None:
-        self.ipc = ipc or FakeIpc()
-        self.metrics = TandemMetrics(process_metrics=False)
-        self.prefill = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64)),
-                                  metrics=self.metrics)  # fmt: skip
-        self.decode = EngineLoop(LLMEngine(tiny, EngineConfig(num_blocks=64)))
-        self.receiver = KVReceiver(self.decode, reap_interval=0.05)
-        self.endpoint = CudaIpcEndpoint(self.receiver, gpu_uuid=decode_gpu, map_pool=self.ipc.map)
-        self.recording = Recording(self.receiver if plain_decode else self.endpoint)
-        self.transport = self.ipc_transport(prefill_gpu)
-        self.sender = KVSender(self.prefill, self.transport, lease_seconds=lease_seconds,
-                               lease_interval=0.05, max_chunk_bytes=4096, metrics=self.metrics)
-
-    def ipc_transport(self, gpu: str = GPU, inner: KVTransport | None = None) -> CudaIpcKVTransport:
-        return CudaIpcKVTransport(
-            self.prefill, peer_id="prefill-0", gpu_uuid=gpu, share=self.ipc.share,
-            inner=inner or InProcessTransport({DECODE: self.recording}),  # type: ignore[dict-item]
-        )  # fmt: skip
-
-    async def __aenter__(self) -> IpcPair:
-        for part in (self.prefill, self.decode, self.sender, self.receiver):
-            part.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.sender.close()
-        await self.receiver.close()
-        self.endpoint.close()
-        await self.prefill.stop()
-        await self.decode.stop()
-
-    async def prefill_and_send(self, rid: str, prompt: list[int]) -> object:
-        final = None
-        async for out in self.prefill.generate(rid, prompt, GREEDY, prefill_only=True):
-            final = out
-        assert final is not None and final.finish_reason == "prefilled"
-        request = PrefilledRequest(rid, tuple(prompt), GREEDY, final.new_token_ids[0], None,
-                                   len(final.block_ids))
-        # the gateway's reservation first: the receiver takes no KV without one
-        await self.receiver.reservations.reserve(rid, len(prompt),
-                                    prompt_digest=reservation_digest(prompt, GREEDY.cache_salt))
-        return await self.sender.send(request, DECODE)
-
-    async def decoded(self, rid: str) -> list[int]:
-        ready = await self.receiver.claim(rid, 1.0)
-        tokens: list[int] = []
-        async for out in self.decode.generate_prefilled(
-            rid, ready.prompt_token_ids, ready.params, first_token_id=ready.first_token_id
-        ):
-            tokens += out.new_token_ids
-        return tokens
-
-    async def held(self, rid: str) -> list[int]:
-        return await self.decode.call(lambda engine: list(self.decode.held_blocks(rid)))
-
-    async def idle(self) -> None:
-        await wait_until(lambda: self.prefill.stats.num_blocks_in_use == 0
-                         and self.decode.stats.num_blocks_in_use == 0)
-
-
 async def test_same_gpu_copies_the_blocks_in_one_announcement(tiny: LoadedModel) -> None:
     prompt = prompt_of(37)
     reference = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate([prompt], GREEDY)[0]
@@ -417,178 +245,3 @@ async def test_source_blocks_outside_the_pool_are_refused(tiny: LoadedModel) -> 
             await pair.prefill_and_send("oob", prompt_of(40))
         await pair.idle()
         assert pair.receiver.state("oob") is ReceiveState.FAILED
-
-
-class Insisting(KVStream):
-    """A stream that announces chunks whatever the go-ahead said."""
-
-    def __init__(self, inner: KVStream) -> None:
-        self.inner = inner
-
-    @property
-    def payload_on_device(self) -> bool:
-        return True
-
-    async def write(self, message: decode_pb2.KVTransferMessage) -> bool:
-        return await self.inner.write(message)
-
-    async def accepted(self) -> bool:
-        return await self.inner.accepted()
-
-    async def finish(self) -> decode_pb2.KVTransferAck:
-        return await self.inner.finish()
-
-    def cancel(self) -> None:
-        self.inner.cancel()
-
-
-class InsistingTransport(KVTransport):
-    def __init__(self, inner: KVTransport) -> None:
-        self.inner = inner
-
-    def open(self, address: str) -> KVStream:
-        return Insisting(self.inner.open(address))
-
-
-@pytest.mark.parametrize("plain_decode", [False, True])
-async def test_announcements_nobody_agreed_to_are_data_loss(
-    tiny: LoadedModel, plain_decode: bool
-) -> None:
-    """Decode on another GPU (its placer has no pool), or a decode worker with no channel (no
-    placer): either way the announcement is refused and both sides free their blocks."""
-    async with IpcPair(tiny, decode_gpu="another-gpu", plain_decode=plain_decode) as pair:
-        pair.sender.transport = InsistingTransport(pair.transport)
-        with pytest.raises(DataLossError, match="did not agree"):
-            await pair.prefill_and_send("rogue", prompt_of(40))
-        await pair.idle()
-        assert pair.receiver.state("rogue") is ReceiveState.FAILED
-
-
-async def test_a_failed_copy_fails_the_transfer_and_frees_both_sides(
-    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def broken(*args: object) -> None:
-        raise RuntimeError("CUDA error: an illegal memory access was encountered (fake)")
-
-    monkeypatch.setattr(cuda_ipc, "copy_blocks", broken)
-    async with IpcPair(tiny) as pair:
-        with pytest.raises(UnavailableError, match="CUDA IPC copy"):
-            await pair.prefill_and_send("boom", prompt_of(40))
-        await pair.idle()
-        assert pair.receiver.state("boom") is ReceiveState.FAILED
-        assert pair.metrics.kv_transfer_failures.labels(reason="connection")._value.get() == 1
-
-
-class StuckCopy:
-    """``copy_blocks`` that blocks decode's engine thread until released."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, *args: object) -> None:
-        self.started.set()
-        self.release.wait(10)
-        copy_blocks(*args)  # type: ignore[arg-type]
-
-
-async def test_abort_during_the_copy_frees_both_sides(
-    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    stuck = StuckCopy()
-    monkeypatch.setattr(cuda_ipc, "copy_blocks", stuck)
-    async with IpcPair(tiny) as pair:
-        send = asyncio.create_task(pair.prefill_and_send("ab", prompt_of(60)))
-        await asyncio.to_thread(stuck.started.wait, 5)
-        assert pair.sender.abort("ab")
-        assert pair.receiver.abort("ab")
-        stuck.release.set()
-        await pair.decode.abort("ab")
-        with pytest.raises(AbortedError):
-            await send
-        await pair.idle()
-        assert pair.receiver.state("ab") is ReceiveState.FAILED
-
-
-async def test_lease_expiry_during_a_stuck_copy_frees_both_sides(
-    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    stuck = StuckCopy()
-    monkeypatch.setattr(cuda_ipc, "copy_blocks", stuck)
-    async with IpcPair(tiny, lease_seconds=0.3) as pair:
-        with pytest.raises(UnavailableError, match="lease"):
-            await pair.prefill_and_send("slow", prompt_of(40))
-        await wait_until(lambda: pair.prefill.stats.num_blocks_in_use == 0)  # prefill freed
-        stuck.release.set()  # the copy ends; its result is dropped and decode frees the blocks
-        await pair.idle()
-        assert pair.receiver.state("slow") is ReceiveState.FAILED
-        assert pair.metrics.kv_transfer_leases_expired._value.get() == 1
-
-
-# ----------------------------------------------------------------------------- real gRPC
-
-
-async def start_ipc_workers(
-    model: LoadedModel, ipc: FakeIpc, prefill_gpu: str, decode_gpu: str
-) -> tuple[WorkerHandle, WorkerHandle]:
-    """The servers' roles with the fake IPC calls (start_*_worker build the real ones)."""
-
-    def decode_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
-        receiver = KVReceiver(engine_loop, metrics=metrics)
-        channel = CudaIpcEndpoint(receiver, gpu_uuid=decode_gpu, map_pool=ipc.map)
-        worker = DecodeWorker(engine_loop, receiver, channel=channel)
-        servicer = DecodeServicer(worker, worker_id="decode-t")
-        return worker, servicer, decode_pb2_grpc.add_DecodeServicer_to_server, DECODE_SERVICE
-
-    def prefill_role(engine_loop: EngineLoop, metrics: TandemMetrics) -> RoleParts:
-        transport = CudaIpcKVTransport(engine_loop, peer_id="prefill-t", gpu_uuid=prefill_gpu,
-                                       share=ipc.share,
-                                       inner=GrpcKVTransport(tls_for("prefill")))  # fmt: skip
-        worker = PrefillWorker(engine_loop, KVSender(engine_loop, transport, metrics=metrics))
-        servicer = PrefillServicer(worker, worker_id="prefill-t")
-        return worker, servicer, prefill_pb2_grpc.add_PrefillServicer_to_server, PREFILL_SERVICE
-
-    options = WorkerOptions(tls=tls_for("decode"),
-                            host="127.0.0.1", port=0, num_blocks=64, kv_transport="grpc")
-    decode = await start_worker("decode", options, decode_role, loaded=model, with_text=True)
-    prefill_options = dataclasses.replace(options, tls=tls_for("prefill"))
-    prefill = await start_worker("prefill", prefill_options, prefill_role, loaded=model)
-    return prefill, decode
-
-
-@pytest.mark.parametrize("decode_gpu", [GPU, "another-gpu"])
-async def test_over_grpc_the_advert_travels_in_the_go_ahead(
-    tiny: LoadedModel, decode_gpu: str
-) -> None:
-    ipc = FakeIpc()
-    prompt = prompt_of(40)
-    expected = LLMEngine(tiny, EngineConfig(num_blocks=64)).generate([prompt], GREEDY)[0]
-    prefill, decode = await start_ipc_workers(tiny, ipc, GPU, decode_gpu)
-    prefill_channel = open_channel(prefill.address, tls=tls_for("gateway"))
-    decode_channel = open_channel(decode.address, tls=tls_for("gateway"))
-    try:
-        prefill_stub = prefill_pb2_grpc.PrefillStub(prefill_channel)
-        decode_stub = decode_pb2_grpc.DecodeStub(decode_channel)
-        await decode_stub.Reserve(decode_pb2.ReserveRequest(  # what the gateway does first
-            request_id="g", num_tokens=len(prompt),
-            prompt_digest=reservation_digest(prompt, GREEDY.cache_salt)))
-        call = decode_stub.Generate(decode_pb2.GenerateRequest(request_id="g",
-                                                               wait_for_kv_seconds=10))
-        response = await prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id="g", token_ids=prompt, params=sampling_params_to_proto(GREEDY),
-            decode_address=decode.address,
-        ))
-        assert [t async for message in call for t in message.token_ids] == expected.new_token_ids
-        assert response.num_blocks == 3
-        endpoint = decode.worker.channel  # type: ignore[attr-defined]
-        assert endpoint.num_mapped == ipc.mapped == (1 if decode_gpu == GPU else 0)
-        for stub in (prefill_stub, decode_stub):
-            deadline = time.monotonic() + 10
-            while (await stub.GetStats(common_pb2.StatsRequest())).kv_blocks_in_use:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
-    finally:
-        await prefill_channel.close()
-        await decode_channel.close()
-        await prefill.stop(0.5)
-        await decode.stop(0.5)

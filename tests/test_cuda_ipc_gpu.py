@@ -32,7 +32,7 @@ from services.engine.runtime.worker_options import WorkerOptions
 from services.engine.runtime.worker_runtime import WorkerHandle
 from services.prefill.servicer import SERVICE_NAME as PREFILL_SERVICE
 from tests.ports import free_ports
-from tests.test_cuda_ipc import GREEDY, Recording, prompt_of
+from tests.cuda_ipc_pair import GREEDY, Recording, prompt_of
 from tests.tls_identities import tls_flags, tls_for
 
 pytestmark = [
