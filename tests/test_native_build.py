@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from services.engine.core.kernels import cpu_gemv
+from services.engine.core.kernels import cpu_gemv, native_build
 from services.engine.core.kernels.native_build import (
     NativeBuildError,
     build_library,
     find_compiler,
+    selected_isa,
 )
 
 
@@ -33,6 +38,62 @@ def test_build_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".build-")]
     source.write_text("int answer(void) { return 43; }\n")
     assert build_library(source) != first  # a changed source is a new library
+
+
+def test_workers_starting_together_compile_a_kernel_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tandem up's workers want the same kernels at the same moment: one compiles (the real
+    compiler, slowed so that every other caller arrives meanwhile), the others wait on its lock
+    and load what it built."""
+    _compiler_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TANDEM_PREBUILT_KERNELS", str(tmp_path / "none"))
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    compiled: list[Path] = []
+    real = native_build._compile
+
+    def slow_compile(*args: object) -> None:
+        compiled.append(args[-1])  # type: ignore[arg-type]
+        time.sleep(0.5)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native_build, "_compile", slow_compile)
+    start = threading.Barrier(4)
+
+    def build(_: int) -> Path:
+        start.wait()
+        return build_library(source)
+
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(build, range(4)))
+    assert len(compiled) == 1 and set(paths) == {compiled[0]} and compiled[0].is_file()
+    assert [p.name for p in compiled[0].parent.iterdir() if not p.name.startswith(".")] == [
+        compiled[0].name]
+
+
+def test_a_compile_says_why_no_prebuilt_library_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _compiler_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    monkeypatch.setenv("TANDEM_PREBUILT_KERNELS", str(prebuilt))
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    with caplog.at_level(logging.INFO, logger=native_build.__name__):
+        build_library(source)
+    assert f"compiling answer.c for {selected_isa()}: no prebuilt kernels in {prebuilt}" in caplog.text
+    assert "prebuild --this-cpu" in caplog.text
+    # an installed set from older sources (a developer pulled new code since the install)
+    (prebuilt / f"answer-{selected_isa()}-0123456789abcdef.so").write_bytes(b"")
+    source.write_text("int answer(void) { return 43; }\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=native_build.__name__):
+        build_library(source)
+    assert "were built from other sources (the code changed since they were built)" in caplog.text
 
 
 def test_compile_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

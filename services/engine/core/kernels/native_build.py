@@ -25,7 +25,13 @@ same cores.
 Built libraries are cached under ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``)``/kernels``,
 keyed by the source, the compiler, its flags, the CPU's feature flags and the OpenMP runtime; a
 build writes a temporary file and renames it, so processes that start together (``tandem up``)
-never load a half-written library.
+never load a half-written library. A build holds a lock file beside its target (``flock``), so
+when ``tandem up``'s workers start together and want the same kernel, one compiles it and the
+others wait for it and load it: each kernel compiles once per machine, not once per worker (two
+workers compiling the same six kernels side by side doubled the compiler's work on cores the
+model loads also need). A worker that compiles says so first, and why no prebuilt library
+served: none installed, or an installed set built from other sources (the code changed since
+the install; the prebuild command below brings it up to date).
 
 Prebuilt libraries: an install builds every kernel for every instruction set once
 (``python -m services.engine.core.kernels.prebuild DIR``: ``scripts/install.sh`` into the
@@ -40,7 +46,9 @@ source (a developer's edit) misses them and is compiled as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -50,7 +58,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -227,11 +235,38 @@ def build_library(source: Path, isa: str | None = None) -> Path:
     if target.exists():
         return target
     try:
-        _compile(cc, flags, source, openmp, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(target):
+            if target.exists():  # another process built it while this one waited
+                return target
+            logger.info("compiling %s for %s: %s", source.name, isa, _why_compiling(source, isa))
+            _compile(cc, flags, source, openmp, target)
     except OSError as exc:  # e.g. a read-only cache directory
         raise NativeBuildError(f"cannot build into {target.parent}: {exc}") from exc
     logger.info("built %s", target)
     return target
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``target``'s lock file (waits while another process or
+    thread builds the same library; released when the holder ends, even by a crash)."""
+    fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _why_compiling(source: Path, isa: str) -> str:
+    """Why no prebuilt library served ``source`` (for the log line before a compile)."""
+    where = prebuilt_dir()
+    hint = "`python -m services.engine.core.kernels.prebuild --this-cpu` builds them ahead of time"
+    if any(where.glob(f"{source.stem}-{isa}-*.so")):
+        return (f"the prebuilt kernels in {where} were built from other sources (the code "
+                f"changed since they were built); {hint}")
+    return f"no prebuilt kernels in {where}; {hint}"
 
 
 def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path) -> None:
