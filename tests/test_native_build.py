@@ -73,6 +73,40 @@ def test_workers_starting_together_compile_a_kernel_once(
         compiled[0].name]
 
 
+def test_building_ahead_skips_what_another_builds_and_compiles_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's build-ahead thread beside a first use compiling one kernel: it passes that one
+    by at once (no wait on its lock) and compiles the others; a second run finds them all."""
+    _compiler_or_skip()
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TANDEM_PREBUILT_KERNELS", str(tmp_path / "none"))
+    busy, free = tmp_path / "busy.c", tmp_path / "free.c"
+    busy.write_text("int busy(void) { return 1; }\n")
+    free.write_text("int free_(void) { return 2; }\n")
+    real = native_build._compile
+    compiling, release = threading.Event(), threading.Event()
+    compiled: list[str] = []
+
+    def compile_(cc: str, flags: list[str], source: Path, *rest: object) -> None:
+        compiled.append(source.name)
+        if source == busy:
+            compiling.set()
+            assert release.wait(30)
+        real(cc, flags, source, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native_build, "_compile", compile_)
+    with ThreadPoolExecutor(1) as pool:
+        first_use = pool.submit(build_library, busy)
+        assert compiling.wait(30)
+        native_build.build_ahead(sources=[busy, free])  # returns while busy.c still compiles
+        assert compiled == ["busy.c", "free.c"] and not first_use.done()
+        release.set()
+        assert first_use.result().is_file()
+    native_build.build_ahead(sources=[busy, free])
+    assert compiled == ["busy.c", "free.c"]  # nothing compiled twice
+
+
 def test_a_compile_says_why_no_prebuilt_library_served(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -26,7 +26,7 @@ def test_a_prebuilt_library_loads_without_a_compiler(
 ) -> None:
     native_kernel_or_skip()
     isa = native_build.selected_isa()
-    monkeypatch.setattr(prebuild, "kernel_sources", lambda: [GEMV])
+    monkeypatch.setattr(native_build, "kernel_sources", lambda: [GEMV])
     monkeypatch.setattr(prebuild, "target_isas", lambda this_cpu=False: (isa,))
     assert prebuild.main([str(tmp_path / "prebuilt")]) == 0
     (built,) = (tmp_path / "prebuilt").iterdir()
@@ -57,7 +57,7 @@ def test_an_install_builds_what_this_cpu_selects_and_drops_older_builds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     native_kernel_or_skip()
-    monkeypatch.setattr(prebuild, "kernel_sources", lambda: [GEMV])
+    monkeypatch.setattr(native_build, "kernel_sources", lambda: [GEMV])
     monkeypatch.setattr(native_build.sys, "prefix", str(tmp_path / "env"))
     stale = native_build.prebuilt_dir() / "cpu_gemv-avx2-0123456789abcdef.so"
     stale.parent.mkdir(parents=True)
@@ -82,7 +82,7 @@ def test_prebuilt_names_ignore_the_compiler_and_the_cpu_but_not_the_flags() -> N
 
 
 def test_every_kernel_source_is_prebuilt_for_every_isa() -> None:
-    sources = {p.name for p in prebuild.kernel_sources()}
+    sources = {p.name for p in native_build.kernel_sources()}
     loaded = {m.group(1) for p in GEMV.parent.glob("*.py")
               for m in re.finditer(r'with_name\("(\w+\.c)"\)', p.read_text())}  # fmt: skip
     assert loaded and loaded <= sources  # every kernel a module loads is in the image

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,6 +37,7 @@ from services.common.model_source import ModelSource
 from services.common.pb import prefix_cache_pb2_grpc
 from services.engine.core.engine import LLMEngine
 from services.engine.core.grammar import GrammarCompiler
+from services.engine.core.kernels.native_build import build_ahead
 from services.engine.core.loaders import LoadedModel, load_model, parse_dtype
 from services.engine.core.speculative import SpeculativeConfig
 from services.engine.runtime.engine_loop import EngineLoop
@@ -221,6 +223,11 @@ async def start_worker(
     metrics = metrics or TandemMetrics()
     if options.cpus is not None:
         pin_this_thread(options.cpus)  # the engine thread, started below, inherits it
+
+    if options.device == "cpu" and loaded is None:
+        # Without prebuilt kernels the model's first uses compile them one by one: keep a second
+        # compiler busy meanwhile (with them, this only looks). Not torch work: its own thread.
+        threading.Thread(target=build_ahead, name="kernel-build", daemon=True).start()
 
     def build() -> tuple[LLMEngine, OutputText | None]:
         engine, text = build_engine(options, loaded=loaded, tokenizer=tokenizer)

@@ -218,6 +218,14 @@ def build_library(source: Path, isa: str | None = None) -> Path:
     and return the shared library's path. Every C source and header beside ``source`` is part of
     the cache key (a kernel may include another's source: cpu_decode_layers.c). A prebuilt
     library (:func:`prebuilt_dir`) for the same sources and ``isa`` is taken first."""
+    path = _build(source, isa, wait=True)
+    assert path is not None  # a waiting build always ends with the library (or raises)
+    return path
+
+
+def _build(source: Path, isa: str | None, *, wait: bool) -> Path | None:
+    """:func:`build_library`; with ``wait`` False, None at once when another process or thread is
+    compiling the same library (it will be there for whoever needs it)."""
     isa = isa or selected_isa()
     prebuilt = prebuilt_library(source, isa)
     if prebuilt is not None:
@@ -236,7 +244,9 @@ def build_library(source: Path, isa: str | None = None) -> Path:
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _build_lock(target):
+        with _build_lock(target, wait=wait) as locked:
+            if not locked:
+                return None
             if target.exists():  # another process built it while this one waited
                 return target
             logger.info("compiling %s for %s: %s", source.name, isa, _why_compiling(source, isa))
@@ -248,15 +258,42 @@ def build_library(source: Path, isa: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _build_lock(target: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``target``'s lock file (waits while another process or
-    thread builds the same library; released when the holder ends, even by a crash)."""
+def _build_lock(target: Path, *, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``target``'s lock file, released when the holder ends (even
+    by a crash). ``wait``: until another process or thread building the same library is done;
+    else yields False at once when one is."""
     fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def kernel_sources() -> list[Path]:
+    """Every kernel's C source shipped with Tandem."""
+    return sorted(Path(__file__).resolve().parent.glob("*.c"))
+
+
+def build_ahead(isa: str | None = None, sources: list[Path] | None = None) -> None:
+    """Compile every shipped kernel (or ``sources``) that has no library here yet for ``isa``
+    (default: the selected set), skipping any that another process or thread is compiling. A
+    worker runs this on a thread of its own at start: without prebuilt kernels its first uses
+    would compile them one at a time while a core idles (and the other workers wait on the same
+    locks), so this keeps a second compiler busy meanwhile. With prebuilt or cached libraries it
+    only looks (no compiler runs). A kernel that fails to build is left to its first use, which
+    reports it."""
+    if not kernels_enabled():
+        return
+    for source in kernel_sources() if sources is None else sources:
+        try:
+            _build(source, isa, wait=False)
+        except NativeBuildError as exc:
+            logger.debug("building %s ahead failed: %s", source.name, exc)
 
 
 def _why_compiling(source: Path, isa: str) -> str:

@@ -24,12 +24,6 @@ from pathlib import Path
 from services.engine.core.kernels import native_build
 
 logger = logging.getLogger(__name__)
-KERNELS = Path(__file__).resolve().parent
-
-
-def kernel_sources() -> list[Path]:
-    """Every kernel's C source shipped with Tandem."""
-    return sorted(KERNELS.glob("*.c"))
 
 
 def target_isas(this_cpu: bool = False) -> tuple[str, ...]:
@@ -47,7 +41,7 @@ def prebuild(out: Path, this_cpu: bool = False) -> list[Path]:
     openmp = native_build.loaded_openmp_runtime()
     jobs = {
         out / native_build.prebuilt_name(source, isa, openmp): (source, isa)
-        for source in kernel_sources()
+        for source in native_build.kernel_sources()
         for isa in target_isas(this_cpu)
     }
 
@@ -60,7 +54,7 @@ def prebuild(out: Path, this_cpu: bool = False) -> list[Path]:
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         built = list(pool.map(build, jobs))
-    stems = {source.stem for source in kernel_sources()}
+    stems = {source.stem for source in native_build.kernel_sources()}
     for old in out.glob("*.so"):
         if old not in jobs and old.name.rsplit("-", 2)[0] in stems:
             old.unlink(missing_ok=True)  # a build of sources no longer shipped
