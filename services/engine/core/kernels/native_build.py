@@ -292,7 +292,7 @@ def build_ahead(isa: str | None = None, sources: list[Path] | None = None) -> No
     for source in kernel_sources() if sources is None else sources:
         try:
             _build(source, isa, wait=False)
-        except NativeBuildError as exc:
+        except Exception as exc:  # noqa: BLE001 - best effort: the kernel's first use reports it
             logger.debug("building %s ahead failed: %s", source.name, exc)
 
 
