@@ -289,6 +289,11 @@ def build_ahead(isa: str | None = None, sources: list[Path] | None = None) -> No
     reports it."""
     if not kernels_enabled():
         return
+    try:
+        isa = isa or selected_isa()  # once: the set this worker selected at its start
+    except NativeBuildError as exc:
+        logger.debug("building kernels ahead: %s", exc)
+        return
     for source in kernel_sources() if sources is None else sources:
         try:
             _build(source, isa, wait=False)
