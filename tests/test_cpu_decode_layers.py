@@ -283,4 +283,5 @@ def test_bad_bindings_are_refused(tiny_llama_dir: Path) -> None:
         call.set_caches([(k.double(), v) for k, v in caches], engine.kv)
     unbound = DecodeLayersCall(call._fn, call._decode_shape, call._layers_py, call.isa, call.build)
     with pytest.raises(RuntimeError, match="set_caches"):
-        unbound(torch.zeros(1, 64), *[torch.zeros(1, 16)] * 2, *[torch.zeros(1, dtype=torch.long)] * 4)
+        unbound(torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), (torch.zeros(8, 16),) * 2,
+                *[torch.zeros(1, dtype=torch.long)] * 4)

@@ -33,7 +33,8 @@ class AttentionMetadata:
         context_lens: total tokens per sequence after this step (cached prefix + new).
         block_tables: ``[B, max_blocks]`` block ids per sequence, padded with 0.
         decode_mask: ``[B, 1, 1, L]`` bool, True where a decode query may attend (decode steps
-            of more than one sequence only).
+            of more than one sequence; built by :meth:`decode_mask_for` at the first layer that
+            asks, PyTorch's attention, not by every step: the kernels read the lengths).
         context_lens_tensor: ``context_lens`` as an int64 device tensor (decode only), for kernels.
         token_seqs / token_rows: ``[T]`` each new token's sequence and its row among that
             sequence's new tokens (prefill only): where it sits in a padded ``[B, max_q]`` batch.
@@ -98,27 +99,34 @@ class AttentionMetadata:
             if mixed is None and (batch > 1 or context_lens[0] != query_lens[0]):
                 prefill_mask = _prefill_mask(query_lens, context_lens, lens - qlens, qlens,
                                              block_size, device)  # fmt: skip
-        else:  # one new token per sequence, at its last position
-            positions = lens - 1
-            slot_blocks = tables[torch.arange(batch, device=device), positions // block_size]
-        mask = None
-        if not is_prefill and batch > 1:  # one sequence attends to exactly its context, unmasked
-            span = torch.arange(width * block_size, device=device)
-            mask = (span[None, :] < lens[:, None])[:, None, None, :]
+            slot_offsets = positions % block_size
+        else:  # one new token per sequence, at its last position: B integers, no tensor ops
+            ends = [n - 1 for n in context_lens]
+            slot_blocks = torch.tensor([t[p // block_size] for t, p in zip(block_tables, ends)],
+                                       dtype=torch.long, device=device)  # fmt: skip
+            slot_offsets = torch.tensor([p % block_size for p in ends], dtype=torch.long, device=device)
         return AttentionMetadata(
             is_prefill=is_prefill,
             slot_blocks=slot_blocks,
-            slot_offsets=positions % block_size,
+            slot_offsets=slot_offsets,
             query_lens=list(query_lens),
             context_lens=list(context_lens),
             block_tables=tables,
-            decode_mask=mask,
             context_lens_tensor=None if is_prefill else lens,
             token_seqs=token_seqs,
             token_rows=token_rows,
             prefill_mask=prefill_mask,
             mixed=mixed,
         )
+
+    def decode_mask_for(self, keys: int) -> torch.Tensor | None:
+        """``decode_mask`` over ``keys`` gathered positions (``None`` for one sequence, which
+        attends to exactly its context), built once per step."""
+        if self.decode_mask is None and len(self.context_lens) > 1:
+            lens = self.decode_context_lens()
+            span = torch.arange(keys, device=lens.device)
+            self.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+        return self.decode_mask
 
     def decode_context_lens(self) -> torch.Tensor:
         """``context_lens`` as an int64 tensor on the block tables' device (built once)."""
@@ -357,7 +365,7 @@ class TorchPagedAttention(PagedAttention):
         head_dim = q.shape[-1]
         keys = kv_quant.read_kv(k_cache[meta.block_tables], q.dtype, head_dim).flatten(1, 2)
         values = kv_quant.read_kv(v_cache[meta.block_tables], q.dtype, head_dim).flatten(1, 2)
-        mask = meta.decode_mask
+        mask = meta.decode_mask_for(keys.shape[1])
         if batch == 1:  # no padding: attend to exactly the context, no mask
             ctx = meta.context_lens[0]
             keys, values, mask = keys[:, :ctx], values[:, :ctx], None

@@ -102,30 +102,48 @@ static int projection(const tandem_projection *p, const float *x, float *y, floa
 }
 
 /* x [rows, hidden] contiguous: the residual stream entering layer 0, replaced by the stream
- * leaving the last layer (before the final norm). cos / sin [rows, head_dim] (rope.py's tables),
- * local_cos / local_sin the same for layers with local_rope set (else never read);
- * tables [rows, *] (row stride t_sb), lens, slot_blocks, slot_offsets [rows] int64: the decode
- * step's attention metadata (one new token per sequence). Returns 0, or -1 when the step's buffer
- * can't be allocated or a matmul fails (an unknown format, or no memory for its scratch). */
+ * leaving the last layer, through final_norm when it is not NULL (the model's last RMSNorm
+ * weights and final_eps: the kernel every other path runs it with, so the same bits). positions [rows] int64:
+ * each row's position, its rotary row in cos / sin [table_rows, head_dim] (rope.py's tables) and,
+ * for layers with local_rope set, local_cos / local_sin (the same shape; else never read), taken
+ * here rather than gathered by PyTorch ops per step. tables [rows, *] (row stride t_sb), lens,
+ * slot_blocks, slot_offsets [rows] int64: the decode step's attention metadata (one new token
+ * per sequence). Returns 0; -1 when the step's buffer can't be allocated or a matmul fails (an
+ * unknown format, or no memory for its scratch); -2 for a position outside the tables. */
 int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layers,
-                         int64_t n_layers, float *x, int64_t rows, const float *cos,
-                         const float *sin, const float *local_cos, const float *local_sin,
-                         const int64_t *tables, int64_t t_sb, const int64_t *lens,
-                         const int64_t *slot_blocks, const int64_t *slot_offsets, int threads) {
+                         int64_t n_layers, float *x, int64_t rows, const int64_t *positions,
+                         const float *cos_table, const float *sin_table,
+                         const float *local_cos_table, const float *local_sin_table,
+                         int64_t table_rows, const int64_t *tables, int64_t t_sb,
+                         const int64_t *lens, const int64_t *slot_blocks,
+                         const int64_t *slot_offsets, const float *final_norm, float final_eps,
+                         int threads) {
     const int64_t hidden = s->hidden, d = s->head_dim;
     const int64_t q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t qkv_out = q_size + 2 * kv_size;
+    for (int64_t r = 0; r < rows; r++)
+        if (positions[r] < 0 || positions[r] >= table_rows) return -2;
     /* a part is at most its projection's width: the widest one bounds the scratch */
     int64_t widest = qkv_out > 2 * s->intermediate ? qkv_out : 2 * s->intermediate;
     if (hidden > widest) widest = hidden;
-    const size_t floats =
-        (size_t)rows * (size_t)(3 * hidden + qkv_out + q_size + 3 * s->intermediate + widest);
+    const size_t floats = (size_t)rows * (size_t)(3 * hidden + qkv_out + q_size +
+                                                  3 * s->intermediate + widest + 4 * d);
     float *buffer = malloc(floats * sizeof(float));
     if (!buffer) return -1;
     float *normed = buffer, *h = normed + rows * hidden, *stream = h + rows * hidden;
     float *qkv = stream + rows * hidden, *attn = qkv + rows * qkv_out;
     float *gate_up = attn + rows * q_size, *act = gate_up + rows * 2 * s->intermediate;
     float *scratch = act + rows * s->intermediate;
+    /* the rows' rotary tables [rows, head_dim]: global, then local */
+    float *cos = scratch + rows * widest, *sin = cos + rows * d;
+    float *local_cos = sin + rows * d, *local_sin = local_cos + rows * d;
+    for (int64_t r = 0; r < rows; r++) {
+        const size_t row = (size_t)d * sizeof(float);
+        memcpy(cos + r * d, cos_table + positions[r] * d, row);
+        memcpy(sin + r * d, sin_table + positions[r] * d, row);
+        memcpy(local_cos + r * d, local_cos_table + positions[r] * d, row);
+        memcpy(local_sin + r * d, local_sin_table + positions[r] * d, row);
+    }
     int status = 0;
     for (int64_t index = 0; index < n_layers; index++) {
         const tandem_layer *l = &layers[index];
@@ -158,6 +176,8 @@ int tandem_decode_layers(const tandem_decode_shape *s, const tandem_layer *layer
             tandem_add_rmsnorm(h, NULL, NULL, l->mlp_out_norm, h, rows, hidden, s->eps);
         for (int64_t i = 0; i < rows * hidden; i++) x[i] = stream[i] + h[i];
     }
+    if (!status && final_norm) /* x = RMSNorm(x), in place */
+        tandem_add_rmsnorm(x, NULL, NULL, final_norm, x, rows, hidden, final_eps);
     free(buffer);
     return status;
 }

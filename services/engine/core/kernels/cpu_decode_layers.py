@@ -144,7 +144,7 @@ class CpuDecodeLayers:
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [
             ctypes.POINTER(_Shape), ctypes.POINTER(_Layer), _I64, _PTR, _I64, _PTR, _PTR, _PTR,
-            _PTR, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int,
+            _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_float, ctypes.c_int,
         ]  # fmt: skip
         isa = library.tandem_qgemv_isa  # the unity build carries cpu_qgemv.c's entry points
         isa.restype = ctypes.c_char_p
@@ -255,29 +255,42 @@ class DecodeLayersCall:
     def __call__(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         slot_blocks: torch.Tensor,
         slot_offsets: torch.Tensor,
         local: tuple[torch.Tensor, torch.Tensor] | None = None,
+        final_norm: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
         """Run every layer over ``x`` ``[rows, hidden]`` (contiguous float32, overwritten: returned
-        as the stream leaving the last layer). ``cos``/``sin``: contiguous ``[rows, head_dim]``,
-        ``local`` the same for the layers bound with ``local_rope`` (default: ``cos``/``sin``);
-        the metadata tensors: int64, contiguous, one entry (tables: one row) per sequence."""
+        as the stream leaving the last layer, normed by ``final_norm`` = ``(weight, eps)`` when
+        given). ``positions``: each row's position (int64, contiguous), its row of the rotary
+        tables ``rope`` = ``(cos, sin)``, contiguous float32 ``[positions, head_dim]`` (rope.py's
+        whole tables, read here: no per-step gather), ``local`` the same for the layers bound with
+        ``local_rope`` (default: ``rope``); the metadata tensors: int64, contiguous, one entry
+        (tables: one row) per sequence."""
         if self._shape is None:
             raise RuntimeError("set_caches() before the first decode step")
-        rows = x.shape[0]
-        local_cos, local_sin = local if local is not None else (cos, sin)
+        local_cos, local_sin = local if local is not None else rope
+        tables = (*rope, local_cos, local_sin)
+        width = self._decode_shape.head_dim
+        if any(t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width
+               or not t.is_contiguous() for t in tables):  # fmt: skip
+            raise ValueError(f"rotary tables must be contiguous float32 [positions, {width}]")
+        if positions.dtype != torch.long or not positions.is_contiguous():
+            positions = positions.to(torch.long).contiguous()
+        norm, eps = final_norm if final_norm is not None else (None, 0.0)
         status = self._fn(
-            self._shape, self._layers, len(self._layers), x.data_ptr(), rows, cos.data_ptr(),
-            sin.data_ptr(), local_cos.data_ptr(), local_sin.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0),
-            context_lens.data_ptr(), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+            self._shape, self._layers, len(self._layers), x.data_ptr(), x.shape[0],
+            positions.data_ptr(), *(t.data_ptr() for t in tables), min(t.shape[0] for t in tables),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+            slot_blocks.data_ptr(), slot_offsets.data_ptr(), _ptr(norm), eps,
             torch.get_num_threads(),
         )  # fmt: skip
+        if status == -2:
+            raise ValueError("a decode position is past the rotary tables")
         if status != 0:
             raise MemoryError("the CPU decode-layers kernel could not allocate its buffers")
         return x

@@ -135,8 +135,6 @@ class CausalLM(nn.Module, ABC):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # as Hugging Face: the scale rounded to the dtype
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        rope = self.rope.lookup(positions, x.dtype)
-        local = self.local_rope.lookup(positions, x.dtype) if self.local_rope is not None else rope
         rows = x.shape[0]
         call = self.decode_layers
         if (
@@ -147,17 +145,43 @@ class CausalLM(nn.Module, ABC):
         ):
             if call.caches_of is not kv:
                 call.set_caches([kv.layer(i) for i in range(len(self.layers))], kv)
-            x = call(
-                x.contiguous(), rope[0].view(rows, -1), rope[1].view(rows, -1), meta.block_tables,
+            # the rotary rows and the final norm are the C step's too (no PyTorch op per step)
+            norm = self.final_norm_kernel(x)
+            local = self.local_rope
+            return call(
+                x.contiguous(), positions, (self.rope.cos, self.rope.sin), meta.block_tables,
                 meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets,
-                (local[0].view(rows, -1), local[1].view(rows, -1)) if local is not rope else None,
+                (local.cos, local.sin) if local is not None else None,
+                (norm, self.norm.eps) if norm is not None else None,
             )  # fmt: skip
-            return self.norm.forward(x)
+        rope = self.rope.lookup(positions, x.dtype)
+        local = self.local_rope.lookup(positions, x.dtype) if self.local_rope is not None else rope
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(index)
             layer_rope = local if layer.self_attn.window is not None else rope
             x = layer.forward(x, layer_rope, k_cache, v_cache, meta)
+        return self.final_norm(x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm after the last layer: on CPU the fused C kernel where the layers use it (one
+        call instead of PyTorch's six small ops, each slow in a decode step that has just streamed
+        the weights through the caches), else PyTorch's. Every path — prefill, decode, the
+        one-call layers (:meth:`final_norm_kernel`) — takes the same one, so a position's bits
+        never depend on the path."""
+        weight = self.final_norm_kernel(x)
+        if weight is not None:
+            fused = self.layers[0].fused
+            assert fused is not None
+            return fused.add_rmsnorm(x, None, weight, self.norm.eps)
         return self.norm.forward(x)
+
+    def final_norm_kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The final norm's weights as the fused CPU kernel multiplies by, where it runs for
+        ``x``'s batch; ``None`` where PyTorch's norm does."""
+        fused = self.layers[0].fused if len(self.layers) else None
+        if fused is not None and x.device.type == "cpu" and fused.applies(x):
+            return self.norm.kernel_weight()
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
