@@ -47,6 +47,16 @@ def test_build_matches_the_per_token_definition() -> None:
                 assert meta.token_rows.tolist() == [j for q in query for j in range(q)]
             else:
                 assert meta.context_lens_tensor.tolist() == context
+                # the mask only PyTorch's attention reads: built at its first use, then kept
+                assert meta.decode_mask is None
+                mask = meta.decode_mask_for(width * BLOCK)
+                if batch == 1:
+                    assert mask is None  # one sequence attends to exactly its context
+                else:
+                    assert mask is not None and mask.shape == (batch, 1, 1, width * BLOCK)
+                    assert mask[:, 0, 0].tolist() == [[p < c for p in range(width * BLOCK)]
+                                                      for c in context]  # fmt: skip
+                    assert meta.decode_mask_for(width * BLOCK) is mask
 
 
 def _alone(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int) -> torch.Tensor:

@@ -281,6 +281,16 @@ def test_bad_bindings_are_refused(tiny_llama_dir: Path) -> None:
         call.set_caches(caches[:-1], engine.kv)
     with pytest.raises(ValueError, match="float32 views"):
         call.set_caches([(k.double(), v) for k, v in caches], engine.kv)
+    call.set_caches(caches, engine.kv)
+    rope, hidden = loaded.model.rope, loaded.model.config.hidden_size
+    meta = AttentionMetadata.build(is_prefill=False, query_lens=[1], context_lens=[3],
+                                   block_tables=[[1]], block_size=engine.kv.layout.block_size)
+    step = (meta.block_tables, meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets)
+    with pytest.raises(ValueError, match="past the rotary tables"):  # refused before any work
+        call(torch.zeros(1, hidden), torch.tensor([rope.cos.shape[0]]), (rope.cos, rope.sin), *step)
+    with pytest.raises(ValueError, match="rotary tables must be"):
+        narrow = rope.cos[:, :4].contiguous()
+        call(torch.zeros(1, hidden), torch.tensor([2]), (narrow, narrow), *step)
     unbound = DecodeLayersCall(call._fn, call._decode_shape, call._layers_py, call.isa, call.build)
     with pytest.raises(RuntimeError, match="set_caches"):
         unbound(torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), (torch.zeros(8, 16),) * 2,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,6 +223,9 @@ class DecodeLayersCall:
         self._shape: _Shape | None = None
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.caches_of: object = None  # the pool the caches were taken from (the caller's key)
+        # the rotary tables last passed (cos, sin, local cos, local sin), their pointers and rows
+        self._tables: tuple[torch.Tensor, ...] = ()
+        self._table_ptrs: tuple[int, ...] = ()
 
     def tiles(self) -> list[LinearTiles]:
         """Every projection of every layer, in order (each part of one in parts)."""
@@ -252,6 +256,14 @@ class DecodeLayersCall:
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
         self._caches, self.caches_of = caches, owner
 
+    def _set_tables(self, tables: tuple[torch.Tensor, ...]) -> None:
+        width = self._decode_shape.head_dim
+        if any(t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width
+               or not t.is_contiguous() for t in tables):  # fmt: skip
+            raise ValueError(f"rotary tables must be contiguous float32 [positions, {width}]")
+        self._tables = tables
+        self._table_ptrs = (*(t.data_ptr() for t in tables), min(t.shape[0] for t in tables))
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -273,21 +285,18 @@ class DecodeLayersCall:
         (tables: one row) per sequence."""
         if self._shape is None:
             raise RuntimeError("set_caches() before the first decode step")
-        local_cos, local_sin = local if local is not None else rope
-        tables = (*rope, local_cos, local_sin)
-        width = self._decode_shape.head_dim
-        if any(t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != width
-               or not t.is_contiguous() for t in tables):  # fmt: skip
-            raise ValueError(f"rotary tables must be contiguous float32 [positions, {width}]")
+        tables = (*rope, *(local if local is not None else rope))
+        if not self._tables or not all(map(operator.is_, tables, self._tables)):
+            # new tables (once per model): checked once, their pointers kept
+            self._set_tables(tables)
         if positions.dtype != torch.long or not positions.is_contiguous():
             positions = positions.to(torch.long).contiguous()
         norm, eps = final_norm if final_norm is not None else (None, 0.0)
         status = self._fn(
             self._shape, self._layers, len(self._layers), x.data_ptr(), x.shape[0],
-            positions.data_ptr(), *(t.data_ptr() for t in tables), min(t.shape[0] for t in tables),
-            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
-            slot_blocks.data_ptr(), slot_offsets.data_ptr(), _ptr(norm), eps,
-            torch.get_num_threads(),
+            positions.data_ptr(), *self._table_ptrs, block_tables.data_ptr(),
+            block_tables.stride(0), context_lens.data_ptr(), slot_blocks.data_ptr(),
+            slot_offsets.data_ptr(), _ptr(norm), eps, torch.get_num_threads(),
         )  # fmt: skip
         if status == -2:
             raise ValueError("a decode position is past the rotary tables")
