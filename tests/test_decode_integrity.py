@@ -32,7 +32,7 @@ from services.common.wire import sampling_params_to_proto
 from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.kv_transfer import ReceiveState
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
-from tests.test_prefill_decode import Cluster, cluster, prompt_of, reference, tokens_of
+from tests.prefill_decode_cluster import Cluster, cluster, prompt_of, reference, tokens_of
 from tests.tls_identities import session_ca, tls_for
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

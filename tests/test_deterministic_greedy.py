@@ -28,7 +28,7 @@ from services.engine.core.engine import EngineConfig, LLMEngine, RequestOutput
 from services.engine.core.loaders import LoadedModel, load_model
 from tests.conftest import native_kernel_or_skip
 from tests.test_model_families import FAMILIES
-from tests.test_prefill_decode import cluster, tokens_of
+from tests.prefill_decode_cluster import cluster, tokens_of
 
 pytestmark = pytest.mark.slow
 

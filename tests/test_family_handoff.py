@@ -11,7 +11,7 @@ import torch
 
 from services.engine.core.loaders import LoadedModel, load_model
 from tests.test_model_families import FAMILIES
-from tests.test_prefill_decode import GREEDY, cluster, prompt_of, reference, tokens_of
+from tests.prefill_decode_cluster import GREEDY, cluster, prompt_of, reference, tokens_of
 
 pytestmark = pytest.mark.slow
 

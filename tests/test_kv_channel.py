@@ -5,7 +5,8 @@ a set-up that fails falling back to gRPC), the decode side's checks of announced
 rendezvous store over a real mutual-TLS gRPC server (``Decode.KVStore``: torch's store
 semantics, namespaces per group and per peer, bounds; a client without a certificate or of
 another role cannot touch it); and the ``--kv-transport`` flag. The transfers themselves, over
-real workers and every cleanup path, are in ``test_prefill_decode.py``."""
+real workers and every cleanup path, are in ``test_prefill_decode.py`` and
+``test_prefill_decode_failures.py``."""
 
 from __future__ import annotations
 

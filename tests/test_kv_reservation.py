@@ -25,7 +25,7 @@ from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.kv_transfer import ReceiveState
 from services.engine.kv_transfer.reservations import MAX_RESERVATION_LEASE_SECONDS
 from services.engine.kv_transfer.reservation_quota import ReservationQuota
-from tests.test_prefill_decode import Cluster, cluster, prompt_of, reference, tokens_of, wait_until
+from tests.prefill_decode_cluster import Cluster, cluster, prompt_of, reference, tokens_of, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -19,7 +19,7 @@ from services.engine.core.loaders import LoadedModel, load_model
 from services.engine.kv_transfer import distributed_endpoint
 from services.engine.kv_transfer.pair_group import PairGroup
 from services.engine.kv_transfer.payload_seal import new_key, seal, unseal
-from tests.test_prefill_decode import cluster, prompt_of
+from tests.prefill_decode_cluster import cluster, prompt_of
 
 
 @pytest.fixture(scope="module")
