@@ -551,7 +551,7 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : splat(0.0f); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
-            prefetch_block(block, NAME##_BLOCK);                                                  \
+            prefetch_block(block, NAME##_BLOCK, NAME##_AHEAD);                                    \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
@@ -604,7 +604,7 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                 store_vec(accm + r * TILE + c * LANES, bias ? load_vec(bias + c * LANES) : splat(0.0f)); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
-            prefetch_block(block, NAME##_BLOCK);                                                  \
+            prefetch_block(block, NAME##_BLOCK, NAME##_AHEAD);                                    \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \

@@ -372,11 +372,24 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
 /* A decode row streams each weight from memory once, a tile's blocks front to back; the
  * hardware prefetchers alone left a core's stream well below what memory gives two cores
  * (measured on Zen 3: an int8 q4_k row from DRAM 18-20 GB/s on 2 threads; prefetching the
- * block PREFETCH_AHEAD bytes on, 23-32 GB/s). Prefetches never fault: past the weight's end
- * they are dropped. */
+ * block PREFETCH_AHEAD bytes on, 23-32 GB/s). How far ahead is the format's NAME_AHEAD: q4_k
+ * rows (2,304-byte blocks, read in eight 32-input groups) want twice the distance of the others
+ * (measured on Zen 3, AVX2, int8 rows from DRAM: 2 threads 19.2-20.7 GB/s at 8 KiB, 24.2-27.4
+ * at 16 KiB; one thread 9.1-10.4 -> 13.3-14.5), which are no faster further ahead (q6_k slower:
+ * its 49152 x 2048 head 21.6 -> 19.3 GB/s). Prefetches never fault: past the weight's end they
+ * are dropped. */
 #define PREFETCH_AHEAD 8192
-static inline void prefetch_block(const uint8_t *block, int64_t bytes) {
-    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(block + PREFETCH_AHEAD + l, 0, 0);
+#define q8_AHEAD PREFETCH_AHEAD
+#define q4_AHEAD PREFETCH_AHEAD
+#define q5_AHEAD PREFETCH_AHEAD
+#define q50_AHEAD PREFETCH_AHEAD
+#define q4k_AHEAD (2 * PREFETCH_AHEAD)
+#define q5k_AHEAD PREFETCH_AHEAD
+#define q6k_AHEAD PREFETCH_AHEAD
+#define bf16_AHEAD PREFETCH_AHEAD
+#define f16_AHEAD PREFETCH_AHEAD
+static inline void prefetch_block(const uint8_t *block, int64_t bytes, int64_t ahead) {
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(block + ahead + l, 0, 0);
 }
 
 /* R rows over one quantized tile, its values converted in registers. Per output and group, one
@@ -395,7 +408,7 @@ static inline void prefetch_block(const uint8_t *block, int64_t bytes) {
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : (vec){0}; \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
-            prefetch_block(block, NAME##_BLOCK);                                                  \
+            prefetch_block(block, NAME##_BLOCK, NAME##_AHEAD);                                    \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
@@ -488,7 +501,7 @@ static inline void prefetch_block(const uint8_t *block, int64_t bytes) {
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
             block_scales bs[N];                                                                   \
             for (int n = 0; n < N; n++) {                                                         \
-                prefetch_block(block + n * tile_bytes, NAME##_BLOCK);                             \
+                prefetch_block(block + n * tile_bytes, NAME##_BLOCK, NAME##_AHEAD);               \
                 NAME##_prep(block + n * tile_bytes, &bs[n]);                                      \
             }                                                                                     \
             for (int s = 0; s < NAME##_SPAN / NAME##_SUB; s++) {                                  \
