@@ -6,7 +6,8 @@ sliding windows with their own rope tables, score soft-cap).
 The model hands :meth:`CpuDecodeLayers.bind` its layers' weights once (the kernels' tiles, the
 norm weights) as plain descriptors — this module knows tensors, not ``nn.Module`` — and gets back a
 :class:`DecodeLayersCall` whose pointer arrays are built once; per step it passes only the
-residual stream, the rotary tables and the step's attention metadata. The result is the same bits
+residual stream, the rows' positions (the C call reads the rotary tables itself), the step's
+attention metadata and the final norm's weights. The result is the same bits
 as the per-op kernel path (the C file is a unity build of those kernels, chained in the same
 order); the model still decides per batch size whether to use it (see
 :meth:`~services.engine.core.models.base.CausalLM.use_decode_layers`).

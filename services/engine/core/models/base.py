@@ -9,7 +9,8 @@ what it adds around the stack (Gemma's embedding scale, Gemma 2's final soft-cap
 
 Fast paths: decode-sized float32 batches on CPU run the residual add + RMSNorm (Gemma's ``1 + w``
 folded into the weight), ``silu(gate) * up`` or GeGLU, the rotary embedding and the per-head q/k
-norms as one fused C call each (:meth:`CausalLM.use_fused`); a decode step of up to 32 sequences
+norms as one fused C call each (:meth:`CausalLM.use_fused`), and the final norm too on every CPU
+float32 batch (:meth:`CausalLM.final_norm`); a decode step of up to 32 sequences
 whose every layer the C step computes (:meth:`DecoderLayer.one_call_norms`: Llama's, Qwen3's,
 Gemma 2/3's) and every op has a native kernel runs all layers as one C call
 (:meth:`CausalLM.use_decode_layers`): the same kernels in the same order, so the same bits.
