@@ -288,6 +288,8 @@ def test_bad_bindings_are_refused(tiny_llama_dir: Path) -> None:
     step = (meta.block_tables, meta.decode_context_lens(), meta.slot_blocks, meta.slot_offsets)
     with pytest.raises(ValueError, match="past the rotary tables"):  # refused before any work
         call(torch.zeros(1, hidden), torch.tensor([rope.cos.shape[0]]), (rope.cos, rope.sin), *step)
+    with pytest.raises(ValueError, match="2 positions for 1 rows"):
+        call(torch.zeros(1, hidden), torch.tensor([1, 2]), (rope.cos, rope.sin), *step)
     with pytest.raises(ValueError, match="rotary tables must be"):
         narrow = rope.cos[:, :4].contiguous()
         call(torch.zeros(1, hidden), torch.tensor([2]), (narrow, narrow), *step)

@@ -290,6 +290,8 @@ class DecodeLayersCall:
         if not self._tables or not all(map(operator.is_, tables, self._tables)):
             # new tables (once per model): checked once, their pointers kept
             self._set_tables(tables)
+        if positions.numel() != x.shape[0]:
+            raise ValueError(f"{positions.numel()} positions for {x.shape[0]} rows")
         if positions.dtype != torch.long or not positions.is_contiguous():
             positions = positions.to(torch.long).contiguous()
         norm, eps = final_norm if final_norm is not None else (None, 0.0)
