@@ -169,20 +169,20 @@ class CausalLM(nn.Module, ABC):
         the weights through the caches), else PyTorch's. Every path — prefill, decode, the
         one-call layers (:meth:`final_norm_kernel`) — takes the same one, so a position's bits
         never depend on the path."""
-        weight = self.final_norm_kernel(x)
-        if weight is not None:
-            fused = self.layers[0].fused
-            assert fused is not None
-            return fused.add_rmsnorm(x, None, weight, self.norm.eps)
+        fused = self._final_norm_fused(x)
+        if fused is not None:
+            return fused.add_rmsnorm(x, None, self.norm.kernel_weight(), self.norm.eps)
         return self.norm.forward(x)
 
     def final_norm_kernel(self, x: torch.Tensor) -> torch.Tensor | None:
         """The final norm's weights as the fused CPU kernel multiplies by, where it runs for
         ``x``'s batch; ``None`` where PyTorch's norm does."""
+        return self.norm.kernel_weight() if self._final_norm_fused(x) is not None else None
+
+    def _final_norm_fused(self, x: torch.Tensor) -> FusedOps | None:
+        """The CPU fused ops the final norm runs on for ``x``, or ``None`` (PyTorch's norm)."""
         fused = self.layers[0].fused if len(self.layers) else None
-        if fused is not None and x.device.type == "cpu" and fused.applies(x):
-            return self.norm.kernel_weight()
-        return None
+        return fused if fused is not None and x.device.type == "cpu" and fused.applies(x) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
