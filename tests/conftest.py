@@ -66,7 +66,7 @@ def native_kernel_or_skip():  # type: ignore[no-untyped-def]
     return kernel
 
 
-@pytest.fixture(params=("avx512", "avx2", "generic"))  # native_build.ISAS
+@pytest.fixture(params=("avx512vnni", "avx512", "avxvnni", "avx2", "generic"))  # native_build.ISAS
 def isa(request: pytest.FixtureRequest) -> str:
     """Each instruction-set build of the native kernels this CPU runs (the others skip)."""
     from services.engine.core.kernels.native_build import ISAS, supported_isas

@@ -1,4 +1,4 @@
-"""Every instruction-set build of the CPU kernels (avx512, avx2, generic) on this machine.
+"""Every instruction-set build of the CPU kernels (avx512vnni, avx512, avxvnni, avx2, generic) on this machine.
 
 Per build: the float32, q8_0, q4, bfloat16 and float16 kernels equal a float64 reference (the
 compact ones on the dequantized weight, both the few-rows register path and the group-by-group path);
@@ -73,9 +73,9 @@ FORMATS = ["q8_0", "q4", "bfloat16", "float16"]
 
 def test_kernels_report_their_isa(isa: str) -> None:
     gemv, qgemv = _kernels(isa)
-    assert gemv.isa == isa and qgemv.isa == isa
-    assert gemv.tile == qgemv.tile == {"avx512": 32, "avx2": 16, "generic": 8}[isa]
-    assert f"-{isa}-" in gemv.build and f"-{isa}-" in qgemv.build
+    assert gemv.isa == qgemv.isa == native_build.library_isa(cpu_gemv.SOURCE, isa)
+    assert gemv.tile == qgemv.tile == {"avx512": 32, "avx2": 16, "generic": 8}[native_build.vector_isa(isa)]
+    assert f"-{gemv.isa}-" in gemv.build and f"-{gemv.isa}-" in qgemv.build
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -330,7 +330,7 @@ def test_unknown_isa_is_a_build_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("TANDEM_CPU_ISA", "bogus")
-    with pytest.raises(NativeBuildError, match="'bogus' is not one of avx512, avx2, generic"):
+    with pytest.raises(NativeBuildError, match="'bogus' is not one of avx512vnni, avx512, avxvnni, avx2, generic"):
         selected_isa()
     _assert_loaders_fall_back(monkeypatch, caplog, "is not one of")
 
@@ -345,7 +345,7 @@ def test_forced_isa_is_checked_against_the_cpu(monkeypatch: pytest.MonkeyPatch) 
     assert selected_isa() == supported_isas()[0]
 
 
-@pytest.mark.parametrize("missing", ["avx512", "avx2"])
+@pytest.mark.parametrize("missing", ["avx512vnni", "avx512", "avxvnni", "avx2"])
 def test_isa_the_cpu_lacks_falls_back(
     missing: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -359,3 +359,29 @@ def test_isa_the_cpu_lacks_falls_back(
     with pytest.raises(NativeBuildError, match=f"{missing} but this CPU lacks it"):
         selected_isa()
     _assert_loaders_fall_back(monkeypatch, caplog, "lacks it")
+
+
+def test_only_the_kernels_vnni_changes_have_vnni_builds() -> None:
+    """A kernel whose code reads ``A8_DPBUSD`` (itself or through the sources it includes) is
+    built per VNNI set; every other shares its base set's library (one build in an image)."""
+    directory = cpu_gemv.SOURCE.parent
+    text = {p.name: p.read_text() for p in directory.glob("*.[ch]")}
+
+    def closure(name: str, seen: set[str]) -> set[str]:
+        seen.add(name)
+        for line in text[name].splitlines():
+            included = line.partition('#include "')[2].partition('"')[0]
+            if included in text and included not in seen:
+                closure(included, seen)
+        return seen
+
+    changed = {
+        source.name for source in native_build.kernel_sources()
+        if any("A8_DPBUSD" in text[n] for n in closure(source.name, set()))
+    }  # fmt: skip
+    assert changed == native_build.VNNI_SOURCES == {"cpu_q4a8_gemm.c", "cpu_decode_layers.c"}
+    for source in native_build.kernel_sources():
+        for isa, base in (("avx512vnni", "avx512"), ("avxvnni", "avx2"), ("avx2", "avx2")):
+            assert native_build.vector_isa(isa) == base
+            expected = isa if source.name in changed else base
+            assert native_build.library_isa(source, isa) == expected, (source.name, isa)

@@ -13,6 +13,7 @@ GEMM, with the same bits), and an autotune never switches a layer's rows back to
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from torch import nn
 
-from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
+from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv, native_build
 from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS, CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
@@ -176,6 +177,72 @@ def test_bad_arguments_are_errors(isa: str) -> None:
     with pytest.raises(ValueError, match="do not hold"):
         a8.bind_decode(packed[..., :-1], None, OUT, "q4_k")
     assert set(DECODE_FORMATS) == {"q8_0", "q4", "q5", "q5_0", "q4_k", "q5_k", "q6_k"}
+
+
+# ------------------------------------------------------------------ VNNI's vpdpbusd, same bits
+
+
+@pytest.fixture(scope="module", params=["emulated", "avx512vnni", "avxvnni"])
+def vnni_twins(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[CpuQGemv, CpuQ4A8Gemm, CpuQ4A8Gemm]:
+    """(tiles, a build summing its integer dots with vpmaddubsw, its twin with vpdpbusd): a VNNI
+    set where this CPU has one; "emulated" everywhere: this CPU's own vector set built with
+    vpdpbusd emulated (``TANDEM_EMULATE_DPBUSD``), so the VNNI loops run here too."""
+    native_kernel_or_skip()
+    if request.param == "emulated":
+        base = native_build.vector_isa(native_build.selected_isa())
+        if base == "generic":
+            pytest.skip("no byte multiply-add to emulate vpdpbusd with")
+        target = tmp_path_factory.mktemp("vnni") / "cpu_q4a8_gemm-emulated.so"
+        flags = [*native_build.CFLAGS, *native_build.isa_flags(base), "-DTANDEM_EMULATE_DPBUSD"]
+        native_build.compile_library(cpu_q4a8_gemm.SOURCE, base, flags, target)
+        twin = CpuQ4A8Gemm(ctypes.CDLL(str(target)))
+    else:
+        if request.param not in native_build.supported_isas():
+            pytest.skip(f"this CPU lacks {request.param}")
+        base = native_build.vector_isa(request.param)
+        twin = _kernels(request.param)[1]
+    qgemv, a8 = _kernels(base)
+    assert twin.dpbusd and not a8.dpbusd and twin.tile == a8.tile
+    return qgemv, a8, twin
+
+
+def _extreme_weight(ggml_type: T) -> QuantizedWeight:
+    """Every quant at its format's largest value (all bits set: 15, 31 or 63, the 16-bit sums'
+    worst case), moderate float16 scales."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    n = OUT * IN // block_size
+    blocks = np.full((n, type_size), 0xFF, dtype=np.uint8)
+    for offset in F16_OFFSETS[ggml_type]:
+        blocks[:, offset : offset + 2] = np.full(n, 1e-3, np.float16).view(np.uint8).reshape(n, 2)
+    weight = from_gguf_blocks(blocks.reshape(OUT, -1), ggml_type, (OUT, IN))
+    assert weight is not None
+    return weight
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_vnni_dots_give_the_same_bits(
+    vnni_twins: tuple[CpuQGemv, CpuQ4A8Gemm, CpuQ4A8Gemm], ggml_type: T
+) -> None:
+    """The int8 decode rows by vpdpbusd equal vpmaddubsw's bit for bit, every path (one row, row
+    blocks, group by group, the panel), random and largest values; and the prefill GEMM's."""
+    qgemv, a8, twin = vnni_twins
+    weights = [_weight(ggml_type, seed=11)]
+    if ggml_type in F16_OFFSETS:
+        weights.append(_extreme_weight(ggml_type))
+    x = _rows(40, seed=13)
+    x[5:9] = 1.0  # every rounded input 127: with the largest quants, the 16-bit sums' worst case
+    x[9:12] = -1.0
+    for weight in weights:
+        packed, fmt = qgemv.tile_weight(weight), qgemv.tile_format(weight)
+        bias = qgemv.tile_bias(torch.randn(OUT))
+        calls = [(a8.bind_decode(packed, bias, OUT, fmt), twin.bind_decode(packed, bias, OUT, fmt))]
+        if fmt in cpu_q4a8_gemm.FORMATS:
+            calls.append((a8.bind(packed, bias, OUT, fmt), twin.bind(packed, bias, OUT, fmt)))
+        for plain, vnni in calls:
+            for lo, hi in ((0, 1), (5, 6), (0, 3), (5, 12), (0, 9), (0, 17), (0, 40)):
+                assert torch.equal(vnni(x[lo:hi]), plain(x[lo:hi])), (ggml_type.name, lo, hi)
 
 
 # ------------------------------------------------------------------------------- in a Linear

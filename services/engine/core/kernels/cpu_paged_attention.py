@@ -34,7 +34,7 @@ import torch
 
 from services.engine.core import kv_quant
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _windowed_forward
-from services.engine.core.kernels.native_build import load_kernel, selected_isa
+from services.engine.core.kernels.native_build import load_kernel, selected_isa, vector_isa
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -215,7 +215,7 @@ def auto_cache_dtype() -> torch.dtype:
     (:data:`AUTO_CACHE_DTYPES` for the selected instruction set; float32 without the kernels)."""
     if load_cpu_attention() is None:
         return torch.float32
-    return AUTO_CACHE_DTYPES.get(selected_isa(), torch.float32)
+    return AUTO_CACHE_DTYPES.get(vector_isa(selected_isa()), torch.float32)
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

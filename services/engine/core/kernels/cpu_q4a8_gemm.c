@@ -91,6 +91,31 @@ static inline int_vec widen_pairs(ivec a) {
 }
 #endif
 
+/* The integer dot's 4-input step, dot += u . s per 32-bit lane (u unsigned bytes, s signed, 4
+ * products a lane). With VNNI (AVX-512 VNNI's or AVX-VNNI's vpdpbusd) it is one instruction summing
+ * exactly in 32 bits (A8_DPBUSD 1); without it, vpmaddubsw's 16-bit pair sums are added over SAFE
+ * steps and widened by vpmaddwd (A8_DPBUSD 0). The two give the same integers, hence the same bits:
+ * for the values the formats hold neither a pair sum nor SAFE steps of them leave 16 bits (SAFE
+ * below), so every sum is exact either way. TANDEM_EMULATE_DPBUSD builds the VNNI loops where the
+ * instruction is missing (maddubs + madd per step, exact for the same reason), so the tests check
+ * the loops bit-exact on a CPU without VNNI too. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define A8_DPBUSD 1
+static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
+    return (int_vec)_mm512_dpbusd_epi32((__m512i)acc, u, s);
+}
+#elif defined(__AVX2__) && !defined(__AVX512F__) && defined(__AVXVNNI__)
+#define A8_DPBUSD 1
+static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
+    return (int_vec)_mm256_dpbusd_avx_epi32((__m256i)acc, u, s);
+}
+#elif defined(TANDEM_EMULATE_DPBUSD)
+#define A8_DPBUSD 1
+static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) { return acc + widen_pairs(maddubs(u, s)); }
+#else
+#define A8_DPBUSD 0
+#endif
+
 /* The nearest integers (ties to even) of the already rounded products p: a conversion in the
  * current rounding mode, not p + 1.5 * 2^23, which a compiler may fuse with the multiply into one
  * FMA (rounding once: a different integer at ties, and a result that depends on the ISA). */
@@ -195,8 +220,21 @@ static inline __attribute__((always_inline)) void rows_tile(
         for (int v = 0; v < 2; v++) acc[r][v] = bias ? load_vec(bias + v * LANES) : splat(0.0f);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = panel + g * PANEL_GROUP;
-        ivec part[Q8_ROWS][2];
         const int8_t *qg = q + g * GROUP;
+#if A8_DPBUSD
+        int_vec sums[Q8_ROWS][2];
+        for (int r = 0; r < R; r++) sums[r][0] = sums[r][1] = (int_vec){0};
+        UNROLL_BY(KSTEP_UNROLL)
+        for (int k = 0; k < 8; k++) {
+            const ivec w0 = load_i(p + k * 4 * TILE), w1 = load_i(p + k * 4 * TILE + 4 * LANES);
+            for (int r = 0; r < R; r++) {
+                const ivec a = quad_i(qg + r * in + 4 * k);
+                sums[r][0] = dpbusd(sums[r][0], w0, a);
+                sums[r][1] = dpbusd(sums[r][1], w1, a);
+            }
+        }
+#else
+        ivec part[Q8_ROWS][2];
         {
             const ivec w0 = load_i(p), w1 = load_i(p + 4 * LANES);
             for (int r = 0; r < R; r++) {
@@ -215,13 +253,18 @@ static inline __attribute__((always_inline)) void rows_tile(
                 part[r][1] = add_i16(part[r][1], maddubs(w1, a));
             }
         }
+#endif
         const float *scale = sm + g * 2 * TILE, *min = scale + TILE;
         const vec sc[2] = {load_vec(scale), load_vec(scale + LANES)};
         const vec mn[2] = {load_vec(min), load_vec(min + LANES)};
         for (int r = 0; r < R; r++) {
             const vec dr = splat(d[r * groups + g]), sr = splat(s[r * groups + g]);
             for (int v = 0; v < 2; v++) {
+#if A8_DPBUSD
+                const vec dot = __builtin_convertvector(sums[r][v], vec);
+#else
                 const vec dot = __builtin_convertvector(widen_pairs(part[r][v]), vec);
+#endif
                 acc[r][v] += dot * (sc[v] * dr) + mn[v] * sr;
             }
         }
@@ -298,6 +341,9 @@ int64_t tandem_q4a8_block_bytes(int format) {
 }
 
 const char *tandem_q4a8_isa(void) { return TANDEM_ISA; }
+
+/* 1 where the integer dots run as vpdpbusd (a VNNI build, or TANDEM_EMULATE_DPBUSD), else 0. */
+int tandem_q4a8_dpbusd(void) { return A8_DPBUSD; }
 
 /* ---- Decode rows (1 to a few) over int8 activations: tandem_a8_gemv ----------------------------
  *
@@ -381,13 +427,16 @@ static inline void steps_load(const uint8_t *nibbles, int k0, ivec *raw) {
     for (int i = 0; i < 4; i++) raw[i] = load_i(nibbles + 4 * (k0 + i) * LANES);
 }
 
-/* u * s over signed weight bytes w: |w| times s with w's sign (vpabsb / vpsignb). */
-static inline ivec maddubs_signed(ivec w, ivec s) {
+/* Signed weight bytes w times s as unsigned times signed: |w| and s with w's sign (vpabsb /
+ * vpsignb), into *u and *t. */
+static inline void signed_operands(ivec w, ivec s, ivec *u, ivec *t) {
 #if defined(__AVX512F__)
     const __mmask64 negative = _mm512_movepi8_mask(w);
-    return maddubs(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s));
+    *u = _mm512_abs_epi8(w);
+    *t = _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s);
 #elif defined(__AVX2__)
-    return maddubs(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+    *u = _mm256_abs_epi8(w);
+    *t = _mm256_sign_epi8(s, w);
 #else
     int8_t a[A8_VEC_BYTES], b[A8_VEC_BYTES];
     memcpy(a, &w, sizeof a);
@@ -396,10 +445,26 @@ static inline ivec maddubs_signed(ivec w, ivec s) {
         b[i] = a[i] < 0 ? (int8_t)-b[i] : b[i];
         a[i] = (int8_t)(a[i] < 0 ? -a[i] : a[i]);
     }
-    ivec u, t;
-    memcpy(&u, a, sizeof u);
-    memcpy(&t, b, sizeof t);
-    return maddubs(u, t);
+    memcpy(u, a, sizeof *u);
+    memcpy(t, b, sizeof *t);
+#endif
+}
+
+/* Step k of one output vector's integer dot: the weight values w (signed bytes when sign: q8_0;
+ * else unsigned) times the row's 4 inputs a broadcast, into dot (zero before step 0): by
+ * vpdpbusd (A8_DPBUSD), or summed in the 16-bit lanes of part over safe steps, widened into dot
+ * after every safe-th. Every decode path runs this one definition. */
+static inline __attribute__((always_inline)) void a8_step(int_vec *dot, ivec *part, int k, int safe,
+                                                          int sign, ivec w, ivec a) {
+    ivec u = w, t = a;
+    if (sign) signed_operands(w, a, &u, &t);
+#if A8_DPBUSD
+    (void)part, (void)k, (void)safe;
+    *dot = dpbusd(*dot, u, t);
+#else
+    const ivec p = maddubs(u, t);
+    *part = k % safe == 0 ? p : add_i16(*part, p);
+    if (k % safe == safe - 1) *dot += widen_pairs(*part);
 #endif
 }
 
@@ -566,15 +631,10 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                     NAME##_a8quad(block, g, k, raw[k % 4], wv);                                   \
                     for (int r = 0; r < R; r++) {                                                 \
                         const ivec a = quad_i(q + r * in + i0 + 4 * k);                           \
-                        for (int c = 0; c < VECS; c++) {                                          \
-                            const ivec p = NAME##_A8SAFE == 1 ? maddubs_signed(wv[c], a)          \
-                                                              : maddubs(wv[c], a);                \
-                            part[r][c] = k % NAME##_A8SAFE == 0 ? p : add_i16(part[r][c], p);     \
-                        }                                                                         \
+                        for (int c = 0; c < VECS; c++)                                            \
+                            a8_step(&dot[r][c], &part[r][c], k, NAME##_A8SAFE,                    \
+                                    NAME##_A8SAFE == 1, wv[c], a);                                \
                     }                                                                             \
-                    if (k % NAME##_A8SAFE == NAME##_A8SAFE - 1)                                   \
-                        for (int r = 0; r < R; r++)                                               \
-                            for (int c = 0; c < VECS; c++) dot[r][c] += widen_pairs(part[r][c]);  \
                 }                                                                                 \
                 vec scale[VECS], min[VECS];                                                       \
                 NAME##_scale(block, &bs, g, scale, min);                                          \
@@ -621,13 +681,9 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                     ivec part[VECS];                                                              \
                     UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                          \
                         const ivec a = quad_i(q + r * in + i0 + 4 * k);                          \
-                        for (int c = 0; c < VECS; c++) {                                          \
-                            const ivec p = NAME##_A8SAFE == 1 ? maddubs_signed(values[k][c], a)   \
-                                                              : maddubs(values[k][c], a);         \
-                            part[c] = k % NAME##_A8SAFE == 0 ? p : add_i16(part[c], p);           \
-                        }                                                                         \
-                        if (k % NAME##_A8SAFE == NAME##_A8SAFE - 1)                               \
-                            for (int c = 0; c < VECS; c++) dot[c] += widen_pairs(part[c]);        \
+                        for (int c = 0; c < VECS; c++)                                            \
+                            a8_step(&dot[c], &part[c], k, NAME##_A8SAFE, NAME##_A8SAFE == 1,      \
+                                    values[k][c], a);                                             \
                     }                                                                             \
                     const vec dr = splat(d[r * groups + i0 / GROUP]);                             \
                     const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                          \
@@ -683,20 +739,15 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
             const ivec *values = panel + sg * (NAME##_SUB / 4) * VECS;                            \
             int_vec dot[A8_PANEL_ROWS][VECS];                                                     \
             ivec part[A8_PANEL_ROWS][VECS];                                                       \
+            for (int r = 0; r < R; r++)                                                           \
+                for (int c = 0; c < VECS; c++) dot[r][c] = (int_vec){0};                          \
             UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                                  \
                 for (int r = 0; r < R; r++) {                                                     \
                     const ivec a = quad_i(q + r * in + i0 + 4 * k);                               \
-                    for (int c = 0; c < VECS; c++) {                                              \
-                        const ivec p = NAME##_A8SAFE == 1 ? maddubs_signed(values[k * VECS + c], a) \
-                                                          : maddubs(values[k * VECS + c], a);     \
-                        part[r][c] = k % NAME##_A8SAFE == 0 ? p : add_i16(part[r][c], p);         \
-                    }                                                                             \
+                    for (int c = 0; c < VECS; c++)                                                \
+                        a8_step(&dot[r][c], &part[r][c], k, NAME##_A8SAFE, NAME##_A8SAFE == 1,    \
+                                values[k * VECS + c], a);                                         \
                 }                                                                                 \
-                if (k % NAME##_A8SAFE == NAME##_A8SAFE - 1)                                       \
-                    for (int r = 0; r < R; r++)                                                   \
-                        for (int c = 0; c < VECS; c++)                                            \
-                            dot[r][c] = k == NAME##_A8SAFE - 1 ? widen_pairs(part[r][c])          \
-                                                               : dot[r][c] + widen_pairs(part[r][c]); \
             }                                                                                     \
             const vec *scale = sm + sg * 2 * VECS, *min = scale + VECS;                           \
             for (int r = 0; r < R; r++) {                                                         \

@@ -68,6 +68,7 @@ class CpuQ4A8Gemm:
         isa = library.tandem_q4a8_isa
         isa.restype = ctypes.c_char_p
         self.isa: str = isa().decode()
+        self.dpbusd = bool(library.tandem_q4a8_dpbusd())  # integer dots by vpdpbusd (VNNI)
         self.build = Path(str(library._name)).name
 
     def bind(

@@ -6,13 +6,18 @@ install needs no compiler; a machine without one just keeps the PyTorch path.
 
 Instruction sets (``tandem_simd.h`` picks the vector width and register blocking for each):
 
+* ``avx512vnni`` — ``avx512`` plus AVX-512 VNNI (``vpdpbusd``: the int8 decode rows' and prefill
+  GEMM's integer dots in one instruction, the same integers, so the same bits, as ``avx512``'s);
 * ``avx512`` — ``-march=x86-64-v4`` (AVX-512 F/BW/DQ/VL), for CPUs that have them;
+* ``avxvnni`` — ``avx2`` plus AVX-VNNI (the 256-bit ``vpdpbusd``, e.g. Alder Lake);
 * ``avx2`` — ``-march=x86-64-v3`` (AVX2, FMA, F16C);
 * ``generic`` — the architecture's baseline: SSE2 on x86-64, NEON on aarch64, plain C elsewhere.
 
-:func:`selected_isa` takes the best set the CPU's flags allow; ``TANDEM_CPU_ISA=avx512|avx2|generic``
-forces one (so every variant can be built, tested and benchmarked on one AVX-512 machine), and a
-set the CPU can't execute is a build error, never an illegal instruction.
+:func:`selected_isa` takes the best set the CPU's flags allow; ``TANDEM_CPU_ISA`` (one of
+:data:`ISAS`) forces one (so every variant can be built, tested and benchmarked on one AVX-512
+machine), and a set the CPU can't execute is a build error, never an illegal instruction. A VNNI
+set has its base set's vector width and register blocks (:func:`vector_isa`), and tiles of the
+same shape.
 
 Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
 PyTorch headers, so a build takes well under a second instead of a minute.
@@ -67,18 +72,44 @@ T = TypeVar("T")
 
 CFLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fopenmp")
 PREBUILT_ENV = "TANDEM_PREBUILT_KERNELS"
-ISAS = ("avx512", "avx2", "generic")
+ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "generic")  # best first
 _X86_ISA_FLAGS = {
+    "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=native"],
     "avx512": ["-march=x86-64-v4", "-mtune=native"],
+    "avxvnni": ["-march=x86-64-v3", "-mavxvnni", "-mtune=native"],
     "avx2": ["-march=x86-64-v3", "-mtune=native"],
     "generic": ["-march=x86-64", "-mtune=generic"],
 }
-# what each set needs in /proc/cpuinfo's flags (the kernels use no more than x86-64-v3/v4 give)
+_AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"}
+_AVX2 = {"avx2", "fma", "f16c", "bmi2", "movbe"}
+# what each set needs in /proc/cpuinfo's flags (the kernels use no more than x86-64-v3/v4 give,
+# and vpdpbusd in the VNNI sets)
 _X86_ISA_NEEDS = {
-    "avx512": {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"},
-    "avx2": {"avx2", "fma", "f16c", "bmi2", "movbe"},
+    "avx512vnni": _AVX512 | {"avx512_vnni"},
+    "avx512": _AVX512,
+    "avxvnni": _AVX2 | {"avx_vnni"},
+    "avx2": _AVX2,
     "generic": set(),
 }
+_VECTOR_ISA = {"avx512vnni": "avx512", "avxvnni": "avx2"}
+
+
+# The kernels whose code vpdpbusd changes: cpu_q4a8_gemm.c's integer dots and the one-call decode
+# layers that include it. Every other kernel is the same code in a VNNI set as in its base set, so
+# the base set's library serves both (an image builds it once, not twice).
+VNNI_SOURCES = frozenset({"cpu_q4a8_gemm.c", "cpu_decode_layers.c"})
+
+
+def vector_isa(isa: str) -> str:
+    """The set whose vector width and tile shapes ``isa`` has (``avx512``, ``avx2`` or
+    ``generic``): a VNNI set only adds an instruction."""
+    return _VECTOR_ISA.get(isa, isa)
+
+
+def library_isa(source: Path, isa: str) -> str:
+    """The set ``source``'s library is built for when ``isa`` is selected: ``isa``, or its base
+    set (:func:`vector_isa`) for a kernel that VNNI does not change (:data:`VNNI_SOURCES`)."""
+    return isa if source.name in VNNI_SOURCES else vector_isa(isa)
 
 
 def kernels_enabled() -> bool:
@@ -226,7 +257,7 @@ def build_library(source: Path, isa: str | None = None) -> Path:
 def _build(source: Path, isa: str | None, *, wait: bool) -> Path | None:
     """:func:`build_library`; with ``wait`` False, None at once when another process or thread is
     compiling the same library (it will be there for whoever needs it)."""
-    isa = isa or selected_isa()
+    isa = library_isa(source, isa or selected_isa())
     prebuilt = prebuilt_library(source, isa)
     if prebuilt is not None:
         return prebuilt
@@ -323,7 +354,9 @@ def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path
         ]
         for cmd in steps:
             try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+                # generous: the one-call decode layers take ~2 minutes at -O3 for AVX-512 on
+                # one core, and an image build compiles several at once
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise NativeBuildError(f"{Path(cc).name} failed to run: {exc}") from exc
             if done.returncode != 0:

@@ -39,10 +39,11 @@ def prebuild(out: Path, this_cpu: bool = False) -> list[Path]:
     core; a library already there is kept) and remove the libraries of older sources; the paths
     built."""
     openmp = native_build.loaded_openmp_runtime()
-    jobs = {
-        out / native_build.prebuilt_name(source, isa, openmp): (source, isa)
+    jobs = {  # a kernel VNNI does not change is built once, for the base set (library_isa)
+        out / native_build.prebuilt_name(source, built, openmp): (source, built)
         for source in native_build.kernel_sources()
         for isa in target_isas(this_cpu)
+        for built in [native_build.library_isa(source, isa)]
     }
 
     def build(target: Path) -> Path:

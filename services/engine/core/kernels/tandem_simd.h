@@ -1,8 +1,9 @@
 /* Vector width and register blocking per instruction set, shared by Tandem's CPU kernels.
  *
  * Each kernel is written once over GCC/Clang's generic vector extension and compiled once per
- * instruction set by native_build.py (-march=x86-64-v4 for AVX-512, x86-64-v3 for AVX2+FMA, the
- * architecture's baseline for "generic": SSE2 on x86-64, NEON on aarch64). The macros below pick
+ * instruction set by native_build.py (-march=x86-64-v4 for AVX-512, x86-64-v3 for AVX2+FMA, each
+ * also with VNNI where the CPU has it, the architecture's baseline for "generic": SSE2 on x86-64,
+ * NEON on aarch64). The macros below pick
  * what fits each set's register file, so a vector never spans several hardware registers and the
  * accumulators of a row block stay in registers:
  *
@@ -21,11 +22,19 @@
 #include <string.h>
 
 #if defined(__AVX512F__)
+#if defined(__AVX512VNNI__)
+#define TANDEM_ISA "avx512vnni" /* AVX-512 with vpdpbusd: cpu_q4a8_gemm.c's integer dots */
+#else
 #define TANDEM_ISA "avx512"
+#endif
 #define LANES 16
 #define DEFAULT_ROW_BLOCK 8
 #elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVXVNNI__)
+#define TANDEM_ISA "avxvnni" /* AVX2 with AVX-VNNI's vpdpbusd */
+#else
 #define TANDEM_ISA "avx2"
+#endif
 #define LANES 8
 #define DEFAULT_ROW_BLOCK 4
 #else
