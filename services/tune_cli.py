@@ -8,7 +8,9 @@ other's load. Workers now take the decision cached here, or the fixed table wher
 int8 GEMM against the int8 decode kernel, all layers in one C call or op by op), except a float32
 model's layers (kernel or PyTorch), which every worker on the machine then takes alike.
 
-It builds the engine as a worker with the same options would (the model, its dtype, the KV pool
+First, per thread count, it times the quantized decode rows' prefetch distance per format
+(``services.engine.core.kernels.prefetch_tuning``: a speed choice only, the bits are the same).
+Then it builds the engine as a worker with the same options would (the model, its dtype, the KV pool
 and batch limits: the decisions are keyed by the layer shapes and the thread count) once per
 thread count a worker will run with, by default the counts ``tandem up`` gives its default
 prefill and decode workers on this machine. Run it on a quiet machine: a measurement disturbed
@@ -50,6 +52,8 @@ def default_thread_counts() -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from services.engine.core.kernels import prefetch_tuning
+    from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
     from services.engine.core.kernels.native_build import cache_dir
     from services.engine.runtime.worker_runtime import build_engine
 
@@ -58,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
     os.environ["TANDEM_AUTOTUNE"] = "remeasure"  # this process's own engines only
     started = time.time()
     for threads in counts:
+        torch.set_num_threads(threads)
+        int8_rows = load_cpu_q4a8_gemm()
+        if int8_rows is not None:
+            logger.info("timing the decode rows' prefetch distances with %d thread%s", threads,
+                        "" if threads == 1 else "s")  # fmt: skip
+            prefetch_tuning.tune(int8_rows)
         logger.info("timing %s (--dtype %s) with %d thread%s", source, args.dtype, threads,
                     "" if threads == 1 else "s")  # fmt: skip
         options = WorkerOptions(model=source, dtype=args.dtype, threads=threads,
@@ -65,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         with torch.inference_mode():
             engine, _ = build_engine(options, load_tokenizer_too=False)
         del engine
-    written = [p for p in cache_dir().glob("autotune-*.json") if p.stat().st_mtime >= started]
+    written = [p for p in cache_dir().glob("*.json") if p.stat().st_mtime >= started]
     logger.info("%d decisions cached in %s; workers that start from now on take them",
                 len(written), cache_dir())  # fmt: skip
     return 0

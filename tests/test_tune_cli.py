@@ -53,6 +53,7 @@ def test_tune_caches_what_workers_then_take_without_timing(
     assert tune_cli.run(args) == 0
     written = list(cache_dir().glob("autotune-*.json"))
     assert written, "tandem tune cached no decision"
+    assert list(cache_dir().glob("prefetch-*.json")), "tandem tune cached no prefetch distances"
 
     monkeypatch.setenv("TANDEM_AUTOTUNE", "cached")  # a worker's default
     monkeypatch.setattr(autotune, "_measure", _never)

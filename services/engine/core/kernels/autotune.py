@@ -175,8 +175,7 @@ def choose_regimes(
             return cached
         before = _cpu_sample()
         regimes = _measure(rows, run_kernel, run_torch, margins)
-        others = _others_share(before, _cpu_sample())
-        busy = _machine_busy() or others > OTHERS_LIMIT
+        busy, others = others_busy(before)
         if not busy:
             _write(path, regimes)
     logger.info(
@@ -196,6 +195,18 @@ def choose_regimes(
                     "take the fixed path, as every process starting now does)", fmt,
                     regimes.describe())  # fmt: skip
     return regimes
+
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """A point from which :func:`others_busy` measures what other processes did."""
+    return _cpu_sample()
+
+
+def others_busy(before: tuple[float, float, float] | None) -> tuple[bool, float]:
+    """Whether other work competed for the cores since ``before`` (:func:`cpu_sample`), so that a
+    measurement taken meanwhile should not be cached, and other processes' share of the CPUs."""
+    others = _others_share(before, _cpu_sample())
+    return _machine_busy() or others > OTHERS_LIMIT, others
 
 
 def _machine_busy() -> bool:

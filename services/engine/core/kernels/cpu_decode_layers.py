@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core.kernels import prefetch_tuning
 from services.engine.core.kernels.cpu_paged_attention import KV_DTYPE_CODES
 from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS
 from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES
@@ -311,4 +312,7 @@ class DecodeLayersCall:
 @functools.cache
 def load_cpu_decode_layers() -> CpuDecodeLayers | None:
     """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
-    return load_kernel(SOURCE, CpuDecodeLayers, "CPU decode-layers kernel")
+    return load_kernel(
+        SOURCE, lambda library: CpuDecodeLayers(prefetch_tuning.apply(library)),
+        "CPU decode-layers kernel",
+    )

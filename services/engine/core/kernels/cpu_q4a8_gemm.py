@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core.kernels import prefetch_tuning
 from services.engine.core.kernels.cpu_qgemv import FORMAT_CODES, TILE_Q5_0, matmul_input
 from services.engine.core.kernels.native_build import load_kernel
 from services.engine.core.quant.quantized_weight import (
@@ -70,6 +71,7 @@ class CpuQ4A8Gemm:
         self.isa: str = isa().decode()
         self.dpbusd = bool(library.tandem_q4a8_dpbusd())  # integer dots by vpdpbusd (VNNI)
         self.build = Path(str(library._name)).name
+        self.library = library
 
     def bind(
         self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
@@ -99,6 +101,11 @@ class CpuQ4A8Gemm:
         fmt: str = FORMAT_Q4,
     ) -> torch.Tensor:
         return self.bind(packed, bias, out_features, fmt)(x)
+
+    def decode_tiles_shape(self, fmt: str, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The shape of the ``fmt`` tiles (:meth:`bind_decode`'s) of an ``[out, in]`` weight."""
+        return (-(-out_features // self.tile), in_features // DECODE_FORMATS[fmt],
+                self.decode_block_bytes[fmt])  # fmt: skip
 
     def bind_decode(
         self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, fmt: str
@@ -172,4 +179,6 @@ def load_cpu_q4a8_gemm() -> CpuQ4A8Gemm | None:
 @functools.cache
 def _load(isa_setting: str, kernels_setting: str) -> CpuQ4A8Gemm | None:
     del isa_setting, kernels_setting  # the cache key only: load_kernel reads both itself
-    return load_kernel(SOURCE, CpuQ4A8Gemm, "CPU q4 x int8 GEMM")
+    return load_kernel(
+        SOURCE, lambda library: CpuQ4A8Gemm(prefetch_tuning.apply(library)), "CPU q4 x int8 GEMM"
+    )

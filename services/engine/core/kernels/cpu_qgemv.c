@@ -376,19 +376,44 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
  * rows (2,304-byte blocks, read in eight 32-input groups) want twice the distance of the others
  * (measured on Zen 3, AVX2, int8 rows from DRAM: 2 threads 19.2-20.7 GB/s at 8 KiB, 24.2-27.4
  * at 16 KiB; one thread 9.1-10.4 -> 13.3-14.5), which are no faster further ahead (q6_k slower:
- * its 49152 x 2048 head 21.6 -> 19.3 GB/s). Prefetches never fault: past the weight's end they
- * are dropped. */
+ * its 49152 x 2048 head 21.6 -> 19.3 GB/s). Those are the defaults; another CPU may want others, so
+ * the distances are a table a process sets (tandem_set_prefetch_ahead: `tandem tune` measures them
+ * on the machine, prefetch_tuning.py gives every kernel library the cached choice), read once per
+ * block; 0 turns a format's prefetch off. A prefetch only moves data, never a result: any distance
+ * gives the same bits. Prefetches never fault: past the weight's end they are dropped. */
 #define PREFETCH_AHEAD 8192
-#define q8_AHEAD PREFETCH_AHEAD
-#define q4_AHEAD PREFETCH_AHEAD
-#define q5_AHEAD PREFETCH_AHEAD
-#define q50_AHEAD PREFETCH_AHEAD
-#define q4k_AHEAD (2 * PREFETCH_AHEAD)
-#define q5k_AHEAD PREFETCH_AHEAD
-#define q6k_AHEAD PREFETCH_AHEAD
-#define bf16_AHEAD PREFETCH_AHEAD
-#define f16_AHEAD PREFETCH_AHEAD
+static int64_t prefetch_ahead[N_FORMATS] = {
+    [FORMAT_Q8_0] = PREFETCH_AHEAD, [FORMAT_Q4] = PREFETCH_AHEAD, [FORMAT_BF16] = PREFETCH_AHEAD,
+    [FORMAT_F16] = PREFETCH_AHEAD, [FORMAT_Q5] = PREFETCH_AHEAD, [FORMAT_Q6_K] = PREFETCH_AHEAD,
+    [FORMAT_Q4_K] = 2 * PREFETCH_AHEAD, [FORMAT_Q5_K] = PREFETCH_AHEAD,
+    [FORMAT_Q5_0] = PREFETCH_AHEAD,
+};
+#define q8_AHEAD (prefetch_ahead[FORMAT_Q8_0])
+#define q4_AHEAD (prefetch_ahead[FORMAT_Q4])
+#define q5_AHEAD (prefetch_ahead[FORMAT_Q5])
+#define q50_AHEAD (prefetch_ahead[FORMAT_Q5_0])
+#define q4k_AHEAD (prefetch_ahead[FORMAT_Q4_K])
+#define q5k_AHEAD (prefetch_ahead[FORMAT_Q5_K])
+#define q6k_AHEAD (prefetch_ahead[FORMAT_Q6_K])
+#define bf16_AHEAD (prefetch_ahead[FORMAT_BF16])
+#define f16_AHEAD (prefetch_ahead[FORMAT_F16])
+#define PREFETCH_AHEAD_MAX (1 << 20)
+
+/* Set how far ahead format's rows prefetch (bytes, 0 = not at all, at most PREFETCH_AHEAD_MAX);
+ * 0, or -1 for an unknown format or distance. Call it before the kernels run, not during. */
+int tandem_set_prefetch_ahead(int format, int64_t bytes) {
+    if (format < 0 || format >= N_FORMATS || bytes < 0 || bytes > PREFETCH_AHEAD_MAX) return -1;
+    prefetch_ahead[format] = bytes;
+    return 0;
+}
+
+/* How far ahead format's rows prefetch now, or -1 for an unknown format. */
+int64_t tandem_prefetch_ahead(int format) {
+    return format < 0 || format >= N_FORMATS ? -1 : prefetch_ahead[format];
+}
+
 static inline void prefetch_block(const uint8_t *block, int64_t bytes, int64_t ahead) {
+    if (!ahead) return;
     for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(block + ahead + l, 0, 0);
 }
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from services.engine.core.kernels import prefetch_tuning
 from services.engine.core.kernels.native_build import load_kernel
+from services.engine.core.kernels.tile_formats import FORMAT_CODES, TILE_Q5_0
 from services.engine.core.quant.quantized_weight import (
-    FORMAT_BF16,
-    FORMAT_F16,
     FORMAT_Q4,
     FORMAT_Q4_K,
     FORMAT_Q5,
@@ -38,14 +38,6 @@ from services.engine.core.quant.quantized_weight import (
 )
 
 SOURCE = Path(__file__).with_name("cpu_qgemv.c")
-FORMAT_CODES = {
-    FORMAT_Q8_0: 0, FORMAT_Q4: 1, FORMAT_BF16: 2, FORMAT_F16: 3, FORMAT_Q5: 4, FORMAT_Q6_K: 5,
-    FORMAT_Q4_K: 6, FORMAT_Q5_K: 7, "q5_0": 8,
-}  # fmt: skip
-# A tile format with no canonical one of its own: q5 whose offset is -16 times its scale (GGUF's
-# Q5_0), tiled without the offset (the kernels derive it) so the tiles hold the file's 22 bytes
-# per 32 weights, not 24. :meth:`CpuQGemv.tile_format` says which a weight takes.
-TILE_Q5_0 = "q5_0"
 _F32, _F16, _I32 = torch.float32, torch.float16, torch.int32
 _NIBBLES = "nibbles"  # the values' low 4 bits, two columns a byte
 _K_SCALES = "k_scales"  # a K super-block's 8 six-bit scales and mins in 12 bytes, as in the file
@@ -396,4 +388,6 @@ def matmul_input(x: torch.Tensor, in_features: int, kernel: str) -> torch.Tensor
 @functools.cache
 def load_cpu_qgemv() -> CpuQGemv | None:
     """The kernel, built for this machine, or ``None`` when it is off or can't be built here."""
-    return load_kernel(SOURCE, CpuQGemv, "CPU quantized matmul kernel")
+    return load_kernel(
+        SOURCE, lambda library: CpuQGemv(prefetch_tuning.apply(library)), "CPU quantized matmul kernel"
+    )

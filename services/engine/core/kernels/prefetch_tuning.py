@@ -1,0 +1,176 @@
+"""How far ahead the quantized decode rows prefetch their weights, measured on this machine.
+
+A decode row streams each weight byte from memory once, and the hardware prefetchers alone leave
+a core's stream well short of what memory gives: the kernels prefetch each block a fixed distance
+ahead (``cpu_qgemv.c``). The best distance is the CPU's (its prefetchers, memory latency, how
+fast a core consumes a format's blocks): on a Zen 3 q4_k rows read 24-27 GB/s at 16 KiB and
+19-21 at 8 KiB, while the other formats were no faster past 8 KiB and q6_k slower. So the kernels
+carry that table as their default, ``tandem tune`` times each format's int8 decode rows from
+memory at a few distances (:func:`tune`) and caches the fastest for this CPU, instruction set
+and thread count, and every kernel library that reads the tiles takes the cached table when it
+is loaded (:func:`apply`). A distance moves data, never a result: workers with different tables
+compute the same bits. ``TANDEM_AUTOTUNE=fixed`` keeps the built-in table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.engine.core.kernels.autotune import autotune_mode, cpu_sample, others_busy
+from services.engine.core.kernels.native_build import NativeBuildError, cache_dir, selected_isa
+from services.engine.core.kernels.tile_formats import FORMAT_CODES
+
+if TYPE_CHECKING:
+    from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = (0, 4096, 8192, 16384, 32768)  # bytes ahead; 0: no prefetch
+AHEAD_MAX = 1 << 20  # cpu_qgemv.c's PREFETCH_AHEAD_MAX
+# a distance replaces the built-in one only when this much faster: closer is run-to-run noise
+# (on a 2-core Zen 3 VM the best rounds of one distance measured twice differed by up to 3-4%)
+MARGIN = 0.05
+SHAPE = (2048, 8192)  # out, in: a 1B model's MLP down projection, every format's blocks divide it
+
+
+def apply(library: ctypes.CDLL, threads: int | None = None) -> ctypes.CDLL:
+    """Give ``library`` (any kernel library that carries ``cpu_qgemv.c``) the distances ``tandem
+    tune`` cached for this CPU, selected instruction set and ``threads`` (default PyTorch's
+    count); where none are cached, or with ``TANDEM_AUTOTUNE=fixed``, it keeps its built-in
+    table. Returns ``library``."""
+    try:
+        if autotune_mode() == "fixed":
+            return library
+        path = cache_path(threads or torch.get_num_threads())
+    except (ValueError, NativeBuildError):
+        return library
+    chosen = _read(path)
+    for fmt, ahead in (chosen or {}).items():
+        library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead))
+    return library
+
+
+def current(library: ctypes.CDLL) -> dict[str, int]:
+    """The distance each format's rows prefetch at now in ``library``."""
+    library.tandem_prefetch_ahead.restype = ctypes.c_int64
+    return {fmt: int(library.tandem_prefetch_ahead(code)) for fmt, code in FORMAT_CODES.items()}
+
+
+def tune(
+    kernel: CpuQ4A8Gemm,
+    *,
+    formats: Sequence[str] | None = None,
+    candidates: Sequence[int] = CANDIDATES,
+    shape: tuple[int, int] = SHAPE,
+    read_bytes: int = 256 << 20,
+    rounds: int = 7,
+) -> dict[str, dict[int, float]]:
+    """Time one int8 decode row (``kernel``'s ``tandem_a8_gemv``, PyTorch's thread count) over
+    enough copies of a ``shape`` weight per format that a round reads ``read_bytes`` from memory,
+    at every distance, the distances taking turns within each round (``formats``: default every
+    one the int8 decode rows read); keep per format the built-in
+    distance unless another is :data:`MARGIN` faster (best round against best round), set the
+    choice in ``kernel``'s library and cache it (not when other processes kept the cores busy).
+    Returns the weight read rate (GB/s) per format and distance."""
+    library = kernel.library
+    default = current(library)
+    threads = torch.get_num_threads()
+    formats = list(kernel.decode_block_bytes) if formats is None else list(formats)
+    rates: dict[str, dict[int, float]] = {}
+    chosen: dict[str, int] = {}
+    before = cpu_sample()
+    for fmt in formats:
+        rates[fmt] = _rates(kernel, fmt, candidates, shape, read_bytes, rounds)
+        base = rates[fmt].get(default[fmt]) or max(rates[fmt].values())
+        best = max(rates[fmt], key=lambda ahead: rates[fmt][ahead])
+        chosen[fmt] = best if rates[fmt][best] > base * (1 + MARGIN) else default[fmt]
+        library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(chosen[fmt]))
+    busy, others = others_busy(before)
+    table = ", ".join(
+        f"{fmt} {chosen[fmt] // 1024} KiB ({rates[fmt][chosen[fmt]]:.1f} GB/s)" for fmt in formats
+    )
+    if busy:
+        logger.info("prefetch distances, %d threads: %s (machine busy: other processes used "
+                    "%.0f%% of the CPUs; not cached)", threads, table, others * 100)  # fmt: skip
+    else:
+        _write(cache_path(threads), {**(_read(cache_path(threads)) or {}), **chosen})
+        logger.info("prefetch distances, %d threads: %s (cached)", threads, table)
+    return rates
+
+
+def _rates(
+    kernel: CpuQ4A8Gemm,
+    fmt: str,
+    candidates: Sequence[int],
+    shape: tuple[int, int],
+    read_bytes: int,
+    rounds: int,
+) -> dict[int, float]:
+    out, n_in = shape
+    tiles = kernel.decode_tiles_shape(fmt, out, n_in)
+    one = tiles[0] * tiles[1] * tiles[2]
+    copies = max(1, read_bytes // one)
+    # 0x2A everywhere: every scale a normal float16 (no slow subnormal arithmetic), any values
+    weights = torch.full((copies, *tiles), 0x2A, dtype=torch.uint8)
+    calls = [kernel.bind_decode(weights[c], None, out, fmt) for c in range(copies)]
+    x = torch.randn(1, n_in)
+    best = dict.fromkeys(candidates, float("inf"))
+    library = kernel.library
+    for r in range(rounds + 1):  # round 0 warms up (first touch, page faults)
+        order = list(candidates) if r % 2 else list(reversed(candidates))
+        for ahead in order:
+            library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead))
+            start = time.perf_counter()
+            for call in calls:
+                call(x)
+            if r:
+                best[ahead] = min(best[ahead], (time.perf_counter() - start) / copies)
+    return {ahead: one / seconds / 1e9 for ahead, seconds in best.items()}
+
+
+def cache_path(threads: int) -> Path:
+    """Where the distances for this CPU, the selected instruction set and ``threads`` live."""
+    cpu = _cpu_model()
+    key = hashlib.sha256("\0".join([cpu, selected_isa(), str(threads)]).encode()).hexdigest()[:16]
+    return cache_dir() / f"prefetch-{key}.json"
+
+
+def _cpu_model() -> str:
+    """The first CPU's vendor, family, model, name and stepping (``/proc/cpuinfo``)."""
+    keys = ("vendor_id", "cpu family", "model", "model name", "stepping", "CPU part")
+    try:
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return os.uname().machine
+    return "\n".join(line for line in lines if line.split(":")[0].strip() in keys)
+
+
+def _read(path: Path) -> dict[str, int] | None:
+    try:
+        data = json.loads(path.read_text())
+        return {
+            fmt: int(ahead) for fmt, ahead in data.items()
+            if fmt in FORMAT_CODES and 0 <= int(ahead) <= AHEAD_MAX
+        }  # fmt: skip
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _write(path: Path, chosen: dict[str, int]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(chosen, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # an unwritable cache keeps the built-in table
+        logger.debug("prefetch distances not cached: %s", exc)

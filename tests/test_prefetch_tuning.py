@@ -1,0 +1,132 @@
+"""The decode rows' prefetch distances: a speed choice per machine that never changes a result.
+
+Any distance (none at all included) gives every format's rows the same bits, the int8 rows and
+the float32-activation ones; a distance out of range or an unknown format is refused; ``tune``
+keeps the built-in distance unless another is clearly faster, caches its choice only when the
+machine was quiet, and a library loaded later takes the cached table (``apply``), unless
+``TANDEM_AUTOTUNE=fixed``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from services.engine.core.kernels import autotune, prefetch_tuning
+from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.tile_formats import FORMAT_CODES
+from tests.conftest import native_kernel_or_skip
+from tests.test_int8_decode import TYPES, _kernels, _rows, _weight
+
+OUT, IN = 70, 512
+
+
+@pytest.fixture
+def kernels(isa: str) -> Iterator[tuple[CpuQGemv, CpuQ4A8Gemm]]:
+    """This build's kernels; their libraries' distances put back afterwards (a process shares one
+    library, and so one table, per build)."""
+    qgemv, a8 = _kernels(isa)
+    saved = prefetch_tuning.current(a8.library)
+    yield qgemv, a8
+    for fmt, ahead in saved.items():
+        assert a8.library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead)) == 0
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_any_distance_gives_the_same_bits(
+    kernels: tuple[CpuQGemv, CpuQ4A8Gemm], ggml_type: T
+) -> None:
+    qgemv, a8 = kernels
+    weight = _weight(ggml_type, seed=21)
+    packed, fmt = qgemv.tile_weight(weight), qgemv.tile_format(weight)
+    int8_rows = a8.bind_decode(packed, None, OUT, fmt)
+    x = _rows(3, seed=22)
+    results = []
+    for ahead in (0, 64, 4096, 16384, prefetch_tuning.AHEAD_MAX):
+        assert a8.library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead)) == 0
+        assert prefetch_tuning.current(a8.library)[fmt] == ahead
+        results.append((int8_rows(x[:1]), int8_rows(x), qgemv(x[:1], packed, fmt, None, OUT)))
+    for later in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], later, strict=True)), fmt
+
+
+def test_bad_distances_are_refused(kernels: tuple[CpuQGemv, CpuQ4A8Gemm]) -> None:
+    library = kernels[1].library
+    before = prefetch_tuning.current(library)
+    for code, ahead in ((FORMAT_CODES["q4_k"], -1), (FORMAT_CODES["q4_k"], prefetch_tuning.AHEAD_MAX + 1),
+                        (99, 4096), (-1, 4096)):  # fmt: skip
+        assert library.tandem_set_prefetch_ahead(code, ctypes.c_int64(ahead)) == -1
+    library.tandem_prefetch_ahead.restype = ctypes.c_int64
+    assert library.tandem_prefetch_ahead(99) == -1
+    assert prefetch_tuning.current(library) == before
+
+
+@pytest.fixture
+def quiet_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh cache on a machine taken as quiet."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TANDEM_AUTOTUNE", raising=False)
+    monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
+    monkeypatch.setattr(autotune, "_cpu_sample", lambda: None)
+    return tmp_path
+
+
+def test_tune_keeps_the_default_unless_clearly_faster(
+    kernels: tuple[CpuQGemv, CpuQ4A8Gemm], quiet_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a8 = kernels[1]
+    defaults = prefetch_tuning.current(a8.library)
+    timed = {  # GB/s per distance: q8_0's best is inside the margin, q4_k's beyond it
+        "q8_0": {0: 10.0, 8192: 10.0, 32768: 10.0 * (1 + prefetch_tuning.MARGIN / 2)},
+        "q4_k": {0: 10.0, defaults["q4_k"]: 10.0, 32768: 10.0 * (1 + 2 * prefetch_tuning.MARGIN)},
+    }
+    monkeypatch.setattr(prefetch_tuning, "_rates", lambda kernel, fmt, *rest: timed[fmt])
+    prefetch_tuning.tune(a8, formats=["q8_0", "q4_k"])
+    chosen = {"q8_0": defaults["q8_0"], "q4_k": 32768}
+    assert {f: prefetch_tuning.current(a8.library)[f] for f in chosen} == chosen
+    (cached,) = quiet_cache.glob("kernels/prefetch-*.json")
+    assert json.loads(cached.read_text()) == chosen
+
+    monkeypatch.setattr(autotune, "_machine_busy", lambda: True)  # a busy machine: set, not cached
+    timed["q4_k"] = {0: 10.0 * (1 + 2 * prefetch_tuning.MARGIN), 32768: 10.0}
+    prefetch_tuning.tune(a8, formats=["q4_k"])
+    assert prefetch_tuning.current(a8.library)["q4_k"] == 0
+    assert json.loads(cached.read_text()) == chosen
+
+
+def test_a_library_loaded_later_takes_the_cached_table(
+    kernels: tuple[CpuQGemv, CpuQ4A8Gemm], quiet_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    library = kernels[1].library
+    defaults = prefetch_tuning.current(library)
+    path = prefetch_tuning.cache_path(torch.get_num_threads())
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"q4_k": 4096, "q6_k": 0, "bogus": 8192, "q8_0": -5}))
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "fixed")  # the built-in table, whatever is cached
+    assert prefetch_tuning.current(prefetch_tuning.apply(library)) == defaults
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "cached")
+    assert prefetch_tuning.current(prefetch_tuning.apply(library)) == {
+        **defaults, "q4_k": 4096, "q6_k": 0
+    }  # unknown formats and bad distances in the file are ignored
+    path.write_text("{not json")
+    assert prefetch_tuning.current(prefetch_tuning.apply(library))["q4_k"] == 4096  # left as set
+
+
+def test_tune_measures_every_decode_format(
+    kernels: tuple[CpuQGemv, CpuQ4A8Gemm], quiet_cache: Path
+) -> None:
+    """A real (small) timing run: a rate per format and distance, a choice among them."""
+    native_kernel_or_skip()
+    a8 = kernels[1]
+    rates = prefetch_tuning.tune(a8, candidates=(0, 8192, 16384), read_bytes=4 << 20, rounds=1)
+    assert set(rates) == set(a8.decode_block_bytes)
+    assert all(set(r) == {0, 8192, 16384} and min(r.values()) > 0 for r in rates.values())
+    chosen = json.loads(next(quiet_cache.glob("kernels/prefetch-*.json")).read_text())
+    assert set(chosen) == set(rates) and all(ahead in (0, 8192, 16384) for ahead in chosen.values())
