@@ -83,19 +83,25 @@ def test_tune_keeps_the_default_unless_clearly_faster(
 ) -> None:
     a8 = kernels[1]
     defaults = prefetch_tuning.current(a8.library)
-    timed = {  # GB/s per distance: q8_0's best is inside the margin, q4_k's beyond it
-        "q8_0": {0: 10.0, 8192: 10.0, 32768: 10.0 * (1 + prefetch_tuning.MARGIN / 2)},
-        "q4_k": {0: 10.0, defaults["q4_k"]: 10.0, 32768: 10.0 * (1 + 2 * prefetch_tuning.MARGIN)},
+    fast, slow = 1 + 2 * prefetch_tuning.MARGIN, 1 + prefetch_tuning.MARGIN / 2
+    timed = {  # GB/s per distance and round: q8_0's best is inside the margin, q4_k's beyond it
+        "q8_0": {0: [10.0] * 3, 8192: [10.0] * 3, 32768: [10.0 * slow] * 3},
+        "q4_k": {0: [10.0] * 3, defaults["q4_k"]: [10.0] * 3, 32768: [10.0 * fast] * 3},
     }
-    monkeypatch.setattr(prefetch_tuning, "_rates", lambda kernel, fmt, *rest: timed[fmt])
+    monkeypatch.setattr(prefetch_tuning, "_round_rates", lambda kernel, fmt, *rest: timed[fmt])
     prefetch_tuning.tune(a8, formats=["q8_0", "q4_k"])
     chosen = {"q8_0": defaults["q8_0"], "q4_k": 32768}
     assert {f: prefetch_tuning.current(a8.library)[f] for f in chosen} == chosen
     (cached,) = quiet_cache.glob("kernels/prefetch-*.json")
     assert json.loads(cached.read_text()) == chosen
 
+    # paired by round: the medians of the rates say 11% faster, the median round's pair 3%
+    timed["q8_0"] = {defaults["q8_0"]: [10.0, 6.0, 8.0], 32768: [9.5, 6.2, 8.9]}
+    prefetch_tuning.tune(a8, formats=["q8_0"])
+    assert prefetch_tuning.current(a8.library)["q8_0"] == defaults["q8_0"]
+
     monkeypatch.setattr(autotune, "_machine_busy", lambda: True)  # a busy machine: set, not cached
-    timed["q4_k"] = {0: 10.0 * (1 + 2 * prefetch_tuning.MARGIN), 32768: 10.0}
+    timed["q4_k"] = {0: [10.0 * fast] * 3, 32768: [10.0] * 3}
     prefetch_tuning.tune(a8, formats=["q4_k"])
     assert prefetch_tuning.current(a8.library)["q4_k"] == 0
     assert json.loads(cached.read_text()) == chosen
