@@ -21,9 +21,9 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -31,10 +31,23 @@ from services.engine.core.kernels.autotune import autotune_mode, cpu_sample, oth
 from services.engine.core.kernels.native_build import NativeBuildError, cache_dir, selected_isa
 from services.engine.core.kernels.tile_formats import FORMAT_CODES
 
-if TYPE_CHECKING:
-    from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
-
 logger = logging.getLogger(__name__)
+
+
+class DecodeRowsKernel(Protocol):
+    """What :func:`tune` times: ``cpu_q4a8_gemm.CpuQ4A8Gemm``'s int8 decode rows (named by its
+    shape, not imported: that module loads its library through :func:`apply`)."""
+
+    library: ctypes.CDLL
+    decode_block_bytes: dict[str, int]
+
+    def decode_tiles_shape(self, fmt: str, out_features: int, in_features: int) -> tuple[int, ...]:
+        ...
+
+    def bind_decode(
+        self, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, fmt: str
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        ...
 
 CANDIDATES = (0, 4096, 8192, 16384, 32768)  # bytes ahead; 0: no prefetch
 AHEAD_MAX = 1 << 20  # cpu_qgemv.c's PREFETCH_AHEAD_MAX
@@ -69,7 +82,7 @@ def current(library: ctypes.CDLL) -> dict[str, int]:
 
 
 def tune(
-    kernel: CpuQ4A8Gemm,
+    kernel: DecodeRowsKernel,
     *,
     formats: Sequence[str] | None = None,
     candidates: Sequence[int] = CANDIDATES,
@@ -121,7 +134,7 @@ def tune(
 
 
 def _round_rates(
-    kernel: CpuQ4A8Gemm,
+    kernel: DecodeRowsKernel,
     fmt: str,
     candidates: Sequence[int],
     shape: tuple[int, int],
