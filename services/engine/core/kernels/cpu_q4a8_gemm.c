@@ -23,6 +23,9 @@
  * over it. The split costs three instructions per 64 weights once per call; the panel (in / 32 * 512 bytes on AVX2) stays in L1/L2 while
  * all rows pass. No second copy of the weight is kept.
  *
+ * With VNNI (the avx512vnni and avxvnni builds) each 4-input step is instead one vpdpbusd into
+ * 32-bit sums, here and in the decode rows below: the same integers (see dpbusd), so the same bits.
+ *
  * Register blocks: Q8_ROWS rows x TILE outputs (two integer vectors): AVX-512 4 rows, AVX2 3.
  * The generic build (no byte multiply-add) emulates vpmaddubsw lane by lane: correct, slow, and
  * the autotune then keeps the float path.
