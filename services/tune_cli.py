@@ -8,8 +8,11 @@ other's load. Workers now take the decision cached here, or the fixed table wher
 int8 GEMM against the int8 decode kernel, all layers in one C call or op by op), except a float32
 model's layers (kernel or PyTorch), which every worker on the machine then takes alike.
 
-First, per thread count, it times the quantized decode rows' prefetch distance per format
-(``services.engine.core.kernels.prefetch_tuning``: a speed choice only, the bits are the same).
+First, where the CPU has VNNI, it times the VNNI kernels against the base set's
+(``services.engine.core.kernels.isa_tuning``: the same bits, so a speed choice only; the set
+every worker then loads). Then, per thread count, it times the quantized decode rows' prefetch
+distance per format (``services.engine.core.kernels.prefetch_tuning``: a speed choice only, the
+bits are the same).
 Then it builds the engine as a worker with the same options would (the model, its dtype, the KV pool
 and batch limits: the decisions are keyed by the layer shapes and the thread count) once per
 thread count a worker will run with, by default the counts ``tandem up`` gives its default
@@ -52,7 +55,8 @@ def default_thread_counts() -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from services.engine.core.kernels import prefetch_tuning
+    from services.engine.core.kernels import isa_tuning, prefetch_tuning
+    from services.engine.core.kernels.loaded import forget_loaded_kernels
     from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm
     from services.engine.core.kernels.native_build import cache_dir
     from services.engine.runtime.worker_runtime import build_engine
@@ -61,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
     counts = args.threads or default_thread_counts()
     os.environ["TANDEM_AUTOTUNE"] = "remeasure"  # this process's own engines only
     started = time.time()
+    torch.set_num_threads(max(counts))  # the decode worker's count: VNNI matters most there
+    logger.info("timing the VNNI kernels against the base set's with %d threads", max(counts))
+    isa_tuning.tune()
+    forget_loaded_kernels()  # what follows loads the set just chosen
     for threads in counts:
         torch.set_num_threads(threads)
         int8_rows = load_cpu_q4a8_gemm()

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from torch import nn
 
-from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv, native_build
+from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv, isa_tuning, native_build
 from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS, CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
@@ -243,6 +243,22 @@ def test_vnni_dots_give_the_same_bits(
         for plain, vnni in calls:
             for lo, hi in ((0, 1), (5, 6), (0, 3), (5, 12), (0, 9), (0, 17), (0, 40)):
                 assert torch.equal(vnni(x[lo:hi]), plain(x[lo:hi])), (ggml_type.name, lo, hi)
+
+
+def test_tune_times_the_vnni_build_against_its_base(
+    vnni_twins: tuple[CpuQGemv, CpuQ4A8Gemm, CpuQ4A8Gemm],
+) -> None:
+    """``tandem tune``'s comparison (kernels/isa_tuning.py) on the real pair: both regimes timed,
+    every format's decode rows and the GEMM run through both builds; a pair reading other tiles
+    is refused."""
+    qgemv, a8, twin = vnni_twins
+    speedup = isa_tuning.compare(twin, a8, rounds=2, read_bytes=8 << 20)
+    assert set(speedup) == {"decode", "prefill"}
+    assert all(0 < ratio < float("inf") for ratio in speedup.values())
+    other = CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, "generic"))
+    if other.tile != a8.tile:
+        with pytest.raises(ValueError, match="read different tiles"):
+            isa_tuning.compare(other, a8, rounds=1, read_bytes=1 << 20)
 
 
 # ------------------------------------------------------------------------------- in a Linear

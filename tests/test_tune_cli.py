@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.core.kernels import autotune
+from services.engine.core.kernels import autotune, isa_tuning
 from services.engine.core.kernels.native_build import cache_dir
 from tests.conftest import native_kernel_or_skip
 from tests.tiny_stack import write_tiny_model
@@ -54,6 +54,8 @@ def test_tune_caches_what_workers_then_take_without_timing(
     written = list(cache_dir().glob("autotune-*.json"))
     assert written, "tandem tune cached no decision"
     assert list(cache_dir().glob("prefetch-*.json")), "tandem tune cached no prefetch distances"
+    vnni_cached = list(cache_dir().glob("isa-*.json"))  # a VNNI CPU's choice, none elsewhere
+    assert len(vnni_cached) == (isa_tuning.vnni_pair() is not None), vnni_cached
 
     monkeypatch.setenv("TANDEM_AUTOTUNE", "cached")  # a worker's default
     monkeypatch.setattr(autotune, "_measure", _never)

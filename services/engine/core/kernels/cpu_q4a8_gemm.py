@@ -176,6 +176,12 @@ def load_cpu_q4a8_gemm() -> CpuQ4A8Gemm | None:
     return _load(os.environ.get("TANDEM_CPU_ISA", ""), os.environ.get("TANDEM_CPU_KERNELS", ""))
 
 
+def forget_loaded() -> None:
+    """Drop the builds loaded so far: the next load selects the instruction set again (after
+    ``tandem tune`` measured VNNI, which the environment does not show)."""
+    _load.cache_clear()
+
+
 @functools.cache
 def _load(isa_setting: str, kernels_setting: str) -> CpuQ4A8Gemm | None:
     del isa_setting, kernels_setting  # the cache key only: load_kernel reads both itself

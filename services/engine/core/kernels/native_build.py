@@ -13,11 +13,13 @@ Instruction sets (``tandem_simd.h`` picks the vector width and register blocking
 * ``avx2`` — ``-march=x86-64-v3`` (AVX2, FMA, F16C);
 * ``generic`` — the architecture's baseline: SSE2 on x86-64, NEON on aarch64, plain C elsewhere.
 
-:func:`selected_isa` takes the best set the CPU's flags allow; ``TANDEM_CPU_ISA`` (one of
-:data:`ISAS`) forces one (so every variant can be built, tested and benchmarked on one AVX-512
-machine), and a set the CPU can't execute is a build error, never an illegal instruction. A VNNI
-set has its base set's vector width and register blocks (:func:`vector_isa`), and tiles of the
-same shape.
+:func:`selected_isa` takes the best set the CPU's flags allow, except a VNNI set that ``tandem
+tune`` measured no faster than its base set on this CPU (:func:`measured_vnni_choice`; the two
+compute the same bits, so it is a speed choice only, and a near tie goes to the base set);
+``TANDEM_CPU_ISA`` (one of :data:`ISAS`) forces one (so every variant can be built, tested and
+benchmarked on one AVX-512 machine), and a set the CPU can't execute is a build error, never an
+illegal instruction. A VNNI set has its base set's vector width and register blocks
+(:func:`vector_isa`), and tiles of the same shape.
 
 Why plain C through ``ctypes`` rather than a PyTorch C++ extension: the source has no
 PyTorch headers, so a build takes well under a second instead of a minute.
@@ -56,6 +58,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -177,15 +180,52 @@ def supported_isas() -> list[str]:
 
 
 def selected_isa() -> str:
-    """``$TANDEM_CPU_ISA`` when set (checked against the CPU), else the best set it supports."""
+    """``$TANDEM_CPU_ISA`` when set (checked against the CPU), else the best set it supports, or
+    that set's base set where ``tandem tune`` found VNNI no faster (:func:`measured_vnni_choice`)."""
     forced = os.environ.get("TANDEM_CPU_ISA", "").strip().lower()
     if not forced:
-        return supported_isas()[0]
+        best = supported_isas()[0]
+        return measured_vnni_choice(best) or best
     if forced not in ISAS:
         raise NativeBuildError(f"TANDEM_CPU_ISA={forced!r} is not one of {', '.join(ISAS)}")
     if forced not in supported_isas():
         raise NativeBuildError(f"TANDEM_CPU_ISA={forced} but this CPU lacks it ({platform.machine()})")
     return forced
+
+
+def cpu_model() -> str:
+    """The first CPU's vendor, family, model, name and stepping (``/proc/cpuinfo``): what a
+    measurement cached for "this CPU" is keyed by."""
+    keys = ("vendor_id", "cpu family", "model", "model name", "stepping", "CPU part")
+    try:
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return os.uname().machine
+    return "\n".join(line for line in lines if line.split(":")[0].strip() in keys)
+
+
+def vnni_choice_path() -> Path:
+    """Where ``tandem tune`` caches this CPU's measured VNNI choice
+    (``services.engine.core.kernels.isa_tuning``)."""
+    key = hashlib.sha256(cpu_model().encode()).hexdigest()[:16]
+    return cache_dir() / f"isa-{key}.json"
+
+
+def measured_vnni_choice(best: str) -> str | None:
+    """The set ``tandem tune`` chose on this CPU when the flags' best set ``best`` is a VNNI set:
+    ``best`` or its base set (:func:`vector_isa`); ``None`` where nothing was measured for it,
+    or with ``TANDEM_AUTOTUNE=fixed`` (replicas that must take the same paths everywhere: the
+    flags alone decide). Only between a VNNI set and its base set, which compute the same bits;
+    never between vector widths, whose sums differ."""
+    base = vector_isa(best)
+    if base == best or os.environ.get("TANDEM_AUTOTUNE", "").strip().lower() == "fixed":
+        return None
+    try:
+        data = json.loads(vnni_choice_path().read_text())
+        chosen = data["chosen"] if data["vnni"] == best else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    return chosen if chosen in (best, base) else None
 
 
 def isa_flags(isa: str) -> list[str]:

@@ -27,10 +27,15 @@ logger = logging.getLogger(__name__)
 
 
 def target_isas(this_cpu: bool = False) -> tuple[str, ...]:
-    """The instruction sets worth building on this architecture (``this_cpu``: only the one this
-    CPU's workers select, what an install for this machine needs; an image builds them all)."""
+    """The instruction sets worth building on this architecture (``this_cpu``: only what this
+    CPU's workers may select, what an install for this machine needs: the selected set and, for a
+    VNNI set, its base set too, which ``tandem tune`` may choose instead; an image builds them
+    all)."""
+    if this_cpu and os.environ.get("TANDEM_CPU_ISA", "").strip():
+        return (native_build.selected_isa(),)  # forced: the workers take nothing else
     if this_cpu:
-        return (native_build.selected_isa(),)
+        best = native_build.supported_isas()[0]
+        return tuple(dict.fromkeys((best, native_build.vector_isa(best))))
     return native_build.ISAS if native_build._is_x86() else ("generic",)
 
 

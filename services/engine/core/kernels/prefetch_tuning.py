@@ -28,7 +28,12 @@ from typing import Protocol
 import torch
 
 from services.engine.core.kernels.autotune import autotune_mode, cpu_sample, others_busy
-from services.engine.core.kernels.native_build import NativeBuildError, cache_dir, selected_isa
+from services.engine.core.kernels.native_build import (
+    NativeBuildError,
+    cache_dir,
+    cpu_model,
+    selected_isa,
+)
 from services.engine.core.kernels.tile_formats import FORMAT_CODES
 
 logger = logging.getLogger(__name__)
@@ -166,19 +171,9 @@ def _round_rates(
 
 def cache_path(threads: int) -> Path:
     """Where the distances for this CPU, the selected instruction set and ``threads`` live."""
-    cpu = _cpu_model()
+    cpu = cpu_model()
     key = hashlib.sha256("\0".join([cpu, selected_isa(), str(threads)]).encode()).hexdigest()[:16]
     return cache_dir() / f"prefetch-{key}.json"
-
-
-def _cpu_model() -> str:
-    """The first CPU's vendor, family, model, name and stepping (``/proc/cpuinfo``)."""
-    keys = ("vendor_id", "cpu family", "model", "model name", "stepping", "CPU part")
-    try:
-        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-    except OSError:
-        return os.uname().machine
-    return "\n".join(line for line in lines if line.split(":")[0].strip() in keys)
 
 
 def _read(path: Path) -> dict[str, int] | None:
