@@ -6,8 +6,10 @@ worker compiling its kernels), and a container image should not need a C compile
 argument, :func:`native_build.prebuilt_dir`); the Dockerfile runs it in its build stage, and the
 runtime stage copies the directory and sets ``$TANDEM_PREBUILT_KERNELS`` to it.
 :func:`native_build.build_library` then loads the variant the running CPU selects from there
-(see native_build.py for the naming). On x86-64 all three sets are built whatever the build
+(see native_build.py for the naming). On x86-64 every set is built whatever the build
 machine's CPU (compiling for AVX-512 does not need AVX-512); elsewhere the ``generic`` one.
+An install (``--this-cpu``) builds the set this CPU selects and, for a VNNI set, its base set
+too, which ``tandem tune`` may choose instead (``isa_tuning``).
 
     python -m services.engine.core.kernels.prebuild [/opt/tandem/kernels]
 """
