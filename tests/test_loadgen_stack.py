@@ -1,6 +1,7 @@
 """``tandem bench serve`` against a real ``tandem up`` on the default model: token counts equal
 the server's usage, TTFT < E2E, one ITL per token after the first, JSON and plots written
-(chat and text completions). The statistics and the error handling are tests/test_loadgen.py."""
+(chat and text completions). The statistics are tests/test_loadgen.py, the error handling
+tests/test_loadgen_errors.py."""
 
 from __future__ import annotations
 
