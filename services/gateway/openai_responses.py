@@ -1,7 +1,7 @@
 """The OpenAI wire format, outbound: response, chunk, usage and logprob builders.
 
 Responses are plain ``dict`` objects with OpenAI's exact field names, ready for ``json.dumps``;
-the official ``openai`` SDK's pydantic models accept them (see tests/test_gateway_protocol.py).
+the official ``openai`` SDK's pydantic models accept them (see tests/test_gateway_response_builders.py).
 The inbound half (request parsing) is ``openai_requests.py``.
 
 Logprobs equal to ``-inf`` / NaN are clamped to :data:`LOGPROB_FLOOR` (``-9999.0``) so the JSON
