@@ -316,10 +316,32 @@ def _read(path: Path) -> KernelRegimes | None:
 
 def _write(path: Path, regimes: KernelRegimes) -> None:
     data = {"rows": regimes.rows, "use_kernel": regimes.use_kernel, "speedup": regimes.speedup}
+    write_json(path, data, "autotune decision")  # unwritable: only a re-measure next start
+
+
+def write_json(path: Path, data: object, what: str) -> None:
+    """Cache ``data`` at ``path`` as JSON, written to a temporary file and renamed (workers
+    starting together never read a half-written file, nor collide); an unwritable cache is
+    logged at debug level and otherwise ignored (the fixed path stays)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # workers starting together never collide
-        tmp.write_text(json.dumps(data))
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True))
         tmp.replace(path)
-    except OSError as exc:  # an unwritable cache only costs a re-measure next start
-        logger.debug("autotune decision not cached: %s", exc)
+    except OSError as exc:
+        logger.debug("%s not cached: %s", what, exc)
+
+
+def round_times(variants: Sequence[Callable[[], object]], rounds: int) -> list[list[float]]:
+    """Each variant's time (s) per round, the variants taking turns in each round (the order flips
+    every round, so a drift of the machine's speed reaches all alike); round 0 warms up (first
+    touch, page faults) and is not kept."""
+    times: list[list[float]] = [[] for _ in variants]
+    for r in range(rounds + 1):
+        order = range(len(variants)) if r % 2 else reversed(range(len(variants)))
+        for v in order:
+            start = time.perf_counter()
+            variants[v]()
+            if r:
+                times[v].append(time.perf_counter() - start)
+    return times

@@ -22,18 +22,16 @@ kind (their sums run in different vector widths and give other bits).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from services.engine.core.kernels import native_build, prefetch_tuning
-from services.engine.core.kernels.autotune import cpu_sample, others_busy
+from services.engine.core.kernels.autotune import cpu_sample, others_busy, round_times, write_json
 from services.engine.core.kernels.cpu_q4a8_gemm import FORMATS, SOURCE, CpuQ4A8Gemm
 
 logger = logging.getLogger(__name__)
@@ -112,72 +110,45 @@ def compare(
     weights in cache. Both kernels must read the same tiles."""
     if candidate.tile != base.tile or candidate.decode_block_bytes != base.decode_block_bytes:
         raise ValueError(f"{candidate.build} and {base.build} read different tiles")
-    regimes = {"decode": _decode_calls, "prefill": _prefill_calls}
+    regimes = {"decode": _decode_rows, "prefill": _prefill_chunks}
     speedup = {}
     for regime, make in regimes.items():
-        times = _round_times([make(candidate, read_bytes), make(base, read_bytes)], rounds)
+        times = round_times([make(candidate, read_bytes), make(base, read_bytes)], rounds)
         speedup[regime] = statistics.median(b / c for c, b in zip(*times, strict=True))
     return speedup
 
 
 def write(choice: VnniChoice) -> None:
     """Cache ``choice`` where :func:`native_build.measured_vnni_choice` reads it."""
-    path = native_build.vnni_choice_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"vnni": choice.vnni, "chosen": choice.chosen,
-                                   "speedup": choice.speedup}, sort_keys=True))  # fmt: skip
-        tmp.replace(path)
-    except OSError as exc:  # an unwritable cache leaves the flags to decide
-        logger.debug("VNNI choice not cached: %s", exc)
+    data = {"vnni": choice.vnni, "chosen": choice.chosen, "speedup": choice.speedup}
+    write_json(native_build.vnni_choice_path(), data, "VNNI choice")  # unwritable: the flags decide
 
 
-Calls = list[Callable[[], object]]
+def _decode_rows(kernel: CpuQ4A8Gemm, read_bytes: int) -> Callable[[], None]:
+    """One int8 decode row per format, each over enough weight copies to come from memory."""
+    per_format = read_bytes // len(kernel.decode_block_bytes)
+    runs = [prefetch_tuning.decode_rows_from_memory(kernel, fmt, DECODE_SHAPE, per_format)[0]
+            for fmt in kernel.decode_block_bytes]  # fmt: skip
+
+    def every_format() -> None:
+        for run in runs:
+            run()
+
+    return every_format
 
 
-def _decode_calls(kernel: CpuQ4A8Gemm, read_bytes: int) -> Calls:
-    """One int8 decode row per format, over enough weight copies to come from memory."""
-    out, n_in = DECODE_SHAPE
-    x = torch.randn(1, n_in)
-    calls: Calls = []
-    for fmt in kernel.decode_block_bytes:
-        tiles = kernel.decode_tiles_shape(fmt, out, n_in)
-        one = tiles[0] * tiles[1] * tiles[2]
-        copies = max(1, read_bytes // len(kernel.decode_block_bytes) // one)
-        # 0x2A everywhere: every scale a normal float16 (no slow subnormal arithmetic), any values
-        weights = torch.full((copies, *tiles), 0x2A, dtype=torch.uint8)
-        calls += [_bound(kernel.bind_decode(weights[c], None, out, fmt), x) for c in range(copies)]
-    return calls
-
-
-def _prefill_calls(kernel: CpuQ4A8Gemm, read_bytes: int) -> Calls:
+def _prefill_chunks(kernel: CpuQ4A8Gemm, read_bytes: int) -> Callable[[], None]:
     """The q4 x int8 GEMM over one prompt chunk per format it reads, weights in cache."""
     del read_bytes  # compute-bound: one copy of the weights, reused
     rows, out, n_in = PREFILL_SHAPE
     x = torch.randn(rows, n_in)
-    calls: Calls = []
+    calls = []
     for fmt, inputs in FORMATS.items():
         tiles = (-(-out // kernel.tile), n_in // inputs, kernel.block_bytes[fmt])
-        weights = torch.full(tiles, 0x2A, dtype=torch.uint8)
-        calls.append(_bound(kernel.bind(weights, None, out, fmt), x))
-    return calls
+        calls.append(kernel.bind(torch.full(tiles, 0x2A, dtype=torch.uint8), None, out, fmt))
 
+    def every_format() -> None:
+        for call in calls:
+            call(x)
 
-def _bound(call: Callable[[torch.Tensor], object], x: torch.Tensor) -> Callable[[], object]:
-    return lambda: call(x)
-
-
-def _round_times(variants: list[Calls], rounds: int) -> list[list[float]]:
-    """Each variant's time (s) to run all its calls, per round, the variants taking turns (the
-    order flips every round); round 0 warms up (first touch, page faults) and is not kept."""
-    times: list[list[float]] = [[] for _ in variants]
-    for r in range(rounds + 1):
-        order = range(len(variants)) if r % 2 else reversed(range(len(variants)))
-        for v in order:
-            start = time.perf_counter()
-            for call in variants[v]:
-                call()
-            if r:
-                times[v].append(time.perf_counter() - start)
-    return times
+    return every_format

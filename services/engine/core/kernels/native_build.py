@@ -218,6 +218,7 @@ def measured_vnni_choice(best: str) -> str | None:
     flags alone decide). Only between a VNNI set and its base set, which compute the same bits;
     never between vector widths, whose sums differ."""
     base = vector_isa(best)
+    # TANDEM_AUTOTUNE read here, not by autotune.autotune_mode: that module imports this one
     if base == best or os.environ.get("TANDEM_AUTOTUNE", "").strip().lower() == "fixed":
         return None
     try:

@@ -18,16 +18,20 @@ import ctypes
 import hashlib
 import json
 import logging
-import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from services.engine.core.kernels.autotune import autotune_mode, cpu_sample, others_busy
+from services.engine.core.kernels.autotune import (
+    autotune_mode,
+    cpu_sample,
+    others_busy,
+    round_times,
+    write_json,
+)
 from services.engine.core.kernels.native_build import (
     NativeBuildError,
     cache_dir,
@@ -147,6 +151,25 @@ def _round_rates(
     rounds: int,
 ) -> dict[int, list[float]]:
     """The weight read rate (GB/s) per distance and round."""
+    rows, read = decode_rows_from_memory(kernel, fmt, shape, read_bytes)
+    library = kernel.library
+
+    def at(ahead: int) -> Callable[[], None]:
+        def run() -> None:
+            library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead))
+            rows()
+        return run
+
+    times = round_times([at(ahead) for ahead in candidates], rounds)
+    return {ahead: [read / t / 1e9 for t in per_round]
+            for ahead, per_round in zip(candidates, times, strict=True)}  # fmt: skip
+
+
+def decode_rows_from_memory(
+    kernel: DecodeRowsKernel, fmt: str, shape: tuple[int, int], read_bytes: int
+) -> tuple[Callable[[], None], int]:
+    """(a call running one int8 decode row over each of enough copies of an ``[out, in]`` =
+    ``shape`` weight in ``fmt`` that they come from memory, the bytes it reads)."""
     out, n_in = shape
     tiles = kernel.decode_tiles_shape(fmt, out, n_in)
     one = tiles[0] * tiles[1] * tiles[2]
@@ -155,18 +178,12 @@ def _round_rates(
     weights = torch.full((copies, *tiles), 0x2A, dtype=torch.uint8)
     calls = [kernel.bind_decode(weights[c], None, out, fmt) for c in range(copies)]
     x = torch.randn(1, n_in)
-    rates: dict[int, list[float]] = {ahead: [] for ahead in candidates}
-    library = kernel.library
-    for r in range(rounds + 1):  # round 0 warms up (first touch, page faults)
-        order = list(candidates) if r % 2 else list(reversed(candidates))
-        for ahead in order:
-            library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead))
-            start = time.perf_counter()
-            for call in calls:
-                call(x)
-            if r:
-                rates[ahead].append(one * copies / (time.perf_counter() - start) / 1e9)
-    return rates
+
+    def rows() -> None:
+        for call in calls:
+            call(x)
+
+    return rows, one * copies
 
 
 def cache_path(threads: int) -> Path:
@@ -188,10 +205,4 @@ def _read(path: Path) -> dict[str, int] | None:
 
 
 def _write(path: Path, chosen: dict[str, int]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(chosen, sort_keys=True))
-        tmp.replace(path)
-    except OSError as exc:  # an unwritable cache keeps the built-in table
-        logger.debug("prefetch distances not cached: %s", exc)
+    write_json(path, chosen, "prefetch distances")  # unwritable: the built-in table stays
