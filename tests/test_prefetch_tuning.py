@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +21,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from services.engine.core.kernels import autotune, prefetch_tuning
+from services.engine.core.kernels import (
+    autotune,
+    cpu_decode_layers,
+    cpu_q4a8_gemm,
+    cpu_qgemv,
+    prefetch_tuning,
+)
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.native_build import load_library
 from services.engine.core.kernels.tile_formats import FORMAT_CODES
 from tests.conftest import native_kernel_or_skip
 from tests.test_int8_decode import TYPES, _kernels, _rows, _weight
@@ -55,6 +65,25 @@ def test_any_distance_gives_the_same_bits(
         results.append((int8_rows(x[:1]), int8_rows(x), qgemv(x[:1], packed, fmt, None, OUT)))
     for later in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], later, strict=True)), fmt
+
+
+@pytest.mark.parametrize("source", ["cpu_qgemv", "cpu_q4a8_gemm", "cpu_decode_layers"])
+def test_each_library_carries_the_prefetches(isa: str, source: str) -> None:
+    """The compiled rows do prefetch: a prefetch changes no value, so a compiler may delete it
+    (GCC 12 did, for every row kernel, when ``prefetch_block`` was not inlined early), and no
+    result or timing test would notice. objdump comes with the compiler that built the library."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump (binutils) here")
+    module = {"cpu_qgemv": cpu_qgemv, "cpu_q4a8_gemm": cpu_q4a8_gemm,
+              "cpu_decode_layers": cpu_decode_layers}[source]  # fmt: skip
+    library = load_library(module.SOURCE, isa)
+    listing = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", str(library._name)],
+        capture_output=True, text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    prefetches = re.findall(r"\sprefetch(?:nta|t0|t1|t2)\s", listing)
+    assert len(prefetches) >= 10, f"{source} ({isa}) has {len(prefetches)} prefetch instructions"
 
 
 def test_bad_distances_are_refused(kernels: tuple[CpuQGemv, CpuQ4A8Gemm]) -> None:

@@ -376,7 +376,9 @@ static void group_sums(const float *x, int64_t ldx, int64_t rows, int64_t in, in
  * rows (2,304-byte blocks, read in eight 32-input groups) want twice the distance of the others
  * (measured on Zen 3, AVX2, int8 rows from DRAM: 2 threads 19.2-20.7 GB/s at 8 KiB, 24.2-27.4
  * at 16 KiB; one thread 9.1-10.4 -> 13.3-14.5), which are no faster further ahead (q6_k slower:
- * its 49152 x 2048 head 21.6 -> 19.3 GB/s). Those are the defaults; another CPU may want others, so
+ * its 49152 x 2048 head 21.6 -> 19.3 GB/s; measured again on Zen 3 once prefetch_block was
+ * always inlined, 2 threads against none: q4_k 1.18-1.24x at 16 KiB, q6_k 1.17-1.25x and q5_0
+ * 1.16-1.25x at 4-16 KiB, q8_0 within 2%). Those are the defaults; another CPU may want others, so
  * the distances are a table a process sets (tandem_set_prefetch_ahead: `tandem tune` measures them
  * on the machine, prefetch_tuning.py gives every kernel library the cached choice), read once per
  * block; 0 turns a format's prefetch off. A prefetch only moves data, never a result: any distance
@@ -412,7 +414,12 @@ int64_t tandem_prefetch_ahead(int format) {
     return format < 0 || format >= N_FORMATS ? -1 : prefetch_ahead[format];
 }
 
-static inline void prefetch_block(const uint8_t *block, int64_t bytes, int64_t ahead) {
+/* always_inline, or there are no prefetches at all: a prefetch changes no value, so GCC (12, -O2
+ * and up) found this function "looping const" when it was not inlined early, and deleted every
+ * call to it as one whose result is unused; the decode kernels ran without a single prefetch
+ * instruction, whatever the table said. test_prefetch_tuning checks each built library has them. */
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *block,
+                                                                 int64_t bytes, int64_t ahead) {
     if (!ahead) return;
     for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(block + ahead + l, 0, 0);
 }

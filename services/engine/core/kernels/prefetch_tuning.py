@@ -64,6 +64,7 @@ AHEAD_MAX = 1 << 20  # cpu_qgemv.c's PREFETCH_AHEAD_MAX
 # (on a 2-core Zen 3 VM a compute-bound format's distances, paired by round, differed by up to 5.5%;
 # the gain this table was made for, q4_k at 16 KiB against 8, was 20-30%): the kernels' 10%
 MARGIN = 0.10
+TABLE_VERSION = "2"  # part of the cache key: a new version re-measures every machine
 SHAPE = (2048, 8192)  # out, in: a 1B model's MLP down projection, every format's blocks divide it
 
 
@@ -189,7 +190,10 @@ def decode_rows_from_memory(
 def cache_path(threads: int) -> Path:
     """Where the distances for this CPU, the selected instruction set and ``threads`` live."""
     cpu = cpu_model()
-    key = hashlib.sha256("\0".join([cpu, selected_isa(), str(threads)]).encode()).hexdigest()[:16]
+    # TABLE_VERSION: tables cached before the libraries carried their prefetches (GCC had deleted
+    # them: see cpu_qgemv.c's prefetch_block) timed one code at every distance; not reused
+    parts = [cpu, selected_isa(), str(threads), TABLE_VERSION]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / f"prefetch-{key}.json"
 
 
