@@ -4,7 +4,7 @@ Any distance (none at all included) gives every format's rows the same bits, the
 the float32-activation ones; a distance out of range or an unknown format is refused; ``tune``
 keeps the built-in distance unless another is clearly faster, caches its choice only when the
 machine was quiet, and a library loaded later takes the cached table (``apply``), unless
-``TANDEM_AUTOTUNE=fixed``.
+``TANDEM_AUTOTUNE=fixed``; and the built libraries do carry prefetch instructions.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_each_library_carries_the_prefetches(isa: str, source: str) -> None:
         [objdump, "-d", "--no-show-raw-insn", str(library._name)],
         capture_output=True, text=True, check=True, timeout=120,
     ).stdout  # fmt: skip
-    prefetches = re.findall(r"\sprefetch(?:nta|t0|t1|t2)\s", listing)
+    prefetches = re.findall(r"\s(?:prefetch(?:nta|t0|t1|t2)|prfm)\s", listing)  # x86, Arm
     assert len(prefetches) >= 10, f"{source} ({isa}) has {len(prefetches)} prefetch instructions"
 
 
