@@ -619,10 +619,10 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
             for (int c = 0; c < VECS; c++) acc[r][c] = bias ? load_vec(bias + c * LANES) : splat(0.0f); \
         for (int64_t b = 0; b < blocks; b++) {                                                    \
             const uint8_t *block = w + b * NAME##_BLOCK;                                          \
-            prefetch_block(block, NAME##_BLOCK, NAME##_AHEAD);                                    \
             block_scales bs;                                                                      \
             NAME##_prep(block, &bs);                                                              \
             for (int g = 0; g < NAME##_SPAN / NAME##_SUB; g++) {                                  \
+                prefetch_group(block, NAME##_BLOCK, NAME##_AHEAD, g, NAME##_SPAN / NAME##_SUB);  \
                 const int64_t i0 = b * NAME##_SPAN + g * NAME##_SUB;                              \
                 int_vec dot[R][VECS];                                                             \
                 for (int r = 0; r < R; r++)                                                       \
