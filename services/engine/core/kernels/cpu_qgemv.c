@@ -414,22 +414,15 @@ int64_t tandem_prefetch_ahead(int format) {
     return format < 0 || format >= N_FORMATS ? -1 : prefetch_ahead[format];
 }
 
-/* always_inline, or there are no prefetches at all: a prefetch changes no value, so GCC (12, -O2
- * and up) found this function "looping const" when it was not inlined early, and deleted every
- * call to it as one whose result is unused; the decode kernels ran without a single prefetch
- * instruction, whatever the table said. test_prefetch_tuning checks each built library has them. */
-static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *block,
-                                                                 int64_t bytes, int64_t ahead) {
-    if (!ahead) return;
-    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(block + ahead + l, 0, 0);
-}
-
 /* Group g's share of a block's prefetches (of groups): lines [g * bytes / groups, (g + 1) * bytes /
  * groups) rounded down to a line, the last group's up to the block's end, so every line of the
  * block is prefetched once, as by prefetch_block, but spread over its groups instead of all at its
  * start. Measured on Zen 3 (AVX2), one int8 decode row from memory, 2 threads, paired rounds
  * against prefetch_block: q4_k 1.12-1.15x (one thread 1.22x), q6_k 1.13-1.20x, q5_0 and q8_0
- * within noise. always_inline for prefetch_block's reason. */
+ * within noise. always_inline, or there are no prefetches at all: a prefetch changes no value,
+ * so GCC (12, -O2 and up) found a prefetch helper "looping const" when it was not inlined early,
+ * and deleted every call to it as one whose result is unused (the decode kernels ran without a
+ * single prefetch instruction); test_prefetch_tuning checks each built library has them. */
 static inline __attribute__((always_inline)) void prefetch_group(const uint8_t *block,
                                                                  int64_t bytes, int64_t ahead,
                                                                  int g, int groups) {
@@ -437,6 +430,12 @@ static inline __attribute__((always_inline)) void prefetch_group(const uint8_t *
     const int64_t from = (int64_t)g * bytes / groups / 64 * 64;
     const int64_t to = g == groups - 1 ? bytes : (int64_t)(g + 1) * bytes / groups / 64 * 64;
     for (int64_t l = from; l < to; l += 64) __builtin_prefetch(block + ahead + l, 0, 0);
+}
+
+/* A whole block's prefetches at once: group 0 of 1. */
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *block,
+                                                                 int64_t bytes, int64_t ahead) {
+    prefetch_group(block, bytes, ahead, 0, 1);
 }
 
 /* R rows over one quantized tile, its values converted in registers. Per output and group, one
