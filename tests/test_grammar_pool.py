@@ -202,7 +202,12 @@ async def test_distinct_large_schemas_do_not_block_the_event_loop(
     assert all(status == 200 for status, _, _ in results), [r[1][:200] for r in results]
     gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
     assert max(latencies) < 1.0, latencies
-    assert max(lags) < 0.15, max(lags)  # compiled on the loop, each held it for 0.05-0.4 s
+    # A compilation on the loop holds it 0.1-0.4 s (a ~100 KB schema; more on a busy core), and
+    # `busy` of them were still pending: that is several late wakes. One alone is a stall of the
+    # 2-vCPU VM under the whole suite (a fresh-clone run saw one of 154 ms, the test alone never
+    # more than 5 ms), not a compilation, so one is allowed, and no wake may be later than 0.5 s.
+    late = sorted(lag for lag in lags if lag > 0.05)
+    assert len(late) <= 1 and max(lags) < 0.5, late
     assert gaps[len(gaps) // 2] < 0.05, gaps  # ITL p50 near the 10 ms floor (loose: 2 cores)
     assert busy > 0, "the flood finished before the plain requests: nothing was measured"
     assert pool.compiled >= 17
