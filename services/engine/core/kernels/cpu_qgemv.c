@@ -417,12 +417,11 @@ int64_t tandem_prefetch_ahead(int format) {
 /* Group g's share of a block's prefetches (of groups): lines [g * bytes / groups, (g + 1) * bytes /
  * groups) rounded down to a line, the last group's up to the block's end, so every line of the
  * block is prefetched once, as by prefetch_block, but spread over its groups instead of all at its
- * start. Measured on Zen 3 (AVX2), one int8 decode row from memory, 2 threads, paired rounds
- * against prefetch_block: q4_k 1.12-1.15x (one thread 1.22x), q6_k 1.13-1.20x, q5_0 and q8_0
- * within noise. always_inline, or there are no prefetches at all: a prefetch changes no value,
- * so GCC (12, -O2 and up) found a prefetch helper "looping const" when it was not inlined early,
- * and deleted every call to it as one whose result is unused (the decode kernels ran without a
- * single prefetch instruction); test_prefetch_tuning checks each built library has them. */
+ * start: faster for q4_k and q6_k rows from memory, q5_0 and q8_0 within noise (paired rounds,
+ * docs/benchmarks.md). always_inline, or there are no prefetches at all: a prefetch changes no
+ * value, so GCC (12, -O2 and up) found a prefetch helper "looping const" when it was not inlined
+ * early, and deleted every call to it as one whose result is unused (the decode kernels ran
+ * without a single prefetch instruction); test_prefetch_tuning checks each built library has them. */
 static inline __attribute__((always_inline)) void prefetch_group(const uint8_t *block,
                                                                  int64_t bytes, int64_t ahead,
                                                                  int g, int groups) {
