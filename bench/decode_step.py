@@ -1,12 +1,14 @@
 """Batch-1 decode step time of the engine's default configuration, per GGUF, in milliseconds.
 
     python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
-                                [--dtypes auto q4_a8_decode ...]
+                                [--dtypes auto q4_a8_decode ...] [--batch 1 4 16]
 
 Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``), a 32-token prompt is
 prefilled, then ``--steps`` tokens are decoded greedily one engine step at a time; a round's
 figure is the mean step time (sampling and scheduling included), and each file keeps its best
-of ``--rounds`` rounds. ``--per-op`` also times the same loaded model with the one-call C decode
+of ``--rounds`` rounds. ``--batch`` sizes above 1 add a column each: that many requests decoded
+together, as output tokens per second over the batch (the batched decode rows a served
+concurrency level runs; short prompts, so the weights and not attention dominate). ``--per-op`` also times the same loaded model with the one-call C decode
 layers turned off (every op its own call from Python), the rounds of the two taking turns.
 
 It is the short check behind a decode-path change: to compare two trees, run it from each
@@ -35,14 +37,17 @@ from services.engine.core.loaders import LoadedModel, load_model  # noqa: E402
 logger = logging.getLogger("bench.decode_step")
 
 
-def step_ms(engine: LLMEngine, steps: int, round_: int) -> float:
-    """Mean milliseconds of ``steps`` batch-1 decode steps after a 32-token prompt."""
+def step_ms(engine: LLMEngine, steps: int, round_: int, batch: int = 1) -> float:
+    """Mean milliseconds per output token of ``steps`` decode steps of ``batch`` requests after
+    32-token prompts (at batch 1: the step time)."""
     gen = torch.Generator().manual_seed(round_)
-    prompt = torch.randint(100, 1000, (32,), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    engine.add_request(f"r{round_}", prompt, params)
-    while not any(out.new_token_ids for out in engine.step()):  # the prefill step
-        pass
+    for i in range(batch):
+        prompt = torch.randint(100, 1000, (32,), generator=gen).tolist()
+        engine.add_request(f"r{round_}-{batch}-{i}", prompt, params)
+    first = 0
+    while first < batch:  # the prefill steps
+        first += sum(1 for out in engine.step() if out.new_token_ids)
     start, done = time.perf_counter(), 0
     while engine.has_unfinished():
         done += sum(len(out.new_token_ids) for out in engine.step())
@@ -67,18 +72,26 @@ def main() -> int:
     parser.add_argument("--per-op", action="store_true")
     parser.add_argument("--dtypes", nargs="+", default=["auto"],
                         help="--dtype values to time side by side (rounds taking turns)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1],
+                        help="batch sizes; above 1: output tok/s of that many requests together")
     args = parser.parse_args()
+    batches = [b for b in args.batch if b > 1]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(os.cpu_count() or 1)
     columns = [f"{dtype} ms/step" for dtype in args.dtypes] + (["per-op ms/step"] if args.per_op else [])
+    columns += [f"{dtype} batch-{b} tok/s" for b in batches for dtype in args.dtypes]
     logger.info("| file | layers take | %s |", " | ".join(columns))
     logger.info("|---|---|%s", "---|" * len(columns))
     for path in args.models:
         engines = {}
         for dtype in args.dtypes:
             loaded = load_model(path, dtype)
-            engines[dtype] = (loaded, LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=256)))
-            step_ms(engines[dtype][1], 4, -1)  # warm-up (and the kernels' tuning)
+            seats = max([1, *batches])
+            per_request = (32 + args.steps + 1) // 16 + 2  # blocks of 16 slots, with room
+            config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats))
+            engines[dtype] = (loaded, LLMEngine(loaded, config))
+            for batch in [1, *batches]:
+                step_ms(engines[dtype][1], 4, -1, batch)  # warm-up (and the kernels' tuning)
         first = engines[args.dtypes[0]][0]
         path_taken = "one call" if first.model.decode_layers_regimes.kernel_for(1) and \
             first.model.decode_layers is not None else "per op"  # fmt: skip
@@ -88,13 +101,17 @@ def main() -> int:
                 for dtype, (loaded, engine) in engines.items():
                     column = f"{dtype} ms/step"
                     best[column] = min(best[column], step_ms(engine, args.steps, round_))
+                for batch in batches:
+                    for dtype, (loaded, engine) in engines.items():
+                        column = f"{dtype} batch-{batch} tok/s"
+                        best[column] = min(best[column], step_ms(engine, args.steps, round_, batch))
                 if args.per_op:
                     loaded, engine = engines[args.dtypes[0]]
                     saved = one_call_off(loaded)
                     best["per-op ms/step"] = min(best["per-op ms/step"], step_ms(engine, args.steps, round_))
                     loaded.model.decode_layers_regimes = saved
-        logger.info("| %s | %s | %s |", Path(path).name, path_taken,
-                    " | ".join(f"{best[c]:.2f}" for c in columns))  # fmt: skip
+        cells = [f"{1000 / best[c]:.1f}" if c.endswith("tok/s") else f"{best[c]:.2f}" for c in columns]
+        logger.info("| %s | %s | %s |", Path(path).name, path_taken, " | ".join(cells))
         del engines
     return 0
 

@@ -76,11 +76,19 @@ T = TypeVar("T")
 CFLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fopenmp")
 PREBUILT_ENV = "TANDEM_PREBUILT_KERNELS"
 ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "generic")  # best first
+# GCC's temporary-expression replacement (TER, when it leaves SSA form) moves the int8 dots'
+# single-use vpmaddubsw products away from their 16-bit adds, and with 16 ymm registers the
+# 4-bit and q8_0 decode row blocks and panels then spill about twenty products a group to the
+# stack; without it they spill none and run 1.1-1.3x faster at 2-16 rows (measured on AVX2 Zen
+# 3: docs/benchmarks.md, "the int8 rows without TER"). Scheduling only, so the same bits; other
+# compilers ignore the flag with a warning. The 32-register sets are not given it until it is
+# measured on an AVX-512 CPU.
+_AVX2_SCHEDULE = ["-fno-tree-ter"]
 _X86_ISA_FLAGS = {
     "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=native"],
     "avx512": ["-march=x86-64-v4", "-mtune=native"],
     "avxvnni": ["-march=x86-64-v3", "-mavxvnni", "-mtune=native"],
-    "avx2": ["-march=x86-64-v3", "-mtune=native"],
+    "avx2": ["-march=x86-64-v3", "-mtune=native", *_AVX2_SCHEDULE],
     "generic": ["-march=x86-64", "-mtune=generic"],
 }
 _AVX512 = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"}
