@@ -8,8 +8,9 @@ prefilled, then ``--steps`` tokens are decoded greedily one engine step at a tim
 figure is the mean step time (sampling and scheduling included), and each file keeps its best
 of ``--rounds`` rounds. ``--batch`` sizes above 1 add a column each: that many requests decoded
 together, as output tokens per second over the batch (the batched decode rows a served
-concurrency level runs; short prompts, so the weights and not attention dominate). ``--per-op`` also times the same loaded model with the one-call C decode
-layers turned off (every op its own call from Python), the rounds of the two taking turns.
+concurrency level runs; short prompts, so the weights and not attention dominate). ``--per-op``
+also times the same loaded model with the one-call C decode layers turned off (every op its own
+call from Python), the rounds of the two taking turns.
 
 It is the short check behind a decode-path change: to compare two trees, run it from each
 checkout in turn (``PYTHONPATH=<checkout> python <checkout>/bench/decode_step.py ...``), on an
@@ -82,12 +83,12 @@ def main() -> int:
     columns += [f"{dtype} batch-{b} tok/s" for b in batches for dtype in args.dtypes]
     logger.info("| file | layers take | %s |", " | ".join(columns))
     logger.info("|---|---|%s", "---|" * len(columns))
+    seats = max([1, *batches])
+    per_request = (32 + args.steps + 1) // 16 + 2  # blocks of 16 slots, with room
     for path in args.models:
         engines = {}
         for dtype in args.dtypes:
             loaded = load_model(path, dtype)
-            seats = max([1, *batches])
-            per_request = (32 + args.steps + 1) // 16 + 2  # blocks of 16 slots, with room
             config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats))
             engines[dtype] = (loaded, LLMEngine(loaded, config))
             for batch in [1, *batches]:

@@ -88,3 +88,27 @@ def test_every_kernel_source_is_prebuilt_for_every_isa() -> None:
     assert loaded and loaded <= sources  # every kernel a module loads is in the image
     if native_build._is_x86():
         assert prebuild.target_isas() == native_build.ISAS
+
+
+def test_gcc_only_flags_are_dropped_for_clang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The avx2 set's -fno-tree-ter is GCC's; a clang build compiles without it, a GCC one with."""
+    if not native_build._is_x86():
+        pytest.skip("x86 instruction-set flags")
+    flags = [*native_build.CFLAGS, *native_build.isa_flags("avx2")]
+    assert "-fno-tree-ter" in flags
+    commands: list[list[str]] = []
+
+    def run(cmd: list[str], **_: object) -> object:
+        commands.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(native_build.subprocess, "run", run)
+    for version, expected in (("clang version 17.0.6", False), ("gcc (Debian 12.2.0) 12.2.0", True)):
+        monkeypatch.setattr(native_build, "_compiler_version", lambda cc, v=version: v)
+        commands.clear()
+        native_build._compile("cc", flags, GEMV, Path("/usr/lib/libgomp.so.1"), tmp_path / "k.so")
+        assert ("-fno-tree-ter" in commands[0]) is expected
+        assert "-march=x86-64-v3" in commands[0] and (tmp_path / "k.so").exists()

@@ -79,11 +79,12 @@ ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "generic")  # best first
 # GCC's temporary-expression replacement (TER, when it leaves SSA form) moves the int8 dots'
 # single-use vpmaddubsw products away from their 16-bit adds, and with 16 ymm registers the
 # 4-bit and q8_0 decode row blocks and panels then spill about twenty products a group to the
-# stack; without it they spill none and run 1.1-1.3x faster at 2-16 rows (measured on AVX2 Zen
-# 3: docs/benchmarks.md, "the int8 rows without TER"). Scheduling only, so the same bits; other
-# compilers ignore the flag with a warning. The 32-register sets are not given it until it is
-# measured on an AVX-512 CPU.
+# stack; without it they spill none and batched decode runs faster (measured on an AVX2 CPU:
+# docs/benchmarks.md, "the int8 rows without TER"). Scheduling only, so the same bits. GCC's
+# flag: _compile drops it for clang. The 32-register sets are not given it until it is measured
+# on an AVX-512 CPU.
 _AVX2_SCHEDULE = ["-fno-tree-ter"]
+_GCC_ONLY_FLAGS = frozenset(_AVX2_SCHEDULE)
 _X86_ISA_FLAGS = {
     "avx512vnni": ["-march=x86-64-v4", "-mavx512vnni", "-mtune=native"],
     "avx512": ["-march=x86-64-v4", "-mtune=native"],
@@ -392,6 +393,8 @@ def _why_compiling(source: Path, isa: str) -> str:
 
 
 def _compile(cc: str, flags: list[str], source: Path, openmp: Path, target: Path) -> None:
+    if "clang" in _compiler_version(cc).lower():
+        flags = [f for f in flags if f not in _GCC_ONLY_FLAGS]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
