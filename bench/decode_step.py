@@ -111,7 +111,8 @@ def main() -> int:
                     saved = one_call_off(loaded)
                     best["per-op ms/step"] = min(best["per-op ms/step"], step_ms(engine, args.steps, round_))
                     loaded.model.decode_layers_regimes = saved
-        cells = [f"{1000 / best[c]:.1f}" if c.endswith("tok/s") else f"{best[c]:.2f}" for c in columns]
+        cells = [f"{1000 / best[c]:.1f}" if c.endswith("tok/s") else f"{best[c]:.2f}"
+                 for c in columns]  # tok/s columns hold ms per token
         logger.info("| %s | %s | %s |", Path(path).name, path_taken, " | ".join(cells))
         del engines
     return 0

@@ -106,7 +106,8 @@ def test_gcc_only_flags_are_dropped_for_clang(
         return type("Done", (), {"returncode": 0, "stderr": ""})()
 
     monkeypatch.setattr(native_build.subprocess, "run", run)
-    for version, expected in (("clang version 17.0.6", False), ("gcc (Debian 12.2.0) 12.2.0", True)):
+    versions = (("clang version 17.0.6", False), ("gcc (Debian 12.2.0) 12.2.0", True))
+    for version, expected in versions:
         monkeypatch.setattr(native_build, "_compiler_version", lambda cc, v=version: v)
         commands.clear()
         native_build._compile("cc", flags, GEMV, Path("/usr/lib/libgomp.so.1"), tmp_path / "k.so")
