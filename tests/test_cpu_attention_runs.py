@@ -122,3 +122,50 @@ def test_a_run_cut_for_the_threads_keeps_the_prefill_rows_bits(rows: int) -> Non
             assert torch.equal(prefill, decode), n
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (32, 8, 64), (64, 2, 64)])
+def test_a_rows_kv_heads_in_one_task_or_several_keep_its_bits(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    """Single rows of different sequences (a batched decode step): a task walks as many of a
+    row's KV heads as leave every thread a task, so a row's heads are walked by one task or split
+    over several, depending on the batch and the threads. Either way a row has the bits it has
+    with one task per KV head (the row alone at more threads than KV heads) and, for the 16- and
+    32-bit caches, the prefill kernel's: batches of 1 to 8 rows at 1 to 4 threads, every dtype."""
+    gen = torch.Generator().manual_seed(heads + kv_heads)
+    contexts = [300, 17, 64, 129, 1, 200, 65, 90]
+    lens = torch.tensor(contexts)
+    threads = torch.get_num_threads()
+    try:
+        for dtype in KV_DTYPES:
+            shape = (sum(-(-c // BLOCK) for c in contexts) + 1, BLOCK, kv_heads, dim)
+            k_cache, v_cache = _cache(dtype, shape, gen), _cache(dtype, shape, gen)
+            ids = (torch.randperm(k_cache.shape[0] - 1, generator=gen) + 1).tolist()
+            tables = [[ids.pop() for _ in range(-(-c // BLOCK))] for c in contexts]
+            width = max(len(t) for t in tables)
+            table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            q = torch.randn(len(contexts), heads, dim, generator=gen) * 3
+            scale = dim**-0.5
+            torch.set_num_threads(64)  # more threads than KV heads: a task per (row, KV head)
+            alone = torch.cat([
+                cpu_paged_attention.cpu_paged_decode_attention(
+                    q[i : i + 1], k_cache, v_cache, table_t[i : i + 1], lens[i : i + 1], scale
+                )
+                for i, c in enumerate(contexts)
+            ])  # fmt: skip
+            if dtype != torch.uint8:
+                for i, c in enumerate(contexts):
+                    prefill = cpu_paged_attention.cpu_paged_prefill_attention(
+                        q[i : i + 1], k_cache, v_cache, table_t[i : i + 1], [c], [1], scale, None, None
+                    )
+                    assert torch.equal(prefill, alone[i : i + 1]), (dtype, i)
+            for n in (1, 2, 3, 4):
+                torch.set_num_threads(n)
+                for batch in (1, 2, 3, 8):
+                    together = cpu_paged_attention.cpu_paged_decode_attention(
+                        q[:batch], k_cache, v_cache, table_t[:batch], lens[:batch], scale
+                    )
+                    assert torch.equal(together, alone[:batch]), (dtype, n, batch)
+    finally:
+        torch.set_num_threads(threads)

@@ -71,11 +71,11 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
     return pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
 }
 
-/* The group's query heads (kh * group + g) of `rows` consecutive rows of one sequence, at positions
- * pos0 .. pos0 + rows - 1 (its block table row `table`, which maps every position they read),
- * each row over the cache as the prefill kernel attends a row (see above): q and out are the
- * first row's [heads, D] (q's heads q_sh apart, rows q_sb apart; out's rows heads * D apart);
- * head_dim whole vectors.
+/* The query heads of KV heads kh0 .. kh0 + nkh - 1 (query heads kh * group + g) of `rows`
+ * consecutive rows of one sequence, at positions pos0 .. pos0 + rows - 1 (its block table row
+ * `table`, which maps every position they read), each row over the cache as the prefill kernel
+ * attends a row (see above): q and out are the first row's [heads, D] (q's heads q_sh apart, rows
+ * q_sb apart; out's rows heads * D apart); head_dim whole vectors.
  *
  * Why rows together: a speculative step's verify rows (a sequence's last token and its drafts,
  * ``model_runner.py``) are decode rows of one table at consecutive positions. Alone, each row
@@ -85,24 +85,33 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
  * part only in the tiles it reads (its window's first tile through its own position's), with its
  * own softmax bounds, and its values are accumulated over exactly its own slots of the tile
  * (rows that see the same slots share a block), so every row has the bits it has computed alone
- * (rows = 1), which are the prefill's. */
+ * (rows = 1), which are the prefill's.
+ *
+ * Why several KV heads: a slot stores its KV heads' rows side by side (k_sh apart), so one head
+ * alone reads a head_dim run out of every slot's kv_heads * head_dim, strided runs from cache
+ * blocks scattered over memory, which a batched decode step waits on (latency, not bandwidth).
+ * Walking a tile's heads one after another reads each slot's rows whole, a block's K and V as
+ * runs the hardware prefetcher follows. Each head's chain is the one it has alone (the same
+ * scores, softmax steps and value blocks, in the same order), so the bits do not depend on nkh. */
 static inline __attribute__((always_inline)) void rows_task(
     const float *q, int64_t q_sb, int64_t q_sh,
     void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
     void *v, int64_t v_sb, int64_t v_ss, int64_t v_sh,
     const int64_t *table, int64_t pos0, int64_t rows, float *out,
-    int64_t kh, int64_t group, int64_t heads, int64_t head_dim, int64_t block_size,
+    int64_t kh0, int64_t nkh, int64_t group, int64_t heads, int64_t head_dim, int64_t block_size,
     float scale, int64_t window, float softcap, const int kv) {
-    const int64_t nq = rows * group, last = pos0 + rows - 1; /* vector r * group + g: row r, head g */
-    float qs[nq * head_dim], o[nq * head_dim], p[nq * KEY_TILE];
-    float running_max[nq], total[nq], rescale[nq];
-    int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row */
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < group; g++)
-            memcpy(qs + (r * group + g) * head_dim, q + r * q_sb + (kh * group + g) * q_sh,
-                   (size_t)head_dim * sizeof(float));
-    memset(o, 0, sizeof(float) * (size_t)(nq * head_dim));
-    for (int64_t x = 0; x < nq; x++) running_max[x] = -INFINITY, total[x] = 0.f;
+    /* vector h * nq + r * group + g: KV head kh0 + h, row r, its query head g */
+    const int64_t nq = rows * group, all = nkh * nq, last = pos0 + rows - 1;
+    float qs[all * head_dim], o[all * head_dim], p[all * KEY_TILE];
+    float running_max[all], total[all], rescale[all];
+    int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row (head kh0) */
+    for (int64_t h = 0; h < nkh; h++)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < group; g++)
+                memcpy(qs + (h * nq + r * group + g) * head_dim,
+                       q + r * q_sb + ((kh0 + h) * group + g) * q_sh, (size_t)head_dim * sizeof(float));
+    memset(o, 0, sizeof(float) * (size_t)(all * head_dim));
+    for (int64_t x = 0; x < all; x++) running_max[x] = -INFINITY, total[x] = 0.f;
     int64_t r_end = 0; /* rows r_begin .. r_end - 1 read the tile at ks (contiguous: positions ascend) */
     for (int64_t ks = first_tile(pos0, window); ks <= last; ks += KEY_TILE) {
         const int64_t r_begin = ks > pos0 ? ks - pos0 : 0; /* the earlier rows end before ks */
@@ -111,48 +120,54 @@ static inline __attribute__((always_inline)) void rows_task(
         const int64_t slots = seen_slots(top, ks);
         for (int64_t s = 0; s < slots; s++) {
             const int64_t at = ks + s, block = table[at / block_size], slot = at % block_size;
-            ki[s] = block * k_sb + slot * k_ss + kh * k_sh;
-            vi[s] = block * v_sb + slot * v_ss + kh * v_sh;
+            ki[s] = block * k_sb + slot * k_ss + kh0 * k_sh;
+            vi[s] = block * v_sb + slot * v_ss + kh0 * v_sh;
         }
-        const int64_t x_begin = r_begin * group, x_end = r_end * group;
-        score_keys(qs + x_begin * head_dim, x_end - x_begin, head_dim, k, ki, slots, p + x_begin * KEY_TILE,
-                   scale, kv); /* keys past a row: scored, then given no weight */
-        for (int64_t ra = r_begin, rb; ra < r_end; ra = rb) {
-            /* rows ra .. rb - 1 see the same slots of the tile: their values form one block */
-            const int64_t seen = seen_slots(pos0 + ra, ks);
-            for (rb = ra; rb < r_end && seen_slots(pos0 + rb, ks) == seen; rb++) {
-                int64_t lo = window > 0 ? pos0 + rb - window + 1 - ks : 0;
-                lo = lo > 0 ? lo : 0;
-                for (int64_t x = rb * group; x < (rb + 1) * group; x++)
-                    rescale[x] = softmax_tile(p + x * KEY_TILE, lo, seen, running_max + x, total + x, softcap);
-            }
-            const int64_t xb_end = rb * group;
-            for (int64_t x = ra * group; x < xb_end; x += ATTN_ROWS) {
-                const int n = xb_end - x < ATTN_ROWS ? (int)(xb_end - x) : ATTN_ROWS;
-                int64_t d = 0;
-#define VALUES(N) value_rows(o + x * head_dim, head_dim, p + x * KEY_TILE, rescale + x, v, vi, \
+        for (int64_t h = 0; h < nkh; h++) { /* head kh0 + h: its rows k_sh / v_sh further on */
+            const void *kh_k = kv_at(k, h * k_sh, kv), *kh_v = kv_at(v, h * v_sh, kv);
+            const int64_t hx = h * nq; /* its first vector */
+            const int64_t x_begin = hx + r_begin * group, x_end = hx + r_end * group;
+            score_keys(qs + x_begin * head_dim, x_end - x_begin, head_dim, kh_k, ki, slots,
+                       p + x_begin * KEY_TILE, scale, kv); /* keys past a row: scored, then given no weight */
+            for (int64_t ra = r_begin, rb; ra < r_end; ra = rb) {
+                /* rows ra .. rb - 1 see the same slots of the tile: their values form one block */
+                const int64_t seen = seen_slots(pos0 + ra, ks);
+                for (rb = ra; rb < r_end && seen_slots(pos0 + rb, ks) == seen; rb++) {
+                    int64_t lo = window > 0 ? pos0 + rb - window + 1 - ks : 0;
+                    lo = lo > 0 ? lo : 0;
+                    for (int64_t x = hx + rb * group; x < hx + (rb + 1) * group; x++)
+                        rescale[x] = softmax_tile(p + x * KEY_TILE, lo, seen, running_max + x, total + x,
+                                                  softcap);
+                }
+                const int64_t xb_end = hx + rb * group;
+                for (int64_t x = hx + ra * group; x < xb_end; x += ATTN_ROWS) {
+                    const int n = xb_end - x < ATTN_ROWS ? (int)(xb_end - x) : ATTN_ROWS;
+                    int64_t d = 0;
+#define VALUES(N) value_rows(o + x * head_dim, head_dim, p + x * KEY_TILE, rescale + x, kh_v, vi, \
                              seen, d, N, NV, kv)
-                for (; d + TILE <= head_dim; d += TILE) {
+                    for (; d + TILE <= head_dim; d += TILE) {
 #define NV VECS
-                    WITH_ROWS(n, VALUES)
+                        WITH_ROWS(n, VALUES)
 #undef NV
-                }
-                for (; d < head_dim; d += LANES) {
+                    }
+                    for (; d < head_dim; d += LANES) {
 #define NV 1
-                    WITH_ROWS(n, VALUES)
+                        WITH_ROWS(n, VALUES)
 #undef NV
-                }
+                    }
 #undef VALUES
+                }
             }
         }
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t x = r * group + g;
-            float *og = out + r * heads * head_dim + (kh * group + g) * head_dim;
-            const float inv = total[x] > 0.f ? 1.f / total[x] : 0.f;
-            for (int64_t dd = 0; dd < head_dim; dd++) og[dd] = o[x * head_dim + dd] * inv;
-        }
+    for (int64_t h = 0; h < nkh; h++)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t x = h * nq + r * group + g;
+                float *og = out + r * heads * head_dim + ((kh0 + h) * group + g) * head_dim;
+                const float inv = total[x] > 0.f ? 1.f / total[x] : 0.f;
+                for (int64_t dd = 0; dd < head_dim; dd++) og[dd] = o[x * head_dim + dd] * inv;
+            }
 }
 
 /* query vectors a rows_task holds at most (16 rows of SmolLM2's 3 query heads per KV head): its
@@ -208,6 +223,18 @@ static int64_t plan_units(const int64_t *tables, int64_t t_sb, const int64_t *le
     return units;
 }
 
+/* KV heads one single-row task walks (rows_task's nkh): as many as leave at least one task per
+ * thread (the batch's rows times its chunks of heads), within RUN_VECTORS query vectors. Fewer
+ * tasks than threads would idle a thread; more than enough splits a row's slots into strided
+ * head runs again. */
+static int64_t walk_heads(int64_t batch, int64_t kv_heads, int64_t group, int threads) {
+    int64_t chunks = (threads + batch - 1) / batch; /* per row, for a task per thread */
+    chunks = chunks < kv_heads ? chunks : kv_heads;
+    int64_t walk = (kv_heads + chunks - 1) / chunks;
+    const int64_t most = group < RUN_VECTORS ? RUN_VECTORS / group : 1;
+    return walk < most ? walk : most;
+}
+
 /* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
  * *_ss, *_sh in elements; D contiguous), tables [B, *] (row stride t_sb) and lens [B] as int64,
  * out [B, H, D] contiguous; window and softcap as above (0: off). When new_k is not NULL, the
@@ -215,7 +242,8 @@ static int64_t plan_units(const int64_t *tables, int64_t t_sb, const int64_t *le
  * contiguous) are first written into slot (slot_blocks[b], slot_offsets[b]): the step's store and
  * attention in one call. Rows of one sequence at consecutive positions (a verify step) attend
  * together (rows_task), after every row's K/V is stored; otherwise each task stores its own row's
- * K/V for its KV head and attends. */
+ * K/V for its KV heads and attends: a row's KV heads in as few tasks as keep every thread busy
+ * (walk_heads). */
 void tandem_paged_decode_attention(
     const float *q, int64_t q_sb, int64_t q_sh,
     void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
@@ -234,7 +262,10 @@ void tandem_paged_decode_attention(
                                              threads, first, first + batch)
                                 : 0;
     const int64_t *count = first ? first + batch : NULL;
-    const int64_t tasks = (units ? units : batch) * kv_heads;
+    /* single rows: KV heads kh .. kh + walk - 1 per task, the row's heads in `chunks` tasks */
+    const int64_t walk = units || head_dim % LANES ? 1 : walk_heads(batch, kv_heads, group, threads);
+    const int64_t chunks = (kv_heads + walk - 1) / walk;
+    const int64_t tasks = units ? units * kv_heads : batch * chunks;
 #define STORE(b, kh)                                                                              \
     do {                                                                                          \
         const int64_t block_ = slot_blocks[b], offset_ = slot_offsets[b];                         \
@@ -251,15 +282,17 @@ void tandem_paged_decode_attention(
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t kh = task % kv_heads;
-            const int64_t b = units ? first[task / kv_heads] : task / kv_heads;
+            const int64_t kh = units ? task % kv_heads : task % chunks * walk;
+            const int64_t nkh = kv_heads - kh < walk ? kv_heads - kh : walk;
+            const int64_t b = units ? first[task / kv_heads] : task / chunks;
             const int64_t rows = units ? count[task / kv_heads] : 1;
-            if (new_k && !units) STORE(b, kh);
+            if (new_k && !units)
+                for (int64_t h = kh; h < kh + nkh; h++) STORE(b, h);
             const int64_t *table = tables + (b + rows - 1) * t_sb; /* the last row's: maps them all */
 #define DECODE_TASK(KV)                                                                          \
     if (head_dim % LANES == 0)                                                                    \
         rows_task(q + b * q_sb, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, table,      \
-                  lens[b] - 1, rows, out + b * heads * head_dim, kh, group, heads, head_dim,      \
+                  lens[b] - 1, rows, out + b * heads * head_dim, kh, nkh, group, heads, head_dim, \
                   block_size, scale, window, softcap, KV);                                        \
     else                                                                                          \
         decode_task(q, q_sb, q_sh, k, k_sb, k_ss, k_sh, v, v_sb, v_ss, v_sh, tables, t_sb, lens[b], out, \
