@@ -1,16 +1,17 @@
 """Batch-1 decode step time of the engine's default configuration, per GGUF, in milliseconds.
 
     python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
-                                [--dtypes auto q4_a8_decode ...] [--batch 1 4 16]
+                                [--dtypes auto q4_a8_decode ...] [--batch 1 4 16] [--prompt 32]
 
-Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``), a 32-token prompt is
-prefilled, then ``--steps`` tokens are decoded greedily one engine step at a time; a round's
-figure is the mean step time (sampling and scheduling included), and each file keeps its best
-of ``--rounds`` rounds. ``--batch`` sizes above 1 add a column each: that many requests decoded
-together, as output tokens per second over the batch (the batched decode rows a served
-concurrency level runs; short prompts, so the weights and not attention dominate). ``--per-op``
-also times the same loaded model with the one-call C decode layers turned off (every op its own
-call from Python), the rounds of the two taking turns.
+Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``), a
+``--prompt``-token prompt (32) is prefilled, then ``--steps`` tokens are decoded greedily one
+engine step at a time; a round's figure is the mean step time (sampling and scheduling
+included), and each file keeps its best of ``--rounds`` rounds. ``--batch`` sizes above 1 add a
+column each: that many requests decoded together, as output tokens per second over the batch
+(the batched decode a served concurrency level runs; after the short default prompt the weights
+dominate, after ``--prompt 512`` attention over a served level's context is most of a step).
+``--per-op`` also times the same loaded model with the one-call C decode layers turned off
+(every op its own call from Python), the rounds of the two taking turns.
 
 It is the short check behind a decode-path change: to compare two trees, run it from each
 checkout in turn (``PYTHONPATH=<checkout> python <checkout>/bench/decode_step.py ...``), on an
@@ -38,13 +39,15 @@ from services.engine.core.loaders import LoadedModel, load_model  # noqa: E402
 logger = logging.getLogger("bench.decode_step")
 
 
-def step_ms(engine: LLMEngine, steps: int, round_: int, batch: int = 1) -> float:
+def step_ms(
+    engine: LLMEngine, steps: int, round_: int, batch: int = 1, prompt_len: int = 32
+) -> float:
     """Mean milliseconds per output token of ``steps`` decode steps of ``batch`` requests after
-    32-token prompts (at batch 1: the step time)."""
+    ``prompt_len``-token prompts (at batch 1: the step time)."""
     gen = torch.Generator().manual_seed(round_)
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
-        prompt = torch.randint(100, 1000, (32,), generator=gen).tolist()
+        prompt = torch.randint(100, 1000, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"r{round_}-{batch}-{i}", prompt, params)
     first = 0
     while first < batch:  # the prefill steps
@@ -75,6 +78,8 @@ def main() -> int:
                         help="--dtype values to time side by side (rounds taking turns)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1],
                         help="batch sizes; above 1: output tok/s of that many requests together")
+    parser.add_argument("--prompt", type=int, default=32,
+                        help="prompt tokens before the decode steps")
     args = parser.parse_args()
     batches = [b for b in args.batch if b > 1]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -84,7 +89,11 @@ def main() -> int:
     logger.info("| file | layers take | %s |", " | ".join(columns))
     logger.info("|---|---|%s", "---|" * len(columns))
     seats = max([1, *batches])
-    per_request = (32 + args.steps + 1) // 16 + 2  # blocks of 16 slots, with room
+    per_request = (args.prompt + args.steps + 1) // 16 + 2  # blocks of 16 slots, with room
+
+    def timed(engine: LLMEngine, round_: int, batch: int = 1, steps: int = args.steps) -> float:
+        return step_ms(engine, steps, round_, batch, args.prompt)
+
     for path in args.models:
         engines = {}
         for dtype in args.dtypes:
@@ -92,7 +101,7 @@ def main() -> int:
             config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats))
             engines[dtype] = (loaded, LLMEngine(loaded, config))
             for batch in [1, *batches]:
-                step_ms(engines[dtype][1], 4, -1, batch)  # warm-up (and the kernels' tuning)
+                timed(engines[dtype][1], -1, batch, 4)  # warm-up (and the kernels' tuning)
         first = engines[args.dtypes[0]][0]
         path_taken = "one call" if first.model.decode_layers_regimes.kernel_for(1) and \
             first.model.decode_layers is not None else "per op"  # fmt: skip
@@ -101,15 +110,15 @@ def main() -> int:
             for round_ in range(args.rounds):
                 for dtype, (loaded, engine) in engines.items():
                     column = f"{dtype} ms/step"
-                    best[column] = min(best[column], step_ms(engine, args.steps, round_))
+                    best[column] = min(best[column], timed(engine, round_))
                 for batch in batches:
                     for dtype, (loaded, engine) in engines.items():
                         column = f"{dtype} batch-{batch} tok/s"
-                        best[column] = min(best[column], step_ms(engine, args.steps, round_, batch))
+                        best[column] = min(best[column], timed(engine, round_, batch))
                 if args.per_op:
                     loaded, engine = engines[args.dtypes[0]]
                     saved = one_call_off(loaded)
-                    best["per-op ms/step"] = min(best["per-op ms/step"], step_ms(engine, args.steps, round_))
+                    best["per-op ms/step"] = min(best["per-op ms/step"], timed(engine, round_))
                     loaded.model.decode_layers_regimes = saved
         cells = [f"{1000 / best[c]:.1f}" if c.endswith("tok/s") else f"{best[c]:.2f}"
                  for c in columns]  # tok/s columns hold ms per token

@@ -124,7 +124,9 @@ def test_a_run_cut_for_the_threads_keeps_the_prefill_rows_bits(rows: int) -> Non
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (32, 8, 64), (64, 2, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (32, 8, 64), (64, 2, 64)]
+)
 def test_a_rows_kv_heads_in_one_task_or_several_keep_its_bits(
     heads: int, kv_heads: int, dim: int
 ) -> None:
@@ -157,7 +159,7 @@ def test_a_rows_kv_heads_in_one_task_or_several_keep_its_bits(
             if dtype != torch.uint8:
                 for i, c in enumerate(contexts):
                     prefill = cpu_paged_attention.cpu_paged_prefill_attention(
-                        q[i : i + 1], k_cache, v_cache, table_t[i : i + 1], [c], [1], scale, None, None
+                        q[i : i + 1], k_cache, v_cache, table_t[i : i + 1], [c], [1], scale
                     )
                     assert torch.equal(prefill, alone[i : i + 1]), (dtype, i)
             for n in (1, 2, 3, 4):

@@ -104,12 +104,12 @@ static inline __attribute__((always_inline)) void rows_task(
     const int64_t nq = rows * group, all = nkh * nq, last = pos0 + rows - 1;
     float qs[all * head_dim], o[all * head_dim], p[all * KEY_TILE];
     float running_max[all], total[all], rescale[all];
-    int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row (head kh0) */
+    int64_t ki[KEY_TILE], vi[KEY_TILE]; /* element index of each slot's key and value row, head kh0 */
     for (int64_t h = 0; h < nkh; h++)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t g = 0; g < group; g++)
                 memcpy(qs + (h * nq + r * group + g) * head_dim,
-                       q + r * q_sb + ((kh0 + h) * group + g) * q_sh, (size_t)head_dim * sizeof(float));
+                       q + r * q_sb + ((kh0 + h) * group + g) * q_sh, sizeof(float) * (size_t)head_dim);
     memset(o, 0, sizeof(float) * (size_t)(all * head_dim));
     for (int64_t x = 0; x < all; x++) running_max[x] = -INFINITY, total[x] = 0.f;
     int64_t r_end = 0; /* rows r_begin .. r_end - 1 read the tile at ks (contiguous: positions ascend) */
@@ -127,8 +127,9 @@ static inline __attribute__((always_inline)) void rows_task(
             const void *kh_k = kv_at(k, h * k_sh, kv), *kh_v = kv_at(v, h * v_sh, kv);
             const int64_t hx = h * nq; /* its first vector */
             const int64_t x_begin = hx + r_begin * group, x_end = hx + r_end * group;
+            /* keys past a row: scored, then given no weight */
             score_keys(qs + x_begin * head_dim, x_end - x_begin, head_dim, kh_k, ki, slots,
-                       p + x_begin * KEY_TILE, scale, kv); /* keys past a row: scored, then given no weight */
+                       p + x_begin * KEY_TILE, scale, kv);
             for (int64_t ra = r_begin, rb; ra < r_end; ra = rb) {
                 /* rows ra .. rb - 1 see the same slots of the tile: their values form one block */
                 const int64_t seen = seen_slots(pos0 + ra, ks);
