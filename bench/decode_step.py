@@ -49,9 +49,9 @@ def step_ms(
     for i in range(batch):
         prompt = torch.randint(100, 1000, (prompt_len,), generator=gen).tolist()
         engine.add_request(f"r{round_}-{batch}-{i}", prompt, params)
-    first = 0
-    while first < batch:  # the prefill steps
-        first += sum(1 for out in engine.step() if out.new_token_ids)
+    started: set[str] = set()
+    while len(started) < batch:  # the prefill steps (long prompts: several, decoding the first)
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
     start, done = time.perf_counter(), 0
     while engine.has_unfinished():
         done += sum(len(out.new_token_ids) for out in engine.step())
