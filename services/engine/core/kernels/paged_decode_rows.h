@@ -224,16 +224,32 @@ static int64_t plan_units(const int64_t *tables, int64_t t_sb, const int64_t *le
     return units;
 }
 
-/* KV heads one single-row task walks (rows_task's nkh): as many as leave at least one task per
- * thread (the batch's rows times its chunks of heads), within RUN_VECTORS query vectors. Fewer
- * tasks than threads would idle a thread; more than enough splits a row's slots into strided
- * head runs again. */
-static int64_t walk_heads(int64_t batch, int64_t kv_heads, int64_t group, int threads) {
-    int64_t chunks = (threads + batch - 1) / batch; /* per row, for a task per thread */
-    chunks = chunks < kv_heads ? chunks : kv_heads;
-    int64_t walk = (kv_heads + chunks - 1) / chunks;
+/* The single rows' tasks (a batch with no runs): row b's KV heads in chunks walked by one task
+ * each (rows_task's kh0, nkh). A row is cut into ceil(threads / batch) chunks, so that every
+ * thread has a task, or into its share of the threads (its keys' share of the step's, to the
+ * nearest) where that is more: a long context among short ones would otherwise keep one thread
+ * busy after the rest are done. At most its KV heads, each chunk within RUN_VECTORS query
+ * vectors; no row is cut further, since a chunk of one head reads each slot's rows as strided
+ * runs. Task t is row task[3t], heads task[3t + 1] .. + task[3t + 2] - 1; returns the count (at
+ * most batch * kv_heads). */
+static int64_t plan_heads(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t group,
+                          int threads, int64_t *task) {
+    int64_t keys = 0, n = 0;
+    for (int64_t b = 0; b < batch; b++) keys += lens[b];
     const int64_t most = group < RUN_VECTORS ? RUN_VECTORS / group : 1;
-    return walk < most ? walk : most;
+    const int64_t even = (threads + batch - 1) / batch; /* a task per thread at least */
+    for (int64_t b = 0; b < batch; b++) {
+        /* the row's share of the threads, to the nearest */
+        const int64_t share = keys > 0 ? (2 * threads * lens[b] + keys) / (2 * keys) : 1;
+        int64_t chunks = share > even ? share : even;
+        chunks = chunks < kv_heads ? chunks : kv_heads;
+        int64_t walk = (kv_heads + chunks - 1) / chunks;
+        walk = walk < most ? walk : most;
+        for (int64_t kh = 0; kh < kv_heads; kh += walk, n++)
+            task[3 * n] = b, task[3 * n + 1] = kh,
+            task[3 * n + 2] = kv_heads - kh < walk ? kv_heads - kh : walk;
+    }
+    return n;
 }
 
 /* q [B, H, D] (strides q_sb, q_sh), caches [NB, BS, KVH, D] of type kv_dtype (strides *_sb,
@@ -243,8 +259,7 @@ static int64_t walk_heads(int64_t batch, int64_t kv_heads, int64_t group, int th
  * contiguous) are first written into slot (slot_blocks[b], slot_offsets[b]): the step's store and
  * attention in one call. Rows of one sequence at consecutive positions (a verify step) attend
  * together (rows_task), after every row's K/V is stored; otherwise each task stores its own row's
- * K/V for its KV heads and attends: a row's KV heads in as few tasks as keep every thread busy
- * (walk_heads). */
+ * K/V for its KV heads and attends (plan_heads). */
 void tandem_paged_decode_attention(
     const float *q, int64_t q_sb, int64_t q_sh,
     void *k, int64_t k_sb, int64_t k_ss, int64_t k_sh,
@@ -263,10 +278,12 @@ void tandem_paged_decode_attention(
                                              threads, first, first + batch)
                                 : 0;
     const int64_t *count = first ? first + batch : NULL;
-    /* single rows: KV heads kh .. kh + walk - 1 per task, the row's heads in `chunks` tasks */
-    const int64_t walk = units || head_dim % LANES ? 1 : walk_heads(batch, kv_heads, group, threads);
-    const int64_t chunks = (kv_heads + walk - 1) / walk;
-    const int64_t tasks = units ? units * kv_heads : batch * chunks;
+    /* single rows (no runs, head_dim whole vectors): tasks of several KV heads (plan_heads) */
+    int64_t *plan = NULL;
+    if (!units && head_dim % LANES == 0) plan = malloc(sizeof(int64_t) * 3 * (size_t)(batch * kv_heads));
+    const int64_t tasks = units ? units * kv_heads
+                          : plan ? plan_heads(lens, batch, kv_heads, group, threads, plan)
+                                 : batch * kv_heads;
 #define STORE(b, kh)                                                                              \
     do {                                                                                          \
         const int64_t block_ = slot_blocks[b], offset_ = slot_offsets[b];                         \
@@ -283,9 +300,9 @@ void tandem_paged_decode_attention(
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
-            const int64_t kh = units ? task % kv_heads : task % chunks * walk;
-            const int64_t nkh = kv_heads - kh < walk ? kv_heads - kh : walk;
-            const int64_t b = units ? first[task / kv_heads] : task / chunks;
+            const int64_t kh = plan ? plan[3 * task + 1] : task % kv_heads;
+            const int64_t nkh = plan ? plan[3 * task + 2] : 1;
+            const int64_t b = plan ? plan[3 * task] : units ? first[task / kv_heads] : task / kv_heads;
             const int64_t rows = units ? count[task / kv_heads] : 1;
             if (new_k && !units)
                 for (int64_t h = kh; h < kh + nkh; h++) STORE(b, h);
@@ -311,6 +328,7 @@ void tandem_paged_decode_attention(
     }
 #undef STORE
     free(first);
+    free(plan);
 }
 
 #endif /* TANDEM_PAGED_DECODE_ROWS_H */
