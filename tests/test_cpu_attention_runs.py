@@ -130,11 +130,12 @@ def test_a_run_cut_for_the_threads_keeps_the_prefill_rows_bits(rows: int) -> Non
 def test_a_rows_kv_heads_in_one_task_or_several_keep_its_bits(
     heads: int, kv_heads: int, dim: int
 ) -> None:
-    """Single rows of different sequences (a batched decode step): a task walks as many of a
-    row's KV heads as leave every thread a task, so a row's heads are walked by one task or split
-    over several, depending on the batch and the threads. Either way a row has the bits it has
-    with one task per KV head (the row alone at more threads than KV heads) and, for the 16- and
-    32-bit caches, the prefill kernel's: batches of 1 to 8 rows at 1 to 4 threads, every dtype."""
+    """Single rows of different sequences (a batched decode step): a task walks several of a
+    row's KV heads, all of them or a chunk (to give every thread a task, or a long row its share
+    of the threads), depending on the batch, the threads and the lengths. Either way a row has
+    the bits it has with one task per KV head (the row alone at more threads than KV heads) and,
+    for the 16- and 32-bit caches, the prefill kernel's: batches of 1 to 8 rows at 1 to 4
+    threads, every dtype."""
     gen = torch.Generator().manual_seed(heads + kv_heads)
     contexts = [300, 17, 64, 129, 1, 200, 65, 90]
     lens = torch.tensor(contexts)
