@@ -228,15 +228,14 @@ static int64_t plan_units(const int64_t *tables, int64_t t_sb, const int64_t *le
  * each (rows_task's kh0, nkh). A row is cut into ceil(threads / batch) chunks, so that every
  * thread has a task, or into its share of the threads (its keys' share of the step's, to the
  * nearest) where that is more: a long context among short ones would otherwise keep one thread
- * busy after the rest are done. At most its KV heads, each chunk within RUN_VECTORS query
- * vectors; no row is cut further, since a chunk of one head reads each slot's rows as strided
+ * busy after the rest are done. At most its KV heads, each chunk at most `most` heads
+ * (RUN_VECTORS query vectors); no row is cut further, since a chunk of one head reads each slot's rows as strided
  * runs. Task t is row task[3t], heads task[3t + 1] .. + task[3t + 2] - 1; returns the count (at
  * most batch * kv_heads). */
-static int64_t plan_heads(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t group,
+static int64_t plan_heads(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t most,
                           int threads, int64_t *task) {
     int64_t keys = 0, n = 0;
     for (int64_t b = 0; b < batch; b++) keys += lens[b];
-    const int64_t most = group < RUN_VECTORS ? RUN_VECTORS / group : 1;
     const int64_t even = (threads + batch - 1) / batch; /* a task per thread at least */
     for (int64_t b = 0; b < batch; b++) {
         /* the row's share of the threads, to the nearest */
@@ -273,6 +272,7 @@ void tandem_paged_decode_attention(
     const int64_t group = heads / kv_heads;
     /* units of rows: none (each row its own task) unless some rows form runs */
     int64_t *first = batch > 1 && head_dim % LANES == 0 ? malloc(sizeof(int64_t) * 2 * (size_t)batch) : NULL;
+    /* a task's rows (a run's) or KV heads (a single row's): RUN_VECTORS query vectors at most */
     const int64_t max_rows = group < RUN_VECTORS ? RUN_VECTORS / group : 1;
     const int64_t units = first ? plan_units(tables, t_sb, lens, batch, block_size, kv_heads, max_rows,
                                              threads, first, first + batch)
@@ -282,7 +282,7 @@ void tandem_paged_decode_attention(
     int64_t *plan = NULL;
     if (!units && head_dim % LANES == 0) plan = malloc(sizeof(int64_t) * 3 * (size_t)(batch * kv_heads));
     const int64_t tasks = units ? units * kv_heads
-                          : plan ? plan_heads(lens, batch, kv_heads, group, threads, plan)
+                          : plan ? plan_heads(lens, batch, kv_heads, max_rows, threads, plan)
                                  : batch * kv_heads;
 #define STORE(b, kh)                                                                              \
     do {                                                                                          \
