@@ -26,6 +26,7 @@ from services.decode.server import start_decode_worker
 from services.engine.kv_transfer.distributed_endpoint import ChannelHost
 from services.engine.kv_transfer.grpc_transport import ACCEPTED_METADATA
 from services.engine.kv_transfer import receiver as receiver_module
+from services.engine.kv_transfer import sender as sender_module
 from services.engine.kv_transfer.layout import engine_layout
 from services.engine.core.loaders import LoadedModel
 from services.engine.runtime.worker_options import WorkerOptions
@@ -356,6 +357,67 @@ async def test_pair_group_is_reused_and_rebuilt_when_a_peer_dies_or_restarts(
         assert fresh is not None and decode_side is not None
         assert fresh.key == decode_side.key != rebuilt.key
         await c.wait_idle()
+
+
+class BetweenPieces:
+    """Once armed, holds prefill's read of a transfer's second piece until released, and tells
+    when decode wrote the first: prefill is then between pieces (one delivered, the next not
+    announced) while a test acts."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.armed, self.held = threading.Event(), threading.Event()
+        self.written, self.go = threading.Event(), threading.Event()
+        read, write = sender_module.read_payload, receiver_module.write_payload
+
+        def held_read(pool, blocks, offset, length):  # type: ignore[no-untyped-def]
+            if self.armed.is_set() and offset > 0 and not self.held.is_set():
+                self.held.set()
+                self.go.wait(10)
+            return read(pool, blocks, offset, length)
+
+        def noted_write(kv, block_ids, offset, data):  # type: ignore[no-untyped-def]
+            write(kv, block_ids, offset, data)
+            if self.armed.is_set():
+                self.written.set()
+
+        monkeypatch.setattr(sender_module, "read_payload", held_read)
+        monkeypatch.setattr(receiver_module, "write_payload", noted_write)
+
+    async def hold(self, start: Callable[[], object]) -> asyncio.Future[object]:
+        """Arm, start the transfer (``start()``: an awaitable), return once it is between its
+        first and second pieces."""
+        self.armed.set()
+        task = asyncio.ensure_future(start())  # type: ignore[arg-type]
+        assert await asyncio.to_thread(self.held.wait, 10)
+        assert await asyncio.to_thread(self.written.wait, 10)
+        return task
+
+
+async def test_a_decode_worker_dying_between_pieces_breaks_the_group(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Distributed only: decode dies after a piece arrived and before the next is announced, so
+    no op of the group fails on prefill's side; the transfer's call ending unavailable is what
+    tells prefill the group's peer is gone (it is broken, then retired), and its blocks are
+    freed."""
+    between = BetweenPieces(monkeypatch)
+    async with cluster(model, transport="distributed",
+                       prefill_kw={"max_chunk_bytes": 4096}) as c:  # fmt: skip
+        _, responses = await c.run("a", prompt_of(40))
+        assert responses[-1].finish_reason == "length"
+        group = c.prefill_group()
+        assert group is not None and not group.broken
+        dying = await between.hold(lambda: c.prefill("dying", prompt_of(60)))
+        await c.decode_handle.stop(0)
+        between.go.set()
+        with pytest.raises(grpc.aio.AioRpcError) as died:
+            await dying
+        assert died.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert group.broken and group.retired
+        deadline = time.monotonic() + 10
+        while (await c.prefill_stub.GetStats(common_pb2.StatsRequest())).kv_blocks_in_use:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
 
 
 async def _run_until_reachable(c: Cluster, rid: str) -> None:

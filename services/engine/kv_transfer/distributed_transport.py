@@ -37,7 +37,8 @@ Pair set-up (one group per prefill–decode pair, no global world):
      receives them, fills them into the chunk and hands it to the unchanged receiver (crc32
      check, ``payload.write_payload`` on its engine thread, commit, ack).
   6. Tear-down: a group whose op failed or was abandoned (peer gone, timeout, a transfer
-     cancelled mid-piece) is retired on the side that saw it; the other side learns it from the
+     cancelled mid-piece), or whose transfer's call ended unavailable (the peer died between
+     pieces), is retired on the side that saw it; the other side learns it from the
      transfer failing too, or — decode — from the next offer's ``retired_group``, or —
      prefill — from a go-ahead naming another group. A new instance id (prefill restarted)
      retires decode's group of that peer; a new group key (decode restarted) retires prefill's.
@@ -272,6 +273,13 @@ class DistributedKVStream(KVStream):
     async def finish(self) -> decode_pb2.KVTransferAck:
         try:
             return await self._inner.finish()
+        except UnavailableError:
+            # The call died under the transfer (its peer gone or unreachable), maybe between a
+            # piece's announcement and its send: whether decode posted its receives is not known,
+            # so the group is not trusted for another transfer (rebuilding it is cheap).
+            if self._pair is not None:
+                self._pair.broken = True
+            raise
         finally:
             self._release()
 

@@ -95,9 +95,10 @@ class ChannelAdvert:
         return None
 
 
-async def in_thread(fn: Callable[[], T], name: str) -> T:
-    """Run blocking ``fn`` on a new daemon thread and await its result. Cancelling the await
-    abandons the thread (it runs on; a daemon thread never holds up the process's exit)."""
+async def in_thread(fn: Callable[[], T], name: str, *, daemon: bool = True) -> T:
+    """Run blocking ``fn`` on a new thread and await its result. Cancelling the await abandons
+    the thread (it runs on). A daemon thread never holds up the process's exit; a bounded one
+    that must not be cut off (``daemon=False``) makes the exit wait for it."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
@@ -121,7 +122,7 @@ async def in_thread(fn: Callable[[], T], name: str) -> T:
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=daemon).start()
     return await future
 
 
@@ -178,7 +179,10 @@ class PairGroup:
         async def run() -> None:
             started = time.monotonic()
             try:
-                group = await in_thread(construct, f"kv-pair-{self.key}")
+                # Not a daemon: a process that exits while Gloo is constructing (a peer that
+                # never joined) aborts ("terminate called without an active exception"), so
+                # the exit waits for it, at most the set-up timeout.
+                group = await in_thread(construct, f"kv-pair-{self.key}", daemon=False)
             except BaseException:
                 self.broken = True
                 raise
