@@ -19,23 +19,43 @@
  * which the prefill kernel does not take either.
  */
 
-/* value_block over n query vectors (n <= ATTN_ROWS; p and o rows KEY_TILE and head_dim apart)
- * and NV vectors of D from column d, the values read in place from a cache of type kv (vi[s]:
- * element index of row s): o = o * rescale + sum_s p[s] * V[s], per vector the same operations
- * in the same order as value_block over widened rows (widening is exact), each value row loaded
- * once for the n vectors. */
+/* value vectors of D per pass of value_rows when a block has at most ATTN_ROWS / 2 query vectors
+ * (a single decode row's group: SmolLM2's 3): the same ATTN_ROWS x VECS accumulators' worth of
+ * registers, so each of them takes one multiply-add per slot as in a full block. With VECS a
+ * pass, 3 vectors held 6 accumulators, fewer chains than cover the multiply-add's latency.
+ * Measured on AVX2 (16 registers) only; other sets keep VECS until a machine with them times it. */
+#if LANES == 8
+#define WIDE_VECS (2 * VECS)
+#else
+#define WIDE_VECS VECS
+#endif
+
+/* value_block over n query vectors (n <= ATTN_ROWS, nv <= VECS; or n <= ATTN_ROWS / 2, nv <=
+ * WIDE_VECS; p and o rows KEY_TILE and head_dim apart) and NV vectors of D from column d, the
+ * values read in place from a cache of type kv (vi[s]: element index of row s): o = o * rescale
+ * + sum_s p[s] * V[s], per vector the same operations in the same order as value_block over
+ * widened rows (widening is exact), each value vector loaded once for the n query vectors. */
 static inline __attribute__((always_inline)) void value_rows(
     float *o, int64_t head_dim, const float *p, const float *rescale, const void *v,
     const int64_t *vi, int64_t slots, int64_t d, const int n, const int nv, const int kv) {
-    vec acc[ATTN_ROWS][VECS];
+    vec acc[ATTN_ROWS][WIDE_VECS];
     for (int r = 0; r < n; r++)
         for (int c = 0; c < nv; c++) acc[r][c] = load_vec(o + r * head_dim + d + c * LANES) * rescale[r];
     for (int64_t s = 0; s < slots; s++) {
-        vec vv[VECS];
-        for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s], d + c * LANES, head_dim, kv);
-        for (int r = 0; r < n; r++) {
-            const vec ps = splat(p[r * KEY_TILE + s]);
-            for (int c = 0; c < nv; c++) acc[r][c] = fused_madd(ps, vv[c], acc[r][c]);
+        if (nv > VECS) { /* few query vectors: their weights held, one value vector at a time */
+            vec ps[ATTN_ROWS];
+            for (int r = 0; r < n; r++) ps[r] = splat(p[r * KEY_TILE + s]);
+            for (int c = 0; c < nv; c++) {
+                const vec vv = load_kv(v, vi[s], d + c * LANES, head_dim, kv);
+                for (int r = 0; r < n; r++) acc[r][c] = fused_madd(ps[r], vv, acc[r][c]);
+            }
+        } else { /* the value vectors held, one query vector's weight at a time */
+            vec vv[VECS];
+            for (int c = 0; c < nv; c++) vv[c] = load_kv(v, vi[s], d + c * LANES, head_dim, kv);
+            for (int r = 0; r < n; r++) {
+                const vec ps = splat(p[r * KEY_TILE + s]);
+                for (int c = 0; c < nv; c++) acc[r][c] = fused_madd(ps, vv[c], acc[r][c]);
+            }
         }
     }
     for (int r = 0; r < n; r++)
@@ -58,6 +78,17 @@ static inline __attribute__((always_inline)) void value_rows(
     case 10: CALL(10 < ATTN_ROWS ? 10 : ATTN_ROWS); break;  \
     case 11: CALL(11 < ATTN_ROWS ? 11 : ATTN_ROWS); break;  \
     default: CALL(ATTN_ROWS); break;                        \
+    }
+
+/* CALL(N) for n (1 .. ATTN_ROWS / 2) query vectors, N a constant as in WITH_ROWS. */
+#define WITH_HALF_ROWS(n, CALL)                                     \
+    switch (n) {                                                    \
+    case 1: CALL(1 < ATTN_ROWS / 2 ? 1 : ATTN_ROWS / 2); break;     \
+    case 2: CALL(2 < ATTN_ROWS / 2 ? 2 : ATTN_ROWS / 2); break;     \
+    case 3: CALL(3 < ATTN_ROWS / 2 ? 3 : ATTN_ROWS / 2); break;     \
+    case 4: CALL(4 < ATTN_ROWS / 2 ? 4 : ATTN_ROWS / 2); break;     \
+    case 5: CALL(5 < ATTN_ROWS / 2 ? 5 : ATTN_ROWS / 2); break;     \
+    default: CALL(ATTN_ROWS / 2); break;                            \
     }
 
 /* The first key tile a row at position pos reads (keys pos - window < k <= pos with a window). */
@@ -146,6 +177,12 @@ static inline __attribute__((always_inline)) void rows_task(
                     int64_t d = 0;
 #define VALUES(N) value_rows(o + x * head_dim, head_dim, p + x * KEY_TILE, rescale + x, kh_v, vi, \
                              seen, d, N, NV, kv)
+                    if (WIDE_VECS > VECS && 2 * n <= ATTN_ROWS)
+                        for (; d + WIDE_VECS * LANES <= head_dim; d += WIDE_VECS * LANES) {
+#define NV WIDE_VECS
+                            WITH_HALF_ROWS(n, VALUES)
+#undef NV
+                        }
                     for (; d + TILE <= head_dim; d += TILE) {
 #define NV VECS
                         WITH_ROWS(n, VALUES)

@@ -58,6 +58,18 @@ static inline vec reduce_lanes(const vec *a) {
 #endif
 }
 
+/* Per step of d, AVX2 (16 registers) loads the query vectors first and uses each key vector as
+ * it is loaded: SCORE_Q x SCORE_K accumulators, SCORE_Q query vectors and one key fill its
+ * registers, where all SCORE_K keys held at once needed 17 and GCC kept an accumulator on the
+ * stack (a store-to-load round trip on its chain every step). The 32-register sets keep the keys
+ * held: there, loading the query vectors first ran out of address registers and GCC copied them
+ * to the stack. Either order gives each accumulator the same chain (the same bits). */
+#if LANES == 8
+#define SCORE_KEY_AT_A_TIME 1
+#else
+#define SCORE_KEY_AT_A_TIME 0
+#endif
+
 /* part[r * LANES + j] = the lane chains of query vector r (qs, rows head_dim apart) against key j,
  * the row at element kr[j] of a cache of type kv, for r < nq, j < nk (both constants after
  * inlining: the accumulators stay in registers). A q8_0 row's scale is read once per group. */
@@ -73,22 +85,40 @@ static inline __attribute__((always_inline)) void score_micro(
             for (int j = 0; j < nk; j++) scale[j] = splat(kv_q8_scale(k, kr[j], g, head_dim));
             const int64_t end = g + Q8_GROUP < head_dim ? g + Q8_GROUP : head_dim;
             for (int64_t d = g; d < end; d += LANES) {
+#if SCORE_KEY_AT_A_TIME
+                vec qv[SCORE_Q];
+                for (int r = 0; r < nq; r++) qv[r] = load_vec(qs + r * head_dim + d);
+                for (int j = 0; j < nk; j++) {
+                    const vec key = s8_to_float((const int8_t *)k + kr[j] + d) * scale[j];
+                    for (int r = 0; r < nq; r++) acc[r][j] = fused_madd(qv[r], key, acc[r][j]);
+                }
+#else
                 vec kv_[SCORE_K];
                 for (int j = 0; j < nk; j++) kv_[j] = s8_to_float((const int8_t *)k + kr[j] + d) * scale[j];
                 for (int r = 0; r < nq; r++) {
                     const vec qv = load_vec(qs + r * head_dim + d);
                     for (int j = 0; j < nk; j++) acc[r][j] = fused_madd(qv, kv_[j], acc[r][j]);
                 }
+#endif
             }
         }
     } else {
         for (int64_t d = 0; d < head_dim; d += LANES) {
+#if SCORE_KEY_AT_A_TIME
+            vec qv[SCORE_Q];
+            for (int r = 0; r < nq; r++) qv[r] = load_vec(qs + r * head_dim + d);
+            for (int j = 0; j < nk; j++) {
+                const vec key = load_kv(k, kr[j], d, head_dim, kv);
+                for (int r = 0; r < nq; r++) acc[r][j] = fused_madd(qv[r], key, acc[r][j]);
+            }
+#else
             vec kv_[SCORE_K];
             for (int j = 0; j < nk; j++) kv_[j] = load_kv(k, kr[j], d, head_dim, kv);
             for (int r = 0; r < nq; r++) {
                 const vec qv = load_vec(qs + r * head_dim + d);
                 for (int j = 0; j < nk; j++) acc[r][j] = fused_madd(qv, kv_[j], acc[r][j]);
             }
+#endif
         }
     }
     for (int r = 0; r < nq; r++)
