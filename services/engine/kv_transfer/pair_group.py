@@ -179,9 +179,10 @@ class PairGroup:
         async def run() -> None:
             started = time.monotonic()
             try:
-                # Not a daemon: a process that exits while Gloo is constructing (a peer that
-                # never joined) aborts ("terminate called without an active exception"), so
-                # the exit waits for it, at most the set-up timeout.
+                # Not a daemon: a test process that exited while a decode-side constructor
+                # waited for a peer that never joined aborted ("terminate called without an
+                # active exception", exit 134). The exit waits for it instead: construction
+                # and its store calls are bounded (the set-up timeout, remote_store.py's).
                 group = await in_thread(construct, f"kv-pair-{self.key}", daemon=False)
             except BaseException:
                 self.broken = True
