@@ -303,6 +303,7 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
     float *d = ds, *s = ds + rows * groups;
     quantize_rows(x, ldx, rows, in, q, d, s, threads);
     int failed = 0;
+    tile_claim *claims = tile_claims_new(n_tiles, threads); /* NULL: static ranges */
 #pragma omp parallel num_threads(threads)
     {
         /* the panel, then its scales and offsets (tile_scales) */
@@ -312,9 +313,12 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < n_tiles; t++) {
-            if (!panel) continue;
+        const int me = omp_get_thread_num();
+        int64_t next, end;
+        tile_range(n_tiles, omp_get_num_threads(), me, &next, &end);
+        /* without its panel a thread takes no tile (the call fails) */
+        for (int64_t t; panel && (t = claims ? tile_claim_next(claims, threads, me)
+                                             : next < end ? next++ : -1) >= 0;) {
             const uint8_t *tile = w + t * tile_bytes(format, groups);
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
@@ -331,6 +335,7 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
         }
         free(panel);
     }
+    free(claims);
     free(q);
     free(ds);
     return failed ? -1 : 0;
