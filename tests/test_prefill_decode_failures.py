@@ -328,10 +328,7 @@ async def test_pair_group_is_reused_and_rebuilt_when_a_peer_dies_or_restarts(
             await dying
         assert died.value.code() == grpc.StatusCode.UNAVAILABLE
         assert group.broken
-        deadline = time.monotonic() + 10
-        while (await c.prefill_stub.GetStats(common_pb2.StatsRequest())).kv_blocks_in_use:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        await _prefill_blocks_freed(c)
 
         # Restarted at the same address: a new store and group (the old one is retired).
         c.decode_handle = await start_decode_worker(
@@ -414,10 +411,15 @@ async def test_a_decode_worker_dying_between_pieces_breaks_the_group(
             await dying
         assert died.value.code() == grpc.StatusCode.UNAVAILABLE
         assert group.broken and group.retired
-        deadline = time.monotonic() + 10
-        while (await c.prefill_stub.GetStats(common_pb2.StatsRequest())).kv_blocks_in_use:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+        await _prefill_blocks_freed(c)
+
+
+async def _prefill_blocks_freed(c: Cluster) -> None:
+    """Wait (at most 10 s) until the prefill worker holds no KV block."""
+    deadline = time.monotonic() + 10
+    while (await c.prefill_stub.GetStats(common_pb2.StatsRequest())).kv_blocks_in_use:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
 
 
 async def _run_until_reachable(c: Cluster, rid: str) -> None:

@@ -317,8 +317,7 @@ int tandem_q4a8_gemm(int format, const float *x, int64_t ldx, const uint8_t *w, 
         int64_t next, end;
         tile_range(n_tiles, omp_get_num_threads(), me, &next, &end);
         /* without its panel a thread takes no tile (the call fails) */
-        for (int64_t t; panel && (t = claims ? tile_claim_next(claims, threads, me)
-                                             : next < end ? next++ : -1) >= 0;) {
+        for (int64_t t; panel && (t = tile_take(claims, threads, me, &next, end)) >= 0;) {
             const uint8_t *tile = w + t * tile_bytes(format, groups);
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;
@@ -925,7 +924,7 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
         const int me = omp_get_thread_num();
         int64_t next, end;
         tile_range(n_tiles, omp_get_num_threads(), me, &next, &end);
-        for (int64_t t; (t = claims ? tile_claim_next(claims, threads, me) : next < end ? next++ : -1) >= 0;) {
+        for (int64_t t; (t = tile_take(claims, threads, me, &next, end)) >= 0;) {
             const uint8_t *wt = w + t * tile_bytes;
             const float *bt = bias ? bias + t * TILE : NULL;
             const int64_t cols = out - t * TILE < TILE ? out - t * TILE : TILE;

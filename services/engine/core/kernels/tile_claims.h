@@ -75,4 +75,11 @@ static inline int64_t tile_claim_next(tile_claim *claims, int threads, int me) {
     }
 }
 
+/* The next tile for thread `me`: from the claim table, or without one (NULL) the next of its
+ * static range next .. end - 1 (tile_range); -1 when it has none left. */
+static inline int64_t tile_take(tile_claim *claims, int threads, int me, int64_t *next, int64_t end) {
+    if (claims) return tile_claim_next(claims, threads, me);
+    return *next < end ? (*next)++ : -1;
+}
+
 #endif /* TANDEM_TILE_CLAIMS_H */
