@@ -102,6 +102,28 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
     return pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
 }
 
+/* Read one word of every cache line of a key tile's K and V rows (slot s: k_bytes from element
+ * ki[s], v_bytes from vi[s]) before any arithmetic on them: a batched decode step's tiles come from
+ * memory (each layer's KV is evicted by the other layers'), in 16-slot blocks scattered over the
+ * pool. Left to the arithmetic, the scores and value sums meet those misses one dependent chain at
+ * a time, a strided third of each slot's lines per head, and a call ran at a fraction of both the
+ * memory's rate and its own in-cache rate; these loads have no dependents, so the core keeps many
+ * misses in flight and the tile (64 slots: tens of KiB) is in L2 when the arithmetic starts.
+ * Software prefetches of the next tile did not do this on an AVX2 Zen 3 (tried three times; see
+ * docs/benchmarks.md). Reads only: no result changes. */
+static inline __attribute__((always_inline)) void touch_rows(
+    const void *k, const int64_t *ki, int64_t k_bytes, const void *v, const int64_t *vi,
+    int64_t v_bytes, int64_t slots, const int kv) {
+    uint64_t seen = 0;
+    for (int64_t s = 0; s < slots; s++) {
+        const char *kp = kv_at((void *)k, ki[s], kv), *vp = kv_at((void *)v, vi[s], kv);
+        uint64_t word;
+        for (int64_t l = 0; l < k_bytes; l += 64) memcpy(&word, kp + l, 8), seen |= word;
+        for (int64_t l = 0; l < v_bytes; l += 64) memcpy(&word, vp + l, 8), seen |= word;
+    }
+    __asm__ volatile("" : : "r"(seen));
+}
+
 /* The query heads of KV heads kh0 .. kh0 + nkh - 1 (query heads kh * group + g) of `rows`
  * consecutive rows of one sequence, at positions pos0 .. pos0 + rows - 1 (its block table row
  * `table`, which maps every position they read), each row over the cache as the prefill kernel
@@ -154,6 +176,7 @@ static inline __attribute__((always_inline)) void rows_task(
             ki[s] = block * k_sb + slot * k_ss + kh0 * k_sh;
             vi[s] = block * v_sb + slot * v_ss + kh0 * v_sh;
         }
+        touch_rows(k, ki, nkh * k_sh * kv_bytes(kv), v, vi, nkh * v_sh * kv_bytes(kv), slots, kv);
         for (int64_t h = 0; h < nkh; h++) { /* head kh0 + h: its rows k_sh / v_sh further on */
             const void *kh_k = kv_at(k, h * k_sh, kv), *kh_v = kv_at(v, h * v_sh, kv);
             const int64_t hx = h * nq; /* its first vector */
