@@ -2,8 +2,10 @@
 
     python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
                                 [--dtypes auto q4_a8_decode ...] [--batch 1 4 16] [--prompt 32]
+                                [--kv-cache-dtype auto]
 
-Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``), a
+Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``; the KV
+pool ``--kv-cache-dtype auto``, or the given one, ``none`` for the model's own dtype), a
 ``--prompt``-token prompt (32) is prefilled, then ``--steps`` tokens are decoded greedily one
 engine step at a time; a round's figure is the mean step time (sampling and scheduling
 included), and each file keeps its best of ``--rounds`` rounds. ``--batch`` sizes above 1 add a
@@ -80,7 +82,10 @@ def main() -> int:
                         help="batch sizes; above 1: output tok/s of that many requests together")
     parser.add_argument("--prompt", type=int, default=32,
                         help="prompt tokens before the decode steps")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the KV pool's dtype (auto, as tandem up serves; none: the model's own)")
     args = parser.parse_args()
+    kv_cache_dtype = None if args.kv_cache_dtype == "none" else args.kv_cache_dtype
     batches = [b for b in args.batch if b > 1]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -98,7 +103,8 @@ def main() -> int:
         engines = {}
         for dtype in args.dtypes:
             loaded = load_model(path, dtype)
-            config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats))
+            config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats),
+                                  kv_cache_dtype=kv_cache_dtype)
             engines[dtype] = (loaded, LLMEngine(loaded, config))
             for batch in [1, *batches]:
                 timed(engines[dtype][1], -1, batch, 4)  # warm-up (and the kernels' tuning)
