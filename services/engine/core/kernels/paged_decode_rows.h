@@ -102,8 +102,8 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
     return pos + 1 - ks < KEY_TILE ? pos + 1 - ks : KEY_TILE;
 }
 
-/* Read one word of every cache line of a key tile's K and V rows (slot s: k_bytes from element
- * ki[s], v_bytes from vi[s]) before any arithmetic on them: a batched decode step's tiles come from
+/* Read one word of every cache line of a key tile's K and V rows (slot s: k_bytes >= 8 from
+ * element ki[s], v_bytes >= 8 from vi[s]) before any arithmetic on them: a batched decode step's tiles come from
  * memory (each layer's KV is evicted by the other layers'), in 16-slot blocks scattered over the
  * pool. Left to the arithmetic, the scores and value sums meet those misses one dependent chain at
  * a time, a strided third of each slot's lines per head, and a call ran at a fraction of both the
@@ -114,12 +114,14 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
 static inline __attribute__((always_inline)) void touch_rows(
     const void *k, const int64_t *ki, int64_t k_bytes, const void *v, const int64_t *vi,
     int64_t v_bytes, int64_t slots, const int kv) {
-    uint64_t seen = 0;
+    uint64_t seen = 0, word;
     for (int64_t s = 0; s < slots; s++) {
         const char *kp = kv_at((void *)k, ki[s], kv), *vp = kv_at((void *)v, vi[s], kv);
-        uint64_t word;
-        for (int64_t l = 0; l < k_bytes; l += 64) memcpy(&word, kp + l, 8), seen |= word;
-        for (int64_t l = 0; l < v_bytes; l += 64) memcpy(&word, vp + l, 8), seen |= word;
+        /* each word inside the rows: a q8_0 row's bytes need not be a multiple of 8 */
+        for (int64_t l = 0; l < k_bytes; l += 64)
+            memcpy(&word, kp + (l + 8 <= k_bytes ? l : k_bytes - 8), 8), seen |= word;
+        for (int64_t l = 0; l < v_bytes; l += 64)
+            memcpy(&word, vp + (l + 8 <= v_bytes ? l : v_bytes - 8), 8), seen |= word;
     }
     __asm__ volatile("" : : "r"(seen));
 }
