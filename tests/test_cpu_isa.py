@@ -330,7 +330,8 @@ def test_unknown_isa_is_a_build_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("TANDEM_CPU_ISA", "bogus")
-    with pytest.raises(NativeBuildError, match="'bogus' is not one of avx512vnni, avx512, avxvnni, avx2, generic"):
+    every = "avx512vnni, avx512, avxvnni, avx2, neondot, generic"
+    with pytest.raises(NativeBuildError, match=f"'bogus' is not one of {every}"):
         selected_isa()
     _assert_loaders_fall_back(monkeypatch, caplog, "is not one of")
 
@@ -360,6 +361,23 @@ def test_isa_the_cpu_lacks_falls_back(
     with pytest.raises(NativeBuildError, match=f"{missing} but this CPU lacks it"):
         selected_isa()
     _assert_loaders_fall_back(monkeypatch, caplog, "lacks it")
+
+
+def test_an_arm_cpu_selects_neondot_where_it_has_the_dot_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aarch64's /proc/cpuinfo lists ``asimddp`` in Features where Armv8.2's sdot is there."""
+    monkeypatch.setattr(native_build.platform, "machine", lambda: "aarch64")
+    monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)
+    monkeypatch.setenv("TANDEM_AUTOTUNE", "fixed")  # the flags alone
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: "Features\t: fp asimd asimddp i8mm")
+    assert supported_isas() == ["neondot", "generic"] and selected_isa() == "neondot"
+    assert native_build.vector_isa("neondot") == "generic"
+    monkeypatch.setattr(native_build, "_cpu_flags", lambda: "Features\t: fp asimd crc32")
+    assert supported_isas() == ["generic"]  # a Cortex-A72: NEON alone
+    monkeypatch.setenv("TANDEM_CPU_ISA", "neondot")
+    with pytest.raises(NativeBuildError, match="neondot but this CPU lacks it"):
+        selected_isa()
 
 
 def test_only_the_kernels_vnni_changes_have_vnni_builds() -> None:

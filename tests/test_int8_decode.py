@@ -18,12 +18,9 @@ import functools
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
-from gguf.quants import quantize
 from torch import nn
 
 from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv, isa_tuning, native_build
@@ -31,12 +28,20 @@ from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS, CpuQ4A8Ge
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
 from services.engine.core.linear import Linear, PackPlan, pack_linears
-from services.engine.core.quant.quantized_weight import QuantizedWeight, from_gguf_blocks
+from services.engine.core.quant.quantized_weight import QuantizedWeight
 from tests.conftest import native_kernel_or_skip
+from tests.int8_cases import (
+    F16_OFFSETS,
+    IN,
+    OUT,
+    TYPES,
+    extreme_weight,
+    int8_rows,
+    quant_weight,
+    reference,
+    rounded_rows,
+)
 
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-F16_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of d (and dmin)
-OUT, IN = 70, 512  # a partial last tile for every width; 2 super-blocks, 16 groups of 32
 ROWS = [1, 2, 3, 4, 5, 7, 9]  # register blocks of 4, 2 and 1 rows
 
 
@@ -48,58 +53,14 @@ def _kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
     )
 
 
-def _weight(ggml_type: T, seed: int = 0, out: int = OUT, n_in: int = IN) -> QuantizedWeight:
-    """Valid blocks: gguf's own quantizer where it has one, else random bytes with moderate
-    float16 super-block scales."""
-    rng = np.random.default_rng(seed)
-    if ggml_type not in F16_OFFSETS:
-        weight = rng.standard_normal((out, n_in)).astype(np.float32) * 0.05
-        weight[3, 64:96] = 0.0  # an all-zero group
-        raw = quantize(weight, ggml_type)
-    else:
-        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-        n = out * n_in // block_size
-        blocks = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
-        for offset in F16_OFFSETS[ggml_type]:
-            d = (rng.random(n) * 2e-3 - 1e-3).astype(np.float16)
-            blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(n, 2)
-        raw = blocks.reshape(out, -1)
-    weight = from_gguf_blocks(raw, ggml_type, (out, n_in))
-    assert weight is not None
-    return weight
-
-
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel rounds it, in float64: per row and group of 32, ``round_half_even(x *
-    (127 / max|x|)) * (max|x| / 127)`` (127 / max a float32 division; an all-zero group stays 0)."""
-    rows, inputs = x.shape
-    groups = x.reshape(rows, inputs // 32, 32)
-    peak = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(peak > 0, torch.full_like(peak, 127.0) / peak, torch.zeros_like(peak))
-    return (torch.round(groups * inverse).double() * (peak.double() / 127)).reshape(rows, inputs)
-
-
-def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """float64 of the kernel's math: the int8-rounded rows times the exactly dequantized weight."""
-    y = rounded_rows(x) @ weight.dequantize().double().T
-    return y if bias is None else y + bias.double()
-
-
-def _rows(rows: int, seed: int = 0, n_in: int = IN) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, n_in)  # groups of all sizes
-    x[0, :32] = 0.0  # an all-zero group (d = 0)
-    return x
-
-
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", ROWS)
 def test_kernel_equals_the_int8_reference(isa: str, ggml_type: T, rows: int) -> None:
     qgemv, a8 = _kernels(isa)
-    weight = _weight(ggml_type, seed=rows)
+    weight = quant_weight(ggml_type, seed=rows)
     bias = torch.randn(OUT)
     call = a8.bind_decode(qgemv.tile_weight(weight), qgemv.tile_bias(bias), OUT, qgemv.tile_format(weight))
-    x = _rows(rows, seed=rows)
+    x = int8_rows(rows, seed=rows)
     got = call(x).double()
     expected = reference(x, weight, bias)
     scale = rounded_rows(x).abs() @ weight.dequantize().double().abs().T  # the products' size
@@ -114,9 +75,9 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T
     rows, 70 leaving a partial block) and thread count runs the same chain per output: bit
     equal."""
     qgemv, a8 = _kernels(isa)
-    weight = _weight(ggml_type, seed=3)
+    weight = quant_weight(ggml_type, seed=3)
     call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, qgemv.tile_format(weight))
-    x = _rows(70, seed=5)
+    x = int8_rows(70, seed=5)
     previous = torch.get_num_threads()
     try:
         alone = torch.cat([call(x[i : i + 1]) for i in range(70)])
@@ -136,11 +97,11 @@ def test_every_tile_is_computed_once_whoever_takes_it(isa: str, ggml_type: T) ->
     some start with nothing and only take), every output is there, bit equal to one thread's."""
     qgemv, a8 = _kernels(isa)
     out = 37 * 32 + 5  # a partial last tile, and an odd count of tiles at either width
-    weight = _weight(ggml_type, seed=11, out=out)
+    weight = quant_weight(ggml_type, seed=11, out=out)
     call = a8.bind_decode(qgemv.tile_weight(weight), None, out, qgemv.tile_format(weight))
-    small = a8.bind_decode(qgemv.tile_weight(_weight(ggml_type, seed=12)), None, OUT,
+    small = a8.bind_decode(qgemv.tile_weight(quant_weight(ggml_type, seed=12)), None, OUT,
                            qgemv.tile_format(weight))  # fmt: skip
-    x = _rows(3, seed=13)
+    x = int8_rows(3, seed=13)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -159,16 +120,16 @@ def test_rounding_equals_the_gemms(isa: str) -> None:
     """Decode and prompt rows round their inputs alike: on q4 tiles the two kernels agree to
     float32 summation error (their sums run in different orders)."""
     qgemv, a8 = _kernels(isa)
-    weight = _weight(T.Q4_1, seed=7)
+    weight = quant_weight(T.Q4_1, seed=7)
     packed = qgemv.tile_weight(weight)
-    x = _rows(5, seed=9)
+    x = int8_rows(5, seed=9)
     got, gemm = a8.bind_decode(packed, None, OUT, "q4")(x), a8(x, packed, None, OUT, "q4")
     assert (got - gemm).abs().max().item() < 1e-4 * gemm.abs().max().item()
 
 
 def test_bad_arguments_are_errors(isa: str) -> None:
     qgemv, a8 = _kernels(isa)
-    weight = _weight(T.Q4_K)
+    weight = quant_weight(T.Q4_K)
     packed = qgemv.tile_weight(weight)
     with pytest.raises(ValueError, match="reads"):
         a8.bind_decode(packed, None, OUT, "bfloat16")
@@ -208,19 +169,6 @@ def vnni_twins(
     return qgemv, a8, twin
 
 
-def _extreme_weight(ggml_type: T) -> QuantizedWeight:
-    """Every quant at its format's largest value (all bits set: 15, 31 or 63, the 16-bit sums'
-    worst case), moderate float16 scales."""
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    n = OUT * IN // block_size
-    blocks = np.full((n, type_size), 0xFF, dtype=np.uint8)
-    for offset in F16_OFFSETS[ggml_type]:
-        blocks[:, offset : offset + 2] = np.full(n, 1e-3, np.float16).view(np.uint8).reshape(n, 2)
-    weight = from_gguf_blocks(blocks.reshape(OUT, -1), ggml_type, (OUT, IN))
-    assert weight is not None
-    return weight
-
-
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_vnni_dots_give_the_same_bits(
     vnni_twins: tuple[CpuQGemv, CpuQ4A8Gemm, CpuQ4A8Gemm], ggml_type: T
@@ -228,10 +176,10 @@ def test_vnni_dots_give_the_same_bits(
     """The int8 decode rows by vpdpbusd equal vpmaddubsw's bit for bit, every path (one row, row
     blocks, group by group, the panel), random and largest values; and the prefill GEMM's."""
     qgemv, a8, twin = vnni_twins
-    weights = [_weight(ggml_type, seed=11)]
+    weights = [quant_weight(ggml_type, seed=11)]
     if ggml_type in F16_OFFSETS:
-        weights.append(_extreme_weight(ggml_type))
-    x = _rows(40, seed=13)
+        weights.append(extreme_weight(ggml_type))
+    x = int8_rows(40, seed=13)
     x[5:9] = 1.0  # every rounded input 127: with the largest quants, the 16-bit sums' worst case
     x[9:12] = -1.0
     for weight in weights:
@@ -265,7 +213,7 @@ def test_tune_times_the_vnni_build_against_its_base(
 
 
 def _linear(ggml_type: T, seed: int, out: int = OUT, n_in: int = IN) -> tuple[Linear, QuantizedWeight]:
-    weight = _weight(ggml_type, seed, out, n_in)
+    weight = quant_weight(ggml_type, seed, out, n_in)
     layer = Linear(n_in, out)
     layer.set_quantized(weight)
     return layer, weight
@@ -288,7 +236,7 @@ def test_linear_rounds_every_row_with_one_definition(
     pack_linears(nn.Sequential(layer), PackPlan(qkernel=qgemv, a8kernel=a8, int8_decode=True))
     assert layer.int8_activations
     decode = a8.bind_decode(layer.packed, None, OUT, layer.weight_format)
-    big = _rows(40, seed=2)
+    big = int8_rows(40, seed=2)
     with torch.inference_mode():
         whole = decode(big)
         for rows in (1, 5, 15, 16, 40):

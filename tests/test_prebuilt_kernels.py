@@ -86,8 +86,12 @@ def test_every_kernel_source_is_prebuilt_for_every_isa() -> None:
     loaded = {m.group(1) for p in GEMV.parent.glob("*.py")
               for m in re.finditer(r'with_name\("(\w+\.c)"\)', p.read_text())}  # fmt: skip
     assert loaded and loaded <= sources  # every kernel a module loads is in the image
-    if native_build._is_x86():
-        assert prebuild.target_isas() == native_build.ISAS
+    assert prebuild.target_isas() == native_build.architecture_isas()
+    assert native_build.architecture_isas("x86_64") == native_build.X86_ISAS
+    assert native_build.architecture_isas("aarch64") == ("neondot", "generic")
+    assert native_build.isa_flags("neondot", "aarch64") == ["-march=armv8.2-a+dotprod"]
+    with pytest.raises(native_build.NativeBuildError, match="not an instruction set of x86_64"):
+        native_build.isa_flags("neondot", "x86_64")
 
 
 def test_gcc_only_flags_are_dropped_for_clang(

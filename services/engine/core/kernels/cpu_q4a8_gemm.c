@@ -68,6 +68,30 @@ static inline ivec quad_i(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return
 static inline ivec maddubs(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
 static inline ivec add_i16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
 static inline int_vec widen_pairs(ivec a) { return (int_vec)_mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+/* NEON (the aarch64 baseline): vpmaddubsw's pair sums from 16-bit products (u8 widened is below
+ * 2^15; u * s fits 16 bits) and pairwise adds. The sums wrap where vpmaddubsw would saturate,
+ * which no format's values reach (SAFE below), so the integers are the same. */
+#include <arm_neon.h>
+#define Q8_ROWS 2
+typedef int16_t ivec __attribute__((vector_size(LANES * 4)));
+static inline ivec load_i(const uint8_t *p) { return (ivec)vld1q_u8(p); }
+static inline ivec quad_i(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (ivec)vdupq_n_s32(v);
+}
+static inline ivec maddubs(ivec u, ivec s) {
+    const uint8x16_t a = (uint8x16_t)u;
+    const int8x16_t b = (int8x16_t)s;
+    const int16x8_t lo =
+        vmulq_s16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(a))), vmovl_s8(vget_low_s8(b)));
+    const int16x8_t hi =
+        vmulq_s16(vreinterpretq_s16_u16(vmovl_high_u8(a)), vmovl_high_s8(b));
+    return (ivec)vpaddq_s16(lo, hi);
+}
+static inline ivec add_i16(ivec a, ivec b) { return a + b; }
+static inline int_vec widen_pairs(ivec a) { return (int_vec)vpaddlq_s16((int16x8_t)a); }
 #else
 #define Q8_ROWS 2
 typedef int16_t ivec __attribute__((vector_size(LANES * 4)));
@@ -112,11 +136,24 @@ static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
 static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
     return (int_vec)_mm256_dpbusd_avx_epi32((__m256i)acc, u, s);
 }
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+/* Arm's dot product (the neondot build): sdot multiplies signed bytes by signed bytes. Every u
+ * the decode rows and the GEMM pass is below 128 (4-, 5- and 6-bit quants), which reads the same
+ * as a signed byte, and q8_0's signed weights go in as stored (A8_SIGNED_DOT: no |w| and moved
+ * sign, whose |-128| = 128 a signed byte can't hold): the same products, the same integers. */
+#define A8_DPBUSD 1
+#define A8_SIGNED_DOT 1
+static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
+    return (int_vec)vdotq_s32((int32x4_t)acc, (int8x16_t)u, (int8x16_t)s);
+}
 #elif defined(TANDEM_EMULATE_DPBUSD)
 #define A8_DPBUSD 1
 static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) { return acc + widen_pairs(maddubs(u, s)); }
 #else
 #define A8_DPBUSD 0
+#endif
+#ifndef A8_SIGNED_DOT
+#define A8_SIGNED_DOT 0 /* the first operand is unsigned: q8_0 goes in as |w| and s * sign(w) */
 #endif
 
 /* The nearest integers (ties to even) of the already rounded products p: a conversion in the
@@ -127,6 +164,8 @@ static inline int_vec round_even(vec p) {
     return (int_vec)_mm512_cvtps_epi32((__m512)p);
 #elif defined(__AVX2__)
     return (int_vec)_mm256_cvtps_epi32((__m256)p);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return (int_vec)vcvtnq_s32_f32((float32x4_t)p); /* ties to even, whatever the mode */
 #else
     int_vec n;
     for (int i = 0; i < LANES; i++) n[i] = (int32_t)__builtin_nearbyintf(p[i]);
@@ -396,6 +435,9 @@ static inline ivec panel4(ivec raw) {
     const __m256i shuf = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                           0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(raw, perm), shuf);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    static const uint8_t order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    return (ivec)vqtbl1q_u8((uint8x16_t)raw, vld1q_u8(order));
 #else
     uint8_t in[A8_VEC_BYTES], out[A8_VEC_BYTES];
     memcpy(in, &raw, sizeof in);
@@ -444,6 +486,9 @@ static inline void signed_operands(ivec w, ivec s, ivec *u, ivec *t) {
 #elif defined(__AVX2__)
     *u = _mm256_abs_epi8(w);
     *t = _mm256_sign_epi8(s, w);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    *u = (ivec)vabsq_s8((int8x16_t)w); /* |-128| wraps to the byte 128, as vpabsb's */
+    *t = (ivec)vbslq_s8(vcltzq_s8((int8x16_t)w), vnegq_s8((int8x16_t)s), (int8x16_t)s);
 #else
     int8_t a[A8_VEC_BYTES], b[A8_VEC_BYTES];
     memcpy(a, &w, sizeof a);
@@ -464,7 +509,7 @@ static inline void signed_operands(ivec w, ivec s, ivec *u, ivec *t) {
 static inline __attribute__((always_inline)) void a8_step(int_vec *dot, ivec *part, int k, int safe,
                                                           int sign, ivec w, ivec a) {
     ivec u = w, t = a;
-    if (sign) signed_operands(w, a, &u, &t);
+    if (sign && !A8_SIGNED_DOT) signed_operands(w, a, &u, &t);
 #if A8_DPBUSD
     (void)part, (void)k, (void)safe;
     *dot = dpbusd(*dot, u, t);

@@ -15,6 +15,9 @@ processes kept the cores busy) and :func:`native_build.selected_isa` takes it at
 load; until something is measured the flags decide (VNNI where present), and
 ``TANDEM_AUTOTUNE=fixed`` keeps it that way.
 
+Arm's ``neondot`` (``sdot``) stands to ``generic`` as a VNNI set to its base set, and is timed the
+same way.
+
 Only between a VNNI set and its base set: those have the same tiles and bits, so workers that
 chose differently still agree token for token. AVX-512 against AVX2 is not a speed choice of this
 kind (their sums run in different vector widths and give other bits).

@@ -11,9 +11,13 @@ Instruction sets (``tandem_simd.h`` picks the vector width and register blocking
 * ``avx512`` — ``-march=x86-64-v4`` (AVX-512 F/BW/DQ/VL), for CPUs that have them;
 * ``avxvnni`` — ``avx2`` plus AVX-VNNI (the 256-bit ``vpdpbusd``, e.g. Alder Lake);
 * ``avx2`` — ``-march=x86-64-v3`` (AVX2, FMA, F16C);
+* ``neondot`` — aarch64's NEON plus Armv8.2's dot product (``sdot``: the int8 dots in one
+  instruction, as VNNI; ``-march=armv8.2-a+dotprod``, for CPUs whose features list ``asimddp``:
+  Graviton 2 and later, Ampere Altra, Apple M1 and later);
 * ``generic`` — the architecture's baseline: SSE2 on x86-64, NEON on aarch64, plain C elsewhere.
 
-:func:`selected_isa` takes the best set the CPU's flags allow, except a VNNI set that ``tandem
+:func:`selected_isa` takes the best set the CPU's flags allow, except a VNNI set (``neondot``
+counts as one: an integer dot instruction over its base set's vectors) that ``tandem
 tune`` measured no faster than its base set on this CPU (:func:`measured_vnni_choice`; the two
 compute the same bits, so it is a speed choice only, and a near tie goes to the base set);
 ``TANDEM_CPU_ISA`` (one of :data:`ISAS`) forces one (so every variant can be built, tested and
@@ -75,7 +79,9 @@ T = TypeVar("T")
 
 CFLAGS = ("-O3", "-fPIC", "-std=gnu11", "-fopenmp")
 PREBUILT_ENV = "TANDEM_PREBUILT_KERNELS"
-ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "generic")  # best first
+X86_ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "generic")  # best first
+ARM_ISAS = ("neondot", "generic")
+ISAS = (*X86_ISAS[:-1], *ARM_ISAS)  # every set of every architecture, best first, generic last
 # GCC's temporary-expression replacement (TER, when it leaves SSA form) moves the int8 dots'
 # single-use vpmaddubsw products away from their 16-bit adds, and with 16 ymm registers the
 # 4-bit and q8_0 decode row blocks and panels then spill about twenty products a group to the
@@ -103,12 +109,14 @@ _X86_ISA_NEEDS = {
     "avx2": _AVX2,
     "generic": set(),
 }
-_VECTOR_ISA = {"avx512vnni": "avx512", "avxvnni": "avx2"}
+_ARM_ISA_FLAGS = {"neondot": ["-march=armv8.2-a+dotprod"], "generic": ["-march=armv8-a"]}
+_ARM_ISA_NEEDS = {"neondot": {"asimddp"}, "generic": set()}  # /proc/cpuinfo's Features
+_VECTOR_ISA = {"avx512vnni": "avx512", "avxvnni": "avx2", "neondot": "generic"}
 
 
-# The kernels whose code vpdpbusd changes: cpu_q4a8_gemm.c's integer dots and the one-call decode
-# layers that include it. Every other kernel is the same code in a VNNI set as in its base set, so
-# the base set's library serves both (an image builds it once, not twice).
+# The kernels whose code vpdpbusd (or sdot) changes: cpu_q4a8_gemm.c's integer dots and the
+# one-call decode layers that include it. Every other kernel is the same code in a VNNI set as in
+# its base set, so the base set's library serves both (an image builds it once, not twice).
 VNNI_SOURCES = frozenset({"cpu_q4a8_gemm.c", "cpu_decode_layers.c"})
 
 
@@ -176,16 +184,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _is_x86() -> bool:
-    return platform.machine().lower() in {"x86_64", "amd64"}
+def _is_x86(machine: str | None = None) -> bool:
+    return (machine or platform.machine()).lower() in {"x86_64", "amd64"}
+
+
+def _is_arm(machine: str | None = None) -> bool:
+    return (machine or platform.machine()).lower() in {"aarch64", "arm64"}
+
+
+def architecture_isas(machine: str | None = None) -> tuple[str, ...]:
+    """The sets Tandem builds for ``machine`` (default: this one), best first."""
+    return X86_ISAS if _is_x86(machine) else ARM_ISAS if _is_arm(machine) else ("generic",)
 
 
 def supported_isas() -> list[str]:
     """The instruction sets this CPU can execute, best first (``generic`` always)."""
-    if not _is_x86():
-        return ["generic"]
     flags = set(_cpu_flags().partition(":")[2].split())
-    return [isa for isa in ISAS if _X86_ISA_NEEDS[isa] <= flags]
+    needs = _X86_ISA_NEEDS if _is_x86() else _ARM_ISA_NEEDS if _is_arm() else {"generic": set()}
+    return [isa for isa in architecture_isas() if needs[isa] <= flags]
 
 
 def selected_isa() -> str:
@@ -238,13 +254,15 @@ def measured_vnni_choice(best: str) -> str | None:
     return chosen if chosen in (best, base) else None
 
 
-def isa_flags(isa: str) -> list[str]:
-    """Compiler flags that target ``isa`` on this architecture."""
-    if _is_x86():
-        return list(_X86_ISA_FLAGS[isa])
-    if platform.machine().lower() in {"aarch64", "arm64"}:
-        return ["-march=armv8-a"]  # NEON is part of the baseline
-    return []
+def isa_flags(isa: str, machine: str | None = None) -> list[str]:
+    """Compiler flags that target ``isa`` on ``machine``'s architecture (default: this one's; a
+    cross build names another). NEON is part of aarch64's baseline."""
+    table = (_X86_ISA_FLAGS if _is_x86(machine)
+             else _ARM_ISA_FLAGS if _is_arm(machine) else {"generic": []})  # fmt: skip
+    if isa not in table:
+        where = machine or platform.machine()
+        raise NativeBuildError(f"{isa} is not an instruction set of {where}")
+    return list(table[isa])
 
 
 def prebuilt_flags(isa: str) -> list[str]:

@@ -7,7 +7,8 @@ argument, :func:`native_build.prebuilt_dir`); the Dockerfile runs it in its buil
 runtime stage copies the directory and sets ``$TANDEM_PREBUILT_KERNELS`` to it.
 :func:`native_build.build_library` then loads the variant the running CPU selects from there
 (see native_build.py for the naming). On x86-64 every set is built whatever the build
-machine's CPU (compiling for AVX-512 does not need AVX-512); elsewhere the ``generic`` one.
+machine's CPU (compiling for AVX-512 does not need AVX-512); on aarch64 ``neondot`` and
+``generic``; elsewhere the ``generic`` one.
 An install (``--this-cpu``) builds the set this CPU selects and, for a VNNI set, its base set
 too, which ``tandem tune`` may choose instead (``isa_tuning``).
 
@@ -38,7 +39,7 @@ def target_isas(this_cpu: bool = False) -> tuple[str, ...]:
     if this_cpu:
         best = native_build.supported_isas()[0]
         return tuple(dict.fromkeys((best, native_build.vector_isa(best))))
-    return native_build.ISAS if native_build._is_x86() else ("generic",)
+    return native_build.architecture_isas()
 
 
 def prebuild(out: Path, this_cpu: bool = False) -> list[Path]:

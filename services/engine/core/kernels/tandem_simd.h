@@ -3,7 +3,8 @@
  * Each kernel is written once over GCC/Clang's generic vector extension and compiled once per
  * instruction set by native_build.py (-march=x86-64-v4 for AVX-512, x86-64-v3 for AVX2+FMA, each
  * also with VNNI where the CPU has it, the architecture's baseline for "generic": SSE2 on x86-64,
- * NEON on aarch64). The macros below pick
+ * NEON on aarch64, where "neondot" adds Armv8.2's sdot as VNNI adds vpdpbusd). The macros below
+ * pick
  * what fits each set's register file, so a vector never spans several hardware registers and the
  * accumulators of a row block stay in registers:
  *
@@ -38,7 +39,11 @@
 #define LANES 8
 #define DEFAULT_ROW_BLOCK 4
 #else
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define TANDEM_ISA "neondot" /* NEON with sdot (Armv8.2's dot product): cpu_q4a8_gemm.c's dots */
+#else
 #define TANDEM_ISA "generic"
+#endif
 #define LANES 4
 #define DEFAULT_ROW_BLOCK 4
 #endif
