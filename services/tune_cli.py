@@ -8,11 +8,11 @@ other's load. Workers now take the decision cached here, or the fixed table wher
 int8 GEMM against the int8 decode kernel, all layers in one C call or op by op), except a float32
 model's layers (kernel or PyTorch), which every worker on the machine then takes alike.
 
-First, where the CPU has VNNI, it times the VNNI kernels against the base set's
-(``services.engine.core.kernels.isa_tuning``: the same bits, so a speed choice only; the set
-every worker then loads). Then, per thread count, it times the quantized decode rows' prefetch
-distance per format (``services.engine.core.kernels.prefetch_tuning``: a speed choice only, the
-bits are the same).
+First, where the CPU has VNNI (or, on Arm, the dot product: ``neondot``), it times those kernels
+against the base set's (``services.engine.core.kernels.isa_tuning``: the same bits, so a speed
+choice only; the set every worker then loads). Then, per thread count, it times the quantized
+decode rows' prefetch distance per format (``services.engine.core.kernels.prefetch_tuning``: a
+speed choice only, the bits are the same).
 Then it builds the engine as a worker with the same options would (the model, its dtype, the KV pool
 and batch limits: the decisions are keyed by the layer shapes and the thread count) once per
 thread count a worker will run with, by default the counts ``tandem up`` gives its default
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     os.environ["TANDEM_AUTOTUNE"] = "remeasure"  # this process's own engines only
     started = time.time()
     torch.set_num_threads(max(counts))  # the decode worker's count: VNNI matters most there
-    logger.info("timing the VNNI kernels against the base set's with %d threads", max(counts))
+    logger.info("timing the VNNI (or sdot) kernels against the base set's with %d threads",
+                max(counts))  # fmt: skip
     isa_tuning.tune()
     forget_loaded_kernels()  # what follows loads the set just chosen
     for threads in counts:
