@@ -4,9 +4,8 @@
  * instruction set by native_build.py (-march=x86-64-v4 for AVX-512, x86-64-v3 for AVX2+FMA, each
  * also with VNNI where the CPU has it, the architecture's baseline for "generic": SSE2 on x86-64,
  * NEON on aarch64, where "neondot" adds Armv8.2's sdot as VNNI adds vpdpbusd). The macros below
- * pick
- * what fits each set's register file, so a vector never spans several hardware registers and the
- * accumulators of a row block stay in registers:
+ * pick what fits each set's register file, so a vector never spans several hardware registers and
+ * the accumulators of a row block stay in registers:
  *
  *   set      vector registers   LANES (floats)   GEMM row block
  *   AVX-512  32 x 512-bit       16               8 rows x 2 vectors = 16 accumulators
