@@ -5,12 +5,18 @@ reference of the kernels' int8 math."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
+from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv
+from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm
+from services.engine.core.kernels.cpu_qgemv import CpuQGemv
+from services.engine.core.kernels.native_build import load_library
 from services.engine.core.quant.quantized_weight import QuantizedWeight, from_gguf_blocks
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -73,3 +79,12 @@ def int8_rows(rows: int, seed: int = 0, n_in: int = IN) -> torch.Tensor:
     x = torch.randn(rows, n_in, generator=gen) * torch.logspace(-2, 1, n_in)  # groups of all sizes
     x[0, :32] = 0.0  # an all-zero group (d = 0)
     return x
+
+
+@functools.cache
+def int8_kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
+    """This machine's ``isa`` builds of the tiles' kernel and the int8 kernels, loaded once."""
+    return (
+        CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
+        CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
+    )

@@ -14,7 +14,6 @@ GEMM, with the same bits), and an autotune never switches a layer's rows back to
 from __future__ import annotations
 
 import ctypes
-import functools
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from tests.int8_cases import (
     OUT,
     TYPES,
     extreme_weight,
+    int8_kernels,
     int8_rows,
     quant_weight,
     reference,
@@ -45,18 +45,10 @@ from tests.int8_cases import (
 ROWS = [1, 2, 3, 4, 5, 7, 9]  # register blocks of 4, 2 and 1 rows
 
 
-@functools.cache
-def _kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
-    return (
-        CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
-        CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
-    )
-
-
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", ROWS)
 def test_kernel_equals_the_int8_reference(isa: str, ggml_type: T, rows: int) -> None:
-    qgemv, a8 = _kernels(isa)
+    qgemv, a8 = int8_kernels(isa)
     weight = quant_weight(ggml_type, seed=rows)
     bias = torch.randn(OUT)
     call = a8.bind_decode(qgemv.tile_weight(weight), qgemv.tile_bias(bias), OUT, qgemv.tile_format(weight))
@@ -74,7 +66,7 @@ def test_a_rows_result_does_not_depend_on_its_batch_mates(isa: str, ggml_type: T
     8 to 15 group by group; 16 and more as a GEMM over the tile's panel in register blocks of
     rows, 70 leaving a partial block) and thread count runs the same chain per output: bit
     equal."""
-    qgemv, a8 = _kernels(isa)
+    qgemv, a8 = int8_kernels(isa)
     weight = quant_weight(ggml_type, seed=3)
     call = a8.bind_decode(qgemv.tile_weight(weight), None, OUT, qgemv.tile_format(weight))
     x = int8_rows(70, seed=5)
@@ -95,7 +87,7 @@ def test_every_tile_is_computed_once_whoever_takes_it(isa: str, ggml_type: T) ->
     taken by threads done with their own). With more threads than this machine's cores (so some
     are preempted mid-range and others take over their tails), and more threads than tiles (so
     some start with nothing and only take), every output is there, bit equal to one thread's."""
-    qgemv, a8 = _kernels(isa)
+    qgemv, a8 = int8_kernels(isa)
     out = 37 * 32 + 5  # a partial last tile, and an odd count of tiles at either width
     weight = quant_weight(ggml_type, seed=11, out=out)
     call = a8.bind_decode(qgemv.tile_weight(weight), None, out, qgemv.tile_format(weight))
@@ -119,7 +111,7 @@ def test_every_tile_is_computed_once_whoever_takes_it(isa: str, ggml_type: T) ->
 def test_rounding_equals_the_gemms(isa: str) -> None:
     """Decode and prompt rows round their inputs alike: on q4 tiles the two kernels agree to
     float32 summation error (their sums run in different orders)."""
-    qgemv, a8 = _kernels(isa)
+    qgemv, a8 = int8_kernels(isa)
     weight = quant_weight(T.Q4_1, seed=7)
     packed = qgemv.tile_weight(weight)
     x = int8_rows(5, seed=9)
@@ -128,7 +120,7 @@ def test_rounding_equals_the_gemms(isa: str) -> None:
 
 
 def test_bad_arguments_are_errors(isa: str) -> None:
-    qgemv, a8 = _kernels(isa)
+    qgemv, a8 = int8_kernels(isa)
     weight = quant_weight(T.Q4_K)
     packed = qgemv.tile_weight(weight)
     with pytest.raises(ValueError, match="reads"):
@@ -163,8 +155,8 @@ def vnni_twins(
         if request.param not in native_build.supported_isas():
             pytest.skip(f"this CPU lacks {request.param}")
         base = native_build.vector_isa(request.param)
-        twin = _kernels(request.param)[1]
-    qgemv, a8 = _kernels(base)
+        twin = int8_kernels(request.param)[1]
+    qgemv, a8 = int8_kernels(base)
     assert twin.dpbusd and not a8.dpbusd and twin.tile == a8.tile
     return qgemv, a8, twin
 

@@ -33,7 +33,7 @@ from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.native_build import load_library
 from services.engine.core.kernels.tile_formats import FORMAT_CODES
 from tests.conftest import native_kernel_or_skip
-from tests.test_int8_decode import TYPES, _kernels, _rows, _weight
+from tests.int8_cases import TYPES, int8_kernels, int8_rows, quant_weight
 
 OUT, IN = 70, 512
 
@@ -42,7 +42,7 @@ OUT, IN = 70, 512
 def kernels(isa: str) -> Iterator[tuple[CpuQGemv, CpuQ4A8Gemm]]:
     """This build's kernels; their libraries' distances put back afterwards (a process shares one
     library, and so one table, per build)."""
-    qgemv, a8 = _kernels(isa)
+    qgemv, a8 = int8_kernels(isa)
     saved = prefetch_tuning.current(a8.library)
     yield qgemv, a8
     for fmt, ahead in saved.items():
@@ -54,15 +54,15 @@ def test_any_distance_gives_the_same_bits(
     kernels: tuple[CpuQGemv, CpuQ4A8Gemm], ggml_type: T
 ) -> None:
     qgemv, a8 = kernels
-    weight = _weight(ggml_type, seed=21)
+    weight = quant_weight(ggml_type, seed=21)
     packed, fmt = qgemv.tile_weight(weight), qgemv.tile_format(weight)
-    int8_rows = a8.bind_decode(packed, None, OUT, fmt)
-    x = _rows(3, seed=22)
+    decode_rows = a8.bind_decode(packed, None, OUT, fmt)
+    x = int8_rows(3, seed=22)
     results = []
     for ahead in (0, 64, 4096, 16384, prefetch_tuning.AHEAD_MAX):
         assert a8.library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead)) == 0
         assert prefetch_tuning.current(a8.library)[fmt] == ahead
-        results.append((int8_rows(x[:1]), int8_rows(x), qgemv(x[:1], packed, fmt, None, OUT)))
+        results.append((decode_rows(x[:1]), decode_rows(x), qgemv(x[:1], packed, fmt, None, OUT)))
     for later in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], later, strict=True)), fmt
 
