@@ -88,3 +88,22 @@ def int8_kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
         CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
         CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
     )
+
+
+# row ranges of twin_inputs' 40 rows that take every row path (one row, register blocks, group
+# by group, the panel), the extreme rows included
+TWIN_RANGES = ((0, 1), (5, 6), (0, 3), (5, 12), (0, 9), (0, 17), (0, 40))
+
+
+def twin_inputs(ggml_type: T) -> tuple[list[QuantizedWeight], torch.Tensor]:
+    """What two builds that must agree bit for bit are run on: a random weight (and, for the K
+    formats, one at its largest values) and 40 rows, rows 5-11 rounding every input to +-127 (with
+    the largest quants, the 16-bit sums' worst case)."""
+    weights = [quant_weight(ggml_type, seed=11)]
+    if ggml_type in F16_OFFSETS:
+        weights.append(extreme_weight(ggml_type))
+    x = int8_rows(40, seed=13)
+    x[5:9] = 1.0
+    x[9:12] = -1.0
+    return weights, x
+

@@ -38,23 +38,13 @@ from services.engine.core.kernels import cpu_q4a8_gemm, cpu_qgemv, native_build
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv
 from services.engine.core.kernels.tile_formats import FORMAT_CODES
 from tests.conftest import native_kernel_or_skip
-from tests.int8_cases import (
-    F16_OFFSETS,
-    OUT,
-    TYPES,
-    extreme_weight,
-    int8_rows,
-    quant_weight,
-    reference,
-    rounded_rows,
-)
+from tests.int8_cases import OUT, TWIN_RANGES, TYPES, reference, rounded_rows, twin_inputs
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"  # Debian's cross libc, where qemu finds the loader
 DRIVER = Path(__file__).parent / "native" / "a8_twins.c"
 SETS = ("generic", "neondot")  # the driver's LIB_A and LIB_B
-RANGES = ((0, 1), (5, 6), (0, 3), (5, 12), (0, 9), (0, 17), (0, 40))  # every row path
 
 
 def _toolchain_or_skip() -> str:
@@ -139,12 +129,7 @@ def test_sdot_gives_generic_neons_bits(twins: ArmTwins, tiles: CpuQGemv, ggml_ty
     """Every row path of the decode rows (and the GEMM for its formats), random and largest
     values: neondot's output equals generic's bit for bit, a row's bits do not depend on its
     batch mates, and both are the int8 math to float32 summation error."""
-    weights = [quant_weight(ggml_type, seed=11)]
-    if ggml_type in F16_OFFSETS:
-        weights.append(extreme_weight(ggml_type))
-    x = int8_rows(40, seed=13)
-    x[5:9] = 1.0  # every rounded input 127: with the largest quants, the 16-bit sums' worst case
-    x[9:12] = -1.0
+    weights, x = twin_inputs(ggml_type)
     work = twins.work / ggml_type.name
     work.mkdir(exist_ok=True)
     cases, expected = [], []
@@ -155,7 +140,7 @@ def test_sdot_gives_generic_neons_bits(twins: ArmTwins, tiles: CpuQGemv, ggml_ty
         bias_file = _save(work / f"b{w}", tiles.tile_bias(bias))
         kinds = ["gemv", "gemm"] if fmt in cpu_q4a8_gemm.FORMATS else ["gemv"]
         for kind in kinds:
-            for lo, hi in RANGES:
+            for lo, hi in TWIN_RANGES:
                 name = f"{w}-{kind}-{lo}-{hi}"
                 rows = _save(work / f"x{name}", x[lo:hi])
                 outputs = [work / f"y{name}-{isa}" for isa in SETS]

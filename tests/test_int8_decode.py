@@ -30,16 +30,16 @@ from services.engine.core.linear import Linear, PackPlan, pack_linears
 from services.engine.core.quant.quantized_weight import QuantizedWeight
 from tests.conftest import native_kernel_or_skip
 from tests.int8_cases import (
-    F16_OFFSETS,
     IN,
     OUT,
+    TWIN_RANGES,
     TYPES,
-    extreme_weight,
     int8_kernels,
     int8_rows,
     quant_weight,
     reference,
     rounded_rows,
+    twin_inputs,
 )
 
 ROWS = [1, 2, 3, 4, 5, 7, 9]  # register blocks of 4, 2 and 1 rows
@@ -168,12 +168,7 @@ def test_vnni_dots_give_the_same_bits(
     """The int8 decode rows by vpdpbusd equal vpmaddubsw's bit for bit, every path (one row, row
     blocks, group by group, the panel), random and largest values; and the prefill GEMM's."""
     qgemv, a8, twin = vnni_twins
-    weights = [quant_weight(ggml_type, seed=11)]
-    if ggml_type in F16_OFFSETS:
-        weights.append(extreme_weight(ggml_type))
-    x = int8_rows(40, seed=13)
-    x[5:9] = 1.0  # every rounded input 127: with the largest quants, the 16-bit sums' worst case
-    x[9:12] = -1.0
+    weights, x = twin_inputs(ggml_type)
     for weight in weights:
         packed, fmt = qgemv.tile_weight(weight), qgemv.tile_format(weight)
         bias = qgemv.tile_bias(torch.randn(OUT))
@@ -181,7 +176,7 @@ def test_vnni_dots_give_the_same_bits(
         if fmt in cpu_q4a8_gemm.FORMATS:
             calls.append((a8.bind(packed, bias, OUT, fmt), twin.bind(packed, bias, OUT, fmt)))
         for plain, vnni in calls:
-            for lo, hi in ((0, 1), (5, 6), (0, 3), (5, 12), (0, 9), (0, 17), (0, 40)):
+            for lo, hi in TWIN_RANGES:
                 assert torch.equal(vnni(x[lo:hi]), plain(x[lo:hi])), (ggml_type.name, lo, hi)
 
 
