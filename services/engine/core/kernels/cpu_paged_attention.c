@@ -89,13 +89,13 @@ static inline __attribute__((always_inline)) void score_slots(
             store_vec(pg + s, sum_lanes(acc) * scale);
         }
 #endif
-    for (; s < slots; s++) {
+    for (; s < slots; s++) { /* explicit multiply-adds: the same bits for every cache type */
         vec acc = {0};
         int64_t d = 0;
         for (; d + LANES <= head_dim; d += LANES)
-            acc += load_vec(q + d) * load_kv(k, k0 + s * ks, d, head_dim, kv);
+            acc = fused_madd(load_vec(q + d), load_kv(k, k0 + s * ks, d, head_dim, kv), acc);
         float sum = hsum(acc);
-        for (; d < head_dim; d++) sum += q[d] * load_kv1(k, k0 + s * ks, d, head_dim, kv);
+        for (; d < head_dim; d++) sum = fused_madd1(q[d], load_kv1(k, k0 + s * ks, d, head_dim, kv), sum);
         pg[s] = scale * sum;
     }
 }
@@ -164,13 +164,13 @@ static inline __attribute__((always_inline)) void decode_task(
                 for (; d + LANES <= head_dim; d += LANES) {
                     vec a = load_vec(ag + d) * rescale;
                     for (int64_t t = 0; t < slots; t++)
-                        a += pg[t] * load_kv(v, v0 + t * v_ss, d, head_dim, kv);
+                        a = fused_madd(splat(pg[t]), load_kv(v, v0 + t * v_ss, d, head_dim, kv), a);
                     store_vec(ag + d, a);
                 }
                 for (; d < head_dim; d++) {
                     float a = ag[d] * rescale;
                     for (int64_t t = 0; t < slots; t++)
-                        a += pg[t] * load_kv1(v, v0 + t * v_ss, d, head_dim, kv);
+                        a = fused_madd1(pg[t], load_kv1(v, v0 + t * v_ss, d, head_dim, kv), a);
                     ag[d] = a;
                 }
             }

@@ -147,6 +147,33 @@ static inline vec vtanh(vec y) {
     return splat(1.f) - splat(2.f) / (vexp(y + y) + splat(1.f));
 }
 
+/* a * b + c rounded once where the set has a fused multiply-add, else twice. Every score and value
+ * accumulation of the decode and prefill kernels goes through it rather than through the
+ * compiler's contraction of `c += a * b`, which GCC applied in some inlined shapes and not in
+ * others (measured: a score's bits depended on how many keys shared its register block, and a
+ * q8_0 row's values on the cache type), so a position's bits never depend on the code path. */
+static inline __attribute__((always_inline)) vec fused_madd(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return (vec)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#else
+    return a * b + c;
+#endif
+}
+
+/* fused_madd for one float: the scalar tails of head sizes that are not whole vectors (decode_task)
+ * go through it for the same reason. */
+static inline __attribute__((always_inline)) float fused_madd1(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+    return __builtin_fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* x[0:n] = cap * tanh(x / cap): attention-logit soft-capping (Gemma 2). */
 static void soft_cap(float *x, int64_t n, float cap) {
     const float inv = 1.f / cap;

@@ -1,6 +1,6 @@
 /* Attention scores for the CPU paged-attention kernels: score_keys, the one function the decode
- * and the prefill kernel both score keys with (and fused_madd, the explicit multiply-add every
- * score and value sum goes through). Part of cpu_paged_attention.c's kernel library, included
+ * and the prefill kernel both score keys with, through fused_madd (paged_kv_values.h), the
+ * explicit multiply-add every score and value sum goes through. Part of cpu_paged_attention.c's kernel library, included
  * once where its prefill section begins (after KEY_TILE and sum_lanes). A header, not a .c file:
  * native_build.py builds every .c beside it as a kernel library of its own. */
 #ifndef TANDEM_PAGED_SCORES_H
@@ -29,23 +29,6 @@
 #define SCORE_Q 3
 #endif
 #define SCORE_K 4
-
-/* a * b + c rounded once where the set has a fused multiply-add, else twice. Every score and value
- * accumulation of the decode and prefill kernels goes through it rather than through the
- * compiler's contraction of `c += a * b`, which GCC applied in some inlined shapes and not in
- * others (measured: a score's bits depended on how many keys shared its register block, and a
- * q8_0 row's values on the cache type), so a position's bits never depend on the code path. */
-static inline __attribute__((always_inline)) vec fused_madd(vec a, vec b, vec c) {
-#if defined(__AVX512F__)
-    return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__AVX2__) && defined(__FMA__)
-    return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-    return (vec)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
-#else
-    return a * b + c;
-#endif
-}
 
 /* One value per lane: lane r the sum of a[r]'s lanes (a fixed tree per instruction set). */
 static inline vec reduce_lanes(const vec *a) {
