@@ -21,10 +21,15 @@ step() {  # step NAME SECONDS COMMAND...
     echo "== $name: rc=$rc in $((SECONDS - start)) s"
     tail -n "${TAIL:-25}" "$OUT/$name.log"
 }
-TAIL=6 step pytest "${PYTEST_S:-190}" python3 -m pytest -q -p no:cacheprovider \
+# PYTEST_FILES: a subset to run instead (e.g. after a change to one path)
+TAIL=6 step pytest "${PYTEST_S:-190}" python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-\
     tests/test_gpu.py tests/test_gpu_families.py tests/test_cuda_ipc_gpu.py tests/test_cuda_ipc.py \
-    tests/test_cuda_ipc_failures.py tests/test_gpu_fused.py tests/test_triton_attention.py tests/test_cuda_graphs.py
-TAIL=30 step determinism "${DET_S:-70}" python3 bench/gpu_determinism.py
+    tests/test_cuda_ipc_failures.py tests/test_gpu_fused.py tests/test_triton_attention.py \
+    tests/test_cuda_graphs.py tests/test_gpu_fp8_kv.py}
+# DET_ARGS: e.g. "--kv-cache-dtype fp8"
+TAIL=30 step determinism "${DET_S:-70}" python3 bench/gpu_determinism.py ${DET_ARGS:-}
+# the fp8 KV cache against bfloat16: agreement per family at 4k tokens, decode speed (issue 44)
+TAIL=22 step kv_fp8 "${KV_FP8_S:-0}" python3 bench/kv_cache_fp8_gpu.py ${KV_FP8_ARGS:-}
 TAIL=8 step handoff "${HANDOFF_S:-80}" python3 bench/kv_handoff_gpu.py --tokens 4096 --reps 3
 TAIL=12 step served "${SERVED_S:-170}" python3 bench/gpu_served.py \
     --tokenizer-json .gpu/tokenizer.json --concurrency 1 64 --mode disaggregated \

@@ -2,6 +2,7 @@
 logprob bits) on every path a request can take, with ``--device cuda``?
 
     python bench/gpu_determinism.py [--dtype float32 bfloat16] [--hidden 512] [--layers 4]
+                                    [--kv-cache-dtype fp8]
 
 Without a CUDA device it says so and exits 0. On CPU the guarantee is tested in CI
 (``tests/test_deterministic_greedy.py``: the native kernels compute each position the same way
@@ -12,7 +13,9 @@ that changes the *tokens* and not only the last bits of the logprobs. It runs on
 batch of 16, chunked prefill (7-token chunks), prefilled on one engine and decoded on another,
 and resumed after 5 tokens; for several prompts, with CUDA graphs and eagerly. Prints a table:
 per dtype and path, prompts whose tokens differ from the cold run and prompts whose logprobs
-differ in any bit.
+differ in any bit. ``--kv-cache-dtype`` runs every engine with that KV cache (``fp8``: the cold
+run attends to its prompt's K/V as the cache holds them, so no path should differ more than with
+the model's own dtype).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _follow(outs: list[object]) -> Result:
 
 
 def paths(loaded: object, prompt: list[int], others: list[list[int]], graphs: bool,
-          tokens: int) -> dict[str, Result]:
+          tokens: int, kv_cache_dtype: str | None = None) -> dict[str, Result]:
     """Each path's result for ``prompt`` (the cold one first)."""
     from services.common.sampling_params import SamplingParams
     from services.engine.core.engine import EngineConfig, LLMEngine
@@ -62,7 +65,8 @@ def paths(loaded: object, prompt: list[int], others: list[list[int]], graphs: bo
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=0)
 
     def config(**extra: object) -> EngineConfig:
-        base: dict[str, object] = dict(block_size=BLOCK, num_blocks=600, cuda_graphs=graphs)
+        base: dict[str, object] = dict(block_size=BLOCK, num_blocks=600, cuda_graphs=graphs,
+                                       kv_cache_dtype=kv_cache_dtype)
         base.update(extra)
         return EngineConfig(**base)  # type: ignore[arg-type]
 
@@ -103,6 +107,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--kv-cache-dtype", default=None, help="every engine's (default: the model's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
@@ -126,7 +131,7 @@ def main() -> int:
                     prompt = [rng.randrange(3, args.vocab) for _ in range(2 * BLOCK + 1)]
                     others = [[rng.randrange(3, args.vocab) for _ in range(rng.randrange(3, 70))]
                               for _ in range(15)]  # fmt: skip
-                    got = paths(loaded, prompt, others, graphs, args.tokens)
+                    got = paths(loaded, prompt, others, graphs, args.tokens, args.kv_cache_dtype)
                     for name, result in got.items():
                         diff_tokens[name] = diff_tokens.get(name, 0) + (result[0] != got["cold"][0])
                         diff_bits[name] = diff_bits.get(name, 0) + (result != got["cold"])
@@ -135,7 +140,8 @@ def main() -> int:
                         rows.append((dtype, "graphs" if graphs else "eager", name,
                                      diff_tokens[name], diff_bits[name]))  # fmt: skip
     print(f"\n{torch.cuda.get_device_name()}: {args.prompts} prompts of {2 * BLOCK + 1} tokens, "
-          f"{args.tokens} greedy tokens, random Llama {args.layers}x{args.hidden}")
+          f"{args.tokens} greedy tokens, random Llama {args.layers}x{args.hidden}, KV cache "
+          f"{args.kv_cache_dtype or 'the model dtype'}")
     print("| dtype | decode | path | prompts whose tokens differ from cold | logprob bits differ |")
     print("|---|---|---|---|---|")
     for dtype, mode, name, tokens, bits in rows:

@@ -159,31 +159,40 @@ def _prompt_ids(loaded: LoadedModel, context: int) -> list[int]:
 
 @torch.inference_mode()
 def _teacher_forced(loaded: LoadedModel, ids: list[int], kv: str, first: int) -> torch.Tensor:
-    """Logits of positions ``first - 1 ..`` when ``ids`` is prefilled over a ``kv`` cache."""
+    """Logits of positions ``first - 1 ..`` when ``ids`` is prefilled over a ``kv`` cache (a
+    torch dtype's name or ``q8_0``) on the model's device."""
     c = loaded.config
     blocks = -(-len(ids) // BLOCK)
-    pool = KVPool(blocks + 1, KVLayout(c.num_layers, BLOCK, c.num_kv_heads, c.head_dim, kv))
+    device = next(loaded.model.parameters()).device
+    pool = KVPool(blocks + 1, KVLayout(c.num_layers, BLOCK, c.num_kv_heads, c.head_dim, kv),
+                  device=device)
     meta = AttentionMetadata.build(is_prefill=True, query_lens=[len(ids)], context_lens=[len(ids)],
-                                   block_tables=[list(range(1, blocks + 1))], block_size=BLOCK)  # fmt: skip
-    hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), pool, meta)
+                                   block_tables=[list(range(1, blocks + 1))], block_size=BLOCK,
+                                   device=device)  # fmt: skip
+    hidden = loaded.model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
+                          pool, meta)  # fmt: skip
     return loaded.model.compute_logits(hidden[first - 1 :])
 
 
-def _agreement(name: str, loaded: LoadedModel, context: int, new_tokens: int) -> str:
+def agreement(name: str, loaded: LoadedModel, context: int, new_tokens: int,
+              base: str = "float16", quantized: str = "q8_0") -> str:
+    """One table row: ``quantized`` KV against ``base`` KV on a ``context``-token prompt (greedy
+    tokens equal, teacher-forced argmax equal, largest logit difference)."""
     prompt = _prompt_ids(loaded, context)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     tokens = {}
-    for kv in KV_DTYPES:
+    for kv in (base, quantized):
         engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK, kv_cache_dtype=kv,
                                                 num_blocks=-(-(context + new_tokens) // BLOCK) + 2,
                                                 max_model_len=context + new_tokens + 2))  # fmt: skip
         tokens[kv] = engine.generate([prompt], params)[0].new_token_ids
-    same = sum(a == b for a, b in zip(tokens["q8_0"], tokens["float16"], strict=True))
-    diverge = next((i for i, (a, b) in enumerate(zip(tokens["q8_0"], tokens["float16"], strict=True))
-                    if a != b), None)  # fmt: skip
-    ids = prompt + tokens["float16"][:-1]
-    ref = _teacher_forced(loaded, ids, "float16", len(prompt))
-    got = _teacher_forced(loaded, ids, "q8_0", len(prompt))
+    pairs = list(zip(tokens[quantized], tokens[base], strict=True))
+    same = sum(a == b for a, b in pairs)
+    diverge = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    ids = prompt + tokens[base][:-1]
+    stored = {"fp8": "float8_e4m3fn"}  # the flag's name -> the pool's dtype name
+    ref = _teacher_forced(loaded, ids, stored.get(base, base), len(prompt)).float()
+    got = _teacher_forced(loaded, ids, stored.get(quantized, quantized), len(prompt)).float()
     worst = (got - ref).abs().max().item()
     spread = ref.abs().max().item()
     argmax = int((got.argmax(-1) == ref.argmax(-1)).sum())
@@ -193,12 +202,27 @@ def _agreement(name: str, loaded: LoadedModel, context: int, new_tokens: int) ->
             f"(first difference: {where}) | {argmax} / {new_tokens} | {worst:.3g} | {spread:.3g} |")  # fmt: skip
 
 
-def accuracy(context: int, new_tokens: int, families: list[str]) -> None:
+def random_family(name: str, positions: int) -> str:
+    """A folder holding a small random-weight checkpoint of family ``name`` (the builders of
+    tests/test_model_families.py at the family's real head size) for ``positions`` tokens."""
     import transformers
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from services.common.model_source import gemma3_270m_path
     from tests.test_model_families import FAMILIES
+
+    build, _, head_dim = FAMILIES[name]
+    torch.manual_seed(7)
+    folder = tempfile.mkdtemp(prefix=f"kv-{name}-")
+    model = build(transformers, head_dim)
+    # the test builders' context (256 positions) is far under a long prompt's: widen it (rope
+    # tables are computed, not stored, so the weights stay the same)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, positions)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def accuracy(context: int, new_tokens: int, families: list[str]) -> None:
+    from services.common.model_source import gemma3_270m_path
 
     print(f"context {context} tokens, {new_tokens} greedy tokens; ISA {selected_isa()}")
     print("| family (checkpoint) | weights | KV heads x head dim | greedy tokens equal to float16 KV's "
@@ -210,17 +234,9 @@ def accuracy(context: int, new_tokens: int, families: list[str]) -> None:
         elif name == "gemma3-270m":
             loaded, label = load_model(str(gemma3_270m_path()), "auto"), "Gemma 3 (270M, trained)"
         else:
-            build, _, head_dim = FAMILIES[name]
-            torch.manual_seed(7)
-            folder = tempfile.mkdtemp(prefix=f"kv-q8-{name}-")
-            model = build(transformers, head_dim)
-            # the test builders' context (256 positions) is far under --context: widen it (rope
-            # tables are computed, not stored, so the weights stay the same)
-            model.config.max_position_embeddings = max(model.config.max_position_embeddings,
-                                                       context + new_tokens + 16)  # fmt: skip
-            model.save_pretrained(folder, safe_serialization=True)
+            folder = random_family(name, context + new_tokens + 16)
             loaded, label = load_model(folder, "auto"), f"{name} (random weights, small)"
-        print(_agreement(label, loaded, context, new_tokens), flush=True)
+        print(agreement(label, loaded, context, new_tokens), flush=True)
 
 
 def main() -> None:

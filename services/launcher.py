@@ -132,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--num-blocks", type=int, default=None, help="KV blocks of each worker")
     add("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=None,
         help="KV cache dtype of every prefill and decode worker: auto | float32 | bfloat16 | "
-             "float16 | q8_0 (default: the workers' own, auto)")
+             "float16 | q8_0 (CPU) | fp8 (CUDA) (default: the workers' own, auto)")
     add("--kv-transport", choices=KV_TRANSPORTS, default=None,
         help="how KV payloads travel from prefill to decode, passed to every worker: grpc | "
              "distributed (a torch.distributed pair group; Gloo on CPU) | cuda-ipc (CUDA "

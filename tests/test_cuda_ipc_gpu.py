@@ -41,21 +41,25 @@ pytestmark = [
 ]
 
 
-@pytest.fixture()
-def gpu_prefill_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+@pytest.fixture(params=["auto", "fp8"])
+def gpu_prefill_process(
+    request: pytest.FixtureRequest,
+) -> Iterator[tuple[str, subprocess.Popen[bytes], str]]:
     """A prefill worker process on the GPU offering CUDA IPC (no prefix cache: each request's KV
-    is computed afresh, so two transfers of one prompt carry equal bytes)."""
+    is computed afresh, so two transfers of one prompt carry equal bytes), its KV cache in the
+    model's dtype or ``fp8`` (the third value: the decode workers take the same)."""
     port = free_ports(1)[0]
     command = [
         sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "prefill",
         "--model", "dummy:tiny", "--device", "cuda", "--host", "127.0.0.1", "--port", str(port),
         "--metrics-port", "-1", "--num-blocks", "64", "--worker-id", "prefill-gpu",
         "--kv-transport", "cuda-ipc", "--no-prefix-caching", *tls_flags("prefill"),
+        "--kv-cache-dtype", request.param,
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=dict(os.environ), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        yield f"127.0.0.1:{port}", proc
+        yield f"127.0.0.1:{port}", proc, request.param
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -67,14 +71,14 @@ def gpu_prefill_process() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 async def test_cuda_ipc_between_two_processes_on_one_gpu(
-    gpu_prefill_process: tuple[str, subprocess.Popen[bytes]],
+    gpu_prefill_process: tuple[str, subprocess.Popen[bytes], str],
 ) -> None:
     from services.decode.server import start_decode_worker
 
-    prefill_address, proc = gpu_prefill_process
+    prefill_address, proc, kv_cache_dtype = gpu_prefill_process
     options = WorkerOptions(tls=tls_for("decode"),
                             model="dummy:tiny", device="cuda", host="127.0.0.1", port=0,
-                            num_blocks=64)  # fmt: skip
+                            num_blocks=64, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     ipc_decode = await start_decode_worker(
         dataclasses.replace(options, worker_id="decode-ipc", kv_transport="cuda-ipc"))
     grpc_decode = await start_decode_worker(
@@ -121,9 +125,13 @@ async def test_cuda_ipc_between_two_processes_on_one_gpu(
         pool = endpoint.pool("prefill-gpu")
         assert pool is not None and pool.device == ipc_decode.engine_loop.engine.kv.data.device
         source = list(header.channel.source_blocks)
-        assert torch.equal(blocks["via-ipc"], pool[source].cpu())  # prefill freed, not reused
+        if kv_cache_dtype == "fp8":
+            assert pool.dtype == torch.float8_e4m3fn
+        as_bytes = {rid: held.view(torch.uint8) for rid, held in blocks.items()}
+        # prefill freed, not reused
+        assert torch.equal(as_bytes["via-ipc"], pool[source].cpu().view(torch.uint8))
         # ... equal to the copy sent as bytes over gRPC (crc32-checked: prefill's own bytes)
-        assert torch.equal(blocks["via-ipc"], blocks["via-grpc"])
+        assert torch.equal(as_bytes["via-ipc"], as_bytes["via-grpc"])
         assert torch.count_nonzero(blocks["via-ipc"].float()) > 0
         assert tokens["via-ipc"] == tokens["via-grpc"] and len(tokens["via-ipc"]) == 12
 

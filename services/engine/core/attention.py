@@ -308,8 +308,8 @@ class TorchPagedAttention(PagedAttention):
     ) -> None:
         """Write this step's K/V into their slots (shared by every backend), rounded to the
         cache's dtype (a 16-bit or ``q8_0`` cache under a float32 model: ``--kv-cache-dtype``)."""
-        k_cache[meta.slot_blocks, meta.slot_offsets] = kv_quant.store_form(k, k_cache.dtype)
-        v_cache[meta.slot_blocks, meta.slot_offsets] = kv_quant.store_form(v, v_cache.dtype)
+        kv_quant.write_kv(k_cache, meta.slot_blocks, meta.slot_offsets, k)
+        kv_quant.write_kv(v_cache, meta.slot_blocks, meta.slot_offsets, v)
 
     def prefill(
         self,
@@ -343,8 +343,8 @@ class TorchPagedAttention(PagedAttention):
         batch, max_q, keys_len = mask.shape[0], mask.shape[2], mask.shape[3]
         table = meta.block_tables[:, : keys_len // k_cache.shape[1]]
         head_dim = q.shape[-1]
-        keys = kv_quant.read_kv(k_cache[table], q.dtype, head_dim).flatten(1, 2).transpose(1, 2)
-        values = kv_quant.read_kv(v_cache[table], q.dtype, head_dim).flatten(1, 2).transpose(1, 2)
+        keys = kv_quant.read_kv(k_cache, table, q.dtype, head_dim).flatten(1, 2).transpose(1, 2)
+        values = kv_quant.read_kv(v_cache, table, q.dtype, head_dim).flatten(1, 2).transpose(1, 2)
         queries = q.new_zeros(batch, max_q, *q.shape[1:])
         queries[meta.token_seqs, meta.token_rows] = q
         out = F.scaled_dot_product_attention(
@@ -363,8 +363,8 @@ class TorchPagedAttention(PagedAttention):
         """One query per sequence: q ``[B, H, D]`` over its context in the cache → ``[B, H, D]``."""
         batch = q.shape[0]
         head_dim = q.shape[-1]
-        keys = kv_quant.read_kv(k_cache[meta.block_tables], q.dtype, head_dim).flatten(1, 2)
-        values = kv_quant.read_kv(v_cache[meta.block_tables], q.dtype, head_dim).flatten(1, 2)
+        keys = kv_quant.read_kv(k_cache, meta.block_tables, q.dtype, head_dim).flatten(1, 2)
+        values = kv_quant.read_kv(v_cache, meta.block_tables, q.dtype, head_dim).flatten(1, 2)
         mask = meta.decode_mask_for(keys.shape[1])
         if batch == 1:  # no padding: attend to exactly the context, no mask
             ctx = meta.context_lens[0]
@@ -402,9 +402,9 @@ def _windowed_forward(
         if not meta.is_prefill:
             n_new = 1
         blocks = meta.block_tables[seq, : -(-ctx // block_size)]
-        keys = kv_quant.read_kv(k_cache[blocks], q.dtype, q.shape[-1])  # [n, BS, KVH, D]
+        keys = kv_quant.read_kv(k_cache, blocks, q.dtype, q.shape[-1])  # [n, BS, KVH, D]
         keys = keys.flatten(0, 1)[:ctx].transpose(0, 1)  # [KVH, ctx, D]
-        values = kv_quant.read_kv(v_cache[blocks], q.dtype, q.shape[-1])
+        values = kv_quant.read_kv(v_cache, blocks, q.dtype, q.shape[-1])
         values = values.flatten(0, 1)[:ctx].transpose(0, 1)
         query_pos = torch.arange(ctx - n_new, ctx, device=q.device)[:, None]
         key_pos = torch.arange(ctx, device=q.device)[None, :]

@@ -10,17 +10,24 @@ Layer ``l`` sees strided views ``data[:, l, 0]`` (K) and ``data[:, l, 1]`` (V) o
 Which blocks belong to whom is the pure-Python :class:`BlockManager`'s business, not this file's.
 
 The pool's dtype is the model's compute dtype, or under a float32 model on CPU a 16-bit one or
-``q8_0`` (``--kv-cache-dtype``, :func:`kv_cache_dtype`): K/V are rounded to it as they are
-stored and widened back as attention reads them, for less memory per token and fewer bytes per
-hand-off. A float pool's ``row`` is ``head_dim`` elements of its dtype. A ``q8_0`` pool is uint8
-and its ``row`` is one (slot, KV head)'s ``head_dim`` int8 quants followed by their float16
-scales, one per 32 values (``kv_quant.py``; llama.cpp's ``q8_0`` arithmetic): 68 bytes for a
-64-wide head where float16 takes 128, 136 for 128 (256). Why the scales sit at the end of each
-row rather than in llama.cpp's interleaved 34-byte blocks, or grouped per block: the attention
-kernels walk a row's values in whole vectors, and the quants of one row stay one contiguous run
-(a vector never straddles a scale), while a row's scales are one cache line away at most; a
-row is still a slot's whole state, so a block remains one contiguous region and the hand-off
-copies it as bytes, as for any dtype. A block's bytes are the pool's own, whatever its dtype.
+``q8_0``, or on CUDA ``fp8`` (``--kv-cache-dtype``, :func:`kv_cache_dtype`): K/V are rounded to it
+as they are stored and widened back as attention reads them, for less memory per token and fewer
+bytes per hand-off. ``fp8`` is float8 e4m3 (``torch.float8_e4m3fn``, the pool's own dtype, named so
+in the layout) with a per-tensor scale of 1: values saturate at +-448, and the 3-bit mantissa keeps
+about two significant digits (vLLM's ``--kv-cache-dtype fp8`` without calibrated scales does the
+same). Why no scale: K/V come one token at a time, so a scale fixed before the first store would be
+a guess or a calibration pass; a model whose K/V pass +-448 loses those values' size
+(``kv_quant.FP8_MAX`` is where a calibrated scale would enter), and the agreement with 16-bit KV
+measured in docs/benchmarks.md is the check. A float pool's ``row`` is ``head_dim`` elements of its
+dtype. A ``q8_0`` pool is uint8 and its ``row`` is one (slot, KV head)'s ``head_dim`` int8 quants
+followed by their float16 scales, one per 32 values (``kv_quant.py``; llama.cpp's ``q8_0``
+arithmetic): 68 bytes for a 64-wide head where float16 takes 128, 136 for 128 (256). Why the scales
+sit at the end of each row rather than in llama.cpp's interleaved 34-byte blocks, or grouped per
+block: the attention kernels walk a row's values in whole vectors, and the quants of one row stay
+one contiguous run (a vector never straddles a scale), while a row's scales are one cache line away
+at most; a row is still a slot's whole state, so a block remains one contiguous region and the
+hand-off copies it as bytes, as for any dtype. A block's bytes are the pool's own, whatever its
+dtype.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import torch
 from services.common.errors import InvalidArgumentError
 from services.engine.core import kv_quant
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0", "fp8")
 Q8_0 = "q8_0"  # the quantized cache: uint8 storage (see the module docstring)
+FP8 = "fp8"  # the CUDA 8-bit cache: a torch.float8_e4m3fn pool (see the module docstring)
 # what a cache dtype is: a torch float dtype, or Q8_0
 KVDtype = torch.dtype | str
 
@@ -53,7 +61,8 @@ def kv_cache_dtype(
     named dtype is the compute dtype, or a 16-bit one under a float32 model; a cache wider than
     the model computes, or another 16-bit type than the model's, is refused
     (InvalidArgumentError). ``q8_0`` (returned as :data:`Q8_0`) is for float32 models on CPU,
-    refused elsewhere.
+    refused elsewhere; ``fp8`` (``torch.float8_e4m3fn``) is for any model on CUDA, refused on
+    CPU (its kernels are the Triton ones; ``q8_0`` is the CPU's 8-bit cache).
     """
     if requested is None:
         return compute
@@ -79,6 +88,14 @@ def kv_cache_dtype(
                 param="kv_cache_dtype",
             )
         return Q8_0
+    if requested == FP8:
+        if device_type != "cuda":
+            raise InvalidArgumentError(
+                f"--kv-cache-dtype fp8 runs on CUDA only, not {device_type} (its kernels are the "
+                "Triton ones); on CPU use q8_0",
+                param="kv_cache_dtype",
+            )
+        return torch.float8_e4m3fn
     dtype = getattr(torch, requested)
     if dtype != compute and compute != torch.float32:
         compute_name = str(compute).removeprefix("torch.")
@@ -98,7 +115,7 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # a torch float dtype's name, or "q8_0"
+    dtype: str  # a torch float dtype's name ("float8_e4m3fn" for fp8), or "q8_0"
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -154,14 +171,17 @@ class KVPool:
         return self._layers[index]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy of the given blocks, ``[len(block_ids), *block_shape]``."""
+        """A contiguous copy of the given blocks, ``[len(block_ids), *block_shape]`` (gathered as
+        bytes, as :meth:`write_blocks` writes them)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        return self.data.index_select(0, index)
+        return self.data.view(torch.uint8).index_select(0, index).view(self.data.dtype)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Copy ``blocks`` (``[len(block_ids), *block_shape]``) into the given block slots."""
+        """Copy ``blocks`` (``[len(block_ids), *block_shape]``) into the given block slots (as
+        bytes: PyTorch has no ``index_copy_`` for float8)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(0, index, blocks.to(self.data.device, self.data.dtype))
+        source = blocks.to(self.data.device, self.data.dtype).view(torch.uint8)
+        self.data.view(torch.uint8).index_copy_(0, index, source)
 
     def block_view(self, block_id: int) -> torch.Tensor:
         """The storage of one block (contiguous), for zero-copy byte access."""

@@ -1,6 +1,8 @@
 """The ``q8_0`` KV cache format in PyTorch: how a K or V row is quantized as it is stored, and
-widened back as attention reads it. The reference for ``cpu_paged_attention.c``, which does the
-same arithmetic in C (tests/test_kv_cache_q8.py checks the two bit for bit).
+widened back as attention reads it (and the CUDA ``fp8`` cache's saturating cast,
+:func:`store_form`). The reference for ``cpu_paged_attention.c``, which does the same arithmetic
+in C (tests/test_kv_cache_q8.py checks the two bit for bit), and for the Triton store of an
+``fp8`` cache (tests/test_gpu.py).
 
 A row is one (slot, KV head)'s ``head_dim`` values, stored as ``row_bytes(head_dim)`` bytes::
 
@@ -62,17 +64,41 @@ def dequantize(rows: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.flo
     return (q * per_value).to(dtype)
 
 
-def read_kv(cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> torch.Tensor:
-    """Cache rows as attention reads them, in ``dtype``: a ``q8_0`` cache (uint8 rows)
-    dequantized, a float cache cast."""
+FP8_MAX = 448.0
+"""The largest float8 e4m3 value: K/V are clamped to +-FP8_MAX before the cast, which saturates
+as the GPU's conversion does (PyTorch's own cast makes an out-of-range value NaN)."""
+
+
+def read_kv(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
+            head_dim: int) -> torch.Tensor:  # fmt: skip
+    """``cache[index]`` as attention reads it, in ``dtype``: a ``q8_0`` cache (uint8 rows)
+    dequantized, a float cache cast (an ``fp8`` one gathered as bytes: PyTorch's indexing
+    kernels do not all take float8)."""
     if cache.dtype == torch.uint8:
-        return dequantize(cache, head_dim, dtype)
-    return cache.to(dtype)
+        return dequantize(cache[index], head_dim, dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[index].view(cache.dtype).to(dtype)
+    return cache[index].to(dtype)
+
+
+def write_kv(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+             x: torch.Tensor) -> None:  # fmt: skip
+    """``cache[blocks, offsets] = x`` as the cache stores it (:func:`store_form`; an ``fp8``
+    cache written as bytes, as :func:`read_kv` reads it)."""
+    rows = store_form(x, cache.dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache[blocks, offsets] = rows
 
 
 def store_form(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` ``[..., head_dim]`` as a cache of ``cache_dtype`` stores it (uint8: ``q8_0`` rows)."""
-    return quantize(x) if cache_dtype == torch.uint8 else x.to(cache_dtype)
+    """``x`` ``[..., head_dim]`` as a cache of ``cache_dtype`` stores it (uint8: ``q8_0`` rows;
+    float8: saturated at +-:data:`FP8_MAX`, then rounded to nearest even)."""
+    if cache_dtype == torch.uint8:
+        return quantize(x)
+    if cache_dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -80,4 +106,4 @@ def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     step reads for it."""
     if cache_dtype == torch.uint8:
         return dequantize(quantize(x), x.shape[-1], x.dtype)
-    return x.to(cache_dtype).to(x.dtype)
+    return store_form(x, cache_dtype).to(x.dtype)

@@ -179,10 +179,12 @@ def copy_blocks(
     source: torch.Tensor, dest: torch.Tensor, source_ids: Sequence[int], dest_ids: Sequence[int]
 ) -> None:
     """``dest[dest_ids[i]] = source[source_ids[i]]`` for every ``i``: one gather and one scatter
-    along the block dimension, on the tensors' device (asynchronous on CUDA)."""
+    along the block dimension, on the tensors' device (asynchronous on CUDA). Copied as bytes:
+    PyTorch has no ``index_copy_`` for float8 (an ``fp8`` pool), and bytes are what a block is."""
     source_index = torch.tensor(source_ids, dtype=torch.long, device=source.device)
     dest_index = torch.tensor(dest_ids, dtype=torch.long, device=dest.device)
-    dest.index_copy_(0, dest_index, source.index_select(0, source_index))
+    dest_bytes, source_bytes = dest.view(torch.uint8), source.view(torch.uint8)
+    dest_bytes.index_copy_(0, dest_index, source_bytes.index_select(0, source_index))
 
 
 def has_cuda_ipc_advert(metadata: Sequence[tuple[str, str | bytes]]) -> bool:

@@ -27,7 +27,7 @@ DEFAULT_MAX_STEP_MS = 500.0  # a stream's longest wait for a step beside a promp
 # the names services.engine.core.loaders.DTYPE_CHOICES accepts (kept here: flag parsing imports no torch)
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "q4", "q4_a8", "q4_a8_decode")
 # the names services.engine.core.kv_cache.KV_CACHE_DTYPES accepts (kept here for the same reason)
-KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "q8_0", "fp8")
 # --kv-transport: how a request's KV payload travels from prefill to decode (docs/kv-handoff.md)
 KV_TRANSPORTS = ("grpc", "distributed", "cuda-ipc", "auto")
 
@@ -51,7 +51,8 @@ class WorkerOptions:
         kv_cache_dtype: the KV pool's dtype, one of :data:`KV_CACHE_DTYPE_CHOICES`: ``auto`` (a
             16-bit cache for a float32 model on CPUs where the attention kernel reads it at least
             as fast, else the model's dtype), or a dtype (16-bit ones under a float32 model;
-            ``q8_0``: int8 with a float16 scale per 32 values, float32 models on CPU only).
+            ``q8_0``: int8 with a float16 scale per 32 values, float32 models on CPU only;
+            ``fp8``: float8 e4m3, CUDA only).
             Prefill and decode workers must agree on it to hand KV over.
         block_size / max_num_seqs / max_batched_tokens / enable_prefix_caching: engine limits.
         max_step_ms: the time a step with decode rows gives prompt chunks at most (their tokens
@@ -177,8 +178,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, port: int, metrics_
                              "dtype) | float32 | bfloat16 | float16 (16-bit under a float32 "
                              "model: half the memory per token and half the bytes per hand-off) "
                              "| q8_0 (CPU, float32 models: int8 with a float16 scale per 32 "
-                             "values, about half of 16-bit's bytes again); prefill and decode "
-                             "workers must agree (env TANDEM_KV_CACHE_DTYPE)")
+                             "values, about half of 16-bit's bytes again) | fp8 (CUDA: float8 "
+                             "e4m3, half of 16-bit's bytes, saturated at +-448); prefill and "
+                             "decode workers must agree (env TANDEM_KV_CACHE_DTYPE)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch")
     parser.add_argument("--max-batched-tokens", type=int, default=1024,

@@ -19,9 +19,10 @@ The partition size depends only on the batch size, the KV heads and the block ta
 a CUDA graph captured for a batch size replays the same grid whatever the contexts' lengths.
 Float32 caches use IEEE float32 products (the parity path); bfloat16 / float16 ones multiply in
 their type and accumulate in float32 (under float32 queries, a 16-bit cache is widened as it is
-read: ``--kv-cache-dtype``). Offsets into the pool are 64-bit: a pool of a large model passes
-2**31 elements. A head size that is not a power of two (Phi-3-mini's 96) is padded to the next
-one inside the kernel, the extra lanes masked.
+read: ``--kv-cache-dtype``; an ``fp8`` cache is widened to the queries' type the same way).
+Offsets into the pool are 64-bit: a pool of a large model passes 2**31 elements. A head size that
+is not a power of two (Phi-3-mini's 96) is padded to the next one inside the kernel, the extra
+lanes masked.
 
 Sliding-window layers (``window``: the query at position p sees keys p - window < k <= p) skip the
 partitions wholly before the window, and the reduce kernel starts at the first one that is not;
@@ -41,6 +42,7 @@ import triton
 import triton.language as tl
 
 from services.engine.core.attention import AttentionMetadata, TorchPagedAttention, _windowed_forward
+from services.engine.core.kv_quant import FP8_MAX
 
 BLOCK_N = 64
 """Token slots one loop iteration of the partition kernel scores."""
@@ -93,7 +95,7 @@ def _partition_kernel(
             k = tl.load(k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
                         + kv_head * stride_kh + dims[None, :], mask=valid[:, None] & real[None, :],
                         other=0.0)
-            k = k.to(q.dtype)  # a 16-bit cache under float32 queries: widened
+            k = k.to(q.dtype)  # a 16-bit cache under float32 queries, or fp8: widened
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if SOFTCAP:  # softcap * tanh(scores / softcap), tanh(y) = 2 sigmoid(2y) - 1
                 scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
@@ -163,11 +165,17 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _fp8_sat(x, limit: tl.constexpr):
+    """float32 / 16-bit -> float8 e4m3, saturated at +-limit, rounded to nearest even."""
+    return tl.clamp(x.to(tl.float32), -limit, limit).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, blocks_ptr, offsets_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
-    HEAD_DIM: tl.constexpr, TO_BF16: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TO_BF16: tl.constexpr, TO_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -180,6 +188,9 @@ def _store_kv_kernel(
         # Triton's interpreter truncates)
         k = _bf16_rne(k)
         v = _bf16_rne(v)
+    if TO_FP8:  # an fp8 cache: saturated at +-FP8_MAX, then to nearest even (kv_quant.store_form)
+        k = _fp8_sat(k, FP8_MAX)
+        v = _fp8_sat(v, FP8_MAX)
     tl.store(k_cache_ptr + block * stride_cb + offset * stride_cs + head * stride_ch + dims, k)
     tl.store(v_cache_ptr + block * stride_db + offset * stride_ds + head * stride_dh + dims, v)
 
@@ -203,6 +214,7 @@ def store_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, TO_BF16=k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16,
+        TO_FP8=k_cache.dtype == torch.float8_e4m3fn, FP8_MAX=FP8_MAX,
     )  # fmt: skip
 
 
@@ -265,7 +277,7 @@ def paged_decode_attention(
         raise ValueError("the head dimension must be contiguous")
     if head_dim < 16 or head_dim % 16:
         raise ValueError(f"head_dim must be a multiple of 16, got {head_dim}")
-    if k_cache.dtype != q.dtype and q.dtype != torch.float32:
+    if k_cache.dtype not in (q.dtype, torch.float8_e4m3fn) and q.dtype != torch.float32:
         raise ValueError(f"a {k_cache.dtype} cache under {q.dtype} queries")
     if window is not None and window < 1 or softcap is not None and not softcap > 0:
         raise ValueError(f"window must be at least 1 and softcap positive, got {window}, {softcap}")
