@@ -119,10 +119,11 @@ def test_a_compile_says_why_no_prebuilt_library_served(
     source.write_text("int answer(void) { return 42; }\n")
     with caplog.at_level(logging.INFO, logger=native_build.__name__):
         build_library(source)
-    assert f"compiling answer.c for {selected_isa()}: no prebuilt kernels in {prebuilt}" in caplog.text
+    isa = native_build.library_isa(source, selected_isa())  # a VNNI set's base set: not int8
+    assert f"compiling answer.c for {isa}: no prebuilt kernels in {prebuilt}" in caplog.text
     assert "prebuild --this-cpu" in caplog.text
     # an installed set from older sources (a developer pulled new code since the install)
-    (prebuilt / f"answer-{selected_isa()}-0123456789abcdef.so").write_bytes(b"")
+    (prebuilt / f"answer-{isa}-0123456789abcdef.so").write_bytes(b"")
     source.write_text("int answer(void) { return 43; }\n")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=native_build.__name__):
@@ -162,3 +163,23 @@ def test_missing_compiler_and_off_switch_fall_back(monkeypatch: pytest.MonkeyPat
         assert cpu_gemv.load_cpu_gemv() is None
     finally:
         cpu_gemv.load_cpu_gemv.cache_clear()
+
+
+def test_the_openmp_runtime_is_torchs_own_where_another_wheel_loaded_one_first() -> None:
+    """sentencepiece's wheel ships a libgomp that a worker loaded before torch's: kernels linked
+    against it ran a second thread pool and missed every prebuilt library (named by the runtime's
+    path), so each start compiled them."""
+    torch_lib = Path("/venv/lib/python3.11/site-packages/torch")
+    maps = "\n".join([
+        "7f00-7f01 r-xp 00000000 08:01 11 /venv/lib/python3.11/site-packages/sentencepiece.libs/"
+        "libgomp-6a29c32d.so.1.0.0",
+        "7f02-7f03 r--p 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libc.so.6",
+        f"7f04-7f05 r-xp 00000000 08:01 13 {torch_lib}/lib/libgomp.so.1",
+        "7f06-7f07 rw-p 00000000 00:00 0",
+    ])
+    assert native_build.openmp_runtime_in(maps, torch_lib) == torch_lib / "lib" / "libgomp.so.1"
+    first = maps.splitlines()[0].split(maxsplit=5)[-1]
+    assert native_build.openmp_runtime_in(maps, Path("/elsewhere/torch")) == Path(first)
+    assert native_build.openmp_runtime_in(maps.splitlines()[1], torch_lib) is None
+    # in this process: torch's own, as the prebuilt libraries were named by
+    assert Path(native_build.loaded_openmp_runtime()).name.startswith("libgomp")

@@ -161,17 +161,32 @@ def find_compiler() -> str:
 
 
 def loaded_openmp_runtime() -> Path:
-    """The GNU OpenMP library PyTorch loaded into this process (Linux only)."""
-    import torch  # noqa: F401  (the runtime is loaded with torch)
+    """The GNU OpenMP library PyTorch loaded into this process (Linux only): the one in torch's
+    own package where it ships one, else the first loaded. Other wheels bring their own libgomp
+    (sentencepiece's, loaded before torch's in a worker, was the first in the maps): linking
+    against that one would start a second thread pool beside PyTorch's, and would not match the
+    prebuilt kernels (whose names carry the runtime's path), so every start compiled them."""
+    import torch  # (the runtime is loaded with torch)
 
     maps = Path("/proc/self/maps")
     if platform.system() != "Linux" or not maps.exists():
         raise NativeBuildError(f"native CPU kernels are built on Linux only, not {platform.system()}")
-    for line in maps.read_text().splitlines():
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if "libgomp" in Path(path).name:
-            return Path(path)
-    raise NativeBuildError("PyTorch here does not use GNU OpenMP (no libgomp loaded)")
+    runtime = openmp_runtime_in(maps.read_text(), Path(torch.__file__).resolve().parent)
+    if runtime is None:
+        raise NativeBuildError("PyTorch here does not use GNU OpenMP (no libgomp loaded)")
+    return runtime
+
+
+def openmp_runtime_in(maps: str, torch_package: Path) -> Path | None:
+    """Of the libgomp libraries a ``/proc/<pid>/maps`` text names, the one inside
+    ``torch_package``, else the first; None when there is none."""
+    loaded: list[Path] = []
+    for line in maps.splitlines():
+        path = Path(line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else "")
+        if "libgomp" in path.name and path not in loaded:
+            loaded.append(path)
+    inside = [path for path in loaded if torch_package in path.parents]
+    return (inside or loaded or [None])[0]
 
 
 def _cpu_flags() -> str:
