@@ -92,8 +92,10 @@ ggufs() {  # llama.cpp's converter imports sentencepiece (before it falls back t
 export -f ggufs
 TAIL=4 step ggufs "${GGUFS_S:-1200}" ggufs
 
-decode_steps() {  # the batch-1 step of the 1B and 1.7B shapes, the table only (logs: NAME-stderr.log)
-    "$PY" bench/decode_step.py "$F1" "$F2" --rounds 3 --steps 64 2>>"$OUT/$1-stderr.log" | grep "^|"
+decode_steps() {  # the batch-1 step of the 1B and 1.7B shapes, the table only (logs: NAME-stderr.log;
+    # decode_step.py prints its table through logging, on stderr)
+    "$PY" bench/decode_step.py "$F1" "$F2" --rounds 3 --steps 64 2>&1 | tee -a "$OUT/$1-stderr.log" \
+        | grep "^|"
 }
 tune_all() {  # the VNNI choice and prefetch distances, then each model's kernel paths
     for model in default "$F1" "$F2" "$F3"; do
@@ -109,8 +111,8 @@ isa_rounds() {  # the step per instruction set, the sets taking turns, twice
     for round in 1 2; do
         for isa in $ISAS; do
             echo "-- round $round, TANDEM_CPU_ISA=$isa"
-            TANDEM_CPU_ISA=$isa "$PY" bench/decode_step.py "$F1" --rounds 2 --steps 64 \
-                2>>"$OUT/isa-stderr.log" | grep "^|"
+            TANDEM_CPU_ISA=$isa "$PY" bench/decode_step.py "$F1" --rounds 2 --steps 64 2>&1 \
+                | tee -a "$OUT/isa-stderr.log" | grep "^|"
         done
     done
 }

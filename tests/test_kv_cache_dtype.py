@@ -29,7 +29,7 @@ from services.engine.core.kernels.cpu_paged_attention import (
     cpu_paged_decode_attention,
 )
 from services.engine.core.kernels.loaded import forget_loaded_kernels
-from services.engine.core.kernels.native_build import selected_isa, supported_isas
+from services.engine.core.kernels.native_build import selected_isa, supported_isas, vector_isa
 from services.engine.core.kv_cache import kv_cache_dtype
 from services.engine.core.linear import Linear
 from services.engine.core.loaders import load_model
@@ -182,7 +182,7 @@ def test_the_cache_dtype_a_flag_means() -> None:
 def test_auto_follows_the_instruction_set_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     native_kernel_or_skip()
     loaded = load_model("dummy:tiny")
-    expected = cpu_paged_attention.AUTO_CACHE_DTYPES.get(selected_isa(), torch.float32)
+    expected = cpu_paged_attention.AUTO_CACHE_DTYPES.get(vector_isa(selected_isa()), torch.float32)
     assert auto_cache_dtype() == expected
     engine = LLMEngine(loaded, EngineConfig(num_blocks=8, kv_cache_dtype="auto"))
     assert engine.kv.data.dtype == expected

@@ -48,7 +48,7 @@ KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.u
 # least as fast as float32 in bench/kv_cache_dtype.py (docs/benchmarks.md), float32 where none did
 # or none was measured. A rule, not a timing at start-up: a prefill and a decode worker must
 # agree on the dtype to hand KV over, and two timings of a near tie need not.
-AUTO_CACHE_DTYPES: dict[str, torch.dtype] = {"avx2": torch.float16}
+AUTO_CACHE_DTYPES: dict[str, torch.dtype] = {"avx2": torch.float16, "avx512": torch.float16}
 
 
 @functools.cache
