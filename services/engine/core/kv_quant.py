@@ -2,7 +2,7 @@
 widened back as attention reads it (and the CUDA ``fp8`` cache's saturating cast,
 :func:`store_form`). The reference for ``cpu_paged_attention.c``, which does the same arithmetic
 in C (tests/test_kv_cache_q8.py checks the two bit for bit), and for the Triton store of an
-``fp8`` cache (tests/test_gpu.py).
+``fp8`` cache (tests/test_gpu_fp8_kv.py).
 
 A row is one (slot, KV head)'s ``head_dim`` values, stored as ``row_bytes(head_dim)`` bytes::
 
