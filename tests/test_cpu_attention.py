@@ -13,6 +13,7 @@ from services.engine.core.attention_backends import make_attention_backend
 from services.engine.core.kernels import cpu_paged_attention
 from services.engine.core.kernels.cpu_paged_attention import CpuPagedAttention
 from tests.conftest import native_kernel_or_skip
+from tests.paged_tables import reversed_tables
 
 
 @pytest.fixture(autouse=True)
@@ -67,11 +68,7 @@ def _prefill_step(
     metadata (block ids reversed per sequence, so a wrong table shows)."""
     pool = torch.randn(200, 3, 2, block, kv_heads, dim)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
-    tables, next_id = [], 1
-    for n in context_lens:
-        need = -(-n // block)
-        tables.append(list(range(next_id, next_id + need))[::-1])
-        next_id += need
+    tables = reversed_tables(context_lens, block)
     meta = AttentionMetadata.build(
         is_prefill=True, query_lens=query_lens, context_lens=context_lens, block_tables=tables,
         block_size=block,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.engine.core import kv_quant
+from tests.paged_tables import reversed_tables
 from tests.test_gpu import _reference_decode
 from tests.tiny_stack import write_tiny_model
 
@@ -55,11 +56,7 @@ def test_triton_decode_over_an_fp8_pool(dtype: torch.dtype, tolerance: float) ->
     values = torch.randn(num_blocks, 2, 2, bs, kv_heads, dim, device="cuda", generator=generator)
     pool = kv_quant.store_form(values, FP8)
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
-    tables, used = [], 1
-    for n in lens:
-        need = -(-n // bs)
-        tables.append(list(range(used, used + need))[::-1])
-        used += need
+    tables = reversed_tables(lens, bs)
     width = max(map(len, tables))
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], device="cuda")
     q = torch.randn(len(lens), heads, dim, device="cuda", dtype=dtype, generator=generator)

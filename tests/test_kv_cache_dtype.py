@@ -36,6 +36,7 @@ from services.engine.core.loaders import load_model
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 from services.launch_plan import LaunchConfig, plan
 from tests.conftest import native_kernel_or_skip
+from tests.paged_tables import reversed_tables
 from tests.tls_identities import tls_flags
 
 HALF = [torch.bfloat16, torch.float16]
@@ -52,16 +53,6 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     yield request.param
     monkeypatch.delenv("TANDEM_CPU_ISA")
     forget_loaded_kernels()
-
-
-def _tables(context_lens: list[int], block: int) -> list[list[int]]:
-    """Per sequence its blocks, reversed (a wrong table shows), from block 1 on."""
-    tables, next_id = [], 1
-    for n in context_lens:
-        need = -(-n // block)
-        tables.append(list(range(next_id, next_id + need))[::-1])
-        next_id += need
-    return tables
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -87,7 +78,7 @@ def test_16bit_cache_attention_is_float32_within_rounding(
     k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
     meta = AttentionMetadata.build(
         is_prefill=query_lens != [1] * len(query_lens), query_lens=query_lens,
-        context_lens=context_lens, block_tables=_tables(context_lens, block), block_size=block,
+        context_lens=context_lens, block_tables=reversed_tables(context_lens, block), block_size=block,
     )  # fmt: skip
     scale = dim**-0.5
     exact = TorchPagedAttention().forward(q, k, v, pool[:, 1, 0], pool[:, 1, 1], meta, scale)

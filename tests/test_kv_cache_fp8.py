@@ -25,6 +25,7 @@ from services.engine.kv_transfer.layout import check_layout
 from services.engine.kv_transfer.payload import read_payload, write_payload
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 from services.common.pb import common_pb2
+from tests.paged_tables import reversed_tables
 from tests.tls_identities import tls_flags
 
 FP8 = torch.float8_e4m3fn
@@ -54,15 +55,6 @@ def test_the_stored_form_saturates_and_rounds_to_nearest_even() -> None:
     assert torch.finfo(FP8).max == kv_quant.FP8_MAX
 
 
-def _tables(context_lens: list[int], block: int) -> list[list[int]]:
-    tables, next_id = [], 1
-    for n in context_lens:
-        need = -(-n // block)
-        tables.append(list(range(next_id, next_id + need))[::-1])
-        next_id += need
-    return tables
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("query_lens", "context_lens"),
@@ -84,7 +76,7 @@ def test_attention_over_an_fp8_pool_is_attention_over_its_values(
     k, v = (torch.randn(tokens, kv_heads, dim, dtype=dtype) * 30 for _ in range(2))
     meta = AttentionMetadata.build(
         is_prefill=query_lens != [1] * len(query_lens), query_lens=query_lens,
-        context_lens=context_lens, block_tables=_tables(context_lens, block), block_size=block,
+        context_lens=context_lens, block_tables=reversed_tables(context_lens, block), block_size=block,
     )  # fmt: skip
     attention, scale = TorchPagedAttention(), dim**-0.5
     got = attention.forward(q, k, v, fp8[:, 1, 0], fp8[:, 1, 1], meta, scale)

@@ -41,6 +41,7 @@ from services.engine.core.loaders import load_model
 from services.engine.runtime.worker_options import add_worker_arguments, options_from_args
 from services.launch_plan import LaunchConfig, plan
 from tests.conftest import native_kernel_or_skip
+from tests.paged_tables import reversed_tables
 from tests.test_kv_cache_dtype import one_call_equals_per_op
 from tests.tls_identities import tls_flags
 
@@ -53,16 +54,6 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     yield request.param
     monkeypatch.delenv("TANDEM_CPU_ISA")
     forget_loaded_kernels()
-
-
-def _tables(context_lens: list[int], block: int) -> list[list[int]]:
-    """Per sequence its blocks, reversed (a wrong table shows), from block 1 on."""
-    tables, next_id = [], 1
-    for n in context_lens:
-        need = -(-n // block)
-        tables.append(list(range(next_id, next_id + need))[::-1])
-        next_id += need
-    return tables
 
 
 def test_the_row_layout_and_its_arithmetic() -> None:
@@ -114,7 +105,7 @@ def test_the_kernels_read_q8_0_as_the_float32_cache_of_its_values(
     k, v = torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
     meta = AttentionMetadata.build(
         is_prefill=query_lens != [1] * len(query_lens), query_lens=query_lens,
-        context_lens=context_lens, block_tables=_tables(context_lens, block), block_size=block,
+        context_lens=context_lens, block_tables=reversed_tables(context_lens, block), block_size=block,
     )  # fmt: skip
     scale = dim**-0.5
     args = (meta, scale, window, softcap)
