@@ -2,7 +2,7 @@
 
     python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
                                 [--dtypes auto q4_a8_decode ...] [--batch 1 4 16] [--prompt 32]
-                                [--kv-cache-dtype auto]
+                                [--kv-cache-dtype auto] [--huge-pages on|off|both]
 
 Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``; the KV
 pool ``--kv-cache-dtype auto``, or the given one, ``none`` for the model's own dtype), a
@@ -13,7 +13,9 @@ column each: that many requests decoded together, as output tokens per second ov
 (the batched decode a served concurrency level runs; after the short default prompt the weights
 dominate, after ``--prompt 512`` attention over a served level's context is most of a step).
 ``--per-op`` also times the same loaded model with the one-call C decode layers turned off
-(every op its own call from Python), the rounds of the two taking turns.
+(every op its own call from Python), the rounds of the two taking turns. ``--huge-pages both``
+loads each file twice, its weight tiles and KV pool in huge pages (as served) and in PyTorch's
+4 KiB pages (``TANDEM_HUGE_PAGES=0``), a column each, rounds taking turns.
 
 It is the short check behind a decode-path change: to compare two trees, run it from each
 checkout in turn (``PYTHONPATH=<checkout> python <checkout>/bench/decode_step.py ...``), on an
@@ -84,13 +86,17 @@ def main() -> int:
                         help="prompt tokens before the decode steps")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="the KV pool's dtype (auto, as tandem up serves; none: the model's own)")
+    parser.add_argument("--huge-pages", choices=["on", "off", "both"], default="on",
+                        help="weights and KV in huge pages (on: as served), 4 KiB pages, or both")
     args = parser.parse_args()
+    pages = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.huge_pages]
+    variants = [f"{dtype}{'' if hp == '1' else ' 4K-pages'}" for dtype in args.dtypes for hp in pages]
     kv_cache_dtype = None if args.kv_cache_dtype == "none" else args.kv_cache_dtype
     batches = [b for b in args.batch if b > 1]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(os.cpu_count() or 1)
-    columns = [f"{dtype} ms/step" for dtype in args.dtypes] + (["per-op ms/step"] if args.per_op else [])
-    columns += [f"{dtype} batch-{b} tok/s" for b in batches for dtype in args.dtypes]
+    columns = [f"{v} ms/step" for v in variants] + (["per-op ms/step"] if args.per_op else [])
+    columns += [f"{v} batch-{b} tok/s" for b in batches for v in variants]
     logger.info("| file | layers take | %s |", " | ".join(columns))
     logger.info("|---|---|%s", "---|" * len(columns))
     seats = max([1, *batches])
@@ -101,28 +107,30 @@ def main() -> int:
 
     for path in args.models:
         engines = {}
-        for dtype in args.dtypes:
+        for variant in variants:
+            dtype, huge = variant.split(" ")[0], not variant.endswith(" 4K-pages")
+            os.environ["TANDEM_HUGE_PAGES"] = "1" if huge else "0"  # read as it loads
             loaded = load_model(path, dtype)
             config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats),
                                   kv_cache_dtype=kv_cache_dtype)
-            engines[dtype] = (loaded, LLMEngine(loaded, config))
+            engines[variant] = (loaded, LLMEngine(loaded, config))
             for batch in [1, *batches]:
-                timed(engines[dtype][1], -1, batch, 4)  # warm-up (and the kernels' tuning)
-        first = engines[args.dtypes[0]][0]
+                timed(engines[variant][1], -1, batch, 4)  # warm-up (and the kernels' tuning)
+        first = engines[variants[0]][0]
         path_taken = "one call" if first.model.decode_layers_regimes.kernel_for(1) and \
             first.model.decode_layers is not None else "per op"  # fmt: skip
         best = dict.fromkeys(columns, float("inf"))
         with torch.inference_mode():
             for round_ in range(args.rounds):
-                for dtype, (loaded, engine) in engines.items():
-                    column = f"{dtype} ms/step"
+                for variant, (loaded, engine) in engines.items():
+                    column = f"{variant} ms/step"
                     best[column] = min(best[column], timed(engine, round_))
                 for batch in batches:
-                    for dtype, (loaded, engine) in engines.items():
-                        column = f"{dtype} batch-{batch} tok/s"
+                    for variant, (loaded, engine) in engines.items():
+                        column = f"{variant} batch-{batch} tok/s"
                         best[column] = min(best[column], timed(engine, round_, batch))
                 if args.per_op:
-                    loaded, engine = engines[args.dtypes[0]]
+                    loaded, engine = engines[variants[0]]
                     saved = one_call_off(loaded)
                     best["per-op ms/step"] = min(best["per-op ms/step"], timed(engine, round_))
                     loaded.model.decode_layers_regimes = saved

@@ -39,6 +39,7 @@ import torch
 
 from services.common.errors import InvalidArgumentError
 from services.engine.core import kv_quant
+from services.engine.core.kernels.huge_pages import huge_page_arena
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "q8_0", "fp8")
 Q8_0 = "q8_0"  # the quantized cache: uint8 storage (see the module docstring)
@@ -153,16 +154,12 @@ class KVPool:
     ) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        self.data = torch.zeros(
-            num_blocks,
-            layout.num_layers,
-            2,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.row,
-            dtype=layout.storage_dtype,
-            device=device,
-        )
+        shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                 layout.row)  # fmt: skip
+        # on CPU in huge pages where the system gives them (decode attention streams the pool)
+        arena = huge_page_arena() if torch.device(device).type == "cpu" else None
+        self.data = (arena.zeros(shape, layout.storage_dtype) if arena is not None
+                     else torch.zeros(shape, dtype=layout.storage_dtype, device=device))  # fmt: skip
         # K and V views per layer, made once: every step of every layer asks for them
         self._layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(layout.num_layers)]
 

@@ -58,6 +58,7 @@ from services.engine.core.kernels.cpu_q4a8_gemm import DECODE_FORMATS as INT8_DE
 from services.engine.core.kernels.cpu_q4a8_gemm import FORMATS as INT8_ACTIVATION_FORMATS
 from services.engine.core.kernels.cpu_q4a8_gemm import CpuQ4A8Gemm, Q4A8Call, load_cpu_q4a8_gemm
 from services.engine.core.kernels.cpu_qgemv import CpuQGemv, QGemvCall, load_cpu_qgemv
+from services.engine.core.kernels.huge_pages import HugePageArena, huge_page_arena
 from services.engine.core.quant.quantized_weight import QuantizedWeight
 
 # rows from which an int8 layer's call takes the GEMM (when bound) rather than the decode kernel:
@@ -71,7 +72,8 @@ class PackPlan:
     (quantized), ``splits`` bmm slices for float32 without a kernel; ``autotune`` measures the
     kernels against PyTorch on the model's shapes and keeps the faster path per row count;
     ``a8kernel`` (``q4_a8``) runs 4-bit layers over int8 activations, and with ``int8_decode``
-    every layer whose format the int8 decode kernel reads (every row of each, either way)."""
+    every layer whose format the int8 decode kernel reads (every row of each, either way);
+    ``arena`` holds the kernels' tiles in huge pages (``None``: PyTorch's allocator)."""
 
     splits: int = 0
     kernel: CpuGemv | None = None
@@ -79,6 +81,7 @@ class PackPlan:
     autotune: bool = False
     a8kernel: CpuQ4A8Gemm | None = None
     int8_decode: bool = False
+    arena: HugePageArena | None = None
 
 
 class Linear(nn.Linear):
@@ -160,7 +163,7 @@ class Linear(nn.Linear):
                 return  # the reference path: dequantize per call
             self.kernel = plan.qkernel  # the tiles' format: the quant's, or a compact variant
             self._packed_format = plan.qkernel.tile_format(self.quant)
-            self.packed = plan.qkernel.tile_weight(self.quant, self._packed_format)
+            self.packed = _resident(plan, plan.qkernel.tile_weight(self.quant, self._packed_format))
             self.quant = None  # the tiles hold every bit of it (see CpuQGemv.untile)
             if self.bias is not None:
                 self.packed_bias = plan.qkernel.tile_bias(self.bias.detach())
@@ -183,7 +186,7 @@ class Linear(nn.Linear):
             return
         if plan.kernel is not None:
             self.kernel, self._packed_format = plan.kernel, "float32"
-            self.packed = plan.kernel.tile_weight(self.weight.detach())
+            self.packed = _resident(plan, plan.kernel.tile_weight(self.weight.detach()))
             if self.bias is not None:
                 self.packed_bias = plan.kernel.tile_bias(self.bias.detach())
         elif plan.splits >= 2:
@@ -330,6 +333,12 @@ def split_matmul(
     return out + bias if bias is not None else out
 
 
+def _resident(plan: PackPlan, tiles: torch.Tensor) -> torch.Tensor:
+    """Where a layer's tiles live for good: the plan's huge-page arena, when it has one (every
+    decode step streams them: huge pages spare it a TLB miss per 4 KiB; see kernels/huge_pages.py)."""
+    return tiles if plan.arena is None else plan.arena.copy(tiles)
+
+
 def pack_linears(model: nn.Module, plan: PackPlan, *, free_dense: bool = False) -> int:
     """Pack every :class:`Linear` in ``model``; returns how many there are.
 
@@ -454,4 +463,5 @@ def pack_plan(
         autotune=autotune,
         a8kernel=load_cpu_q4a8_gemm() if int8_activations else None,
         int8_decode=int8_activations and int8_decode,
+        arena=huge_page_arena(),
     )

@@ -28,6 +28,7 @@ from services.engine.core.cuda_graphs import DecodeGraphs
 from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
 from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, load_cpu_fused
+from services.engine.core.kernels.huge_pages import return_free_heap
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import pack_linears, pack_plan
 from services.engine.core.loaders import LoadedModel
@@ -83,6 +84,7 @@ class ModelRunner:
             rows = 0 if loaded.sharding else self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
                 self._tune_decode_layers(rows)
+            return_free_heap()  # the packing's freed scratch and originals, out of the RSS
         elif self.device.type == "cuda" and _graph_safe(self.model):
             from services.engine.core.kernels.gpu_fused import load_gpu_fused
 
