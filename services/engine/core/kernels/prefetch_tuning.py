@@ -32,6 +32,7 @@ from services.engine.core.kernels.autotune import (
     round_times,
     write_json,
 )
+from services.engine.core.kernels.huge_pages import huge_page_arena
 from services.engine.core.kernels.native_build import (
     NativeBuildError,
     cache_dir,
@@ -64,7 +65,8 @@ AHEAD_MAX = 1 << 20  # cpu_qgemv.c's PREFETCH_AHEAD_MAX
 # (on a 2-core Zen 3 VM a compute-bound format's distances, paired by round, differed by up to 5.5%;
 # the gain this table was made for, q4_k at 16 KiB against 8, was 20-30%): the kernels' 10%
 MARGIN = 0.10
-TABLE_VERSION = "2"  # part of the cache key: a new version re-measures every machine
+TABLE_VERSION = "3"  # part of the cache key: a new version re-measures every machine (3: timed
+# in huge pages, where the tiles now are)
 SHAPE = (2048, 8192)  # out, in: a 1B model's MLP down projection, every format's blocks divide it
 
 
@@ -175,8 +177,14 @@ def decode_rows_from_memory(
     tiles = kernel.decode_tiles_shape(fmt, out, n_in)
     one = tiles[0] * tiles[1] * tiles[2]
     copies = max(1, read_bytes // one)
-    # 0x2A everywhere: every scale a normal float16 (no slow subnormal arithmetic), any values
-    weights = torch.full((copies, *tiles), 0x2A, dtype=torch.uint8)
+    # 0x2A everywhere: every scale a normal float16 (no slow subnormal arithmetic), any values;
+    # in huge pages where the model's tiles are (the best distance differs by page size: q4_k on
+    # a Zen 4 best at 16 KiB in 4 KiB pages, with none at all in 2 MiB ones)
+    arena = huge_page_arena()
+    shape_all = (copies, *tiles)
+    weights = torch.empty(shape_all, dtype=torch.uint8) if arena is None else \
+        arena.empty(shape_all, torch.uint8)  # fmt: skip
+    weights.fill_(0x2A)
     calls = [kernel.bind_decode(weights[c], None, out, fmt) for c in range(copies)]
     x = torch.randn(1, n_in)
 
