@@ -47,7 +47,7 @@ def smaps_field(address: int, field: str) -> int | None:
 
 def test_arena_tensors_are_aligned_zero_and_disjoint() -> None:
     arena = HugePageArena(chunk=HUGE_PAGE)
-    a = arena.zeros((1000, 3), torch.float32)
+    a = arena.empty((1000, 3), torch.float32)
     b = arena.empty((7,), torch.uint8)
     c = arena.copy(torch.arange(24, dtype=torch.int64).view(2, 3, 4))
     assert all(t.data_ptr() % ALIGN == 0 for t in (a, b, c))
@@ -63,7 +63,7 @@ def test_arena_tensors_are_aligned_zero_and_disjoint() -> None:
 def test_a_tensor_larger_than_a_chunk_gets_its_own_mapping() -> None:
     arena = HugePageArena(chunk=HUGE_PAGE)
     small = arena.empty((16,), torch.uint8)
-    big = arena.zeros((3 * HUGE_PAGE // 4,), torch.float32)  # 3 huge pages of float32
+    big = arena.empty((3 * HUGE_PAGE // 4,), torch.float32)  # 3 huge pages of float32
     assert big.numel() == 3 * HUGE_PAGE // 4 and not big[-1]
     assert big.data_ptr() % HUGE_PAGE == 0 and small.data_ptr() % HUGE_PAGE == 0
     assert arena.mapped == 4 * HUGE_PAGE

@@ -156,10 +156,13 @@ class KVPool:
         self.num_blocks = num_blocks
         shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
                  layout.row)  # fmt: skip
-        # on CPU in huge pages where the system gives them (decode attention streams the pool)
+        # on CPU in huge pages where the system gives them (decode attention streams the pool);
+        # zeroed now either way, every page touched: a pool too big for memory fails at start
         arena = huge_page_arena() if torch.device(device).type == "cpu" else None
-        self.data = (arena.zeros(shape, layout.storage_dtype) if arena is not None
-                     else torch.zeros(shape, dtype=layout.storage_dtype, device=device))  # fmt: skip
+        if arena is not None:
+            self.data = arena.empty(shape, layout.storage_dtype).zero_()
+        else:
+            self.data = torch.zeros(shape, dtype=layout.storage_dtype, device=device)
         # K and V views per layer, made once: every step of every layer asks for them
         self._layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(layout.num_layers)]
 

@@ -28,14 +28,11 @@ measurements).
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import os
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # the x86-64 and arm64 (4 KiB granule) transparent huge page
 ALIGN = 64  # a cache line: where every tensor in the arena starts
@@ -86,11 +83,6 @@ class HugePageArena:
             self._free = self._new_chunk(max(self.chunk, -(-padded // HUGE_PAGE) * HUGE_PAGE))
         region, self._free = self._free[:padded], self._free[padded:]
         return region[:nbytes].view(dtype).view(shape)
-
-    def zeros(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero tensor in huge pages, no page touched: anonymous mappings read as zeros until
-        written, and the arena hands out each byte once."""
-        return self.empty(shape, dtype)
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s values in a new contiguous tensor in huge pages (CPU tensors only)."""
