@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,15 @@ from services.engine.core.linear import Linear
 from services.engine.core.loaders import load_model
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 198, 1780, 314, 260, 3575, 282]]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the model test (results do not depend on it), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def smaps_field(address: int, field: str) -> int | None:
@@ -90,8 +100,9 @@ def test_huge_pages_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="no huge pages on request here")
-def test_default_model_tiles_and_kv_in_huge_pages_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.set_num_threads(1)
+def test_default_model_tiles_and_kv_in_huge_pages_same_tokens(
+    monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
     tokens = {}
     for setting in ("1", "0"):
         monkeypatch.setenv("TANDEM_HUGE_PAGES", setting)
