@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.engine.core.kernels.native_build import architecture_isas
 
@@ -14,6 +16,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # fixtures: make_stack (fake services behind the real gateway), tokenizer/server/channel
 # (a real grpc.aio server with small fake servicers), start_up (``tandem up`` as a subprocess)
 pytest_plugins = ["tests.gateway_fakes", "tests.grpc_fakes", "tests.up_process"]
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a test, the count restored after. Results do not depend on it;
+    timings do: on a busy machine every two-thread parallel region waits a scheduler tick (~4 ms)
+    for its second thread, which drowns what is measured."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

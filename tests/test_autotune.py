@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,18 +69,6 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(autotune, "_machine_busy", lambda: False)
     monkeypatch.setattr(autotune, "_cpu_sample", lambda: None)
     return cache_dir()
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Time on one thread: on a machine busy with other work, every parallel region of two
-    threads waits a scheduler tick (~4 ms) for its second thread, which drowns what is measured."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _model() -> nn.Sequential:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +39,6 @@ def _kernels(isa: str) -> tuple[CpuQGemv, CpuQ4A8Gemm]:
         CpuQGemv(load_library(cpu_qgemv.SOURCE, isa)),
         CpuQ4A8Gemm(load_library(cpu_q4a8_gemm.SOURCE, isa)),
     )
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _q4_weight(seed: int, out: int = OUT, inputs: int = IN) -> QuantizedWeight:

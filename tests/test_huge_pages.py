@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,15 +30,6 @@ from services.engine.core.linear import Linear
 from services.engine.core.loaders import load_model
 
 PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356], [1, 4093, 198, 1780, 314, 260, 3575, 282]]
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """One intra-op thread for the model test (results do not depend on it), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def smaps_field(address: int, field: str) -> int | None:

@@ -4,10 +4,11 @@ A batch-1 decode step streams every weight byte from memory once. Through 4 KiB 
 TLB miss every 4 KiB, a page walk each (two nested walks on a virtual machine), and the hardware
 prefetchers stop at every page boundary: on a 2-vCPU Zen 4 VM a plain two-thread read of 700 MB
 ran at well under two thirds of the rate it reached from 2 MiB pages, and the decode kernels'
-rows gained a fifth (docs/benchmarks.md, "Huge pages"). Linux gives an anonymous mapping huge
-pages when the system's ``transparent_hugepage/enabled`` is ``always``, or ``madvise`` (a common
-default) and the mapping asked with ``MADV_HUGEPAGE``; PyTorch's allocator asks only when
-``THP_MEM_ALLOC_ENABLE`` is set before its first allocation, which a library cannot arrange.
+rows gained a fifth (docs/benchmarks.md, "Weights and KV in huge pages"). Linux gives an
+anonymous mapping huge pages when the system's ``transparent_hugepage/enabled`` is ``always``, or
+``madvise`` (a common default) and the mapping asked with ``MADV_HUGEPAGE``; PyTorch's allocator
+asks only when ``THP_MEM_ALLOC_ENABLE`` is set before its first allocation, which a library
+cannot arrange.
 
 So :class:`HugePageArena` carves tensors out of its own mappings: private anonymous ``mmap``
 chunks, advised ``MADV_HUGEPAGE`` before any page is touched, each tensor starting on a
