@@ -147,8 +147,14 @@ static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
     return (int_vec)vdotq_s32((int32x4_t)acc, (int8x16_t)u, (int8x16_t)s);
 }
 #elif defined(TANDEM_EMULATE_DPBUSD)
+/* Exact for any unsigned byte, as vpdpbusd is (A8_HIGH_SCALED's 16 x nibble reaches 240, whose
+ * pair sums would saturate vpmaddubsw's 16 bits): the low and high nibbles' dots, the high one
+ * times 16. */
 #define A8_DPBUSD 1
-static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) { return acc + widen_pairs(maddubs(u, s)); }
+static inline int_vec dpbusd(int_vec acc, ivec u, ivec s) {
+    const ivec low = (ivec)((int_vec)u & 0x0F0F0F0F), high = (ivec)(((int_vec)u >> 4) & 0x0F0F0F0F);
+    return acc + widen_pairs(maddubs(low, s)) + (widen_pairs(maddubs(high, s)) << 4);
+}
 #else
 #define A8_DPBUSD 0
 #endif
@@ -470,6 +476,39 @@ static inline void split_nibbles(ivec v, ivec *w) {
     w[1] = (ivec)(((int_vec)v >> 4) & 0x0F0F0F0F);
 }
 
+/* The decode loops' 4-bit steps (q4, q4_k: HIGH16 below) with x86 VNNI take a step's bytes as
+ * they are, v = low + 16 x high, and the high nibbles where they sit, v & 0xF0 = 16 x high; after
+ * the group's last step (a8_high_down) the high sum is divided by 16 and the low one is the first
+ * minus the second, both exact (32-bit sums, every term of the second a multiple of 16): one
+ * vector operation a step instead of three (a mask, a shift and a mask), the same integers. Not
+ * without VNNI (vpmaddubsw's 16-bit pair sums would saturate at 2 x 255 x 127) nor on Arm (sdot's
+ * bytes are signed; NEON shifts bytes in one instruction anyway). The panel keeps the values. */
+#if A8_DPBUSD && !defined(__aarch64__)
+#define A8_HIGH_SCALED 1
+#else
+#define A8_HIGH_SCALED 0
+#endif
+static inline void split_nibbles_high16(ivec v, ivec *w) {
+    w[0] = v;
+    w[1] = (ivec)((int_vec)v & (int32_t)0xF0F0F0F0);
+}
+
+/* Step k's two value vectors for the decode loops: NAME##_a8quad's, or split_nibbles_high16's. */
+#define A8_DECODE_QUAD(NAME, block, g, k, raw, w)                                                 \
+    do {                                                                                          \
+        if (NAME##_A8HIGH16 && A8_HIGH_SCALED)                                                    \
+            split_nibbles_high16(raw, w);                                                         \
+        else                                                                                      \
+            NAME##_a8quad(block, g, k, raw, w);                                                   \
+    } while (0)
+
+/* After a group's steps: the two sums of A8_DECODE_QUAD's vectors to the values' own. */
+static inline void a8_high_down(int high16, int_vec *dot) {
+    if (!high16 || !A8_HIGH_SCALED) return;
+    dot[0] -= dot[1];
+    dot[1] >>= 4;
+}
+
 /* Four steps of a group's nibbles (step order), steps k0..k0+3: one vector each, already in
  * vpmaddubsw's order ([column][4 inputs], low nibbles outputs 0..LANES-1, high ones the rest). */
 static inline void steps_load(const uint8_t *nibbles, int k0, ivec *raw) {
@@ -539,6 +578,13 @@ static inline __attribute__((always_inline)) void a8_step(int_vec *dot, ivec *pa
 #define q50_A8STRIDE 8
 #define q5k_A8STRIDE 8
 #define q6k_A8STRIDE 4
+#define q8_A8HIGH16 0
+#define q4_A8HIGH16 1
+#define q4k_A8HIGH16 1
+#define q5_A8HIGH16 0
+#define q50_A8HIGH16 0
+#define q5k_A8HIGH16 0
+#define q6k_A8HIGH16 0
 #define q8_A8OFFSET 0
 #define q4_A8OFFSET 1
 #define q4k_A8OFFSET 1
@@ -680,7 +726,7 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                 UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                              \
                     ivec wv[VECS];                                                                \
                     if (k % 4 == 0) NAME##_a8rows(block, g, k, raw);                              \
-                    NAME##_a8quad(block, g, k, raw[k % 4], wv);                                   \
+                    A8_DECODE_QUAD(NAME, block, g, k, raw[k % 4], wv);                            \
                     for (int r = 0; r < R; r++) {                                                 \
                         const ivec a = quad_i(q + r * in + i0 + 4 * k);                           \
                         for (int c = 0; c < VECS; c++)                                            \
@@ -688,6 +734,7 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                                     NAME##_A8SAFE == 1, wv[c], a);                                \
                     }                                                                             \
                 }                                                                                 \
+                for (int r = 0; r < R; r++) a8_high_down(NAME##_A8HIGH16, dot[r]);                \
                 vec scale[VECS], min[VECS];                                                       \
                 NAME##_scale(block, &bs, g, scale, min);                                          \
                 for (int r = 0; r < R; r++) {                                                     \
@@ -724,7 +771,7 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                 ivec values[NAME##_SUB / 4][VECS], raw[4];                                        \
                 UNROLL(8) for (int k = 0; k < NAME##_SUB / 4; k++) {                              \
                     if (k % 4 == 0) NAME##_a8rows(block, g, k, raw);                              \
-                    NAME##_a8quad(block, g, k, raw[k % 4], values[k]);                            \
+                    A8_DECODE_QUAD(NAME, block, g, k, raw[k % 4], values[k]);                     \
                 }                                                                                 \
                 vec scale[VECS], min[VECS];                                                       \
                 NAME##_scale(block, &bs, g, scale, min);                                          \
@@ -737,6 +784,7 @@ static inline __attribute__((always_inline)) vec a8_group_step(vec acc, int_vec 
                             a8_step(&dot[c], &part[c], k, NAME##_A8SAFE, NAME##_A8SAFE == 1,      \
                                     values[k][c], a);                                             \
                     }                                                                             \
+                    a8_high_down(NAME##_A8HIGH16, dot);                                           \
                     const vec dr = splat(d[r * groups + i0 / GROUP]);                             \
                     const vec sr = splat(s[r * subs + i0 / NAME##_SUB]);                          \
                     for (int c = 0; c < VECS; c++) {                                              \

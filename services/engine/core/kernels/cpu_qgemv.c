@@ -221,11 +221,15 @@ static inline void f16_values(const uint8_t *block, int j, vec *w) {
     w[1] = f16_to_float(q + LANES);
 }
 
-/* A block's f16 super-block scale as floats (q6_k's d), converted once per block by NAME##_prep
- * rather than once per group of 16 (a vcvtph2ps per group and column vector was a fifth of a
- * q6_k decode row's time); the formats with a float32 scale per group need none. */
+/* What NAME##_prep works out once per block rather than once per group: q6_k's f16 super-block
+ * scale as floats (a vcvtph2ps per group and column vector was a fifth of a q6_k decode row's
+ * time), q4_k's and q5_k's eight 6-bit scales and mins as bytes (k_scale_bytes: unpacked per group
+ * and column vector they were a third of a q4_k decode row's instructions); the formats with a
+ * float32 or f16 scale per group need none. */
 typedef struct {
     vec d[VECS];
+    vec neg_dmin[VECS];   /* q4_k, q5_k: -dmin */
+    uint8_t k[16 * TILE]; /* q4_k, q5_k: [scales of groups 0..7, mins of groups 0..7][TILE] */
 } block_scales;
 
 static inline void none_prep(const uint8_t *block, block_scales *bs) { (void)block, (void)bs; }
@@ -240,10 +244,33 @@ static inline void q6k_prep(const uint8_t *block, block_scales *bs) {
     for (int c = 0; c < VECS; c++) bs->d[c] = f16_to_float((const uint16_t *)block + c * LANES);
 }
 
-/* q4_k / q5_k convert d and dmin in each group: held across the groups, their four vectors
- * pushed AVX2's one-row loop out of its 16 registers (measured 30% slower). */
-#define q4k_prep none_prep
-#define q5k_prep none_prep
+/* The 6-bit scales and mins of a q4_k / q5_k block's eight groups from the 12 bytes per column
+ * p[12][TILE] (llama.cpp's get_scale_min_k4), as bytes out[16][TILE] (k_scale_bytes' order):
+ * group s < 4: p[s] & 63, p[s + 4] & 63; s >= 4: the low nibble (scale) and high nibble (min) of
+ * p[s + 4], their top two bits from p[s - 4] and p[s]. A row of TILE bytes a vector operation. */
+typedef uint8_t k_row __attribute__((vector_size(TILE), aligned(1), may_alias));
+static inline void k_scale_bytes(const uint8_t *p, uint8_t *out) {
+    const k_row *in = (const k_row *)p;
+    k_row *sc = (k_row *)out, *m = sc + 8;
+    for (int s = 0; s < 4; s++) {
+        sc[s] = in[s] & 63;
+        m[s] = in[s + 4] & 63;
+        sc[s + 4] = (in[s + 8] & 15) | ((in[s] >> 6) << 4);
+        m[s + 4] = (in[s + 8] >> 4) | ((in[s + 4] >> 6) << 4);
+    }
+}
+
+/* q4_k / q5_k: the scales unpacked, d and -dmin converted, once a block (in memory: held in four
+ * registers, d and dmin pushed AVX2's one-row loop out of its 16, measured 30% slower). */
+static inline void q4k_prep(const uint8_t *block, block_scales *bs) {
+    const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
+    for (int c = 0; c < VECS; c++) {
+        bs->d[c] = f16_to_float(d + c * LANES);
+        bs->neg_dmin[c] = -f16_to_float(dmin + c * LANES);
+    }
+    k_scale_bytes(block + 4 * TILE, bs->k);
+}
+#define q5k_prep q4k_prep
 
 /* The scale and offset of group s of a block, per column (two vectors each), bs its NAME##_prep.
  * Exact: a float32 scale as stored, or an f16 times an integer below 2^7 (and -32 times that for
@@ -284,29 +311,12 @@ static inline void q6k_scale(const uint8_t *block, const block_scales *bs, int s
     }
 }
 
-/* Sub-block s's six-bit scale and min of LANES columns from the 12 bytes per column p[12][TILE]
- * (llama.cpp's get_scale_min_k4): s < 4: p[s] & 63, p[s + 4] & 63; s >= 4: the low nibble (scale)
- * and high nibble (min) of p[s + 4], their top two bits from p[s - 4] and p[s]. */
-static inline void k_scale_min(const uint8_t *p, int s, int_vec *sc, int_vec *m) {
-    if (s < 4) {
-        *sc = widen_u8(p + s * TILE) & 63;
-        *m = widen_u8(p + (s + 4) * TILE) & 63;
-        return;
-    }
-    const int_vec low = widen_u8(p + (s + 4) * TILE);
-    *sc = (low & 15) | ((widen_u8(p + (s - 4) * TILE) >> 6) << 4);
-    *m = (low >> 4) | ((widen_u8(p + s * TILE) >> 6) << 4);
-}
-
 static inline void q4k_scale(const uint8_t *block, const block_scales *bs, int s, vec *scale,
                              vec *min) {
-    (void)bs;
-    const uint16_t *d = (const uint16_t *)block, *dmin = d + TILE;
-    for (int c = 0; c < VECS; c++) {
-        int_vec sc, m;
-        k_scale_min(block + 4 * TILE + c * LANES, s, &sc, &m);
-        scale[c] = f16_to_float(d + c * LANES) * int_to_vec(sc);
-        min[c] = -(f16_to_float(dmin + c * LANES) * int_to_vec(m));
+    (void)block;
+    for (int c = 0; c < VECS; c++) { /* -dmin x m is -(dmin x m) to the bit */
+        scale[c] = bs->d[c] * int_to_vec(widen_u8(bs->k + s * TILE + c * LANES));
+        min[c] = bs->neg_dmin[c] * int_to_vec(widen_u8(bs->k + (8 + s) * TILE + c * LANES));
     }
 }
 #define q5k_scale q4k_scale
