@@ -627,6 +627,12 @@ static inline void q4_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec 
 }
 #define q4k_a8quad q4_a8quad
 
+/* The 32-bit lanes of word moved so that bit `from` lands on bit `to` (then masked by the caller:
+ * one shift, or none, where a shift right and one back left took two). */
+static inline int_vec bits_to(int_vec word, int from, int to) {
+    return from < to ? word << (to - from) : from > to ? word >> (from - to) : word;
+}
+
 /* Step k of a 32-input group: inputs k, k + 8, k + 16, k + 24, their fifth bits from the group's
  * word per output (input j at bit j): byte i of output c's 32-bit lane is input k + 8i, bit
  * k + 8i. */
@@ -634,7 +640,7 @@ static inline void five_bit_quad(const uint8_t *words, int k, ivec raw, ivec *w)
     split_nibbles(raw, w);
     for (int v = 0; v < 2; v++) {
         const int_vec word = load_words(words + v * 4 * LANES);
-        w[v] = (ivec)((int_vec)w[v] | (((word >> k) & 0x01010101) << 4));
+        w[v] = (ivec)((int_vec)w[v] | (bits_to(word, k, 4) & 0x10101010));
     }
 }
 
@@ -677,7 +683,7 @@ static inline void q6k_a8quad(const uint8_t *block, int g, int k, ivec raw, ivec
     const uint8_t *words = block + Q6K_HIGH + g * 4 * TILE;
     for (int v = 0; v < 2; v++) {
         const int_vec word = load_words(words + v * 4 * LANES);
-        w[v] = (ivec)((int_vec)w[v] | (((word >> (2 * k)) & 0x03030303) << 4));
+        w[v] = (ivec)((int_vec)w[v] | (bits_to(word, 2 * k, 4) & 0x30303030));
     }
 }
 
