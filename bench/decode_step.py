@@ -3,6 +3,7 @@
     python bench/decode_step.py GGUF [GGUF ...] [--steps 48] [--rounds 3] [--per-op]
                                 [--dtypes auto q4_a8_decode ...] [--batch 1 4 16] [--prompt 32]
                                 [--kv-cache-dtype auto] [--huge-pages on|off|both]
+                                [--q4k-prefetch BYTES [BYTES ...]]
 
 Each file is loaded as ``tandem up`` serves it (``--dtype auto``, or each of ``--dtypes``; the KV
 pool ``--kv-cache-dtype auto``, or the given one, ``none`` for the model's own dtype), a
@@ -15,7 +16,9 @@ dominate, after ``--prompt 512`` attention over a served level's context is most
 ``--per-op`` also times the same loaded model with the one-call C decode layers turned off
 (every op its own call from Python), the rounds of the two taking turns. ``--huge-pages both``
 loads each file twice, its weight tiles and KV pool in huge pages (as served) and in PyTorch's
-4 KiB pages (``TANDEM_HUGE_PAGES=0``), a column each, rounds taking turns.
+4 KiB pages (``TANDEM_HUGE_PAGES=0``), a column each, rounds taking turns. ``--q4k-prefetch``
+times the same loaded model with q4_k rows prefetching each of those distances ahead (0: none),
+set in every loaded kernel library before each of its rounds, a column each, rounds taking turns.
 
 It is the short check behind a decode-path change: to compare two trees, run it from each
 checkout in turn (``PYTHONPATH=<checkout> python <checkout>/bench/decode_step.py ...``), on an
@@ -25,6 +28,7 @@ idle machine. ``family_speed.py`` is the full table next to llama.cpp.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import sys
@@ -38,6 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from services.engine.core.kernels.autotune import KernelRegimes  # noqa: E402
+from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers  # noqa: E402
+from services.engine.core.kernels.cpu_q4a8_gemm import load_cpu_q4a8_gemm  # noqa: E402
+from services.engine.core.kernels.cpu_qgemv import load_cpu_qgemv  # noqa: E402
+from services.engine.core.kernels.tile_formats import FORMAT_CODES  # noqa: E402
 from services.engine.core.loaders import LoadedModel, load_model  # noqa: E402
 
 logger = logging.getLogger("bench.decode_step")
@@ -60,6 +68,13 @@ def step_ms(
     while engine.has_unfinished():
         done += sum(len(out.new_token_ids) for out in engine.step())
     return (time.perf_counter() - start) * 1000 / done
+
+
+def set_q4k_prefetch(ahead: int) -> None:
+    """q4_k rows' prefetch distance in every loaded kernel library that reads the tiles."""
+    for kernel in (load_cpu_decode_layers(), load_cpu_q4a8_gemm(), load_cpu_qgemv()):
+        if kernel is not None:
+            kernel.library.tandem_set_prefetch_ahead(FORMAT_CODES["q4_k"], ctypes.c_int64(ahead))
 
 
 def one_call_off(loaded: LoadedModel) -> KernelRegimes:
@@ -88,9 +103,15 @@ def main() -> int:
                         help="the KV pool's dtype (auto, as tandem up serves; none: the model's own)")
     parser.add_argument("--huge-pages", choices=["on", "off", "both"], default="on",
                         help="weights and KV in huge pages (on: as served), 4 KiB pages, or both")
+    parser.add_argument("--q4k-prefetch", type=int, nargs="+", default=[],
+                        help="q4_k prefetch distances in bytes to time side by side (0: none)")
     args = parser.parse_args()
     pages = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.huge_pages]
-    variants = [f"{dtype}{'' if hp == '1' else ' 4K-pages'}" for dtype in args.dtypes for hp in pages]
+    loads = [f"{dtype}{'' if hp == '1' else ' 4K-pages'}" for dtype in args.dtypes for hp in pages]
+    aheads: list[int | None] = list(args.q4k_prefetch) or [None]
+    # a variant is a load and, with --q4k-prefetch, the distance its rounds run at
+    variants = [load if ahead is None else f"{load} q4_k ahead {ahead}" for load in loads
+                for ahead in aheads]  # fmt: skip
     kv_cache_dtype = None if args.kv_cache_dtype == "none" else args.kv_cache_dtype
     batches = [b for b in args.batch if b > 1]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -105,17 +126,24 @@ def main() -> int:
     def timed(engine: LLMEngine, round_: int, batch: int = 1, steps: int = args.steps) -> float:
         return step_ms(engine, steps, round_, batch, args.prompt)
 
+    def prefetch_for(variant: str) -> None:
+        if " q4_k ahead " in variant:
+            set_q4k_prefetch(int(variant.rsplit(" ", 1)[1]))
+
     for path in args.models:
-        engines = {}
+        engines, by_load = {}, {}
         for variant in variants:
-            dtype, huge = variant.split(" ")[0], not variant.endswith(" 4K-pages")
-            os.environ["TANDEM_HUGE_PAGES"] = "1" if huge else "0"  # read as it loads
-            loaded = load_model(path, dtype)
-            config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats),
-                                  kv_cache_dtype=kv_cache_dtype)
-            engines[variant] = (loaded, LLMEngine(loaded, config))
-            for batch in [1, *batches]:
-                timed(engines[variant][1], -1, batch, 4)  # warm-up (and the kernels' tuning)
+            load = variant.split(" q4_k ahead ")[0]
+            if load not in by_load:
+                dtype, huge = load.split(" ")[0], not load.endswith(" 4K-pages")
+                os.environ["TANDEM_HUGE_PAGES"] = "1" if huge else "0"  # read as it loads
+                loaded = load_model(path, dtype)
+                config = EngineConfig(max_num_seqs=seats, num_blocks=max(256, per_request * seats),
+                                      kv_cache_dtype=kv_cache_dtype)
+                by_load[load] = (loaded, LLMEngine(loaded, config))
+                for batch in [1, *batches]:
+                    timed(by_load[load][1], -1, batch, 4)  # warm-up (and the kernels' tuning)
+            engines[variant] = by_load[load]
         first = engines[variants[0]][0]
         path_taken = "one call" if first.model.decode_layers_regimes.kernel_for(1) and \
             first.model.decode_layers is not None else "per op"  # fmt: skip
@@ -124,10 +152,12 @@ def main() -> int:
             for round_ in range(args.rounds):
                 for variant, (loaded, engine) in engines.items():
                     column = f"{variant} ms/step"
+                    prefetch_for(variant)
                     best[column] = min(best[column], timed(engine, round_))
                 for batch in batches:
                     for variant, (loaded, engine) in engines.items():
                         column = f"{variant} batch-{batch} tok/s"
+                        prefetch_for(variant)
                         best[column] = min(best[column], timed(engine, round_, batch))
                 if args.per_op:
                     loaded, engine = engines[variants[0]]

@@ -8,7 +8,9 @@ For each GGUF (e.g. the Q4_K_M files ``bench/family_ggufs.py`` writes): Tandem w
 process, same threads) measure batch-1 decode and a ``--prefill-length`` prompt's prefill, with
 the rows of all files taking turns over ``--rounds`` and each cell keeping its best round (see
 ``engine_throughput.py``). Then per file: Tandem over llama.cpp, the bytes one decoded token
-reads (the file's tensors; Tandem's weights as held) and the memory-bandwidth ceiling they give.
+reads (the file's tensors; Tandem's weights as held) and the memory-bandwidth ceiling they give;
+and, round by round, Tandem's weight read rate as a share of the better of two bandwidth reads
+either side of it.
 The methods are ``engine_throughput.py``'s, so the rows compare with its tables.
 """
 
@@ -62,14 +64,21 @@ def main() -> int:
           f"torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
     rounds: list[dict[str, Row]] = []
     held: dict[str, tuple[str, int, int]] = {}
+    paired: dict[str, list[tuple[float, float]]] = {}  # per round: (weights GB/s, bandwidth GB/s)
     for _ in range(args.rounds):
         measured: dict[str, Row] = {}
         for model in args.models:
             source = resolve_model(model)
             loaded = load_model(source, "auto")
-            measured[f"{source.name} Tandem"] = tandem_row(loaded, args)
+            # a shared machine's bandwidth can swing by half within a minute: the share is of the
+            # better of two reads either side of the decode, not of one probe for the whole run
+            before = memory_bandwidth_gbs()[0]
+            row = measured[f"{source.name} Tandem"] = tandem_row(loaded, args)
             held[source.name] = (loaded.weight_format, decode_weight_bytes(loaded),
                                  file_tensor_bytes(source.path))  # fmt: skip
+            paired.setdefault(source.name, []).append(
+                (row["decode b=1"] * held[source.name][1] / 1e9,
+                 max(before, memory_bandwidth_gbs()[0])))
             del loaded
             measured[f"{source.name} llama.cpp"] = llama_cpp_row(source, args, threads)
             print(f"measured {source.name}", file=sys.stderr, flush=True)
@@ -88,6 +97,14 @@ def main() -> int:
         print(f"| {name} | {ours[d]:.1f} | {base[d]:.1f} | {dr:.2f}x | {ours[p]:.1f} | "
               f"{base[p]:.1f} | {pr:.2f}x | {fmt}, {ours_bytes / 1e6:.0f} | "
               f"{file_bytes / 1e6:.0f} | {read_bw * 1e9 / ours_bytes:.0f} |")
+    print("\nTandem's batch-1 weight read next to the better of the bandwidths read just before and "
+          "after it, per round:\n")
+    print("| model | weights read GB/s / bandwidth GB/s, each round | share, each round | best |")
+    print("|---|---|---|---|")
+    for name, pairs in paired.items():
+        shares = [read / bandwidth for read, bandwidth in pairs]
+        print(f"| {name} | {', '.join(f'{r:.1f} / {b:.1f}' for r, b in pairs)} | "
+              f"{', '.join(f'{s:.0%}' for s in shares)} | {max(shares):.0%} |")
     return 0
 
 

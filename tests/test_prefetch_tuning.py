@@ -4,7 +4,8 @@ Any distance (none at all included) gives every format's rows the same bits, the
 the float32-activation ones; a distance out of range or an unknown format is refused; ``tune``
 keeps the built-in distance unless another is clearly faster, caches its choice only when the
 machine was quiet, and a library loaded later takes the cached table (``apply``), unless
-``TANDEM_AUTOTUNE=fixed``; and the built libraries do carry prefetch instructions.
+``TANDEM_AUTOTUNE=fixed``, over a built-in table with huge pages' own distances where the tiles sit
+in them; and the built libraries do carry prefetch instructions.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def test_a_library_loaded_later_takes_the_cached_table(
 ) -> None:
     library = kernels[1].library
     defaults = prefetch_tuning.current(library)
+    monkeypatch.setattr(prefetch_tuning, "huge_pages_on", lambda: False)  # the next test's subject
     path = prefetch_tuning.cache_path(torch.get_num_threads())
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"q4_k": 4096, "q6_k": 0, "bogus": 8192, "q8_0": -5}))
@@ -152,6 +154,29 @@ def test_a_library_loaded_later_takes_the_cached_table(
     }  # unknown formats and bad distances in the file are ignored
     path.write_text("{not json")
     assert prefetch_tuning.current(prefetch_tuning.apply(library))["q4_k"] == 4096  # left as set
+
+
+def test_tiles_in_huge_pages_start_from_the_huge_page_table(
+    kernels: tuple[CpuQGemv, CpuQ4A8Gemm], quiet_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing cached the built-in table holds, HUGE_PAGE_TABLE's distances over it where the
+    tiles go in huge pages (fixed mode too: it is part of the built-in choice); a cached table
+    still wins."""
+    library = kernels[1].library
+    for fmt, ahead in {"q4_k": 16384, "q6_k": 8192}.items():  # cpu_qgemv.c's built-in distances
+        library.tandem_set_prefetch_ahead(FORMAT_CODES[fmt], ctypes.c_int64(ahead))
+    monkeypatch.setattr(prefetch_tuning, "huge_pages_on", lambda: False)
+    assert prefetch_tuning.current(prefetch_tuning.apply(library))["q4_k"] == 16384
+    monkeypatch.setattr(prefetch_tuning, "huge_pages_on", lambda: True)
+    for mode in ("fixed", "cached"):
+        monkeypatch.setenv("TANDEM_AUTOTUNE", mode)
+        table = prefetch_tuning.current(prefetch_tuning.apply(library))
+        assert table["q4_k"] == prefetch_tuning.HUGE_PAGE_TABLE["q4_k"] == 0, mode
+        assert table["q6_k"] == 8192, mode
+    path = prefetch_tuning.cache_path(torch.get_num_threads())
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"q4_k": 8192}))
+    assert prefetch_tuning.current(prefetch_tuning.apply(library))["q4_k"] == 8192
 
 
 def test_tune_measures_every_decode_format(

@@ -143,6 +143,7 @@ class CpuDecodeLayers:
     """The loaded library; :meth:`bind` prepares one model's layers."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
         self._fn = library.tandem_decode_layers
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [

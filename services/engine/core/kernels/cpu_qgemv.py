@@ -67,6 +67,7 @@ class CpuQGemv:
     """``y = x @ W.T + b`` for float32 ``x`` ``[rows, in]`` over a tiled quantized weight."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
         self._qgemv = library.tandem_qgemv
         self._qgemv.restype = ctypes.c_int
         self._qgemv.argtypes = [

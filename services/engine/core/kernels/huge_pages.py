@@ -52,14 +52,18 @@ def thp_mode(setting: Path = THP_SETTING) -> str:
     return text[start + 1 : end] if 0 <= start < end else ""
 
 
-def huge_page_arena() -> HugePageArena | None:
-    """An arena for this process's long-lived tensors, or ``None`` when huge pages are off
-    (``TANDEM_HUGE_PAGES=0``) or unavailable (no ``madvise``, THP ``never`` or absent)."""
+def huge_pages_on() -> bool:
+    """Whether this process's long-lived tensors go in huge pages: not with ``TANDEM_HUGE_PAGES=0``
+    nor where they are unavailable (no ``madvise``, THP ``never`` or absent)."""
     if os.environ.get("TANDEM_HUGE_PAGES", "1") == "0":
-        return None
-    if not hasattr(mmap, "MADV_HUGEPAGE") or thp_mode() not in ("always", "madvise"):
-        return None
-    return HugePageArena()
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+
+
+def huge_page_arena() -> HugePageArena | None:
+    """An arena for this process's long-lived tensors, or ``None`` where :func:`huge_pages_on`
+    says no."""
+    return HugePageArena() if huge_pages_on() else None
 
 
 class HugePageArena:
