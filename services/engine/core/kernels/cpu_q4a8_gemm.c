@@ -179,34 +179,85 @@ static inline int_vec round_even(vec p) {
 #endif
 }
 
+/* v's lanes swapped with those W away (W a power of two below LANES), with a constant order: one
+ * step of the trees below, in registers (a tree through an array in memory stalls on store
+ * forwarding; an order built at run time is a general permute). */
+#if LANES == 16
+#define SWAP_LANES(v, W)                                                                          \
+    __builtin_shuffle(v, (int_vec){0 ^ W, 1 ^ W, 2 ^ W, 3 ^ W, 4 ^ W, 5 ^ W, 6 ^ W, 7 ^ W, 8 ^ W, \
+                                   9 ^ W, 10 ^ W, 11 ^ W, 12 ^ W, 13 ^ W, 14 ^ W, 15 ^ W})
+#elif LANES == 8
+#define SWAP_LANES(v, W) \
+    __builtin_shuffle(v, (int_vec){0 ^ W, 1 ^ W, 2 ^ W, 3 ^ W, 4 ^ W, 5 ^ W, 6 ^ W, 7 ^ W})
+#else
+#define SWAP_LANES(v, W) __builtin_shuffle(v, (int_vec){0 ^ W, 1 ^ W, 2 ^ W, 3 ^ W})
+#endif
+/* STEP(W) for each W of the tree, widest first */
+#if LANES == 16
+#define LANE_TREE(STEP) STEP(8) STEP(4) STEP(2) STEP(1)
+#elif LANES == 8
+#define LANE_TREE(STEP) STEP(4) STEP(2) STEP(1)
+#else
+#define LANE_TREE(STEP) STEP(2) STEP(1)
+#endif
+
+/* The largest lane of v, whose lanes are no NaN: a tree of halves (exact in any order). */
+static inline float hmax(vec v) {
+#define MAX_STEP(W)                                                                               \
+    {                                                                                             \
+        const vec other = (vec)SWAP_LANES((int_vec)v, W);                                         \
+        v = vselect(v < other, other, v);                                                         \
+    }
+    LANE_TREE(MAX_STEP)
+#undef MAX_STEP
+    return v[0];
+}
+
+/* The sum of v's lanes (a tree of halves; integers, so exact). */
+static inline int32_t hsum_i(int_vec v) {
+#define SUM_STEP(W) v += SWAP_LANES(v, W);
+    LANE_TREE(SUM_STEP)
+#undef SUM_STEP
+    return v[0];
+}
+
 /* Rows of x rounded to int8 per group of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), so
- * |q| <= 127): q [rows, in], d and s = d * sum(q) [rows, in / 32]. */
+ * |q| <= 127): q [rows, in], d and s = d * sum(q) [rows, in / 32]. Whole vectors throughout (the
+ * lanes' max and sum as trees, LANES groups' divisions as one, the bytes narrowed and stored LANES
+ * at a time): a decode step rounds every projection's input row, each a serial stretch while
+ * memory idles. */
 static void quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t in, int8_t *q,
                           float *d, float *s, int threads) {
     const int64_t groups = in / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float *xg = x + r * ldx + g * GROUP;
-            vec amax = splat(0.0f);
-            for (int j = 0; j < GROUP; j += LANES) {
-                const vec v = (vec)((int_vec)load_vec(xg + j) & 0x7fffffff);
-                amax = vselect(amax < v, v, amax);
+        for (int64_t g0 = 0; g0 < groups; g0 += LANES) {
+            const int count = groups - g0 < LANES ? (int)(groups - g0) : LANES;
+            vec m = splat(0.0f);
+            for (int c = 0; c < count; c++) {
+                const float *xg = x + r * ldx + (g0 + c) * GROUP;
+                vec amax = splat(0.0f);
+                for (int j = 0; j < GROUP; j += LANES) {
+                    const vec v = (vec)((int_vec)load_vec(xg + j) & 0x7fffffff);
+                    amax = vselect(amax < v, v, amax);
+                }
+                m[c] = hmax(amax);
             }
-            float m = 0.0f;
-            for (int i = 0; i < LANES; i++) m = amax[i] > m ? amax[i] : m;
-            const float scale = m / 127.0f, inverse = m > 0.0f ? 127.0f / m : 0.0f;
-            int8_t *qg = q + r * in + g * GROUP;
-            int_vec total = {0};
-            for (int j = 0; j < GROUP; j += LANES) {
-                const int_vec n = round_even(load_vec(xg + j) * splat(inverse));
-                total += n;
-                for (int i = 0; i < LANES; i++) qg[j + i] = (int8_t)n[i];
+            const vec scale = m / splat(127.0f);
+            const vec inverse = vselect(m > splat(0.0f), splat(127.0f) / m, splat(0.0f));
+            for (int c = 0; c < count; c++) {
+                const int64_t g = g0 + c;
+                const float *xg = x + r * ldx + g * GROUP;
+                int8_t *qg = q + r * in + g * GROUP;
+                int_vec total = {0};
+                for (int j = 0; j < GROUP; j += LANES) {
+                    const int_vec n = round_even(load_vec(xg + j) * splat(inverse[c]));
+                    total += n;
+                    *(sbytes_vec_u *)(qg + j) = __builtin_convertvector(n, sbytes_vec);
+                }
+                d[r * groups + g] = scale[c];
+                s[r * groups + g] = scale[c] * (float)hsum_i(total);
             }
-            int32_t sum = 0;
-            for (int i = 0; i < LANES; i++) sum += total[i];
-            d[r * groups + g] = scale;
-            s[r * groups + g] = scale * (float)sum;
         }
     }
 }
@@ -960,9 +1011,27 @@ static const int8_t *permute_rows(const a8format *f, int format, const int8_t *q
         identity &= source[p] == p;
     }
     if (identity) return q;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i0 = 0; i0 < in; i0 += sub)
-            for (int p = 0; p < sub; p++) out[r * in + i0 + p] = q[r * in + i0 + source[p]];
+    /* q6_k's and the 5-bit formats' orders transpose a group's [4][sub / 4] bytes: one shuffle */
+    typedef int8_t bytes16 __attribute__((vector_size(16)));
+    typedef int8_t bytes32 __attribute__((vector_size(32)));
+    typedef int8_t bytes16_u __attribute__((vector_size(16), aligned(1), may_alias));
+    typedef int8_t bytes32_u __attribute__((vector_size(32), aligned(1), may_alias));
+    int transpose = 1;
+    for (int p = 0; p < sub; p++) transpose &= source[p] == p / 4 + sub / 4 * (p % 4);
+    const int64_t n = rows * in;
+    if (transpose && sub == 16) {
+        const bytes16 order = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+        for (int64_t i = 0; i < n; i += 16)
+            *(bytes16_u *)(out + i) = __builtin_shuffle(*(const bytes16_u *)(q + i), order);
+    } else if (transpose && sub == 32) {
+        const bytes32 order = {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+                               4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31};
+        for (int64_t i = 0; i < n; i += 32)
+            *(bytes32_u *)(out + i) = __builtin_shuffle(*(const bytes32_u *)(q + i), order);
+    } else {
+        for (int64_t i0 = 0; i0 < n; i0 += sub)
+            for (int p = 0; p < sub; p++) out[i0 + p] = q[i0 + source[p]];
+    }
     return out;
 }
 
@@ -998,9 +1067,9 @@ int tandem_a8_gemv(int format, const float *x, int64_t ldx, const uint8_t *w, co
     } else { /* q6_k: d times each 16 inputs' sum */
         for (int64_t r = 0; r < rows; r++)
             for (int64_t g = 0; g < subs; g++) {
-                int32_t sum = 0;
-                for (int64_t j = 0; j < f->sub; j++) sum += q[r * in + g * f->sub + j];
-                s[r * subs + g] = d[r * groups + g * f->sub / GROUP] * (float)sum;
+                int_vec sum = {0};
+                for (int64_t j = 0; j < f->sub; j += LANES) sum += widen_s8(q + r * in + g * f->sub + j);
+                s[r * subs + g] = d[r * groups + g * f->sub / GROUP] * (float)hsum_i(sum);
             }
     }
     const int8_t *qp = permute_rows(f, format, q, rows, in, q + rows * in);
