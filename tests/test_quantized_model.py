@@ -244,9 +244,12 @@ def test_tiny_q8_0_holds_no_float32_weights(tiny_q8: LoadedModel) -> None:
     layers = linears(tiny_q8)
     assert len(layers) == 1 + 4 * tiny_q8.config.num_layers  # qkv, o, gate_up, down; lm_head
     assert float_weight_elements(tiny_q8) == 0
-    assert tiny_q8.model.embed_tokens.quant is not None
-    assert tiny_q8.model.embed_tokens.quant.format == "q8_0"
+    embed = tiny_q8.model.embed_tokens
     kernel = load_cpu_qgemv() is not None
+    if kernel:  # the untied table is held as the kernel's tiles, a step's rows expanded in C
+        assert embed.quant is None and embed.rows_from is not None
+    else:
+        assert embed.quant is not None and embed.quant.format == "q8_0"
     for layer in layers:
         assert layer.weight_format == "q8_0"
         if kernel:  # the kernel's tiles hold the weight, nothing else does
@@ -254,6 +257,16 @@ def test_tiny_q8_0_holds_no_float32_weights(tiny_q8: LoadedModel) -> None:
             assert layer.quant is None
         else:  # the reference path: the canonical quantized weight, dequantized per call
             assert layer.quant is not None and layer.packed is None
+
+
+def test_untied_table_read_from_tiles_gives_the_table_rows(
+    tiny_q8: LoadedModel, tiny_llama_dir: Path
+) -> None:
+    """The lookup from the table's tiles is the quantized table's rows, bit for bit."""
+    table = load_model(str(tiny_llama_dir), "q8_0").model.embed_tokens  # not packed: its rows
+    assert table.quant is not None
+    ids = torch.tensor([[0, 7], [tiny_q8.config.vocab_size - 1, 7]])
+    assert torch.equal(tiny_q8.model.embed_tokens(ids), table(ids))
 
 
 def test_tiny_q8_0_logits(tiny_f32: LoadedModel, tiny_q8: LoadedModel, tiny_llama_dir: Path) -> None:

@@ -28,6 +28,7 @@ from services.engine.core.cuda_graphs import DecodeGraphs
 from services.engine.core.kernels.autotune import KernelRegimes, choose_regimes
 from services.engine.core.kernels.cpu_decode_layers import load_cpu_decode_layers
 from services.engine.core.kernels.cpu_fused import DECODE_LAYER_ROWS, load_cpu_fused
+from services.engine.core.kernels.cpu_qgemv import load_cpu_qgemv
 from services.engine.core.kernels.huge_pages import return_free_heap
 from services.engine.core.kv_cache import KVPool
 from services.engine.core.linear import pack_linears, pack_plan
@@ -79,7 +80,7 @@ class ModelRunner:
             self.model.use_fused(fused)
             if fused is not None:
                 sampler.use_argmax(fused.argmax)
-            _share_tied_table(self.model)
+            _embedding_from_tiles(self.model, sharded=loaded.sharding is not None)
             # the one-call layers cannot all-reduce between layers: per op at tensor-parallel
             rows = 0 if loaded.sharding else self.model.use_decode_layers(load_cpu_decode_layers())
             if rows and plan.autotune:
@@ -251,13 +252,20 @@ def _graph_safe(model: CausalLM) -> bool:
     return graph_safe is not None and graph_safe() and model.graph_safe()
 
 
-def _share_tied_table(model: CausalLM) -> None:
-    """A tied quantized table is held once: the embedding reads the head's kernel tiles."""
+def _embedding_from_tiles(model: CausalLM, sharded: bool) -> None:
+    """A quantized embedding table is looked up by the C kernel from tiles: a tied one reads the
+    head's (the table held once), an untied one its own, tiled here (not at tensor parallelism,
+    whose ranks split the vocabulary)."""
     embed, head = model.embed_tokens, model.lm_head
-    if not model.config.tie_word_embeddings or embed.quant is None:
+    if embed.quant is None:
         return
-    if head.has_quantized_tiles:
-        embed.read_from(head.gather_rows)
+    if model.config.tie_word_embeddings:
+        if head.has_quantized_tiles:
+            embed.read_from(head.gather_rows)
+        return
+    kernel = load_cpu_qgemv()
+    if kernel is not None and not sharded:
+        embed.read_tiles(kernel)
 
 
 def token_slice(seq: Sequence, start: int, end: int) -> list[int]:
