@@ -111,6 +111,30 @@ static inline int64_t seen_slots(int64_t pos, int64_t ks) {
  * misses in flight and the tile (64 slots: tens of KiB) is in L2 when the arithmetic starts.
  * Software prefetches of the next tile did not do this on an AVX2 Zen 3 (tried three times; see
  * docs/benchmarks.md). Reads only: no result changes. */
+static inline __attribute__((always_inline)) uint64_t touch_row(const char *row, int64_t bytes) {
+    uint64_t seen = 0, word;
+    /* each word inside the row: a q8_0 row's bytes need not be a multiple of 8 */
+    for (int64_t l = 0; l < bytes; l += 64)
+        memcpy(&word, row + (l + 8 <= bytes ? l : bytes - 8), 8), seen |= word;
+    return seen;
+}
+
+static inline __attribute__((always_inline)) void touch_rows(
+    const void *k, const int64_t *ki, int64_t k_bytes, const void *v, const int64_t *vi,
+    int64_t v_bytes, int64_t slots, const int kv) {
+    uint64_t seen = 0;
+    for (int64_t s = 0; s < slots; s++)
+        seen |= touch_row(kv_at((void *)k, ki[s], kv), k_bytes) |
+                touch_row(kv_at((void *)v, vi[s], kv), v_bytes);
+    __asm__ volatile("" : : "r"(seen));
+}
+
+/* Element index of position at's row (KV head offset head_offset) in a cache of block stride sb
+ * and slot stride ss: the one mapping a tile's touches and prefetches and its arithmetic read. */
+static inline int64_t slot_row(const int64_t *table, int64_t at, int64_t block_size, int64_t sb,
+                               int64_t ss, int64_t head_offset) {
+    return table[at / block_size] * sb + at % block_size * ss + head_offset;
+}
 
 /* Prefetch the next key tile's K and V lines into L2 (prefetcht1) while this tile's arithmetic
  * runs: the touches above wait for their tile before any of its arithmetic, so without this each
@@ -128,30 +152,14 @@ static inline __attribute__((always_inline)) void prefetch_tile(
     const void *k, int64_t k_sb, int64_t k_ss, int64_t k_bytes, const void *v, int64_t v_sb,
     int64_t v_ss, int64_t v_bytes, const int64_t *table, int64_t from, int64_t slots,
     int64_t block_size, int64_t head_offset_k, int64_t head_offset_v, const int kv) {
-    for (int64_t s = 0; s < slots; s++) {
-        const int64_t at = from + s, block = table[at / block_size], slot = at % block_size;
-        const char *kr = kv_at((void *)k, block * k_sb + slot * k_ss + head_offset_k, kv);
-        const char *vr = kv_at((void *)v, block * v_sb + slot * v_ss + head_offset_v, kv);
+    for (int64_t at = from; at < from + slots; at++) {
+        const char *kr =
+            kv_at((void *)k, slot_row(table, at, block_size, k_sb, k_ss, head_offset_k), kv);
+        const char *vr =
+            kv_at((void *)v, slot_row(table, at, block_size, v_sb, v_ss, head_offset_v), kv);
         for (int64_t l = 0; l < k_bytes; l += 64) __builtin_prefetch(kr + l, 0, 2);
         for (int64_t l = 0; l < v_bytes; l += 64) __builtin_prefetch(vr + l, 0, 2);
     }
-}
-static inline __attribute__((always_inline)) uint64_t touch_row(const char *row, int64_t bytes) {
-    uint64_t seen = 0, word;
-    /* each word inside the row: a q8_0 row's bytes need not be a multiple of 8 */
-    for (int64_t l = 0; l < bytes; l += 64)
-        memcpy(&word, row + (l + 8 <= bytes ? l : bytes - 8), 8), seen |= word;
-    return seen;
-}
-
-static inline __attribute__((always_inline)) void touch_rows(
-    const void *k, const int64_t *ki, int64_t k_bytes, const void *v, const int64_t *vi,
-    int64_t v_bytes, int64_t slots, const int kv) {
-    uint64_t seen = 0;
-    for (int64_t s = 0; s < slots; s++)
-        seen |= touch_row(kv_at((void *)k, ki[s], kv), k_bytes) |
-                touch_row(kv_at((void *)v, vi[s], kv), v_bytes);
-    __asm__ volatile("" : : "r"(seen));
 }
 
 /* The query heads of KV heads kh0 .. kh0 + nkh - 1 (query heads kh * group + g) of `rows`
@@ -202,9 +210,8 @@ static inline __attribute__((always_inline)) void rows_task(
         const int64_t top = pos0 + r_end - 1; /* the last key any of them reads */
         const int64_t slots = seen_slots(top, ks);
         for (int64_t s = 0; s < slots; s++) {
-            const int64_t at = ks + s, block = table[at / block_size], slot = at % block_size;
-            ki[s] = block * k_sb + slot * k_ss + kh0 * k_sh;
-            vi[s] = block * v_sb + slot * v_ss + kh0 * v_sh;
+            ki[s] = slot_row(table, ks + s, block_size, k_sb, k_ss, kh0 * k_sh);
+            vi[s] = slot_row(table, ks + s, block_size, v_sb, v_ss, kh0 * v_sh);
         }
         touch_rows(k, ki, nkh * k_sh * kv_bytes(kv), v, vi, nkh * v_sh * kv_bytes(kv), slots, kv);
         if (NEXT_TILE_PREFETCH && ks + KEY_TILE <= last) {
