@@ -33,8 +33,11 @@ engine's offline throughput on the same prompts.
 3. Stop them, then run the engine in this process (same weights, ``--dtype auto``) on the
    concurrency-16 level's prompts (the same texts, tokenized as the server tokenizes a text
    completion): every prompt queued at once with at most 16 running, output tokens/s over the
-   whole run; and one prompt of the concurrency-1 level alone for the batch-1 decode step time.
-   The served/offline ratios are printed under the table.
+   whole run; and one prompt of the concurrency-1 level alone for the batch-1 decode step time
+   (five runs after a warm-up, each printed, their median taken). The served/offline ratios are
+   printed under the table, and each concurrency-1 request's own ITL median per server: a shared
+   VM's memory can change speed for seconds at a time, so a request and an offline run each show
+   the step of one state.
 
     python bench/serve_compare.py [--concurrency 1 4 16 32] [--num-prompts 32]
         [--input-tokens 256] [--output-tokens 128] [--output-dir bench-serve]
@@ -49,10 +52,12 @@ Needs an idle machine: nothing else may run meanwhile.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -96,6 +101,7 @@ LLAMA_PORT = 8300
 LLAMA_SERVER_PORT = 8310
 VLLM_PORT = 8320
 ANCHORS = ("llama-server", "vllm", "llama-cpp-python")
+STEP_RUNS = 5  # timed batch-1 decode runs offline, after one that warms up
 
 
 @dataclass
@@ -316,14 +322,16 @@ def offline(args: argparse.Namespace) -> None:
         kv = args.kv_cache_dtype
         blocks = max(1024, 2 * (args.input_tokens + args.output_tokens) // 16)  # one sequence, twice
         one = LLMEngine(loaded, EngineConfig(max_num_seqs=1, num_blocks=blocks, kv_cache_dtype=kv))
-        for attempt in range(2):  # the first warms up
+        step_runs: list[float] = []  # ms; the first run warms up
+        for attempt in range(1 + STEP_RUNS):
             one.add_request(f"b1-{attempt}", encode(levels[min(levels)][0].prompt), params)
             one.step()  # prefill and the first token
             start, steps = time.perf_counter(), 0
             while one.has_unfinished():
                 one.step()
                 steps += 1
-        step_ms = 1000 * (time.perf_counter() - start) / steps
+            step_runs.append(1000 * (time.perf_counter() - start) / steps)
+        step_ms = statistics.median(step_runs[1:])
         seats = 16 if 16 in levels else max(levels)
         blocks = max(4096, seats * (args.input_tokens + args.output_tokens) // 16 + seats)
         engine = LLMEngine(loaded, EngineConfig(max_num_seqs=seats, num_blocks=blocks,
@@ -338,6 +346,24 @@ def offline(args: argparse.Namespace) -> None:
           f"batch-1 decode step {step_ms:.2f} ms; the concurrency-{seats} level's "
           f"{len(levels[seats])} prompts with {seats} seats: {rate:.1f} output tok/s "
           "(prefill included)", flush=True)  # fmt: skip
+    print("batch-1 decode step of each run, ms (a shared VM's memory changes speed between "
+          f"runs): {' '.join(f'{ms:.2f}' for ms in step_runs[1:])}", flush=True)
+
+
+def request_itl_medians(output_dir: Path) -> None:
+    """Each served request's own ITL median at concurrency 1, per server: on a VM whose memory
+    changes speed for seconds at a time, one request runs in one state, so these show both
+    states' served step next to the engine's offline runs (whose spread shows the same)."""
+    for results in sorted(output_dir.glob("*/results.json")):
+        document = json.loads(results.read_text())
+        for server in document["servers"]:
+            for level in server["levels"]:
+                if level["level"]["value"] != 1:
+                    continue
+                medians = sorted(1000 * statistics.median(r["itl_s"])
+                                 for r in level["records"] if r["ok"] and r["itl_s"])  # fmt: skip
+                print(f"{server['name']} at concurrency 1, each request's ITL median, ms: "
+                      f"{' '.join(f'{ms:.1f}' for ms in medians)}", flush=True)
 
 
 def main() -> int:
@@ -369,6 +395,7 @@ def main() -> int:
     gguf = Path(source.path)
     if not args.skip_serve:
         serve_and_sweep(args, gguf)
+        request_itl_medians(args.output_dir)
     offline(args)
     return 0
 
