@@ -358,7 +358,7 @@ def request_itl_medians(output_dir: Path) -> None:
         document = json.loads(results.read_text())
         for server in document["servers"]:
             for level in server["levels"]:
-                if level["level"]["value"] != 1:
+                if (level["level"]["kind"], level["level"]["value"]) != ("concurrency", 1):
                     continue
                 medians = sorted(1000 * statistics.median(r["itl_s"])
                                  for r in level["records"] if r["ok"] and r["itl_s"])  # fmt: skip
