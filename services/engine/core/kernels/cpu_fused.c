@@ -19,6 +19,21 @@
 
 #define PARALLEL_ROWS 64
 
+/* for (int64_t r = 0; r < rows; r++) BODY: on the OpenMP team when there are PARALLEL_ROWS rows
+ * or more, else a plain loop on this thread. An `if (rows >= PARALLEL_ROWS)` clause would keep
+ * a decode batch on one thread too, but libgomp still starts a team of one for the region
+ * (~0.3 us warm, more once a step's streamed weights have evicted its state), and a batch-1 step
+ * runs about a hundred of these loops. */
+#define FOR_ROWS(r, rows, ...)                                   \
+    do {                                                         \
+        if ((rows) >= PARALLEL_ROWS) {                           \
+            _Pragma("omp parallel for schedule(static)")         \
+            for (int64_t r = 0; r < (rows); r++) { __VA_ARGS__ } \
+        } else {                                                 \
+            for (int64_t r = 0; r < (rows); r++) { __VA_ARGS__ } \
+        }                                                        \
+    } while (0)
+
 /* One row of tandem_add_rmsnorm (below); y may be x when h is NULL (each y[i] is written after
  * the whole row is read). */
 static inline void rmsnorm_row(const float *xr, const float *hr, float *sr, const float *w,
@@ -53,17 +68,15 @@ static inline void rmsnorm_row(const float *xr, const float *hr, float *sr, cons
  * norms pass their 1 + w). Without h, y may be x (in place). */
 void tandem_add_rmsnorm(const float *x, const float *h, float *s, const float *w, float *y,
                         int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        rmsnorm_row(x + r * n, h ? h + r * n : NULL, h ? s + r * n : NULL, w, y + r * n, n, eps);
+    FOR_ROWS(r, rows, rmsnorm_row(x + r * n, h ? h + r * n : NULL, h ? s + r * n : NULL, w,
+                                  y + r * n, n, eps););
 }
 
 /* y[r, :] = silu(gu[r, :n]) * gu[r, n:2n]; gu [rows, 2n], y [rows, n], both contiguous.
  * silu(g) = g / (1 + exp(-g)) with the vector exp (exp(-g) clamped at exp(88): g / huge is the
  * same -0 that expf's inf gives). */
 void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
+    FOR_ROWS(r, rows, {
         const float *g = gu + r * 2 * n, *u = g + n;
         float *yr = y + r * n;
         int64_t i = 0;
@@ -73,7 +86,7 @@ void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
             store_vec(yr + i, gv / (splat(1.0f) + e) * load_vec(u + i));
         }
         for (; i < n; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    });
 }
 
 /* y[r, :] = gelu_tanh(gu[r, :n]) * gu[r, n:2n] (Gemma's GeGLU), shapes as tandem_silu_mul.
@@ -81,8 +94,7 @@ void tandem_silu_mul(const float *gu, float *y, int64_t rows, int64_t n) {
  * g / (1 + exp(-2u)) with silu's vector exp and clamp. */
 void tandem_gelu_tanh_mul(const float *gu, float *y, int64_t rows, int64_t n) {
     const float k2 = 2.0f * 0.7978845608028654f, c = 0.044715f;
-#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
+    FOR_ROWS(r, rows, {
         const float *g = gu + r * 2 * n, *u = g + n;
         float *yr = y + r * n;
         int64_t i = 0;
@@ -96,7 +108,7 @@ void tandem_gelu_tanh_mul(const float *gu, float *y, int64_t rows, int64_t n) {
             const float t = -k2 * (g[i] + c * g[i] * g[i] * g[i]);
             yr[i] = g[i] / (1.0f + expf(t < 88.0f ? t : 88.0f)) * u[i];
         }
-    }
+    });
 }
 
 /* One row of tandem_rope (below): heads [heads, d] contiguous, cos / sin [d]. */
@@ -116,8 +128,7 @@ static inline void rope_row(float *x, const float *c, const float *s, int64_t he
  * with cos/sin [rows, d] (sin holds rotate_half's sign, as rope.py stores it). */
 void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int64_t rows,
                  int64_t heads, int64_t d) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) rope_row(x + r * ldx, cos + r * d, sin + r * d, heads, d);
+    FOR_ROWS(r, rows, rope_row(x + r * ldx, cos + r * d, sin + r * d, heads, d););
 }
 
 /* Qwen3's and Gemma 3's attention input, in place on a fused projection's rows x [rows, ldx]
@@ -126,15 +137,14 @@ void tandem_rope(float *x, int64_t ldx, const float *cos, const float *sin, int6
 void tandem_qk_norm_rope(float *x, int64_t ldx, const float *qw, const float *kw,
                          const float *cos, const float *sin, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t d, float eps) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
+    FOR_ROWS(r, rows, {
         float *row = x + r * ldx;
         for (int64_t hd = 0; hd < heads + kv_heads; hd++) {
             float *v = row + hd * d;
             rmsnorm_row(v, NULL, NULL, hd < heads ? qw : kw, v, d, eps);
         }
         rope_row(row, cos + r * d, sin + r * d, heads + kv_heads, d);
-    }
+    });
 }
 
 /* out[r] = the index of the first largest value of row r (x[r * ldx + 0 .. n - 1]), or of the

@@ -221,45 +221,55 @@ static inline int32_t hsum_i(int_vec v) {
     return v[0];
 }
 
-/* Rows of x rounded to int8 per group of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), so
+/* Row r of x rounded to int8 per group of 32 (d = max|x| / 127, q = round(x * 127 / max|x|), so
  * |q| <= 127): q [rows, in], d and s = d * sum(q) [rows, in / 32]. Whole vectors throughout (the
  * lanes' max and sum as trees, LANES groups' divisions as one, the bytes narrowed and stored LANES
  * at a time): a decode step rounds every projection's input row, each a serial stretch while
  * memory idles. */
-static void quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t in, int8_t *q,
-                          float *d, float *s, int threads) {
+static inline void quantize_row(const float *x, int64_t ldx, int64_t r, int64_t in, int8_t *q,
+                                float *d, float *s) {
     const int64_t groups = in / GROUP;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t g0 = 0; g0 < groups; g0 += LANES) {
-            const int count = groups - g0 < LANES ? (int)(groups - g0) : LANES;
-            vec m = splat(0.0f);
-            for (int c = 0; c < count; c++) {
-                const float *xg = x + r * ldx + (g0 + c) * GROUP;
-                vec amax = splat(0.0f);
-                for (int j = 0; j < GROUP; j += LANES) {
-                    const vec v = (vec)((int_vec)load_vec(xg + j) & 0x7fffffff);
-                    amax = vselect(amax < v, v, amax);
-                }
-                m[c] = hmax(amax);
+    for (int64_t g0 = 0; g0 < groups; g0 += LANES) {
+        const int count = groups - g0 < LANES ? (int)(groups - g0) : LANES;
+        vec m = splat(0.0f);
+        for (int c = 0; c < count; c++) {
+            const float *xg = x + r * ldx + (g0 + c) * GROUP;
+            vec amax = splat(0.0f);
+            for (int j = 0; j < GROUP; j += LANES) {
+                const vec v = (vec)((int_vec)load_vec(xg + j) & 0x7fffffff);
+                amax = vselect(amax < v, v, amax);
             }
-            const vec scale = m / splat(127.0f);
-            const vec inverse = vselect(m > splat(0.0f), splat(127.0f) / m, splat(0.0f));
-            for (int c = 0; c < count; c++) {
-                const int64_t g = g0 + c;
-                const float *xg = x + r * ldx + g * GROUP;
-                int8_t *qg = q + r * in + g * GROUP;
-                int_vec total = {0};
-                for (int j = 0; j < GROUP; j += LANES) {
-                    const int_vec n = round_even(load_vec(xg + j) * splat(inverse[c]));
-                    total += n;
-                    *(sbytes_vec_u *)(qg + j) = __builtin_convertvector(n, sbytes_vec);
-                }
-                d[r * groups + g] = scale[c];
-                s[r * groups + g] = scale[c] * (float)hsum_i(total);
+            m[c] = hmax(amax);
+        }
+        const vec scale = m / splat(127.0f);
+        const vec inverse = vselect(m > splat(0.0f), splat(127.0f) / m, splat(0.0f));
+        for (int c = 0; c < count; c++) {
+            const int64_t g = g0 + c;
+            const float *xg = x + r * ldx + g * GROUP;
+            int8_t *qg = q + r * in + g * GROUP;
+            int_vec total = {0};
+            for (int j = 0; j < GROUP; j += LANES) {
+                const int_vec n = round_even(load_vec(xg + j) * splat(inverse[c]));
+                total += n;
+                *(sbytes_vec_u *)(qg + j) = __builtin_convertvector(n, sbytes_vec);
             }
+            d[r * groups + g] = scale[c];
+            s[r * groups + g] = scale[c] * (float)hsum_i(total);
         }
     }
+}
+
+/* quantize_row for each of x's rows, on `threads` threads; one thread runs them here, outside
+ * any OpenMP region (libgomp would still start a team of one for it: a decode row's call does
+ * this once per projection). */
+static void quantize_rows(const float *x, int64_t ldx, int64_t rows, int64_t in, int8_t *q,
+                          float *d, float *s, int threads) {
+    if (threads <= 1) {
+        for (int64_t r = 0; r < rows; r++) quantize_row(x, ldx, r, in, q, d, s);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) quantize_row(x, ldx, r, in, q, d, s);
 }
 
 /* Bytes of one tile: groups (tile, group) blocks, or groups / 8 super-blocks. */
