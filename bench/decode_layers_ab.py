@@ -49,7 +49,6 @@ from services.engine.core.kernels.native_build import (  # noqa: E402
 from services.engine.core.kernels.tile_formats import FORMAT_CODES  # noqa: E402
 from services.engine.core.loaders import load_model  # noqa: E402
 
-logger = logging.getLogger("decode_layers_ab")
 KERNELS = Path("services/engine/core/kernels")
 ENTRY = "cpu_decode_layers.c"
 
@@ -66,6 +65,8 @@ def build_variant(spec: str, index: int, into: Path) -> ctypes.CDLL:
     library = prefetch_tuning.apply(ctypes.CDLL(str(target), mode=ctypes.RTLD_LOCAL))
     for item in filter(None, distances.split(",")):
         name, _, value = item.partition("=")
+        if name not in FORMAT_CODES or not value.isdigit():
+            raise SystemExit(f"{spec}: {item!r} is not format=bytes (formats: {sorted(FORMAT_CODES)})")
         if library.tandem_set_prefetch_ahead(FORMAT_CODES[name], ctypes.c_int64(int(value))) != 0:
             raise SystemExit(f"{spec}: {name}={value} is not a prefetch distance this build takes")
     return library
